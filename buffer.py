@@ -1,0 +1,180 @@
+"""buffer.py — the bounded rollout queue and what crosses it.
+
+Role
+    The only path from the generator to the trainer. Owns the record that crosses the queue
+    (`RolloutGroup`: one prompt and its G completions, every token tagged with the model version that
+    sampled it), the rule that rejects stale samples (`--max-lag`), the accounting of staleness, and the
+    assembly of training batches (padded tensors aligned on next-token targets).
+
+Data contract
+    - The queue is a `multiprocessing` queue of bounded depth (`--queue-size` groups): a full queue blocks
+      the generator, which is the first staleness bound and caps memory.
+    - `RolloutGroup` holds plain Python lists (no shared tensors: the sender may exit before the receiver
+      unpickles). For completion j: `completion_ids[j]`, `behaviour_logprobs[j]` (what vLLM reported for
+      each sampled token: the behaviour policy), `token_versions[j]` (the version of the weights that
+      sampled each token), `rewards[j]` in [0, 1] or NaN when the reward failed.
+    - A sample's lag = trainer version - the version of its *oldest* token. A sample is trained on only if
+      lag <= max_lag; otherwise it is dropped and counted (`dropped_stale`), never silently.
+    - `Batch` tensors have shape (num_samples, seq_len - 1), aligned with targets `input_ids[:, 1:]`;
+      `mask` is True on completion tokens only.
+
+May touch: the queue it is handed. Reads nothing from the trainer's model or the engine.
+Data flows one way: rollout -> buffer -> train.
+"""
+from __future__ import annotations
+
+import math
+import queue as queue_lib
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class RolloutGroup:
+    group_id: int
+    prompt_ids: list[int]
+    completion_ids: list[list[int]]
+    behaviour_logprobs: list[list[float]]
+    token_versions: list[list[int]]
+    rewards: list[float]
+    answer: str = ""
+    gen_stats: dict = field(default_factory=dict)  # generator counters when this group was enqueued
+
+
+@dataclass
+class Sample:
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    behaviour_logprobs: list[float]
+    token_versions: list[int]
+    reward: float
+    advantage: float
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # (B, L) prompt + completion, right-padded
+    attention_mask: torch.Tensor  # (B, L)
+    targets: torch.Tensor  # (B, L-1) = input_ids[:, 1:]
+    mask: torch.Tensor  # (B, L-1) bool: target is a completion token
+    behaviour_logp: torch.Tensor  # (B, L-1) generator's sampling log-probs (0 off the mask)
+    token_versions: torch.Tensor  # (B, L-1) int64, -1 off the mask
+    advantages: torch.Tensor  # (B,)
+    rewards: torch.Tensor  # (B,)
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def select(self, rows) -> "Batch":
+        return Batch(*(t[rows] for t in (self.input_ids, self.attention_mask, self.targets, self.mask,
+                                         self.behaviour_logp, self.token_versions, self.advantages,
+                                         self.rewards)))
+
+
+def put_group(q, group: RolloutGroup, should_stop, timeout_s: float) -> float:
+    """Blocking put that honours a stop flag and a timeout; returns the seconds spent waiting for space."""
+    start = time.monotonic()
+    while True:
+        try:
+            q.put(group, timeout=0.1)
+            return time.monotonic() - start
+        except queue_lib.Full:
+            if should_stop():
+                return time.monotonic() - start
+            if time.monotonic() - start > timeout_s:
+                raise TimeoutError(f"rollout queue stayed full for {timeout_s:.0f} s: is the trainer alive?")
+
+
+def sample_lag(trainer_version: int, token_versions: list[int]) -> int:
+    """Versions between the trainer and the oldest token of a sample (0 for an empty completion)."""
+    return trainer_version - min(token_versions) if token_versions else 0
+
+
+@dataclass
+class TakeResult:
+    groups: list[RolloutGroup]
+    samples_kept: int
+    samples_dropped: int
+    groups_dropped: int  # groups whose every sample was stale
+    wait_s: float
+
+
+def take_groups(q, num_groups: int, trainer_version: int, max_lag: int, timeout_s: float,
+                is_alive=lambda: True) -> TakeResult:
+    """Take groups until `num_groups` of them have at least one fresh sample; stale samples are dropped.
+
+    Returns the groups with stale samples already removed. Raises TimeoutError if no group arrives for
+    `timeout_s` seconds, or RuntimeError if `is_alive()` turns False (the generator died) meanwhile.
+    """
+    kept_groups, kept, dropped, groups_dropped, wait = [], 0, 0, 0, 0.0
+    while len(kept_groups) < num_groups:
+        start = time.monotonic()
+        while True:
+            try:
+                group = q.get(timeout=0.2)
+                break
+            except queue_lib.Empty:
+                if not is_alive():
+                    raise RuntimeError("the generator stopped while the trainer was waiting for rollouts")
+                if time.monotonic() - start > timeout_s:
+                    raise TimeoutError(f"no rollout group arrived for {timeout_s:.0f} s: is the generator alive?")
+        wait += time.monotonic() - start
+        fresh = [j for j, v in enumerate(group.token_versions) if sample_lag(trainer_version, v) <= max_lag]
+        dropped += len(group.token_versions) - len(fresh)
+        if not fresh:
+            groups_dropped += 1
+            continue
+        kept_groups.append(group)
+        group._fresh = fresh  # indices of samples to train on; advantages still use the whole group
+        kept += len(fresh)
+    return TakeResult(kept_groups, kept, dropped, groups_dropped, wait)
+
+
+def to_samples(groups: list[RolloutGroup], advantages: torch.Tensor) -> list[Sample]:
+    """Flatten groups into fresh samples; `advantages[g, j]` was computed over each whole group."""
+    samples = []
+    for g, group in enumerate(groups):
+        for j in getattr(group, "_fresh", range(len(group.completion_ids))):
+            samples.append(Sample(group.prompt_ids, group.completion_ids[j], group.behaviour_logprobs[j],
+                                  group.token_versions[j], group.rewards[j], float(advantages[g, j])))
+    return samples
+
+
+def collate(samples: list[Sample], pad_id: int) -> Batch:
+    """Right-pad prompt + completion; the mask marks completion targets."""
+    length = max(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
+    n = len(samples)
+    input_ids = torch.full((n, length), pad_id, dtype=torch.long)
+    attention = torch.zeros((n, length), dtype=torch.long)
+    mask = torch.zeros((n, length - 1), dtype=torch.bool)
+    behaviour = torch.zeros((n, length - 1), dtype=torch.float32)
+    versions = torch.full((n, length - 1), -1, dtype=torch.long)
+    for i, s in enumerate(samples):
+        p, c = len(s.prompt_ids), len(s.completion_ids)
+        input_ids[i, : p + c] = torch.tensor(s.prompt_ids + s.completion_ids, dtype=torch.long)
+        attention[i, : p + c] = 1
+        # the completion token at position p + t is predicted at position p + t - 1
+        mask[i, p - 1 : p - 1 + c] = True
+        if c:
+            behaviour[i, p - 1 : p - 1 + c] = torch.tensor(s.behaviour_logprobs, dtype=torch.float32)
+            versions[i, p - 1 : p - 1 + c] = torch.tensor(s.token_versions, dtype=torch.long)
+    advantages = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+    return Batch(input_ids, attention, input_ids[:, 1:].clone(), mask, behaviour, versions, advantages, rewards)
+
+
+def staleness_stats(batch: Batch, trainer_version: int) -> dict:
+    """Per-token lag of the tokens trained on (trainer version - token version)."""
+    lags = (trainer_version - batch.token_versions[batch.mask]).float()
+    if lags.numel() == 0:
+        return {"lag_mean": 0.0, "lag_max": 0, "fresh_token_frac": 1.0}
+    return {"lag_mean": float(lags.mean()), "lag_max": int(lags.max()),
+            "fresh_token_frac": float((lags == 0).float().mean())}
+
+
+def rows_for_rank(num_rows: int, rank: int, world_size: int) -> slice:
+    """Contiguous share of a batch's rows for one data-parallel rank."""
+    per = math.ceil(num_rows / world_size)
+    return slice(min(rank * per, num_rows), min((rank + 1) * per, num_rows))

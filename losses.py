@@ -1,0 +1,398 @@
+"""The GRPO loss family used by train.py.
+
+Role: pure functions on tensors. This file touches nothing else: no model, no
+optimizer, no process, no I/O, no global state. train.py computes log-probs
+with `token_logprobs`, advantages with `group_advantages`, optional
+off-policy corrections with `behaviour_weights` and calls `policy_loss`
+(plus `kl_penalty` when --kl-coef > 0).
+
+Data contract (B = sequences in the micro-batch, T = padded completion
+length, V = vocabulary):
+    rewards          (num_groups, group_size) float   one scalar per completion
+    logp             (B, T) float   log pi_theta(y_t), carries the gradient
+    old_logp         (B, T) float   log pi_old(y_t), the policy the ratio is taken
+                                    against (detached)
+    behaviour_logp   (B, T) float   log-probs recorded by the generator (vLLM)
+    ref_logp         (B, T) float   frozen reference model (KL penalty only)
+    advantages       (B,) per sequence, or (B, T) per token
+    mask             (B, T) bool or 0/1 float, True on completion tokens
+    weights          (B, T) float   per-token importance weights (detached)
+    logits           (..., V) float, tokens (...) long
+Values at unmasked positions are never read into a result (they may be
+padding garbage); results at unmasked positions are 0. Every loss is
+returned as a scalar with its autograd graph attached, plus a dict of python
+floats for logging.
+
+Variants of `policy_loss` (all minimise; A is the advantage, r the ratio):
+    grpo     PPO clipped surrogate per token (+ optional dual clip)
+    dapo     grpo with clip-higher (eps_high defaults to 0.28)
+    dr_grpo  grpo, meant with scale="none" and agg="seq-mean-token-sum-norm"
+    gspo     sequence-level ratio, clipped per sequence
+    cispo    clipped, detached IS weight times REINFORCE
+"""
+
+import torch
+
+VARIANTS = ("grpo", "dapo", "dr_grpo", "gspo", "cispo")
+AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+SCALES = ("group", "batch", "none")
+KL_KINDS = ("k1", "k2", "k3")
+
+
+# ---------------------------------------------------------------------------
+# Advantages
+# ---------------------------------------------------------------------------
+
+
+def group_advantages(rewards, scale="group", eps=1e-6):
+    """Group-relative advantages (GRPO, Shao et al. 2024, DeepSeekMath).
+
+    A_ij = (R_ij - mean_j R_ij) / (std + eps)
+        scale="group": std = unbiased std of the group (torch.std), per group
+        scale="batch": std = unbiased std of all rewards in the batch
+        scale="none" : no division, A_ij = R_ij - mean_j R_ij (Dr. GRPO,
+                       Liu et al. 2025: the std division biases towards
+                       too-easy / too-hard questions)
+    rewards: (num_groups, group_size). Returns the same shape. A group of size
+    1 has advantage 0 (its std is undefined; we use 0, never NaN).
+    """
+    if scale not in SCALES:
+        raise ValueError(f"unknown advantage scale {scale!r}; expected one of {SCALES}")
+    if rewards.dim() != 2:
+        raise ValueError(f"rewards must be (num_groups, group_size), got shape {tuple(rewards.shape)}")
+    rewards = rewards.float()
+    centered = rewards - rewards.mean(dim=-1, keepdim=True)
+    if scale == "none":
+        return centered
+    if scale == "group":
+        if rewards.shape[-1] < 2:
+            std = torch.zeros_like(rewards[:, :1])
+        else:
+            std = rewards.std(dim=-1, keepdim=True)
+    else:  # batch
+        std = rewards.std() if rewards.numel() > 1 else rewards.new_zeros(())
+    return centered / (std + eps)
+
+
+# ---------------------------------------------------------------------------
+# Policy losses
+# ---------------------------------------------------------------------------
+
+
+def _masked_mean(x, m_bool):
+    """Mean of x over True positions of m_bool, as a python float (0 if none)."""
+    n = int(m_bool.sum())
+    return float(x[m_bool].sum() / n) if n > 0 else 0.0
+
+
+def aggregate(loss_tok, mask, agg="token-mean", max_len=None):
+    """Reduce a per-token loss (B, T) to a scalar.
+
+    token-mean              sum over all masked tokens / number of masked tokens
+                            (DAPO's token-level loss)
+    seq-mean-token-mean     mean over sequences of each sequence's token mean
+                            (original GRPO)
+    seq-mean-token-sum      mean over sequences of each sequence's token sum
+    seq-mean-token-sum-norm seq-mean-token-sum / max_len, max_len defaulting to
+                            T = mask.shape[-1] (Dr. GRPO: a constant normaliser
+                            instead of the length |y_i|)
+    Fully masked sequences are left out of sequence means. An all-masked batch
+    gives 0 with the graph attached (no NaN).
+    """
+    if agg not in AGGS:
+        raise ValueError(f"unknown agg {agg!r}; expected one of {AGGS}")
+    m_bool = mask.bool()
+    loss_tok = torch.where(m_bool, loss_tok, torch.zeros_like(loss_tok))
+    if agg == "token-mean":
+        return loss_tok.sum() / m_bool.sum().clamp(min=1)
+    seq_len = m_bool.sum(dim=-1)
+    valid = seq_len > 0
+    seq_sum = loss_tok.sum(dim=-1)
+    if agg == "seq-mean-token-mean":
+        per_seq = seq_sum / seq_len.clamp(min=1)
+    else:
+        per_seq = seq_sum
+    loss = (per_seq * valid).sum() / valid.sum().clamp(min=1)
+    if agg == "seq-mean-token-sum-norm":
+        loss = loss / (mask.shape[-1] if max_len is None else max_len)
+    return loss
+
+
+def policy_loss(
+    logp,
+    old_logp,
+    advantages,
+    mask,
+    variant="grpo",
+    eps_low=0.2,
+    eps_high=None,
+    dual_clip=None,
+    agg="token-mean",
+    max_len=None,
+    weights=None,
+):
+    """Policy-gradient loss of the GRPO family. Returns (loss, metrics).
+
+    r_t = exp(logp_t - old_logp_t). Per-token losses (to minimise):
+
+    grpo (Shao et al. 2024; PPO's clipped surrogate, Schulman et al. 2017):
+        l_t = -min(r_t A, clip(r_t, 1 - eps_low, 1 + eps_high) A)
+      dual_clip=c > 1 (Ye et al. 2020, "Mastering Complex Control in MOBA
+      Games with Deep RL", dual-clip PPO): for A < 0, l_t = min(l_t, -c A),
+      i.e. the loss of a negative-advantage token is bounded by c|A| however
+      large r_t grows (its gradient is then 0).
+    dapo (Yu et al. 2025, DAPO): grpo with clip-higher, eps_high defaults to
+      0.28 (eps_low stays 0.2); meant with agg="token-mean".
+    dr_grpo (Liu et al. 2025, "Understanding R1-Zero-Like Training"): the
+      grpo surrogate; meant with group_advantages(scale="none") and
+      agg="seq-mean-token-sum-norm".
+    gspo (Zheng et al. 2025, Group Sequence Policy Optimization):
+        s_i = exp( (1/|y_i|) sum_t (logp_t - old_logp_t) )
+        l_i = -min(s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i)
+      implemented in the paper's token form
+        s_it = sg[s_i] * exp(logp_t - sg[logp_t])
+      so each token's loss value equals its sequence's and
+        d l_it / d logp_t = -s_i A_i   (unclipped sequences, 0 if clipped);
+      with agg="seq-mean-token-mean" this is the paper's gradient
+      -s_i A_i / |y_i| per token (times 1/num_sequences). Advantages are per
+      sequence; per-token advantages are reduced by their masked mean. The
+      paper uses far smaller clip ranges (e.g. 3e-4 / 4e-4): pass them.
+    cispo (MiniMax-M1, MiniMax 2025):
+        l_t = -sg[min(r_t, 1 + eps_high)] A_t logp_t
+      the IS weight is clipped and detached, so every token keeps its
+      gradient -min(r_t, 1 + eps_high) A_t (no token is dropped as in PPO
+      clipping). eps_low is not used by the loss (the paper sets no lower
+      bound).
+
+    advantages: (B,) per sequence or (B, T) per token. weights: optional
+    (B, T) detached per-token weights (e.g. behaviour_weights) multiplied
+    into l_t. agg/max_len: see `aggregate`.
+
+    metrics (python floats, over masked tokens):
+      clip_frac_high  share of tokens where the upper clip is active:
+                      r > 1 + eps_high and A > 0 (cispo: r > 1 + eps_high for
+                      any A, since its weight cap acts on both signs)
+      clip_frac_low   r < 1 - eps_low and A < 0 (cispo: 0, it has no lower clip)
+      ratio_mean, ratio_max   of the ratio the variant clips (gspo: s_i,
+                      counted once per token of its sequence)
+      approx_kl       k3 estimate of KL(pi_old || pi_theta) from tokens sampled
+                      under pi_old: exp(d) - 1 - d with d = logp - old_logp
+      dual_clip_frac  (only if dual_clip) A < 0 and r > c
+    """
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown policy-loss variant {variant!r}; expected one of {VARIANTS}")
+    if agg not in AGGS:
+        raise ValueError(f"unknown agg {agg!r}; expected one of {AGGS}")
+    if dual_clip is not None and not dual_clip > 1.0:
+        raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+    if eps_high is None:
+        eps_high = 0.28 if variant == "dapo" else eps_low
+
+    m_bool = mask.bool()
+    zeros = torch.zeros_like(logp)
+    old_logp = old_logp.detach()
+    # log-ratio, zeroed off the mask so padding garbage can never overflow exp
+    log_ratio = torch.where(m_bool, logp - old_logp, zeros)
+    advantages = advantages.detach().to(logp.dtype)
+
+    if variant == "gspo":
+        seq_len = m_bool.sum(dim=-1).clamp(min=1)
+        if advantages.dim() == 2:
+            advantages = torch.where(m_bool, advantages, zeros).sum(dim=-1) / seq_len
+        adv = advantages[:, None].expand_as(logp)
+        seq_log_ratio = log_ratio.detach().sum(dim=-1) / seq_len  # sg[log s_i]
+        # s_it = sg[s_i] * pi(y_t) / sg[pi(y_t)]: value s_i, gradient s_i per token
+        logp_minus_sg = torch.where(m_bool, logp - logp.detach(), zeros)
+        ratio = torch.exp(seq_log_ratio[:, None] + logp_minus_sg)
+    else:
+        adv = advantages[:, None].expand_as(logp) if advantages.dim() == 1 else advantages
+        ratio = torch.exp(log_ratio)
+
+    if variant == "cispo":
+        is_weight = torch.clamp(ratio, max=1.0 + eps_high).detach()
+        loss_tok = -is_weight * adv * torch.where(m_bool, logp, zeros)
+    else:
+        surr1 = ratio * adv
+        surr2 = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv
+        loss_tok = -torch.min(surr1, surr2)
+        if dual_clip is not None:
+            loss_tok = torch.where(adv < 0, torch.min(loss_tok, -dual_clip * adv), loss_tok)
+
+    if weights is not None:
+        loss_tok = loss_tok * weights.detach()
+    loss = aggregate(loss_tok, m_bool, agg=agg, max_len=max_len)
+
+    with torch.no_grad():
+        r = ratio.detach()
+        if variant == "cispo":
+            high = r > 1.0 + eps_high
+            low = torch.zeros_like(m_bool)
+        else:
+            high = (r > 1.0 + eps_high) & (adv > 0)
+            low = (r < 1.0 - eps_low) & (adv < 0)
+        d = log_ratio.detach()
+        k3 = torch.expm1(d) - d
+        n = int(m_bool.sum())
+        metrics = {
+            "clip_frac_high": _masked_mean(high.float(), m_bool),
+            "clip_frac_low": _masked_mean(low.float(), m_bool),
+            "ratio_mean": _masked_mean(r, m_bool),
+            "ratio_max": float(r[m_bool].max()) if n > 0 else 0.0,
+            "approx_kl": _masked_mean(k3, m_bool),
+        }
+        if dual_clip is not None:
+            metrics["dual_clip_frac"] = _masked_mean(((adv < 0) & (r > dual_clip)).float(), m_bool)
+    return loss, metrics
+
+
+def kl_penalty(logp, ref_logp, kind="k3"):
+    """Per-token KL(pi_theta || pi_ref) estimators (Schulman 2020, "Approximating
+    KL Divergence"), for tokens sampled from pi_theta. d = ref_logp - logp:
+        k1 = logp - ref_logp          (unbiased, high variance, can be < 0)
+        k2 = 0.5 * (logp - ref_logp)^2
+        k3 = exp(d) - d - 1           (unbiased, >= 0; GRPO's KL term)
+    Same shape as the inputs; the gradient flows through logp only.
+    """
+    if kind not in KL_KINDS:
+        raise ValueError(f"unknown KL estimator {kind!r}; expected one of {KL_KINDS}")
+    ref_logp = ref_logp.detach()
+    if kind == "k1":
+        return logp - ref_logp
+    if kind == "k2":
+        return 0.5 * (logp - ref_logp) ** 2
+    d = ref_logp - logp
+    return torch.exp(d) - d - 1.0
+
+
+# ---------------------------------------------------------------------------
+# Off-policy correction
+# ---------------------------------------------------------------------------
+
+
+def behaviour_weights(old_logp, behaviour_logp, mask, level="token", mode="truncate", low=None, high=2.0):
+    """Importance weights correcting for the generator's sampling policy.
+
+    The tokens were sampled by the behaviour policy mu (the generator's
+    recorded log-probs: stale weights and/or a different numerical engine);
+    the loss is built around pi_old. Per token rho_t = exp(old_logp -
+    behaviour_logp).
+      level="token":    rho = rho_t
+      level="sequence": rho = prod over the sequence's masked tokens of rho_t
+                        (exp of the masked sum of log-ratios), used for all
+                        of its tokens
+      mode="truncate":  w = min(rho, high)   (truncated IS, TIS; Yao et al.
+                        2025, "Your efficient RL framework secretly brings
+                        you off-policy RL training")
+      mode="mask":      w = 1 if low <= rho <= high else 0 (masked IS, MIS;
+                        low=None means 1/high); at sequence level it drops
+                        whole sequences
+      mode="off":       w = 1 everywhere (mask-shaped ones)
+    Returns detached weights (B, T), zero on unmasked positions (except "off").
+    """
+    if mode not in ("truncate", "mask", "off"):
+        raise ValueError(f"unknown behaviour-weight mode {mode!r}; expected 'truncate', 'mask' or 'off'")
+    if level not in ("token", "sequence"):
+        raise ValueError(f"unknown behaviour-weight level {level!r}; expected 'token' or 'sequence'")
+    if mode == "off":
+        return torch.ones(mask.shape, dtype=old_logp.dtype, device=old_logp.device)
+    if high is None or not high > 0:
+        raise ValueError(f"high must be > 0, got {high}")
+    low = 1.0 / high if low is None else low
+    with torch.no_grad():
+        m_bool = mask.bool()
+        zeros = torch.zeros_like(old_logp)
+        log_rho = torch.where(m_bool, old_logp - behaviour_logp, zeros)
+        if level == "sequence":
+            log_rho = log_rho.sum(dim=-1, keepdim=True).expand_as(old_logp)
+        rho = torch.exp(log_rho)
+        if mode == "truncate":
+            w = torch.clamp(rho, max=high)
+        else:
+            w = ((rho >= low) & (rho <= high)).to(old_logp.dtype)
+        return torch.where(m_bool, w, zeros)
+
+
+# ---------------------------------------------------------------------------
+# Log-probs consistent with the generator's sampler
+# ---------------------------------------------------------------------------
+
+
+def token_logprobs(logits, tokens, temperature=1.0, top_k=-1, top_p=1.0):
+    """log p(tokens) under the distribution vLLM samples from.
+
+    logits (..., V), tokens (...) long -> (...) float32 log-probs.
+
+    Mirrors vLLM 0.32's sampler (vllm/v1/sample/sampler.py: logits to float32,
+    divided by the temperature, then vllm/v1/sample/ops/topk_topp_sampler.py
+    apply_top_k_top_p_pytorch, the path used on CPU and whenever triton is
+    absent):
+      * top_k is on iff 0 < top_k < V (0 and -1 mean off; vLLM's input batch
+        treats top_k >= V as off too). Kept: every logit >= the k-th largest
+        logit, so ties at the k-th value are all kept (`logits_sort <
+        kth_value` is masked), possibly more than k tokens.
+      * top_p is on iff top_p < 1. On the top-k-filtered logits: sort
+        ascending, softmax, cumulative sum; a token is removed iff its
+        cumulative sum (its own mass plus all smaller ones) <= 1 - top_p,
+        computed in float32 exactly as vLLM does; the largest token is always
+        kept. So the kept set is the smallest top set whose mass reaches
+        top_p, including the token that crosses the threshold; if the mass
+        reaches top_p exactly, the next token is dropped. Among tokens tied
+        at the boundary, which survive follows the sort order (we issue the
+        same `sort(descending=False)` call; in practice ties are ordered by
+        vocabulary index, so lower indices are dropped first).
+      * log_softmax over the kept set (vLLM's "processed_logprobs").
+    Numerically the trainer's logits are not bit-identical to the
+    generator's, so a sampled token near a boundary can fall outside the
+    kept set here: it then gets -inf (no crash); callers should mask or
+    weight such tokens. vLLM's default logprobs_mode is "raw_logprobs"
+    (log_softmax of the unscaled, unfiltered logits): recorded behaviour
+    log-probs only match this function with logprobs_mode="processed_logprobs".
+    With triton on GPU vLLM uses a pivot-search kernel (topk_topp_triton.py)
+    which keeps exactly k tokens among top-k ties; the value semantics are
+    otherwise the same.
+
+    Fast path (no top_k, no top_p): log_softmax(logits / T).gather(tokens).
+    """
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0 (greedy decoding has no log-probs to train on), got {temperature}")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    vocab = logits.shape[-1]
+    use_top_k = 0 < top_k < vocab
+    use_top_p = top_p < 1.0
+    if temperature == 1.0:
+        x = logits
+    else:  # like vLLM: float32, true division by a (non-scalar) temperature tensor
+        x = logits.float() / torch.tensor([temperature], dtype=torch.float32, device=logits.device)
+    tokens = tokens.long().unsqueeze(-1)
+    if not (use_top_k or use_top_p):
+        return torch.log_softmax(x, dim=-1, dtype=torch.float32).gather(-1, tokens).squeeze(-1)
+
+    x = x.float()
+    with torch.no_grad():
+        flat = x.detach().reshape(-1, vocab)
+        if not use_top_p:  # vLLM apply_top_k_only: no full sort
+            kth = flat.topk(top_k, dim=-1).values[:, -1:]
+            keep = flat >= kth
+        else:
+            logits_sort, logits_idx = flat.sort(dim=-1, descending=False)
+            if use_top_k:
+                kth = logits_sort[:, vocab - top_k].unsqueeze(-1)
+                logits_sort.masked_fill_(logits_sort < kth, -float("inf"))
+            probs_sum = logits_sort.softmax(dim=-1).cumsum(dim=-1)
+            p = torch.tensor(top_p, dtype=torch.float32, device=flat.device)
+            removed_sorted = probs_sum <= 1 - p
+            removed_sorted[:, -1] = False  # at least one token
+            keep = torch.ones_like(removed_sorted).scatter_(-1, logits_idx, ~removed_sorted)
+        keep = keep.reshape(x.shape)
+    x = x.masked_fill(~keep, -float("inf"))
+    return torch.log_softmax(x, dim=-1).gather(-1, tokens).squeeze(-1)
+
+
+def entropy_from_logits(logits, temperature=1.0):
+    """Per-position entropy H = -sum_v p_v log p_v of softmax(logits / T),
+    float32, shape logits.shape[:-1]; -inf logits contribute 0 (for logging)."""
+    x = logits.float() / temperature
+    logp = torch.log_softmax(x, dim=-1)
+    p = logp.exp()
+    return -(p * torch.where(p > 0, logp, torch.zeros_like(logp))).sum(dim=-1)

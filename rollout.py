@@ -1,0 +1,282 @@
+"""rollout.py — the generator process: real vLLM (`AsyncLLM`), rewards, per-token versions; the built-in task.
+
+Role
+    Runs in its own process (and process group). Streams prompts into a vLLM `AsyncLLM` engine with
+    continuous batching, G completions per prompt; each finished group is scored and put on the rollout
+    queue at once. Loads new weights from the packed shared buffer (sync.py) between engine steps while
+    requests stay in flight ("inflight", the default: pause with requests kept, load, reset the prefix
+    cache, resume) or after running requests finish ("drain").
+
+Data contract
+    - Reads: the shared weight buffer (version in its header), the trainer's counters in `Control`.
+    - Writes: `buffer.RolloutGroup`s to the rollout queue. Every token carries the version of the weights
+      that sampled it: vLLM tags each engine step's output with the engine's weight version, and we set
+      that version while generation is paused for the swap, so the tag is exact per token.
+    - Staleness gate: a new group is started only if the weights loaded now are at most `max_lag` versions
+      behind the trainer step that will consume the group, so `--max-lag 0` is strictly on-policy.
+    - Log-probs are vLLM's *processed* log-probs (after temperature, top-k, top-p): the behaviour policy.
+
+The built-in task ("copy"): the prompt is `<bos>` + 3 letters from a..j + `=`, the answer is the same
+letters then `<eos>`. Reward = matching positions / max(len(prediction), len(answer)) in [0, 1], the
+prediction being the tokens before the first `<eos>` (partial credit; never stopping does not pay).
+`build_tiny_model` makes the default model for it: a 0.4M-parameter Qwen2 with random weights and a
+26-symbol character tokenizer, built locally (no download).
+
+May touch: its engine, the queue, the shared buffer (read only), `Control`. Nothing of the trainer.
+Data flows one way: rollout -> buffer -> train (losses) -> sync -> rollout.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass
+
+from buffer import RolloutGroup, put_group
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# ----------------------------------------------------------------------------------------------------
+# The built-in task and its tiny model
+# ----------------------------------------------------------------------------------------------------
+SPECIALS = ["<pad>", "<bos>", "<eos>"]
+SYMBOLS = list("0123456789abcdefghij+=_")
+LETTERS = "abcdefghij"
+COPY_LENGTH = 3
+
+
+def build_tiny_model(path: str, seed: int = 0, hidden: int = 128, layers: int = 2, heads: int = 4) -> str:
+    """Write a random-init Qwen2 model and its character tokenizer to `path` (Hugging Face format)."""
+    import torch
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + SYMBOLS)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("<[a-z]+>|."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>",
+                                        pad_token="<pad>")
+    config = Qwen2Config(vocab_size=len(vocab), hidden_size=hidden, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=heads, intermediate_size=4 * hidden,
+                         max_position_embeddings=64, tie_word_embeddings=True, bos_token_id=1,
+                         eos_token_id=2, pad_token_id=0, dtype="float32")
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config)
+    tmp = path + ".tmp"
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    os.replace(tmp, path) if not os.path.exists(path) else None
+    return path
+
+
+@dataclass
+class Prompt:
+    prompt_ids: list[int]
+    answer: str
+
+
+class CopyTask:
+    """Copy 3 letters: `<bos>abc=` -> `abc<eos>`."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.eos_id = tokenizer.eos_token_id
+        self.id_to_token = {i: t for t, i in tokenizer.get_vocab().items()}
+
+    def sample(self, rng: random.Random) -> Prompt:
+        letters = "".join(rng.choice(LETTERS) for _ in range(COPY_LENGTH))
+        ids = self.tokenizer(f"<bos>{letters}=", add_special_tokens=False)["input_ids"]
+        return Prompt(ids, letters)
+
+    def reward(self, completion_ids: list[int], answer: str) -> float:
+        prediction = []
+        for token_id in completion_ids:
+            if token_id == self.eos_id:
+                break
+            prediction.append(self.id_to_token.get(token_id, "?"))
+        matches = sum(p == a for p, a in zip(prediction, answer))
+        return matches / max(len(prediction), len(answer), 1)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The generator process
+# ----------------------------------------------------------------------------------------------------
+@dataclass
+class GeneratorSettings:
+    """What the generator needs from the run's config (a plain copy, so this file stands alone)."""
+    model: str
+    seed: int
+    group_size: int
+    prompts_per_step: int
+    max_new_tokens: int
+    max_lag: int
+    update_mode: str  # "inflight" or "drain"
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    max_inflight_groups: int = 0  # 0: one step's worth
+    kv_cache_mb: int = 256
+    threads: int = 1
+    queue_timeout_s: float = 600.0
+
+
+def tag_versions(weight_versions, num_tokens: int) -> list[int]:
+    """Per-token versions from vLLM's spans ([start, end) per version label)."""
+    if num_tokens == 0:
+        return []
+    if not weight_versions:
+        raise RuntimeError("vLLM returned no weight-version spans: cannot tag tokens by version")
+    tags = [-1] * num_tokens
+    for span in weight_versions:
+        for i in range(span.start, min(span.end, num_tokens)):
+            tags[i] = int(span.version)
+    if -1 in tags:
+        raise RuntimeError(f"tokens without a version tag: {tags}")
+    return tags
+
+
+class Generator:
+    """The asyncio side of the generator process: one engine, many concurrent groups."""
+
+    def __init__(self, settings: GeneratorSettings, shared, rollout_queue, control):
+        self.s, self.shared, self.queue, self.control = settings, shared, rollout_queue, control
+        self.loaded_version = 0
+        self.issued = 0
+        self.running: set[asyncio.Task] = set()
+        self.stats = {"tokens": 0, "groups": 0, "idle_s": 0.0, "queue_wait_s": 0.0, "elapsed_s": 0.0,
+                      "loads": 0}
+        self.sync_ms: list[float] = []  # publish -> serving, per load, not yet handed to the trainer
+        self.sync_parts: list[dict] = []
+        self.error: BaseException | None = None
+
+    def build_engine(self):
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(self.s.model)
+        args = AsyncEngineArgs(
+            model=self.s.model, tokenizer=self.s.model, dtype="float32", seed=self.s.seed,
+            enforce_eager=True, logprobs_mode="processed_logprobs",
+            worker_extension_cls="sync.WeightSyncWorker", kv_cache_memory_bytes=self.s.kv_cache_mb * 2**20,
+            enable_prefix_caching=True, disable_log_stats=True,
+        )
+        self.engine = AsyncLLM.from_engine_args(args)
+        return self.engine
+
+    def sampling_params(self, group_id: int):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return SamplingParams(n=self.s.group_size, max_tokens=self.s.max_new_tokens,
+                              temperature=self.s.temperature, top_k=self.s.top_k, top_p=self.s.top_p,
+                              logprobs=0, seed=self.s.seed * 1_000_003 + group_id,
+                              output_kind=RequestOutputKind.FINAL_ONLY)
+
+    async def run_group(self, group_id: int, prompt: Prompt):
+        final = None
+        async for out in self.engine.generate({"prompt_token_ids": prompt.prompt_ids},
+                                              self.sampling_params(group_id), request_id=f"group-{group_id}"):
+            final = out
+        completions, logprobs, versions, rewards = [], [], [], []
+        for c in sorted(final.outputs, key=lambda c: c.index):
+            ids = list(c.token_ids)
+            completions.append(ids)
+            logprobs.append([c.logprobs[i][t].logprob for i, t in enumerate(ids)])
+            versions.append(tag_versions(c.weight_versions, len(ids)))
+            rewards.append(self.task.reward(ids, prompt.answer))
+            self.stats["tokens"] += len(ids)
+        self.stats["groups"] += 1
+        group = RolloutGroup(group_id, prompt.prompt_ids, completions, logprobs, versions, rewards, prompt.answer)
+        group.gen_stats = dict(self.stats, sync_ms=self.sync_ms, sync_parts=self.sync_parts,
+                               loaded_version=self.loaded_version)
+        self.sync_ms, self.sync_parts = [], []
+        waited = await asyncio.to_thread(put_group, self.queue, group, self.control.stop.is_set,
+                                         self.s.queue_timeout_s)
+        self.stats["queue_wait_s"] += waited
+
+    async def swap_weights(self, version: int):
+        """Load the newest published weights between engine steps; tag later tokens with `version`."""
+        t0 = time.perf_counter()
+        mode = "keep" if self.s.update_mode == "inflight" else "wait"
+        await self.engine.pause_generation(mode=mode, clear_cache=False)
+        t1 = time.perf_counter()
+        loaded = await self.engine.collective_rpc("load_shared_weights", args=(version,))
+        version = min(loaded)  # the buffer may already hold a newer version than we were told
+        t2 = time.perf_counter()
+        # Cached blocks hold keys/values of the old weights; in-flight requests are re-prefilled.
+        if not await self.engine.reset_prefix_cache(reset_running_requests=True):
+            raise RuntimeError("reset_prefix_cache failed after a weight update: stale KV cache would be reused")
+        await self.engine.update_weight_version(str(version))
+        t3 = time.perf_counter()
+        await self.engine.resume_generation()
+        self.loaded_version = version
+        self.control.loaded_version.value = version
+        self.stats["loads"] += 1
+        self.sync_ms.append((time.time_ns() - self.shared.publish_time_ns()) / 1e6)
+        self.sync_parts.append({"pause_ms": (t1 - t0) * 1e3, "load_ms": (t2 - t1) * 1e3,
+                                "reset_ms": (t3 - t2) * 1e3, "resume_ms": (time.perf_counter() - t3) * 1e3})
+
+    def may_start_group(self) -> bool:
+        max_running = self.s.max_inflight_groups or self.s.prompts_per_step
+        if len(self.running) >= max_running:
+            return False
+        landing_step = (self.issued - self.control.groups_dropped.value) // self.s.prompts_per_step
+        return self.loaded_version >= landing_step - self.s.max_lag
+
+    def _done(self, task: asyncio.Task):
+        self.running.discard(task)
+        if not task.cancelled() and task.exception() is not None and self.error is None:
+            self.error = task.exception()
+
+    async def run(self):
+        from transformers import AutoTokenizer
+
+        self.task = CopyTask(AutoTokenizer.from_pretrained(self.s.model))
+        await self.engine.update_weight_version("0")
+        await self.engine.collective_rpc("attach_shared_weights", args=(self.shared.to_bytes(),))
+        rng = random.Random(self.s.seed)
+        self.control.ready.set()
+        start = time.perf_counter()
+        idle_since = start
+        while not self.control.stop.is_set():
+            if self.error is not None:
+                raise self.error
+            published = self.shared.version()
+            if published > self.loaded_version:
+                await self.swap_weights(published)
+            if self.may_start_group():
+                task = asyncio.create_task(self.run_group(self.issued, self.task.sample(rng)))
+                task.add_done_callback(self._done)
+                self.running.add(task)
+                self.issued += 1
+                if idle_since is not None:
+                    self.stats["idle_s"] += time.perf_counter() - idle_since
+                    idle_since = None
+                continue
+            if not self.running and idle_since is None:
+                idle_since = time.perf_counter()
+            await asyncio.sleep(0.002)
+            self.stats["elapsed_s"] = time.perf_counter() - start
+            if os.environ.get("ASYNCGRPO_DEBUG") and int(self.stats["elapsed_s"] * 500) % 1000 == 0:
+                print(f"[generator] published {published} loaded {self.loaded_version} issued {self.issued} "
+                      f"running {len(self.running)} dropped {self.control.groups_dropped.value}", flush=True)
+        for task in list(self.running):
+            task.cancel()
+        await asyncio.gather(*self.running, return_exceptions=True)
+
+
+def generator_main(settings: GeneratorSettings, shared, rollout_queue, control) -> None:
+    """Entry point of the generator process (spawned by train.py)."""
+    os.environ["PYTHONPATH"] = HERE + os.pathsep + os.environ.get("PYTHONPATH", "")  # for the extension
+    sys.path.insert(0, HERE)
+    os.environ.setdefault("OMP_NUM_THREADS", str(settings.threads))
+    gen = Generator(settings, shared, rollout_queue, control)
+    engine = gen.build_engine()
+    try:
+        asyncio.run(gen.run())
+    finally:
+        engine.shutdown()

@@ -1,0 +1,189 @@
+"""sync.py — weight sharing between the trainer and the vLLM generator.
+
+Role
+    Owns the *packed weight buffer*: one flat tensor holding every trainable parameter of the model,
+    allocated once (CPU shared memory here; a CUDA tensor shared through CUDA IPC on GPUs), written in
+    place by the trainer and read by the generator's vLLM worker. A small int64 header next to it holds
+    the seqlock counter, the model version and the publish time. Also owns the vLLM worker extension
+    (`WeightSyncWorker`) that copies a consistent snapshot out of the buffer into the running engine.
+
+Data contract
+    - `Layout`: (name, shape, offset, numel) for each parameter, in `model.named_parameters()` order,
+      with Hugging Face checkpoint names (what vLLM's `load_weights` expects). One dtype for all.
+    - header = [seq, version, publish_time_ns]. `seq` is odd while a writer is inside the buffer.
+      `version` = the trainer's optimizer-step count of the weights in the buffer.
+    - Writers: `begin_write` / `write_param` / `end_write` (one trainer process, or FSDP2 ranks each
+      writing their own rows between barriers). Readers: `read_snapshot`, which retries until it copies
+      a snapshot no writer touched, then returns it with its version.
+
+May touch: torch tensors it is handed, and the vLLM worker it is installed into. Nothing else.
+Data flows one way: train -> sync -> rollout.
+"""
+from __future__ import annotations
+
+import io
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.multiprocessing as mp
+from multiprocessing.reduction import ForkingPickler
+
+SEQ, VERSION, PUBLISH_NS = 0, 1, 2
+
+# Share CPU tensors by file name, from the start: a storage first shared by file descriptor and later
+# pickled by name is silently *moved* to a new segment, and the two sides would stop seeing each other.
+mp.set_sharing_strategy("file_system")
+
+
+@dataclass(frozen=True)
+class Slot:
+    name: str
+    shape: tuple[int, ...]
+    offset: int
+    numel: int
+
+
+def make_layout(named_shapes: list[tuple[str, tuple[int, ...]]]) -> list[Slot]:
+    """Assign each parameter a contiguous range of the flat buffer, in the order given."""
+    slots, offset = [], 0
+    for name, shape in named_shapes:
+        numel = math.prod(shape)
+        slots.append(Slot(name, tuple(shape), offset, numel))
+        offset += numel
+    return slots
+
+
+@dataclass
+class SharedWeights:
+    """The packed buffer, its header and its layout. Picklable across `torch.multiprocessing` spawn."""
+
+    buffer: torch.Tensor  # flat, one dtype, shared memory (CPU) or device memory (CUDA IPC)
+    header: torch.Tensor  # int64 [seq, version, publish_time_ns], always in CPU shared memory
+    layout: list[Slot]
+
+    @staticmethod
+    def allocate(named_shapes, dtype=torch.float32, device="cpu") -> "SharedWeights":
+        layout = make_layout(named_shapes)
+        total = layout[-1].offset + layout[-1].numel if layout else 0
+        buffer = torch.zeros(total, dtype=dtype, device=device)
+        if buffer.device.type == "cpu":
+            buffer.share_memory_()
+        header = torch.zeros(3, dtype=torch.int64).share_memory_()
+        return SharedWeights(buffer, header, layout)
+
+    def view(self, slot: Slot, buffer: torch.Tensor | None = None) -> torch.Tensor:
+        buf = self.buffer if buffer is None else buffer
+        return buf[slot.offset : slot.offset + slot.numel].view(slot.shape)
+
+    # ---- writer side (trainer) ----
+    def begin_write(self) -> None:
+        self.header[SEQ] += 1  # odd: readers retry
+
+    def write_param(self, slot: Slot, value: torch.Tensor, row_start: int = 0) -> None:
+        """Copy `value` into the slot; `row_start` lets a rank write only its dim-0 rows (FSDP2 shard)."""
+        dst = self.view(slot)
+        if row_start or value.shape != dst.shape:
+            dst = dst[row_start : row_start + value.shape[0]]
+        dst.copy_(value.detach(), non_blocking=False)
+
+    def end_write(self, version: int) -> None:
+        if self.buffer.device.type == "cuda":
+            torch.cuda.synchronize(self.buffer.device)
+        self.header[VERSION] = version
+        self.header[PUBLISH_NS] = time.time_ns()
+        self.header[SEQ] += 1  # even: consistent
+
+    def publish(self, named_tensors, version: int) -> None:
+        """Single-writer convenience: write every parameter of `named_tensors` (name -> tensor)."""
+        tensors = dict(named_tensors)
+        missing = [s.name for s in self.layout if s.name not in tensors]
+        if missing:
+            raise KeyError(f"publish: missing parameters {missing[:5]} (and {max(0, len(missing) - 5)} more)")
+        self.begin_write()
+        try:
+            for slot in self.layout:
+                self.write_param(slot, tensors[slot.name])
+        finally:
+            self.end_write(version)
+
+    # ---- reader side (generator) ----
+    def version(self) -> int:
+        return int(self.header[VERSION])
+
+    def publish_time_ns(self) -> int:
+        return int(self.header[PUBLISH_NS])
+
+    def read_snapshot(self, out: torch.Tensor, max_tries: int = 1000) -> int:
+        """Copy a consistent snapshot of the buffer into `out`; return its version.
+
+        Seqlock: read seq (must be even), copy, read seq again; equal means no writer touched the copy.
+        Raises after `max_tries` (a writer that never finishes, or publishes back to back forever).
+        """
+        for _ in range(max_tries):
+            seq_before = int(self.header[SEQ])
+            if seq_before % 2:
+                time.sleep(0.0005)
+                continue
+            version = int(self.header[VERSION])
+            out.copy_(self.buffer)
+            if int(self.header[SEQ]) == seq_before:
+                return version
+        raise TimeoutError(f"read_snapshot: no consistent snapshot after {max_tries} tries (writer stuck?)")
+
+    # ---- handing the buffer to another process as bytes (vLLM RPC arguments must be bytes) ----
+    def to_bytes(self) -> bytes:
+        """Pickle the handles (not the data): the receiver maps the same memory. Keep `self` alive."""
+        buf = io.BytesIO()
+        ForkingPickler(buf).dump((self.buffer, self.header, self.layout))
+        return buf.getvalue()
+
+    @staticmethod
+    def from_bytes(data: bytes) -> "SharedWeights":
+        import pickle
+
+        buffer, header, layout = pickle.loads(data)
+        return SharedWeights(buffer, header, layout)
+
+
+def named_shapes_of(model: torch.nn.Module) -> list[tuple[str, tuple[int, ...]]]:
+    """Parameter names and shapes in checkpoint naming (tied weights appear once)."""
+    return [(name, tuple(p.shape)) for name, p in model.named_parameters()]
+
+
+def fsdp_row_start(full_rows: int, rank: int, world_size: int) -> int:
+    """First dim-0 row of `rank`'s FSDP2 shard (FSDP2 shards dim 0 like `torch.chunk`)."""
+    chunk = math.ceil(full_rows / world_size)
+    return min(rank * chunk, full_rows)
+
+
+class WeightSyncWorker:
+    """vLLM worker extension (`worker_extension_cls="sync.WeightSyncWorker"`).
+
+    Mixed into vLLM's worker class, so `self` is the worker: `self.model_runner.reload_weights` does the
+    layer-wise reload (and on CPU, the re-packing of linear weights for its kernels) correctly, where a
+    plain `model.load_weights` fails. Called through `collective_rpc`; arguments are bytes.
+    """
+
+    def attach_shared_weights(self, handles: bytes) -> int:
+        self._shared = SharedWeights.from_bytes(handles)
+        # A private snapshot: the engine never aliases the trainer's buffer, and a torn read is impossible.
+        self._snapshot = torch.empty_like(self._shared.buffer, device=self._snapshot_device())
+        return self._shared.buffer.numel()
+
+    def _snapshot_device(self):
+        try:
+            return self.device  # GPU worker: copy peer-to-peer into our own GPU
+        except AttributeError:
+            return torch.device("cpu")
+
+    def load_shared_weights(self, min_version: int = -1) -> int:
+        """Copy a consistent snapshot and reload it into the engine; returns the version loaded."""
+        shared = self._shared
+        version = shared.read_snapshot(self._snapshot)
+        if version < min_version:
+            raise RuntimeError(f"load_shared_weights: buffer holds version {version} < wanted {min_version}")
+        weights = [(slot.name, shared.view(slot, self._snapshot)) for slot in shared.layout]
+        self.model_runner.reload_weights(weights_iterator=weights)
+        return version

@@ -1,0 +1,602 @@
+"""train.py — entry point: config, processes, the trainer loop, the run summary.
+
+Role
+    `python train.py` (no flags) builds a tiny random-init model and its tokenizer locally, starts one vLLM
+    generator process (rollout.py) and `--train-ranks` FSDP2 trainer processes (gloo on CPU), joins them
+    with a bounded rollout queue (buffer.py) and a packed shared weight buffer (sync.py), and trains with
+    a GRPO-family loss (losses.py) until `--steps` optimizer steps are done. The parent process only
+    supervises: a child that raises, exits or is killed ends the whole run with a non-zero exit and the
+    child's traceback, and no process of the run is left behind.
+
+Data contract
+    - Every `Config` field is a `--flag` (underscores become dashes).
+    - Trainer version = optimizer steps taken. Weights are published every `--sync-every` steps; the
+      generator tags each sampled token with the version that produced it. A sample is trained on only
+      if trainer version - its oldest token's version <= `--max-lag` (`--max-lag 0`: strictly on-policy).
+    - `--out DIR` receives `metrics.jsonl` (one row per step), `summary.json` and the final model in
+      `DIR/model` (Hugging Face format: loadable by `transformers` and vLLM).
+
+May touch: everything under `--out`; spawns and kills its own children. Data flows one way:
+rollout -> buffer -> train (losses) -> sync -> rollout.
+"""
+import argparse
+import dataclasses
+import json
+import math
+import multiprocessing.connection
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.multiprocessing as mp
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@dataclass
+class Config:
+    steps: int = 300  # optimizer steps
+    seed: int = 0
+    model: str = ""  # Hugging Face model directory; "" builds the tiny default model into OUT/init_model
+    out: str = "runs/latest"
+    # asynchrony
+    max_lag: int = 2  # train only on samples whose oldest token is <= this many versions old (0: on-policy)
+    queue_size: int = 64  # rollout groups waiting in the queue, at most
+    sync_every: int = 1  # publish weights every N optimizer steps
+    update_mode: str = "inflight"  # "inflight": swap with requests kept running; "drain": let them finish
+    max_inflight_groups: int = 0  # groups generating at once; 0 = prompts_per_step
+    # sizes
+    train_ranks: int = 1
+    group_size: int = 8  # G completions per prompt
+    prompts_per_step: int = 32
+    max_new_tokens: int = 5
+    # sampling (the trainer scores tokens with the same temperature/top-k/top-p)
+    temperature: float = 1.0
+    top_k: int = -1  # -1: off
+    top_p: float = 1.0
+    # optimisation and loss (see losses.py)
+    lr: float = 3e-4
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    loss: str = "grpo"  # grpo | dapo | dr_grpo | gspo | cispo
+    adv_scale: str = "group"  # group | batch | none
+    agg: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm
+    eps_low: float = 0.2
+    eps_high: Optional[float] = None  # None: eps_low (dapo: 0.28)
+    dual_clip: Optional[float] = None
+    kl_coef: float = 0.0  # > 0 loads a frozen reference model
+    kl_kind: str = "k3"
+    is_level: str = "token"  # behaviour-policy correction: token | sequence
+    is_mode: str = "truncate"  # truncate (TIS) | mask (MIS) | off (ratio taken against the generator)
+    is_low: Optional[float] = None
+    is_high: float = 2.0
+    # machinery
+    gen_threads: int = 0  # 0: half the cores
+    train_threads: int = 0  # per rank; 0: the rest of the cores, split between ranks
+    kv_cache_mb: int = 256
+    timeout_s: float = 300.0  # longest wait for any other process before the run fails
+    log_every: int = 10
+    wandb: str = "off"  # online | offline | off
+    wandb_project: str = "asyncgrpo"
+
+
+CHOICES = {"update_mode": ("inflight", "drain"), "loss": ("grpo", "dapo", "dr_grpo", "gspo", "cispo"),
+           "adv_scale": ("group", "batch", "none"), "wandb": ("online", "offline", "off"),
+           "agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"),
+           "kl_kind": ("k1", "k2", "k3"), "is_level": ("token", "sequence"),
+           "is_mode": ("truncate", "mask", "off")}
+
+
+def parse_args(argv=None) -> Config:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    for f in dataclasses.fields(Config):
+        flag = "--" + f.name.replace("_", "-")
+        kind = {"Optional[float]": float}.get(str(f.type).replace("typing.", ""), f.type)
+        if kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+        elif str(f.type).startswith("Optional") or "None" in str(f.type):
+            parser.add_argument(flag, type=lambda s: None if s.lower() == "none" else float(s), default=f.default)
+        else:
+            parser.add_argument(flag, type=kind, default=f.default, choices=CHOICES.get(f.name))
+    cfg = Config(**vars(parser.parse_args(argv)))
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    """One clear line per bad value (the run has not started anything yet)."""
+    problems = []
+    for name in ("steps", "group_size", "prompts_per_step", "max_new_tokens", "queue_size", "sync_every",
+                 "train_ranks", "kv_cache_mb"):
+        if getattr(cfg, name) < 1:
+            problems.append(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(cfg, name)})")
+    if cfg.max_lag < 0:
+        problems.append(f"--max-lag must be >= 0 (got {cfg.max_lag})")
+    elif cfg.max_lag < cfg.sync_every - 1:
+        problems.append(f"--max-lag {cfg.max_lag} < --sync-every {cfg.sync_every} - 1: the trainer would "
+                        "reject every sample between syncs; raise --max-lag or lower --sync-every")
+    if cfg.group_size == 1 and cfg.adv_scale != "none":
+        problems.append("--group-size 1 gives every sample a zero group-relative advantage; use a group of "
+                        ">= 2 (or --adv-scale none with a baseline-free reward)")
+    if cfg.temperature <= 0:
+        problems.append(f"--temperature must be > 0 (got {cfg.temperature})")
+    if not 0 < cfg.top_p <= 1:
+        problems.append(f"--top-p must be in (0, 1] (got {cfg.top_p})")
+    if cfg.lr <= 0:
+        problems.append(f"--lr must be > 0 (got {cfg.lr})")
+    if cfg.model and not os.path.isdir(cfg.model) and os.path.exists(cfg.model):
+        problems.append(f"--model {cfg.model} is a file; give a Hugging Face model directory")
+    elif cfg.model and not os.path.exists(cfg.model) and (cfg.model.startswith((".", "/", "~"))):
+        problems.append(f"--model {cfg.model}: no such directory")
+    if problems:
+        raise SystemExit("error: " + "\nerror: ".join(problems))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Cross-process plumbing
+# ----------------------------------------------------------------------------------------------------
+@dataclass
+class Control:
+    """Shared flags and counters (from the spawn context, so children can use them)."""
+    stop: object  # Event: everyone winds down
+    ready: object  # Event: the generator's engine is up
+    groups_dropped: object  # Value: groups the trainer rejected entirely (the generator replaces them)
+    loaded_version: object  # Value: the version the generator serves now
+
+
+def make_control(ctx) -> Control:
+    return Control(ctx.Event(), ctx.Event(), ctx.Value("q", 0), ctx.Value("q", 0))
+
+
+def child_entry(name, fn, args, errors, own_process_group):
+    """Run `fn(*args)` in a child; on any failure send the traceback to the parent and exit 1."""
+    if own_process_group:
+        os.setpgrp()  # the parent can kill this child and every process it starts (vLLM's EngineCore)
+    else:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides what Ctrl-C means
+    try:
+        fn(*args)
+    except BaseException:
+        errors.put((name, traceback.format_exc()))
+        errors.close()
+        errors.join_thread()  # the traceback must reach the parent before this process ends
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def kill_tree(proc, own_group: bool):
+    if proc.pid is None:
+        return
+    try:
+        if own_group:
+            os.killpg(proc.pid, signal.SIGKILL)
+        elif proc.is_alive():
+            proc.kill()
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+# ----------------------------------------------------------------------------------------------------
+# The trainer (one process per rank)
+# ----------------------------------------------------------------------------------------------------
+def build_trainer_model(model_path, world_size):
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def sequence_logprobs(model, batch, cfg):
+    """Log-probs of the batch's targets under the distribution the generator samples from."""
+    from losses import token_logprobs
+
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1].float()
+    logp = token_logprobs(logits, batch.targets, cfg.temperature, cfg.top_k, cfg.top_p)
+    return torch.where(batch.mask, logp, torch.zeros_like(logp))
+
+
+def loss_on_batch(model, ref_model, local, cfg, world_size):
+    """The loss of this rank's rows, scaled so that summing over ranks gives the whole batch's loss."""
+    import torch.distributed as dist
+    from losses import behaviour_weights, kl_penalty, policy_loss
+
+    logp = sequence_logprobs(model, local, cfg)
+    if cfg.is_mode == "off":
+        old_logp, weights = local.behaviour_logp, None  # ratio against the generator (PipelineRL style)
+    else:
+        old_logp = logp.detach()  # one step per batch: the proximal policy is the current one (AReaL)
+        weights = behaviour_weights(old_logp, local.behaviour_logp, local.mask, level=cfg.is_level,
+                                    mode=cfg.is_mode, low=cfg.is_low, high=cfg.is_high)
+    loss, metrics = policy_loss(logp, old_logp, local.advantages, local.mask, variant=cfg.loss,
+                                eps_low=cfg.eps_low, eps_high=cfg.eps_high, dual_clip=cfg.dual_clip,
+                                agg=cfg.agg, max_len=cfg.max_new_tokens, weights=weights)
+    if ref_model is not None and cfg.kl_coef > 0:
+        with torch.no_grad():
+            ref_logp = sequence_logprobs(ref_model, local, cfg)
+        kl = (kl_penalty(logp, ref_logp, cfg.kl_kind) * local.mask).sum() / local.mask.sum().clamp(min=1)
+        loss = loss + cfg.kl_coef * kl
+        metrics["kl_ref"] = float(kl)
+    if weights is not None:
+        metrics["is_weight_mean"] = float(weights[local.mask].mean()) if local.mask.any() else 1.0
+    # Aggregations are means over tokens (token-mean) or over non-empty sequences: weight each rank's
+    # mean by its share of those units; FSDP averages gradients over ranks, hence the world_size factor.
+    units = local.mask.sum() if cfg.agg == "token-mean" else (local.mask.sum(1) > 0).sum()
+    units = units.float()
+    total_units = units.clone()
+    if world_size > 1:
+        dist.all_reduce(total_units)
+    share = units / total_units.clamp(min=1)
+    return loss * share * world_size, loss * share, logp.detach(), metrics
+
+
+def trainer_main(cfg, rank, world_size, model_path, shared, rollout_queue, control, init_file):
+    import torch.distributed as dist
+    from datetime import timedelta
+
+    import buffer
+    from losses import group_advantages
+
+    torch.set_num_threads(cfg.train_threads)
+    torch.manual_seed(cfg.seed + rank)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=cfg.timeout_s + 60))
+    model = build_trainer_model(model_path, world_size)
+    # Build the optimizer before any forward pass (FSDP2 pitfall: see shared notes).
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    names = [name for name, _ in model.named_parameters()]
+    if names != [slot.name for slot in shared.layout]:
+        raise RuntimeError("trainer parameters do not match the shared buffer's layout")
+    ref_model = None
+    if cfg.kl_coef > 0:
+        from transformers import AutoModelForCausalLM
+        ref_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+        ref_model.requires_grad_(False)
+    from transformers import AutoTokenizer
+    pad_id = AutoTokenizer.from_pretrained(model_path).pad_token_id or 0
+
+    log = RunLog(cfg, world_size) if rank == 0 else None
+    version = 0
+    for step in range(cfg.steps):
+        if control.stop.is_set():
+            break
+        t_wait = time.perf_counter()
+        taken = None
+        if rank == 0:
+            taken = buffer.take_groups(rollout_queue, cfg.prompts_per_step, version, cfg.max_lag, cfg.timeout_s,
+                                       is_alive=lambda: not control.stop.is_set())
+            control.groups_dropped.value += taken.groups_dropped
+        if world_size > 1:
+            box = [taken]
+            dist.broadcast_object_list(box, src=0)
+            taken = box[0]
+        wait_s = time.perf_counter() - t_wait
+        t_step = time.perf_counter()
+
+        rewards = torch.tensor([g.rewards for g in taken.groups], dtype=torch.float32)
+        advantages = group_advantages(rewards, scale=cfg.adv_scale)
+        batch = buffer.collate(buffer.to_samples(taken.groups, advantages), pad_id)
+        local = batch.select(buffer.rows_for_rank(len(batch), rank, world_size))
+
+        scaled_loss, loss_share, logp, metrics = loss_on_batch(model, ref_model, local, cfg, world_size)
+        scaled_loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+        # Agreement with the generator, on completions sampled entirely by the weights we hold now.
+        on_policy_rows = ((local.token_versions == version) | ~local.mask).all(dim=1) & local.mask.any(dim=1)
+        diff = (logp - local.behaviour_logp).abs()[local.mask & on_policy_rows[:, None]]
+        stats = torch.tensor([float(loss_share.detach()), diff.max().item() if diff.numel() else -1.0,
+                              float(on_policy_rows.sum())])
+        if world_size > 1:
+            dist.all_reduce(stats[:1])
+            dist.all_reduce(stats[1:2], op=dist.ReduceOp.MAX)
+            dist.all_reduce(stats[2:])
+        skipped = not math.isfinite(grad_norm) or not math.isfinite(float(stats[0]))
+        if skipped:
+            optimizer.zero_grad(set_to_none=True)
+        else:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            version += 1
+        t_publish = time.perf_counter()
+        if version % cfg.sync_every == 0 and not skipped:
+            publish(model, shared, version, rank, world_size)
+        publish_ms = (time.perf_counter() - t_publish) * 1e3
+        if rank == 0:
+            log.step(step, version, taken, batch, metrics, loss=float(stats[0]), grad_norm=grad_norm,
+                     logprob_diff=float(stats[1]) if stats[2] > 0 else None, wait_s=wait_s,
+                     train_s=time.perf_counter() - t_step, publish_ms=publish_ms, skipped=skipped)
+    if rank == 0:
+        control.stop.set()  # the generator can stop now
+    save_final_model(model, model_path, os.path.join(cfg.out, "model"), rank)
+    if rank == 0:
+        log.finish(version)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def publish(model, shared, version, rank, world_size):
+    """Each rank writes its own FSDP2 rows straight into the packed buffer: no gather."""
+    import torch.distributed as dist
+    from sync import fsdp_row_start
+
+    if rank == 0:
+        shared.begin_write()
+    if world_size > 1:
+        dist.barrier()
+    with torch.no_grad():
+        for slot, (_, param) in zip(shared.layout, model.named_parameters()):
+            local = param.to_local() if hasattr(param, "to_local") else param
+            shared.write_param(slot, local, fsdp_row_start(slot.shape[0], rank, world_size) if slot.shape else 0)
+    if world_size > 1:
+        dist.barrier()
+    if rank == 0:
+        shared.end_write(version)
+
+
+def save_final_model(model, model_path, out_dir, rank):
+    """Gather the full weights (a collective) and save them in Hugging Face format on rank 0."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank != 0:
+        return
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    plain = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    plain.load_state_dict(state)
+    tmp = out_dir + ".tmp"
+    plain.save_pretrained(tmp)
+    AutoTokenizer.from_pretrained(model_path).save_pretrained(tmp)
+    if os.path.exists(out_dir):
+        import shutil
+        shutil.rmtree(out_dir)
+    os.replace(tmp, out_dir)
+
+
+class RunLog:
+    """Rank 0's metrics: one JSON row per step, a progress line, wandb, and the summary at the end."""
+
+    def __init__(self, cfg, world_size):
+        self.cfg, self.rows, self.start = cfg, [], time.perf_counter()
+        self.file = open(os.path.join(cfg.out, "metrics.jsonl"), "w")
+        self.tokens_trained = self.dropped = self.wait_s = self.train_s = 0.0
+        self.max_token_lag, self.logprob_diff, self.sync_ms, self.gen = 0, None, [], {}
+        self.bad_steps = 0
+        self.wandb = None
+        if cfg.wandb != "off":
+            os.environ["WANDB_MODE"] = cfg.wandb
+            import wandb
+            self.wandb = wandb.init(project=cfg.wandb_project, config=dataclasses.asdict(cfg), dir=cfg.out)
+
+    def step(self, step, version, taken, batch, metrics, *, loss, grad_norm, logprob_diff, wait_s, train_s,
+             publish_ms, skipped):
+        import buffer
+
+        rewards = [r for g in taken.groups for r in g.rewards]
+        zero_var = sum(1 for g in taken.groups if max(g.rewards) == min(g.rewards)) / len(taken.groups)
+        lag = buffer.staleness_stats(batch, version - (0 if skipped else 1))
+        gen = taken.groups[-1].gen_stats
+        for g in taken.groups:
+            self.sync_ms += g.gen_stats.get("sync_ms", [])
+        tokens = int(batch.mask.sum())
+        self.tokens_trained += tokens
+        self.dropped += taken.samples_dropped
+        self.wait_s += wait_s
+        self.train_s += train_s
+        self.max_token_lag = max(self.max_token_lag, lag["lag_max"])
+        self.bad_steps += int(skipped)
+        if logprob_diff is not None:
+            self.logprob_diff = max(self.logprob_diff or 0.0, logprob_diff)
+        self.gen = gen
+        row = {"step": step, "version": version, "reward": sum(rewards) / len(rewards), "loss": loss,
+               "grad_norm": grad_norm, "zero_var_groups": zero_var, "tokens": tokens,
+               "completion_len": float(batch.mask.sum(1).float().mean()), "dropped_stale": taken.samples_dropped,
+               "dropped_stale_total": int(self.dropped), **lag, "trainer_wait_s": wait_s, "train_s": train_s,
+               "publish_ms": publish_ms, "logprob_diff_on_policy": logprob_diff, "skipped": skipped,
+               "gen_tokens": gen.get("tokens"), "gen_idle_s": gen.get("idle_s"),
+               "gen_elapsed_s": gen.get("elapsed_s"), "gen_loaded_version": gen.get("loaded_version"),
+               "sync_ms": (self.sync_ms[-1] if self.sync_ms else None), "wall_s": time.perf_counter() - self.start,
+               **metrics}
+        self.rows.append(row)
+        self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
+        if self.wandb is not None:
+            self.wandb.log(row, step=step)
+        if step % self.cfg.log_every == 0 or step == self.cfg.steps - 1:
+            recent = self.rows[-self.cfg.log_every:]
+            print(f"step {step:5d}  v{version:<5d} reward {sum(r['reward'] for r in recent) / len(recent):.3f}  "
+                  f"lag {row['lag_mean']:.2f} (max {row['lag_max']})  dropped {int(self.dropped)}  "
+                  f"wait {wait_s * 1e3:6.0f} ms  train {train_s * 1e3:5.0f} ms  "
+                  f"{self.tokens_trained / (time.perf_counter() - self.start):7.0f} tok/s", flush=True)
+
+    def finish(self, version):
+        n = len(self.rows)
+        rewards = [r["reward"] for r in self.rows]
+        first = rewards[: max(1, n // 10)]
+        last = rewards[-max(1, n // 5):]
+        wall = time.perf_counter() - self.start
+        gen = self.gen
+        summary = {
+            "steps": n, "version": version, "wall_s": wall,
+            "reward_first10": sum(first) / len(first) if first else None,
+            "reward_last20": sum(last) / len(last) if last else None,
+            "tokens_trained": int(self.tokens_trained), "max_token_lag": self.max_token_lag,
+            "dropped_stale": int(self.dropped), "bad_steps": self.bad_steps,
+            "trainer_wait_frac": self.wait_s / wall if wall else None,
+            "generator_wait_frac": (gen.get("idle_s", 0) + gen.get("queue_wait_s", 0)) / gen["elapsed_s"]
+            if gen.get("elapsed_s") else None,
+            "sync_ms_median": statistics.median(self.sync_ms) if self.sync_ms else None,
+            "gen_tokens_per_s": gen.get("tokens", 0) / gen["elapsed_s"] if gen.get("elapsed_s") else None,
+            "train_tokens_per_s": self.tokens_trained / self.train_s if self.train_s else None,
+            "logprob_diff_after_sync": self.logprob_diff,
+            "config": dataclasses.asdict(self.cfg),
+        }
+        with open(os.path.join(self.cfg.out, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        self.file.close()
+        if self.wandb is not None:
+            self.wandb.summary.update({k: v for k, v in summary.items() if k != "config"})
+            self.wandb.finish()
+        print(f"done: {n} steps in {wall:.0f} s, reward {summary['reward_first10']:.3f} -> "
+              f"{summary['reward_last20']:.3f}; summary in {self.cfg.out}/summary.json", flush=True)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The parent: build, spawn, supervise
+# ----------------------------------------------------------------------------------------------------
+def prepare_model(cfg) -> str:
+    if cfg.model:
+        if not os.path.isdir(cfg.model):
+            raise SystemExit(f"error: --model {cfg.model}: not a local model directory (this machine is offline)")
+        if not os.path.exists(os.path.join(cfg.model, "config.json")):
+            raise SystemExit(f"error: --model {cfg.model} has no config.json: not a Hugging Face model directory")
+        return os.path.abspath(cfg.model)
+    from rollout import build_tiny_model
+
+    path = os.path.abspath(os.path.join(cfg.out, "init_model"))
+    if not os.path.exists(os.path.join(path, "config.json")):
+        build_tiny_model(path, seed=cfg.seed)
+    return path
+
+
+def allocate_shared_weights(model_path):
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from sync import SharedWeights, named_shapes_of
+
+    config = AutoConfig.from_pretrained(model_path)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return SharedWeights.allocate(named_shapes_of(skeleton), dtype=torch.float32)
+
+
+def split_threads(cfg):
+    cores = len(os.sched_getaffinity(0))
+    gen = cfg.gen_threads or max(1, cores // 2)
+    train = cfg.train_threads or max(1, (cores - gen) // cfg.train_ranks)
+    return gen, train
+
+
+def run(cfg: Config) -> int:
+    """Start the generator and trainer ranks, wait for them, and return the run's exit code."""
+    from rollout import GeneratorSettings, generator_main
+
+    os.makedirs(cfg.out, exist_ok=True)
+    model_path = prepare_model(cfg)
+    gen_threads, cfg.train_threads = split_threads(cfg)
+    with open(os.path.join(cfg.out, "config.json"), "w") as f:
+        json.dump(dataclasses.asdict(cfg), f, indent=2)
+    shared = allocate_shared_weights(model_path)
+    ctx = mp.get_context("spawn")
+    rollout_queue = ctx.Queue(maxsize=cfg.queue_size)
+    errors = ctx.Queue()
+    control = make_control(ctx)
+    settings = GeneratorSettings(
+        model=model_path, seed=cfg.seed, group_size=cfg.group_size, prompts_per_step=cfg.prompts_per_step,
+        max_new_tokens=cfg.max_new_tokens, max_lag=cfg.max_lag, update_mode=cfg.update_mode,
+        temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
+        max_inflight_groups=cfg.max_inflight_groups, kv_cache_mb=cfg.kv_cache_mb, threads=gen_threads,
+        queue_timeout_s=cfg.timeout_s)
+    init_file = tempfile.mktemp(prefix="asyncgrpo-dist-")
+    procs = {"generator": (ctx.Process(target=child_entry, name="generator", args=(
+        "generator", _generator_entry, (settings, shared, rollout_queue, control), errors, True)), True)}
+    for rank in range(cfg.train_ranks):
+        procs[f"trainer{rank}"] = (ctx.Process(target=child_entry, name=f"trainer{rank}", args=(
+            f"trainer{rank}", trainer_main,
+            (cfg, rank, cfg.train_ranks, model_path, shared, rollout_queue, control, init_file), errors, False)),
+            False)
+    interrupted = []
+
+    def on_signal(signum, frame):
+        if interrupted:  # second Ctrl-C: stop now
+            raise KeyboardInterrupt
+        interrupted.append(signum)
+        print(f"\n{signal.Signals(signum).name}: stopping after the current step (again to stop at once)",
+              file=sys.stderr, flush=True)
+        control.stop.set()
+
+    old_handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    code = 0
+    try:
+        for proc, _ in procs.values():
+            proc.start()
+        code = supervise(procs, errors, control, cfg)
+    except KeyboardInterrupt:
+        code = 130
+    finally:
+        control.stop.set()
+        deadline = time.monotonic() + 30
+        for name, (proc, own_group) in procs.items():
+            proc.join(timeout=max(0.1, deadline - time.monotonic()))
+            kill_tree(proc, own_group)  # also reaps vLLM's EngineCore left in the generator's group
+        for s, h in old_handlers.items():
+            signal.signal(s, h)
+        if os.path.exists(init_file):
+            os.unlink(init_file)
+    if interrupted and code == 0:
+        code = 130
+    return code
+
+
+def _generator_entry(settings, shared, rollout_queue, control):
+    from rollout import generator_main
+
+    rollout_queue.cancel_join_thread()  # exiting must not wait for a full queue to drain
+    generator_main(settings, shared, rollout_queue, control)
+
+
+def supervise(procs, errors, control, cfg) -> int:
+    """Wait until the trainers finish (0) or any child fails (1, with its traceback printed)."""
+    trainers = [p for name, (p, _) in procs.items() if name.startswith("trainer")]
+    while True:
+        sentinels = [p.sentinel for p, _ in procs.values() if p.exitcode is None]
+        multiprocessing.connection.wait(sentinels, timeout=1.0)
+        for name, (proc, _) in procs.items():
+            if proc.exitcode is not None and proc.exitcode != 0:
+                print(failure_report(name, proc.exitcode, errors), file=sys.stderr, flush=True)
+                return 1
+        if all(p.exitcode == 0 for p in trainers):
+            generator = procs["generator"][0]
+            generator.join(timeout=60)  # it stops on control.stop and shuts its engine down
+            if generator.exitcode not in (0, None):
+                print(failure_report("generator", generator.exitcode, errors), file=sys.stderr, flush=True)
+            return 0
+        if procs["generator"][0].exitcode == 0 and not control.stop.is_set():
+            print("error: the generator exited before the trainer finished", file=sys.stderr, flush=True)
+            return 1
+
+
+def failure_report(name, exitcode, errors) -> str:
+    reports = []
+    deadline = time.monotonic() + 2
+    while time.monotonic() < deadline:
+        try:
+            reports.append(errors.get(timeout=0.2))
+        except Exception:
+            if reports:
+                break
+    how = f"signal {signal.Signals(-exitcode).name}" if exitcode < 0 else f"exit code {exitcode}"
+    text = [f"error: {name} died ({how}); stopping the run"]
+    for who, tb in reports:
+        text.append(f"--- traceback from {who} ---\n{tb}")
+    return "\n".join(text)
+
+
+def main(argv=None) -> int:
+    cfg = parse_args(argv)
+    return run(cfg)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
