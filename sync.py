@@ -186,4 +186,21 @@ class WeightSyncWorker:
             raise RuntimeError(f"load_shared_weights: buffer holds version {version} < wanted {min_version}")
         weights = [(slot.name, shared.view(slot, self._snapshot)) for slot in shared.layout]
         self.model_runner.reload_weights(weights_iterator=weights)
+        self._refresh_tied_lm_head()
         return version
+
+    def _refresh_tied_lm_head(self) -> None:
+        """With tied embeddings the checkpoint has no `lm_head.weight`, so the layer-wise reload never
+        re-processes `lm_head`: on CPU its kernel keeps a packed copy of the *old* embedding (logprobs
+        then drift from the trainer's). Re-tie and re-pack it."""
+        model = self.model_runner.get_model()
+        lm_head, inner = getattr(model, "lm_head", None), getattr(model, "model", None)
+        embed = getattr(inner, "embed_tokens", None)
+        config = self.model_runner.model_config.hf_config
+        if lm_head is None or embed is None or not getattr(config, "tie_word_embeddings", False):
+            return
+        if lm_head is not embed and lm_head.weight is not embed.weight:
+            lm_head.weight = embed.weight
+        method = getattr(lm_head, "quant_method", None)
+        if method is not None and hasattr(method, "process_weights_after_loading"):
+            method.process_weights_after_loading(lm_head)
