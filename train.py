@@ -31,6 +31,7 @@ import sys
 import tempfile
 import time
 import traceback
+import typing
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -99,13 +100,12 @@ def parse_args(argv=None) -> Config:
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for f in dataclasses.fields(Config):
         flag = "--" + f.name.replace("_", "-")
-        kind = {"Optional[float]": float}.get(str(f.type).replace("typing.", ""), f.type)
-        if kind is bool:
+        if f.type is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
-        elif str(f.type).startswith("Optional") or "None" in str(f.type):
+        elif typing.get_origin(f.type) is typing.Union:  # Optional[float]: "none" means None
             parser.add_argument(flag, type=lambda s: None if s.lower() == "none" else float(s), default=f.default)
         else:
-            parser.add_argument(flag, type=kind, default=f.default, choices=CHOICES.get(f.name))
+            parser.add_argument(flag, type=f.type, default=f.default, choices=CHOICES.get(f.name))
     cfg = Config(**vars(parser.parse_args(argv)))
     validate(cfg)
     return cfg

@@ -1,0 +1,20 @@
+# Two commands: `make run` (install, then the default training run) and `make test` (install, then tests).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+$(VENV)/.installed: requirements.txt
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton
+	touch $@
+
+.PHONY: install run test
+install: $(VENV)/.installed
+
+run: install
+	$(PY) train.py
+
+test: install
+	$(PY) -m pytest -q tests

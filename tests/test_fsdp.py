@@ -1,0 +1,197 @@
+"""FSDP2 data parallelism of the trainer (real FSDP2 over gloo on CPU, no vLLM).
+
+- World size 1 and 2 give the same loss and the same updated weights on the same batch: each rank's
+  `loss_on_batch` term is scaled so that the ranks' terms add up to the whole batch's loss, and FSDP2's
+  gradient averaging is undone by the world-size factor.
+- `train.publish` at world size > 1: every rank writes only its own FSDP2 rows into the packed shared
+  buffer, and the result is exactly the full (gathered) state dict, with the version in the header.
+
+Every distributed run is a set of spawned processes (torch.multiprocessing, start method "spawn");
+rank 0 sends its results back through a queue as numpy arrays (plain bytes: nothing shared).
+"""
+import os
+import queue as queue_lib
+import random
+import time
+
+import numpy as np
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import buffer
+import rollout
+import sync
+import train
+
+PROMPT = [1, 13, 14, 15, 24]  # "<bos>abc=" in the tiny model's character tokenizer
+PAD_ID = 0
+NUM_SAMPLES = 7  # odd: world size 2 splits the rows 4 / 3, world size 3 splits them 3 / 3 / 1
+SPAWN_TIMEOUT_S = 240
+
+
+def make_batch(seed=0):
+    """A fixed synthetic batch: completions of different lengths (one empty), varied advantages."""
+    rng = random.Random(seed)
+    lengths = [5, 1, 3, 0, 4, 2, 5]
+    assert len(lengths) == NUM_SAMPLES
+    samples = []
+    for i, n in enumerate(lengths):
+        completion = [rng.randint(3, 25) for _ in range(n)]
+        behaviour = [-3.26 + rng.uniform(-0.5, 0.5) for _ in range(n)]  # near log(1/26): weights vary
+        advantage = (-1.0) ** i * (0.3 + 0.25 * i)  # nonzero, all different, both signs
+        samples.append(buffer.Sample(list(PROMPT), completion, behaviour, [0] * n, float(i % 2), advantage))
+    return buffer.collate(samples, PAD_ID)
+
+
+def _worker(rank, world, model_path, init_file, agg, shared, version, results):
+    """One trainer rank: build, one loss + backward + clip + AdamW step, optionally publish."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        cfg = train.Config()
+        if agg is not None:
+            cfg.agg = agg
+        model = train.build_trainer_model(model_path, world)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)  # before forward
+
+        batch = make_batch()
+        local = batch.select(buffer.rows_for_rank(len(batch), rank, world))
+        scaled, loss_share, logp, _ = train.loss_on_batch(model, None, local, cfg, world)
+        scaled.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+        grads = {name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().clone()
+                 for name, p in model.named_parameters()}
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+        total = loss_share.detach().clone().reshape(1)
+        if world > 1:
+            dist.all_reduce(total)
+
+        if shared is not None:
+            train.publish(model, shared, version, rank, world)
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if rank == 0:
+            results.put({
+                "loss": float(total[0]),
+                "grad_norm": grad_norm,
+                "grads": {k: v.numpy() for k, v in grads.items()},
+                "state": {k: v.detach().clone().numpy() for k, v in state.items()},
+                "names": [name for name, _ in model.named_parameters()],
+            })
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_world(world, model_path, tmp_path, agg=None, shared=None, version=0):
+    """Spawn `world` ranks of `_worker`; return rank 0's results (raises if any rank fails)."""
+    init_file = str(tmp_path / f"dist-init-{world}-{agg}-{time.monotonic_ns()}")
+    results = mp.get_context("spawn").Queue()
+    context = mp.start_processes(_worker, args=(world, model_path, init_file, agg, shared, version, results),
+                                 nprocs=world, join=False, start_method="spawn")
+    deadline = time.monotonic() + SPAWN_TIMEOUT_S
+    got = None
+    try:
+        # Read the result before joining: rank 0 cannot exit until its (large) queue item is consumed.
+        while got is None:
+            try:
+                got = results.get(timeout=0.5)
+            except queue_lib.Empty:
+                if context.join(timeout=0):  # raises ProcessRaisedException / ProcessExitedException
+                    raise AssertionError("all ranks exited without sending a result")
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"no result from world size {world} within {SPAWN_TIMEOUT_S} s")
+        while not context.join(timeout=max(1.0, deadline - time.monotonic())):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"world size {world} did not exit within {SPAWN_TIMEOUT_S} s")
+    finally:
+        for p in context.processes:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    got["grads"] = {k: torch.from_numpy(v) for k, v in got["grads"].items()}
+    got["state"] = {k: torch.from_numpy(v) for k, v in got["state"].items()}
+    return got
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return rollout.build_tiny_model(str(tmp_path_factory.mktemp("fsdp") / "tiny"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def initial_state(model_path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_batch_is_what_the_test_means():
+    batch = make_batch()
+    assert len(batch) == NUM_SAMPLES
+    assert batch.mask.sum(1).tolist() == [5, 1, 3, 0, 4, 2, 5]
+    assert len(set(batch.advantages.tolist())) == NUM_SAMPLES and (batch.advantages != 0).all()
+    # world size 2 splits both rows and tokens unevenly, so the per-rank shares really matter
+    a, b = buffer.rows_for_rank(NUM_SAMPLES, 0, 2), buffer.rows_for_rank(NUM_SAMPLES, 1, 2)
+    assert (a.start, a.stop, b.start, b.stop) == (0, 4, 4, 7)
+    assert int(batch.mask[a].sum()) != int(batch.mask[b].sum())
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_world_size_1_and_2_agree(agg, model_path, initial_state, tmp_path):
+    one = run_world(1, model_path, tmp_path, agg=agg)
+    two = run_world(2, model_path, tmp_path, agg=agg)
+
+    assert one["names"] == two["names"]
+    assert abs(one["loss"]) > 1e-3  # a real loss, not a degenerate zero
+    assert one["loss"] == pytest.approx(two["loss"], abs=1e-6, rel=1e-6)
+    assert one["grad_norm"] == pytest.approx(two["grad_norm"], rel=1e-5)
+    for name in one["names"]:
+        torch.testing.assert_close(two["grads"][name], one["grads"][name], rtol=1e-4, atol=1e-7,
+                                   msg=lambda m: f"gradient of {name}: {m}")
+
+    assert set(one["state"]) == set(two["state"])
+    changed = 0
+    for name, value in one["state"].items():
+        torch.testing.assert_close(two["state"][name], value, rtol=0, atol=2e-6,
+                                   msg=lambda m: f"updated {name}: {m}")
+        changed += int(not torch.equal(value, initial_state[name]))
+    assert changed >= len(one["state"]) // 2  # the optimizer step really moved the weights
+
+
+def _skeleton_shapes(model_path):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path), dtype=torch.float32)
+    return sync.named_shapes_of(skeleton)
+
+
+@pytest.mark.parametrize("world", [2, 3])  # 3: uneven FSDP2 shards (26 vocab rows -> 9/9/8, 128 -> 43/43/42)
+def test_publish_writes_the_full_state_dict(world, model_path, initial_state, tmp_path):
+    shared = sync.SharedWeights.allocate(_skeleton_shapes(model_path))
+    assert shared.buffer.abs().sum() == 0 and shared.version() == 0
+
+    got = run_world(world, model_path, tmp_path, shared=shared, version=7)
+
+    assert [slot.name for slot in shared.layout] == got["names"]
+    assert shared.version() == 7
+    assert int(shared.header[sync.SEQ]) == 2  # one complete write: even, not torn
+    assert shared.publish_time_ns() > 0
+    state = got["state"]
+    for slot in shared.layout:
+        published = shared.view(slot)
+        assert torch.equal(published, state[slot.name]), f"{slot.name}: published != gathered state"
+    # the buffer holds the trained weights, not the checkpoint's
+    assert any(not torch.equal(shared.view(s), initial_state[s.name]) for s in shared.layout)
+    # a reader gets a consistent snapshot with the published version
+    out = torch.empty_like(shared.buffer)
+    assert shared.read_snapshot(out) == 7 and torch.equal(out, shared.buffer)

@@ -1,0 +1,158 @@
+"""sync.py and buffer.py without an engine: packing, the seqlock, handles across processes, the staleness
+rule and batch assembly."""
+import queue as queue_lib
+import threading
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import buffer
+import sync
+import train
+
+
+def small_shared():
+    return sync.SharedWeights.allocate([("a.weight", (3, 4)), ("b.bias", (5,)), ("c.weight", (2, 2))])
+
+
+def test_layout_packs_parameters_back_to_back():
+    layout = sync.make_layout([("x", (2, 3)), ("y", (4,)), ("z", (1, 1))])
+    assert [(s.offset, s.numel) for s in layout] == [(0, 6), (6, 4), (10, 1)]
+
+
+def test_publish_then_snapshot_round_trips_every_parameter():
+    shared = small_shared()
+    values = {"a.weight": torch.randn(3, 4), "b.bias": torch.randn(5), "c.weight": torch.randn(2, 2)}
+    shared.publish(values, version=7)
+    out = torch.empty_like(shared.buffer)
+    assert shared.read_snapshot(out) == 7
+    for slot in shared.layout:
+        assert torch.equal(shared.view(slot, out), values[slot.name])
+    with pytest.raises(KeyError):
+        shared.publish({"a.weight": values["a.weight"]}, version=8)
+
+
+def test_fsdp_rows_of_all_ranks_tile_the_parameter():
+    for rows in (1, 3, 26, 128):
+        for world in (1, 2, 3):
+            starts = [sync.fsdp_row_start(rows, r, world) for r in range(world)]
+            sizes = [c.shape[0] for c in torch.arange(rows).chunk(world)] + [0] * world
+            assert starts[0] == 0
+            covered = sum(sizes[:world])
+            assert covered == rows
+            for r in range(1, len([s for s in sizes if s])):
+                assert starts[r] == starts[r - 1] + sizes[r - 1]
+
+
+def test_seqlock_never_returns_a_torn_snapshot():
+    shared = sync.SharedWeights.allocate([("w", (50_000,))])
+    stop = threading.Event()
+
+    def writer():
+        v = 0
+        while not stop.is_set():
+            v += 1
+            shared.begin_write()
+            shared.buffer.fill_(float(v))  # a consistent snapshot is constant
+            shared.end_write(v)
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    out = torch.empty_like(shared.buffer)
+    try:
+        for _ in range(20):
+            version = shared.read_snapshot(out, max_tries=100_000)
+            assert out.min() == out.max() == float(version)
+    finally:
+        stop.set()
+        thread.join()
+
+
+def _child_reads(data, result_queue):
+    shared = sync.SharedWeights.from_bytes(data)
+    out = torch.empty_like(shared.buffer)
+    result_queue.put((shared.read_snapshot(out), out.sum().item()))
+
+
+def test_handles_as_bytes_map_the_same_memory_in_another_process():
+    shared = small_shared()
+    data = shared.to_bytes()
+    assert len(data) < 10_000  # handles, not the weights
+    shared.publish({s.name: torch.full(s.shape, 2.0) for s in shared.layout}, version=3)  # after pickling
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    child = ctx.Process(target=_child_reads, args=(data, results))
+    child.start()
+    version, total = results.get(timeout=60)
+    child.join(timeout=30)
+    assert version == 3 and total == 2.0 * shared.buffer.numel()
+
+
+def group(gid, versions, rewards=None):
+    n = len(versions)
+    return buffer.RolloutGroup(gid, [1, 13, 14, 15, 25], [[13 + j] * len(v) for j, v in enumerate(versions)],
+                               [[-0.5] * len(v) for v in versions], versions, rewards or [float(j) for j in range(n)])
+
+
+def test_stale_samples_are_dropped_and_counted():
+    q = queue_lib.Queue()
+    q.put(group(0, [[5, 5], [3, 4]]))  # lag 0 and lag 2 at trainer version 5
+    q.put(group(1, [[2, 3], [1, 1]]))  # entirely stale
+    q.put(group(2, [[4, 5], [5]]))
+    taken = buffer.take_groups(q, 2, trainer_version=5, max_lag=1, timeout_s=1)
+    assert [g.group_id for g in taken.groups] == [0, 2]
+    assert (taken.samples_kept, taken.samples_dropped, taken.groups_dropped) == (3, 3, 1)
+    advantages = torch.zeros(2, 2)
+    samples = buffer.to_samples(taken.groups, advantages)
+    assert all(5 - min(s.token_versions) <= 1 for s in samples)
+    with pytest.raises(TimeoutError):
+        buffer.take_groups(q, 1, trainer_version=5, max_lag=1, timeout_s=0.3)
+
+
+def test_max_lag_zero_keeps_only_current_version_tokens():
+    q = queue_lib.Queue()
+    q.put(group(0, [[7, 7, 7], [6, 7]]))
+    taken = buffer.take_groups(q, 1, trainer_version=7, max_lag=0, timeout_s=1)
+    assert taken.samples_kept == 1 and taken.samples_dropped == 1
+
+
+def test_collate_aligns_completion_targets():
+    s1 = buffer.Sample([1, 13, 24], [15, 16, 2], [-0.1, -0.2, -0.3], [4, 4, 5], 1.0, 0.5)
+    s2 = buffer.Sample([1, 14, 15, 24], [], [], [], 0.0, -0.5)
+    batch = buffer.collate([s1, s2], pad_id=0)
+    assert batch.input_ids.tolist() == [[1, 13, 24, 15, 16, 2], [1, 14, 15, 24, 0, 0]]
+    assert batch.targets[0][batch.mask[0]].tolist() == [15, 16, 2]
+    assert batch.behaviour_logp[0][batch.mask[0]].tolist() == pytest.approx([-0.1, -0.2, -0.3])
+    assert batch.token_versions[0][batch.mask[0]].tolist() == [4, 4, 5]
+    assert not batch.mask[1].any()  # an empty completion trains nothing
+    stats = buffer.staleness_stats(batch, trainer_version=5)
+    assert stats["lag_max"] == 1 and stats["lag_mean"] == pytest.approx(2 / 3)
+
+
+def test_rows_for_rank_partition_the_batch():
+    for n in (1, 5, 8, 33):
+        for world in (1, 2, 3):
+            rows = [list(range(n))[buffer.rows_for_rank(n, r, world)] for r in range(world)]
+            assert sum(rows, []) == list(range(n))
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--max-lag", "-1"], "--max-lag must be >= 0"),
+    (["--group-size", "1"], "--group-size 1"),
+    (["--steps", "0"], "--steps must be >= 1"),
+    (["--sync-every", "3", "--max-lag", "1"], "--sync-every"),
+    (["--model", "./does-not-exist"], "no such directory"),
+])
+def test_bad_flags_give_one_clear_line(argv, needle):
+    with pytest.raises(SystemExit) as err:
+        train.parse_args(argv)
+    assert needle in str(err.value)
+
+
+def test_every_config_field_is_a_flag():
+    cfg = train.parse_args(["--steps", "7", "--max-lag", "0", "--update-mode", "drain", "--eps-high", "0.28",
+                            "--wandb", "offline", "--train-ranks", "2"])
+    assert (cfg.steps, cfg.max_lag, cfg.update_mode, cfg.eps_high, cfg.wandb, cfg.train_ranks) == \
+        (7, 0, "drain", 0.28, "offline", 2)
+    assert train.parse_args(["--eps-high", "none"]).eps_high is None
