@@ -146,6 +146,8 @@ class Generator:
         self.loaded_version = 0
         self.issued = 0
         self.running: set[asyncio.Task] = set()
+        self.generating = 0  # groups inside engine.generate: 0 means the engine is idle (waiting)
+        self.idle_since: float | None = time.perf_counter()
         self.stats = {"tokens": 0, "groups": 0, "idle_s": 0.0, "queue_wait_s": 0.0, "elapsed_s": 0.0,
                       "loads": 0}
         self.sync_ms: list[float] = []  # publish -> serving, per load, not yet handed to the trainer
@@ -173,14 +175,26 @@ class Generator:
 
         return SamplingParams(n=self.s.group_size, max_tokens=self.s.max_new_tokens,
                               temperature=self.s.temperature, top_k=self.s.top_k, top_p=self.s.top_p,
-                              logprobs=0, seed=self.s.seed * 1_000_003 + group_id,
-                              output_kind=RequestOutputKind.FINAL_ONLY)
+                              logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY)
+
+    def _count_generating(self, delta: int) -> None:
+        now = time.perf_counter()
+        if self.generating == 0 and delta > 0 and self.idle_since is not None:
+            self.stats["idle_s"] += now - self.idle_since
+            self.idle_since = None
+        self.generating += delta
+        if self.generating == 0:
+            self.idle_since = now
 
     async def run_group(self, group_id: int, prompt: Prompt):
         final = None
-        async for out in self.engine.generate({"prompt_token_ids": prompt.prompt_ids},
-                                              self.sampling_params(group_id), request_id=f"group-{group_id}"):
-            final = out
+        self._count_generating(+1)
+        try:
+            async for out in self.engine.generate({"prompt_token_ids": prompt.prompt_ids},
+                                                  self.sampling_params(group_id), request_id=f"group-{group_id}"):
+                final = out
+        finally:
+            self._count_generating(-1)
         completions, logprobs, versions, rewards = [], [], [], []
         for c in sorted(final.outputs, key=lambda c: c.index):
             ids = list(c.token_ids)
@@ -241,7 +255,7 @@ class Generator:
         rng = random.Random(self.s.seed)
         self.control.ready.set()
         start = time.perf_counter()
-        idle_since = start
+        self.idle_since = start
         while not self.control.stop.is_set():
             if self.error is not None:
                 raise self.error
@@ -253,12 +267,7 @@ class Generator:
                 task.add_done_callback(self._done)
                 self.running.add(task)
                 self.issued += 1
-                if idle_since is not None:
-                    self.stats["idle_s"] += time.perf_counter() - idle_since
-                    idle_since = None
                 continue
-            if not self.running and idle_since is None:
-                idle_since = time.perf_counter()
             await asyncio.sleep(0.002)
             self.stats["elapsed_s"] = time.perf_counter() - start
             if os.environ.get("ASYNCGRPO_DEBUG") and int(self.stats["elapsed_s"] * 500) % 1000 == 0:
@@ -280,3 +289,4 @@ def generator_main(settings: GeneratorSettings, shared, rollout_queue, control) 
         asyncio.run(gen.run())
     finally:
         engine.shutdown()
+        gen.engine = engine = None  # no second shutdown from __del__ at interpreter exit

@@ -126,6 +126,8 @@ def validate(cfg: Config) -> None:
     if cfg.group_size == 1 and cfg.adv_scale != "none":
         problems.append("--group-size 1 gives every sample a zero group-relative advantage; use a group of "
                         ">= 2 (or --adv-scale none with a baseline-free reward)")
+    if cfg.top_k < -1:
+        problems.append(f"--top-k must be -1 or 0 (off) or >= 1 (got {cfg.top_k})")
     if cfg.temperature <= 0:
         problems.append(f"--temperature must be > 0 (got {cfg.temperature})")
     if not 0 < cfg.top_p <= 1:
@@ -170,6 +172,15 @@ def child_entry(name, fn, args, errors, own_process_group):
         errors.join_thread()  # the traceback must reach the parent before this process ends
         sys.stderr.flush()
         os._exit(1)
+
+
+def wait_for(event, stop, timeout_s, what):
+    deadline = time.monotonic() + timeout_s
+    while not event.wait(0.2):
+        if stop.is_set():
+            raise RuntimeError(f"the run stopped while waiting for {what}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"waited {timeout_s:.0f} s for {what}")
 
 
 def kill_tree(proc, own_group: bool):
@@ -266,6 +277,10 @@ def trainer_main(cfg, rank, world_size, model_path, shared, rollout_queue, contr
     from transformers import AutoTokenizer
     pad_id = AutoTokenizer.from_pretrained(model_path).pad_token_id or 0
 
+    if rank == 0:  # the run's clock starts when the engine is up, not while vLLM starts
+        wait_for(control.ready, control.stop, cfg.timeout_s, "the generator's engine to start")
+    if world_size > 1:
+        dist.barrier()
     log = RunLog(cfg, world_size) if rank == 0 else None
     version = 0
     for step in range(cfg.steps):
@@ -435,8 +450,7 @@ class RunLog:
             "tokens_trained": int(self.tokens_trained), "max_token_lag": self.max_token_lag,
             "dropped_stale": int(self.dropped), "bad_steps": self.bad_steps,
             "trainer_wait_frac": self.wait_s / wall if wall else None,
-            "generator_wait_frac": (gen.get("idle_s", 0) + gen.get("queue_wait_s", 0)) / gen["elapsed_s"]
-            if gen.get("elapsed_s") else None,
+            "generator_wait_frac": gen.get("idle_s", 0) / gen["elapsed_s"] if gen.get("elapsed_s") else None,
             "sync_ms_median": statistics.median(self.sync_ms) if self.sync_ms else None,
             "gen_tokens_per_s": gen.get("tokens", 0) / gen["elapsed_s"] if gen.get("elapsed_s") else None,
             "train_tokens_per_s": self.tokens_trained / self.train_s if self.train_s else None,

@@ -60,6 +60,14 @@ def forcing_weights(model_path, token_id):
     return weights
 
 
+async def wait_until(condition, what, timeout_s=120):
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
 def drain(q):
     groups = []
     while True:
@@ -77,8 +85,9 @@ def test_tokens_after_a_swap_carry_the_new_version(engine_env):
     async def scenario():
         env["shared"].publish(sets[FORCED_A], 1)
         task = asyncio.create_task(gen.run())
-        while gen.loaded_version < 1:
-            await asyncio.sleep(0.01)
+        await wait_until(lambda: gen.loaded_version >= 1 or task.done(), "the first weight load")
+        if task.done():
+            task.result()
         version = 1
         deadline = time.monotonic() + 6
         while time.monotonic() < deadline:  # swap back and forth while requests are mid-generation
@@ -123,8 +132,9 @@ def test_logprobs_agree_right_after_a_sync(engine_env, top_k, top_p):
 
     async def scenario():
         task = asyncio.create_task(gen.run())
-        while gen.stats["groups"] < 24:
-            await asyncio.sleep(0.05)
+        await wait_until(lambda: gen.stats["groups"] >= 24 or task.done(), "24 finished groups")
+        if task.done():
+            task.result()
         gen.control.stop.set()
         await task
 

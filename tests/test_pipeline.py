@@ -1,0 +1,282 @@
+"""End to end: `python train.py` with the real vLLM generator and real FSDP2 trainers, as subprocesses.
+
+Each test is one small run (each costs a vLLM engine start, ~20 s here), so the runs are few and short:
+- `--max-lag 0` is exactly on-policy, the summary is complete, and the saved model loads and generates.
+- `--max-lag 1` (drain and inflight weight updates): no trained token is more than one version old.
+- a child that raises (the generator, at engine start) ends the run promptly, non-zero, with its traceback.
+- SIGKILL of the generator, or of a trainer rank, mid-run ends the run non-zero with nothing orphaned.
+After every run, every process the run started (recorded while it ran: trainers, generator, vLLM's
+EngineCore and workers, helpers) must be gone.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SMALL = ["--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "5"]
+RUN_TIMEOUT_S = 240  # a whole small run; a healthy one takes ~30 s on 2 busy cores
+SUMMARY_FIELDS = ("steps", "wall_s", "reward_first10", "reward_last20", "tokens_trained", "max_token_lag",
+                  "dropped_stale", "trainer_wait_frac", "generator_wait_frac", "sync_ms_median",
+                  "gen_tokens_per_s", "train_tokens_per_s", "logprob_diff_after_sync", "config")
+
+
+def _is_engine_core(name: str) -> bool:
+    return name.startswith("VLLM::EngineCor")  # the kernel's process name (comm) is cut at 15 characters
+
+
+def _gone(proc: psutil.Process) -> bool:
+    try:
+        return not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+class Run:
+    """One `train.py` subprocess; records every descendant it ever had (they are reparented if orphaned)."""
+
+    def __init__(self, out: Path, *args: str):
+        self.out = out
+        out.parent.mkdir(parents=True, exist_ok=True)
+        self.stdout_path, self.stderr_path = Path(f"{out}.stdout"), Path(f"{out}.stderr")
+        self.start = time.monotonic()
+        with open(self.stdout_path, "w") as so, open(self.stderr_path, "w") as se:
+            self.proc = subprocess.Popen([sys.executable, "train.py", "--out", str(out), *args], cwd=REPO,
+                                         stdout=so, stderr=se, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        self.root = psutil.Process(self.proc.pid)
+        self.seen: dict[int, psutil.Process] = {}
+        self.names: dict[int, str] = {}  # names as seen while alive
+
+    def record(self) -> None:
+        try:
+            children = self.root.children(recursive=True)
+        except psutil.NoSuchProcess:
+            return
+        for child in children:
+            try:
+                name = child.name()  # refreshed: vLLM's processes rename themselves after they start
+            except psutil.Error:
+                continue
+            self.names[child.pid] = name
+            self.seen.setdefault(child.pid, child)
+
+    def poll(self):
+        self.record()
+        return self.proc.poll()
+
+    def wait(self, timeout: float) -> int:
+        """Wait for the exit (recording descendants meanwhile); fail the test on timeout."""
+        deadline = time.monotonic() + timeout
+        while self.poll() is None:
+            if time.monotonic() > deadline:
+                self.kill_all()
+                pytest.fail(f"train.py did not exit within {timeout:.0f} s\n{self.tail()}")
+            time.sleep(0.25)
+        return self.proc.returncode
+
+    def wait_rows(self, n: int, timeout: float) -> None:
+        metrics = self.out / "metrics.jsonl"
+        deadline = time.monotonic() + timeout
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= n):
+            if self.poll() is not None:
+                pytest.fail(f"train.py exited ({self.proc.returncode}) before {n} metrics rows\n{self.tail()}")
+            if time.monotonic() > deadline:
+                self.kill_all()
+                pytest.fail(f"fewer than {n} metrics rows after {timeout:.0f} s\n{self.tail()}")
+            time.sleep(0.25)
+        self.record()
+
+    def leftovers(self, grace_s: float) -> list[str]:
+        """Recorded descendants (and processes naming this run's --out) still alive after `grace_s`."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            alive = [p for p in self.seen.values() if not _gone(p)]
+            for p in psutil.process_iter(["pid", "cmdline"]):
+                if p.pid != self.proc.pid and str(self.out) in " ".join(p.info["cmdline"] or []) and not _gone(p):
+                    alive.append(p)
+            if not alive or time.monotonic() > deadline:
+                break
+            time.sleep(0.25)
+        out = []
+        for p in alive:
+            try:
+                out.append(f"{p.pid} {p.name()} {' '.join(p.cmdline())[:120]}")
+            except psutil.Error:
+                pass
+        return out
+
+    def kill_all(self) -> None:
+        """Kill this run's processes only (the train.py process and what it started)."""
+        self.record()
+        for p in [self.root, *self.seen.values()]:
+            try:
+                if not _gone(p):
+                    p.kill()
+            except psutil.Error:
+                pass
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def stderr(self) -> str:
+        return self.stderr_path.read_text(errors="replace")
+
+    def tail(self, n: int = 4000) -> str:
+        return f"--- stderr tail ---\n{self.stderr()[-n:]}"
+
+    def rows(self) -> list[dict]:
+        return [json.loads(line) for line in (self.out / "metrics.jsonl").read_text().splitlines()]
+
+    def summary(self) -> dict:
+        return json.loads((self.out / "summary.json").read_text())
+
+
+@pytest.fixture
+def start_run(tmp_path):
+    runs = []
+
+    def start(*args, name="run"):
+        run = Run(tmp_path / name, *args)
+        runs.append(run)
+        return run
+
+    yield start
+    for run in runs:  # whatever happened in the test, leave nothing of ours running
+        run.kill_all()
+
+
+def finish_ok(run: Run, steps: int) -> tuple[list[dict], dict]:
+    code = run.wait(RUN_TIMEOUT_S)
+    assert code == 0, f"train.py exited {code}\n{run.tail()}"
+    assert run.leftovers(grace_s=10) == [], "processes of the run outlived it"
+    assert any(map(_is_engine_core, run.names.values())), f"the run's EngineCore was never seen: {run.names}"
+    rows, summary = run.rows(), run.summary()
+    assert [r["step"] for r in rows] == list(range(steps))
+    assert [r["version"] for r in rows] == list(range(1, steps + 1))  # no skipped step, one version per step
+    assert summary["steps"] == steps
+    assert summary["tokens_trained"] == sum(r["tokens"] for r in rows) > 0
+    assert summary["max_token_lag"] == max(r["lag_max"] for r in rows)
+    assert summary["dropped_stale"] == sum(r["dropped_stale"] for r in rows) == rows[-1]["dropped_stale_total"]
+    return rows, summary
+
+
+def test_max_lag_0_is_on_policy_and_saves_a_usable_model(start_run):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    steps = 6
+    run = start_run("--steps", str(steps), "--max-lag", "0", *SMALL)
+    rows, summary = finish_ok(run, steps)
+
+    for field in SUMMARY_FIELDS:
+        assert field in summary, f"summary.json lacks {field}"
+    for field in SUMMARY_FIELDS[:-1]:
+        if field not in ("reward_first10", "reward_last20", "logprob_diff_after_sync"):
+            assert summary[field] is not None, f"summary {field} is None"
+    assert summary["config"]["max_lag"] == 0 and summary["config"]["steps"] == steps
+    assert summary["wall_s"] > 0 and summary["gen_tokens_per_s"] > 0 and summary["train_tokens_per_s"] > 0
+    assert 0 <= summary["trainer_wait_frac"] <= 1 and 0 <= summary["generator_wait_frac"] <= 1
+
+    # strictly on-policy: every trained token was sampled by the weights being trained
+    assert all(r["lag_max"] == 0 and r["lag_mean"] == 0 for r in rows), [r["lag_max"] for r in rows]
+    assert all(r["fresh_token_frac"] == 1.0 for r in rows)
+    assert summary["max_token_lag"] == 0 and summary["dropped_stale"] == 0
+    # right after each sync the trainer and the generator agree on the log-probs of the same tokens
+    diffs = [r["logprob_diff_on_policy"] for r in rows]
+    assert all(d is not None and 0 <= d < 1e-4 for d in diffs), diffs
+    assert summary["logprob_diff_after_sync"] is not None and summary["logprob_diff_after_sync"] < 1e-4
+    assert summary["logprob_diff_after_sync"] == pytest.approx(max(diffs))
+
+    # the final model is a Hugging Face model that loads and generates, and it was trained
+    model_dir = run.out / "model"
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompt = tokenizer("<bos>abc=", add_special_tokens=False, return_tensors="pt")
+    with torch.no_grad():
+        generated = model.generate(**prompt, max_new_tokens=4, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    assert generated.shape[0] == 1 and prompt["input_ids"].shape[1] < generated.shape[1] <= prompt["input_ids"].shape[1] + 4
+    assert torch.equal(generated[0, : prompt["input_ids"].shape[1]], prompt["input_ids"][0])
+    initial = AutoModelForCausalLM.from_pretrained(run.out / "init_model", dtype=torch.float32)
+    trained = model.state_dict()
+    assert any(not torch.equal(v, trained[k]) for k, v in initial.state_dict().items()), "weights never changed"
+
+
+@pytest.mark.parametrize("update_mode", ["drain", "inflight"])
+def test_max_lag_1_bounds_staleness(update_mode, start_run):
+    steps = 8
+    run = start_run("--steps", str(steps), "--max-lag", "1", "--queue-size", "8", "--update-mode", update_mode, *SMALL)
+    rows, summary = finish_ok(run, steps)
+
+    assert summary["config"]["max_lag"] == 1 and summary["config"]["update_mode"] == update_mode
+    lags = [r["lag_max"] for r in rows]
+    assert all(0 <= lag <= 1 for lag in lags), lags
+    assert summary["max_token_lag"] <= 1
+    # the run was really asynchronous: the generator ran ahead, so some trained tokens were one version old
+    assert 1 in lags, f"no stale token at all with --max-lag 1: the test did not exercise the bound ({lags})"
+    assert sum(r["dropped_stale"] for r in rows) == summary["dropped_stale"]
+    diff = summary["logprob_diff_after_sync"]
+    assert diff is None or diff < 1e-4
+
+
+def test_child_that_raises_ends_the_run_with_its_traceback(start_run, tmp_path):
+    """A model whose KV cache cannot hold one sequence in 1 MB: vLLM raises inside the generator process
+    (EngineCore fails, AsyncLLM raises), after every process of the run has started."""
+    from rollout import build_tiny_model
+
+    model = build_tiny_model(str(tmp_path / "deep_model"), seed=0, layers=16)
+    run = start_run("--steps", "50", "--kv-cache-mb", "1", "--model", model, *SMALL)
+    code = run.wait(60)
+    elapsed = time.monotonic() - run.start
+    err = run.stderr()
+    assert code != 0, f"the run succeeded?\n{run.tail()}"
+    assert elapsed < 60
+    assert "error: generator died (exit code 1)" in err, run.tail()
+    assert "--- traceback from generator ---" in err, run.tail()
+    report = err[err.index("--- traceback from generator ---"):]
+    assert "Traceback (most recent call last)" in report and "Engine core initialization failed" in report
+    assert "rollout.py" in report and "build_engine" in report  # the generator's own frames
+    assert len(run.seen) >= 3  # the trainer and the generator had really started
+    assert run.leftovers(grace_s=5) == [], "processes of the failed run outlived it"
+    assert not (run.out / "summary.json").exists()
+
+
+def _generator_and_trainers(run: Run):
+    """The parent's multiprocessing children: the generator is the one leading its own process group."""
+    generator, trainers = None, []
+    for child in run.root.children():
+        if "spawn_main" not in " ".join(child.cmdline()):
+            continue  # torch_shm_manager (also its own group leader), the resource tracker
+        if os.getpgid(child.pid) == child.pid:
+            generator = child
+        else:
+            trainers.append(child)
+    return generator, trainers
+
+
+@pytest.mark.parametrize("victim", ["generator", "trainer0"])
+def test_sigkill_of_a_child_ends_the_run_with_nothing_left(victim, start_run):
+    run = start_run("--steps", "1000", "--max-lag", "1", *SMALL)
+    run.wait_rows(2, timeout=RUN_TIMEOUT_S)
+    generator, trainers = _generator_and_trainers(run)
+    assert generator is not None and len(trainers) == 1, f"{generator} {trainers}"
+    recorded = {pid: run.names[pid] for pid, p in run.seen.items() if not _gone(p)}
+    engine_cores = [pid for pid, name in recorded.items() if _is_engine_core(name)]
+    assert engine_cores and all(run.seen[pid] in generator.children(recursive=True) for pid in engine_cores)
+
+    target = generator if victim == "generator" else trainers[0]
+    killed_at = time.monotonic()
+    os.kill(target.pid, signal.SIGKILL)
+    code = run.wait(30)
+    assert time.monotonic() - killed_at < 30
+    assert code != 0
+    err = run.stderr()
+    assert f"error: {victim} died (signal SIGKILL)" in err, run.tail()
+    assert run.leftovers(grace_s=5) == [], f"orphans after killing the {victim} (recorded: {recorded})"
+    assert not (run.out / "summary.json").exists()
