@@ -41,6 +41,8 @@ class RolloutGroup:
     rewards: list[float]
     answer: str = ""
     gen_stats: dict = field(default_factory=dict)  # generator counters when this group was enqueued
+    reward_stats: dict = field(default_factory=dict)  # per reward function: counters (data.call_reward)
+    unscored: int = 0  # samples no reward function scored (given the group's mean reward: zero advantage)
 
 
 @dataclass
@@ -101,12 +103,16 @@ class TakeResult:
     wait_s: float
 
 
+class Stopped(Exception):
+    """The run was asked to stop while the trainer waited for rollouts."""
+
+
 def take_groups(q, num_groups: int, trainer_version: int, max_lag: int, timeout_s: float,
-                is_alive=lambda: True) -> TakeResult:
+                should_stop=lambda: False) -> TakeResult:
     """Take groups until `num_groups` of them have at least one fresh sample; stale samples are dropped.
 
     Returns the groups with stale samples already removed. Raises TimeoutError if no group arrives for
-    `timeout_s` seconds, or RuntimeError if `is_alive()` turns False (the generator died) meanwhile.
+    `timeout_s` seconds, or `Stopped` if `should_stop()` turns True meanwhile.
     """
     kept_groups, kept, dropped, groups_dropped, wait = [], 0, 0, 0, 0.0
     while len(kept_groups) < num_groups:
@@ -116,8 +122,8 @@ def take_groups(q, num_groups: int, trainer_version: int, max_lag: int, timeout_
                 group = q.get(timeout=0.2)
                 break
             except queue_lib.Empty:
-                if not is_alive():
-                    raise RuntimeError("the generator stopped while the trainer was waiting for rollouts")
+                if should_stop():
+                    raise Stopped()
                 if time.monotonic() - start > timeout_s:
                     raise TimeoutError(f"no rollout group arrived for {timeout_s:.0f} s: is the generator alive?")
         wait += time.monotonic() - start

@@ -32,37 +32,61 @@ import os
 import random
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from buffer import RolloutGroup, put_group
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 # ----------------------------------------------------------------------------------------------------
-# The built-in task and its tiny model
+# Tasks and the tiny model
+#
+# The generator sees one interface: `make_task(settings, tokenizer, max_len)` returns an object with
+#     sample(rng) -> Prompt                                       (called on the event loop: cheap)
+#     score(prompt, completion_texts, completion_ids, step) -> (rewards, {name: stats}, unscored)
+#                                                                 (called in a worker thread)
+#     close()
+# `rewards` has one float per completion (never None/NaN: see data.py's fault rules); the stats are
+# data.call_reward's per-function counters, summed by the trainer into reward/<name>/... metrics.
 # ----------------------------------------------------------------------------------------------------
 SPECIALS = ["<pad>", "<bos>", "<eos>"]
 SYMBOLS = list("0123456789abcdefghij+=_")
+ASCII = [chr(i) for i in range(32, 127)] + ["\n", "\t"]  # printable ASCII, newline, tab
 LETTERS = "abcdefghij"
 COPY_LENGTH = 3
+# A chat template that uses only printable ASCII (so the "ascii" tiny tokenizer encodes it faithfully).
+TINY_CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+                      "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 
 
-def build_tiny_model(path: str, seed: int = 0, hidden: int = 128, layers: int = 2, heads: int = 4) -> str:
-    """Write a random-init Qwen2 model and its character tokenizer to `path` (Hugging Face format)."""
+def build_tiny_model(path: str, seed: int = 0, hidden: int = 128, layers: int = 2, heads: int = 4,
+                     alphabet: str = "copy") -> str:
+    """Write a random-init Qwen2 model and its character tokenizer to `path` (Hugging Face format).
+
+    alphabet="copy": the default 26 symbols (the copy task's), 64 positions.
+    alphabet="ascii": one token per printable ASCII character plus newline and tab (100 tokens with the
+    specials), 1024 positions and a small chat template: for trying datasets, prompts and rewards on real
+    text (it is random-init: it writes garbage, but the whole path runs)."""
     import torch
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-    vocab = {tok: i for i, tok in enumerate(SPECIALS + SYMBOLS)}
+    if alphabet not in ("copy", "ascii"):
+        raise ValueError(f"alphabet must be 'copy' or 'ascii' (got {alphabet!r})")
+    ascii_ = alphabet == "ascii"
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + (ASCII if ascii_ else SYMBOLS))}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("<[a-z]+>|."), behavior="isolated")
+    pattern = r"<pad>|<bos>|<eos>|[\s\S]" if ascii_ else "<[a-z]+>|."
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(pattern), behavior="isolated")
     tok.decoder = decoders.Fuse()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>",
                                         pad_token="<pad>")
+    if ascii_:
+        tokenizer.chat_template = TINY_CHAT_TEMPLATE
     config = Qwen2Config(vocab_size=len(vocab), hidden_size=hidden, num_hidden_layers=layers,
                          num_attention_heads=heads, num_key_value_heads=heads, intermediate_size=4 * hidden,
-                         max_position_embeddings=64, tie_word_embeddings=True, bos_token_id=1,
-                         eos_token_id=2, pad_token_id=0, dtype="float32")
+                         max_position_embeddings=1024 if ascii_ else 64, tie_word_embeddings=True,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=0, dtype="float32")
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config)
     tmp = path + ".tmp"
@@ -76,10 +100,14 @@ def build_tiny_model(path: str, seed: int = 0, hidden: int = 128, layers: int = 
 class Prompt:
     prompt_ids: list[int]
     answer: str
+    columns: dict = field(default_factory=dict)  # keyword arguments for reward functions (the row's columns)
+    prompt: object = None  # the prompt as the dataset gives it (text or messages): what rewards see
 
 
 class CopyTask:
     """Copy 3 letters: `<bos>abc=` -> `abc<eos>`."""
+
+    names = ["copy"]
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
@@ -99,6 +127,84 @@ class CopyTask:
             prediction.append(self.id_to_token.get(token_id, "?"))
         matches = sum(p == a for p, a in zip(prediction, answer))
         return matches / max(len(prediction), len(answer), 1)
+
+    def score(self, prompt: Prompt, completion_texts, completion_ids, step: int = 0):
+        t0 = time.perf_counter()
+        rewards = [self.reward(ids, prompt.answer) for ids in completion_ids]
+        n = len(rewards)
+        stats = {"n": n, "count": n, "sum": sum(rewards), "sumsq": sum(r * r for r in rewards), "none": 0,
+                 "invalid": 0, "errors": 0, "time_s": time.perf_counter() - t0}
+        return rewards, {"copy": stats}, 0
+
+    def close(self):
+        pass
+
+
+class DatasetTask:
+    """Prompts from a dataset (data.py loads and checks it), scored by TRL-convention reward functions.
+
+    Each group's prompt is a row drawn uniformly with the rng it is handed (a function of the seed and the
+    group id, so a resumed run draws the same prompts). A prompt too long to leave room for
+    `max_new_tokens` within the model's context is skipped and counted (reported once)."""
+
+    def __init__(self, spec, tokenizer, max_new_tokens: int, max_len: int | None = None):
+        import data
+
+        self.spec, self.tokenizer = spec, tokenizer
+        self.rows = data.load_rows(spec.dataset, spec.split)
+        data.check_rows(self.rows, spec.prompt_column, spec.answer_column)
+        self.scorer = data.Scorer(spec.rewards, spec.weights, workers=spec.reward_workers)
+        self.names = self.scorer.names
+        self.max_prompt = (max_len - max_new_tokens) if max_len else None
+        self.ids: dict[int, list[int] | None] = {}  # row -> prompt ids (None: too long)
+        self.too_long = 0
+
+    def encode(self, i: int) -> list[int] | None:
+        import data
+
+        if i not in self.ids:
+            where, row = self.rows[i]
+            ids = data.encode_prompt(self.tokenizer, row[self.spec.prompt_column], self.spec.system_prompt)
+            if self.max_prompt is not None and len(ids) > self.max_prompt:
+                self.too_long += 1
+                if self.too_long == 1:
+                    print(f"[data] {where}: a prompt of {len(ids)} tokens leaves no room for the completion "
+                          f"(context - max-new-tokens = {self.max_prompt}): skipped (such rows are skipped, "
+                          "reported once)", file=sys.stderr, flush=True)
+                ids = None
+            self.ids[i] = ids
+        return self.ids[i]
+
+    def sample(self, rng: random.Random) -> Prompt:
+        import data
+
+        while self.too_long < len(self.rows):
+            i = rng.randrange(len(self.rows))
+            ids = self.encode(i)
+            if ids is not None:
+                row = self.rows[i][1]
+                columns = data.row_columns(row, self.spec.prompt_column, self.spec.answer_column)
+                return Prompt(ids, str(row[self.spec.answer_column]), columns, row[self.spec.prompt_column])
+        raise RuntimeError(f"every prompt of {self.spec.dataset} is too long for the model's context "
+                           f"({self.max_prompt} tokens + max-new-tokens)")
+
+    def score(self, prompt: Prompt, completion_texts, completion_ids, step: int = 0):
+        return self.scorer.score(prompt.prompt, completion_texts, completion_ids, prompt.columns, step)
+
+    def close(self):
+        self.scorer.close()
+
+
+def make_task(settings, tokenizer, max_len: int | None = None):
+    """The task the run's flags ask for: the copy task (default) or a dataset task (--dataset / --task)."""
+    import data
+
+    spec = data.resolve(settings.task, settings.dataset, settings.split, settings.prompt_column,
+                        settings.answer_column, settings.reward, settings.reward_weights, settings.system_prompt,
+                        settings.reward_workers)
+    if spec is None:
+        return CopyTask(tokenizer)
+    return DatasetTask(spec, tokenizer, settings.max_new_tokens, max_len)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -121,6 +227,18 @@ class GeneratorSettings:
     kv_cache_mb: int = 256
     threads: int = 1
     queue_timeout_s: float = 600.0
+    # data and reward (see data.py; the defaults give the built-in copy task)
+    task: str = "auto"
+    dataset: str = ""
+    split: str = "train"
+    prompt_column: str = "prompt"
+    answer_column: str = "answer"
+    reward: str = ""
+    reward_weights: str = ""
+    system_prompt: str = ""
+    reward_workers: int = 0
+    initial_version: int = 0  # the version of the weights in `model` (a resumed run's checkpoint version)
+    first_group_id: int = 0  # a resumed run continues the sequence of group ids (and so of prompts)
 
 
 def tag_versions(weight_versions, num_tokens: int) -> list[int]:
@@ -143,8 +261,8 @@ class Generator:
 
     def __init__(self, settings: GeneratorSettings, shared, rollout_queue, control):
         self.s, self.shared, self.queue, self.control = settings, shared, rollout_queue, control
-        self.loaded_version = 0
-        self.issued = 0
+        self.loaded_version = settings.initial_version
+        self.issued = settings.first_group_id
         self.running: set[asyncio.Task] = set()
         self.generating = 0  # groups inside engine.generate: 0 means the engine is idle (waiting)
         self.idle_since: float | None = time.perf_counter()
@@ -173,9 +291,14 @@ class Generator:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
+        # A per-request seed makes a group's samples a function of (seed, group id, weights), so a resumed
+        # run regenerates the same rollouts. Only when no request is ever preempted by a weight swap:
+        # vLLM's CPU sampler cannot re-seed a preempted request ("CPU Generator does not use offset").
+        reproducible = self.s.max_lag == 0 or self.s.update_mode == "drain"
         return SamplingParams(n=self.s.group_size, max_tokens=self.s.max_new_tokens,
                               temperature=self.s.temperature, top_k=self.s.top_k, top_p=self.s.top_p,
-                              logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY)
+                              logprobs=0, seed=self.s.seed * 1_000_003 + group_id if reproducible else None,
+                              output_kind=RequestOutputKind.FINAL_ONLY)
 
     def _count_generating(self, delta: int) -> None:
         now = time.perf_counter()
@@ -195,16 +318,22 @@ class Generator:
                 final = out
         finally:
             self._count_generating(-1)
-        completions, logprobs, versions, rewards = [], [], [], []
+        completions, logprobs, versions, texts = [], [], [], []
         for c in sorted(final.outputs, key=lambda c: c.index):
             ids = list(c.token_ids)
             completions.append(ids)
             logprobs.append([c.logprobs[i][t].logprob for i, t in enumerate(ids)])
             versions.append(tag_versions(c.weight_versions, len(ids)))
-            rewards.append(self.task.reward(ids, prompt.answer))
+            texts.append(c.text or "")
             self.stats["tokens"] += len(ids)
+        # Rewards run in worker threads (or the task's process pool), never on this event loop.
+        rewards, reward_stats, unscored = await asyncio.get_running_loop().run_in_executor(
+            self.reward_threads, self.task.score, prompt, texts, completions, self.loaded_version)
+        self.stats["reward_s"] = self.stats.get("reward_s", 0.0) + sum(s["time_s"] for s in reward_stats.values())
+        self.stats["unscored"] = self.stats.get("unscored", 0) + unscored
         self.stats["groups"] += 1
-        group = RolloutGroup(group_id, prompt.prompt_ids, completions, logprobs, versions, rewards, prompt.answer)
+        group = RolloutGroup(group_id, prompt.prompt_ids, completions, logprobs, versions, rewards, prompt.answer,
+                             reward_stats=reward_stats, unscored=unscored)
         group.gen_stats = dict(self.stats, sync_ms=self.sync_ms, sync_parts=self.sync_parts,
                                loaded_version=self.loaded_version)
         self.sync_ms, self.sync_parts = [], []
@@ -249,10 +378,15 @@ class Generator:
     async def run(self):
         from transformers import AutoTokenizer
 
-        self.task = CopyTask(AutoTokenizer.from_pretrained(self.s.model))
-        await self.engine.update_weight_version("0")
+        from concurrent.futures import ThreadPoolExecutor
+
+        max_len = getattr(getattr(self.engine, "model_config", None), "max_model_len", None)
+        self.task = make_task(self.s, AutoTokenizer.from_pretrained(self.s.model), max_len)
+        # One scoring thread (user reward functions need not be thread-safe); with a process pool, one
+        # thread per worker process, to keep them all busy.
+        self.reward_threads = ThreadPoolExecutor(max(1, self.s.reward_workers), thread_name_prefix="reward")
+        await self.engine.update_weight_version(str(self.loaded_version))
         await self.engine.collective_rpc("attach_shared_weights", args=(self.shared.to_bytes(),))
-        rng = random.Random(self.s.seed)
         self.control.ready.set()
         start = time.perf_counter()
         self.idle_since = start
@@ -263,7 +397,8 @@ class Generator:
             if published > self.loaded_version:
                 await self.swap_weights(published)
             if self.may_start_group():
-                task = asyncio.create_task(self.run_group(self.issued, self.task.sample(rng)))
+                prompt = self.task.sample(random.Random(f"{self.s.seed}-{self.issued}"))  # a function of the id
+                task = asyncio.create_task(self.run_group(self.issued, prompt))
                 task.add_done_callback(self._done)
                 self.running.add(task)
                 self.issued += 1
@@ -276,6 +411,8 @@ class Generator:
         for task in list(self.running):
             task.cancel()
         await asyncio.gather(*self.running, return_exceptions=True)
+        self.reward_threads.shutdown(wait=False, cancel_futures=True)
+        self.task.close()
 
 
 def generator_main(settings: GeneratorSettings, shared, rollout_queue, control) -> None:

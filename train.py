@@ -58,6 +58,16 @@ class Config:
     group_size: int = 8  # G completions per prompt
     prompts_per_step: int = 32
     max_new_tokens: int = 5
+    # data and reward (data.py; the defaults are the built-in copy task)
+    task: str = "auto"  # auto ("dataset" with --dataset, else "copy") | copy | dataset | gsm8k (a preset)
+    dataset: str = ""  # a .jsonl/.json/.parquet file, or a Hugging Face dataset NAME[:CONFIG]
+    split: str = "train"  # the split of a Hugging Face dataset
+    prompt_column: str = "prompt"  # text, or a list of chat messages (rendered with the chat template)
+    answer_column: str = "answer"  # also passed to reward functions as `answer`
+    reward: str = ""  # comma-separated module:function | path/file.py:function | math (TRL's convention)
+    reward_weights: str = ""  # comma-separated, one per --reward function (default: all 1)
+    system_prompt: str = ""  # added as a system message (chat template) or a prefix (plain text)
+    reward_workers: int = 0  # 0: rewards run in a thread of the generator; N: a pool of N processes
     # sampling (the trainer scores tokens with the same temperature/top-k/top-p)
     temperature: float = 1.0
     top_k: int = -1  # -1: off
@@ -83,6 +93,11 @@ class Config:
     train_threads: int = 0  # per rank; 0: the rest of the cores, split between ranks
     kv_cache_mb: int = 256
     timeout_s: float = 300.0  # longest wait for any other process before the run fails
+    # checkpoints and faults
+    save_every: int = 0  # write a checkpoint every N steps (0: only when interrupted)
+    keep_checkpoints: int = 2  # newest checkpoints kept (0: all)
+    resume: str = ""  # a checkpoint folder, or "latest" (the newest under OUT/checkpoints)
+    max_bad_steps: int = 10  # steps skipped for NaN/inf loss or gradients before the run stops
     log_every: int = 10
     wandb: str = "off"  # online | offline | off
     wandb_project: str = "asyncgrpo"
@@ -118,6 +133,8 @@ def validate(cfg: Config) -> None:
                  "train_ranks", "kv_cache_mb"):
         if getattr(cfg, name) < 1:
             problems.append(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(cfg, name)})")
+    if cfg.save_every < 0 or cfg.keep_checkpoints < 0 or cfg.max_bad_steps < 0:
+        problems.append("--save-every, --keep-checkpoints and --max-bad-steps must be >= 0")
     if cfg.max_lag < 0:
         problems.append(f"--max-lag must be >= 0 (got {cfg.max_lag})")
     elif cfg.max_lag < cfg.sync_every - 1:
@@ -138,6 +155,8 @@ def validate(cfg: Config) -> None:
         problems.append(f"--model {cfg.model} is a file; give a Hugging Face model directory")
     elif cfg.model and not os.path.exists(cfg.model) and (cfg.model.startswith((".", "/", "~"))):
         problems.append(f"--model {cfg.model}: no such directory")
+    import data
+    problems += data.check_flags(cfg)  # data/reward flags: files exist, rows complete, reward functions import
     if problems:
         raise SystemExit("error: " + "\nerror: ".join(problems))
 
@@ -152,10 +171,11 @@ class Control:
     ready: object  # Event: the generator's engine is up
     groups_dropped: object  # Value: groups the trainer rejected entirely (the generator replaces them)
     loaded_version: object  # Value: the version the generator serves now
+    interrupted: object  # Event: a signal asked the run to stop (the trainer checkpoints)
 
 
 def make_control(ctx) -> Control:
-    return Control(ctx.Event(), ctx.Event(), ctx.Value("q", 0), ctx.Value("q", 0))
+    return Control(ctx.Event(), ctx.Event(), ctx.Value("q", 0), ctx.Value("q", 0), ctx.Event())
 
 
 def child_entry(name, fn, args, errors, own_process_group):
@@ -174,13 +194,15 @@ def child_entry(name, fn, args, errors, own_process_group):
         os._exit(1)
 
 
-def wait_for(event, stop, timeout_s, what):
+def wait_for(event, stop, timeout_s, what) -> bool:
+    """True once `event` is set; False if `stop` is set first; TimeoutError after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     while not event.wait(0.2):
         if stop.is_set():
-            raise RuntimeError(f"the run stopped while waiting for {what}")
+            return False
         if time.monotonic() > deadline:
             raise TimeoutError(f"waited {timeout_s:.0f} s for {what}")
+    return True
 
 
 def kill_tree(proc, own_group: bool):
@@ -252,11 +274,12 @@ def loss_on_batch(model, ref_model, local, cfg, world_size):
     return loss * share * world_size, loss * share, logp.detach(), metrics
 
 
-def trainer_main(cfg, rank, world_size, model_path, shared, rollout_queue, control, init_file):
+def trainer_main(cfg, rank, world_size, model_path, shared, rollout_queue, control, init_file, resume_dir=""):
     import torch.distributed as dist
     from datetime import timedelta
 
     import buffer
+    import checkpoint
     from losses import group_advantages
 
     torch.set_num_threads(cfg.train_threads)
@@ -266,6 +289,17 @@ def trainer_main(cfg, rank, world_size, model_path, shared, rollout_queue, contr
     model = build_trainer_model(model_path, world_size)
     # Build the optimizer before any forward pass (FSDP2 pitfall: see shared notes).
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    start_step = version = 0
+    if resume_dir:  # model_path already points at the checkpoint's model
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        saved = checkpoint.load_state(resume_dir)
+        start_step, version = saved["step"], saved["version"]
+        full = torch.load(os.path.join(resume_dir, "optimizer.pt"), weights_only=False) if rank == 0 else {}
+        set_optimizer_state_dict(model, optimizer, optim_state_dict=full, options=StateDictOptions(
+            full_state_dict=True, broadcast_from_rank0=world_size > 1))
+        if rank == 0:
+            checkpoint.restore_rng(resume_dir)
     names = [name for name, _ in model.named_parameters()]
     if names != [slot.name for slot in shared.layout]:
         raise RuntimeError("trainer parameters do not match the shared buffer's layout")
@@ -277,25 +311,35 @@ def trainer_main(cfg, rank, world_size, model_path, shared, rollout_queue, contr
     from transformers import AutoTokenizer
     pad_id = AutoTokenizer.from_pretrained(model_path).pad_token_id or 0
 
+    ready = True
     if rank == 0:  # the run's clock starts when the engine is up, not while vLLM starts
-        wait_for(control.ready, control.stop, cfg.timeout_s, "the generator's engine to start")
+        ready = wait_for(control.ready, control.stop, cfg.timeout_s, "the generator's engine to start")
     if world_size > 1:
-        dist.barrier()
-    log = RunLog(cfg, world_size) if rank == 0 else None
-    version = 0
-    for step in range(cfg.steps):
-        if control.stop.is_set():
-            break
+        box = [ready]
+        dist.broadcast_object_list(box, src=0)
+        ready = box[0]
+    if not ready:  # stopped by a signal before the first step: nothing to save
+        dist.destroy_process_group()
+        return
+    log = RunLog(cfg, world_size, start_step) if rank == 0 else None
+    bad_steps = 0
+    step = start_step
+    for step in range(start_step, cfg.steps):
         t_wait = time.perf_counter()
         taken = None
-        if rank == 0:
-            taken = buffer.take_groups(rollout_queue, cfg.prompts_per_step, version, cfg.max_lag, cfg.timeout_s,
-                                       is_alive=lambda: not control.stop.is_set())
-            control.groups_dropped.value += taken.groups_dropped
+        if rank == 0 and not control.stop.is_set():
+            try:
+                taken = buffer.take_groups(rollout_queue, cfg.prompts_per_step, version, cfg.max_lag,
+                                           cfg.timeout_s, should_stop=control.stop.is_set)
+                control.groups_dropped.value += taken.groups_dropped
+            except buffer.Stopped:
+                taken = None
         if world_size > 1:
             box = [taken]
             dist.broadcast_object_list(box, src=0)
             taken = box[0]
+        if taken is None:  # asked to stop (a signal): leave the loop on every rank together
+            break
         wait_s = time.perf_counter() - t_wait
         t_step = time.perf_counter()
 
@@ -318,8 +362,12 @@ def trainer_main(cfg, rank, world_size, model_path, shared, rollout_queue, contr
             dist.all_reduce(stats[1:2], op=dist.ReduceOp.MAX)
             dist.all_reduce(stats[2:])
         skipped = not math.isfinite(grad_norm) or not math.isfinite(float(stats[0]))
-        if skipped:
+        if skipped:  # NaN/inf loss or gradients: skip the step, count it, stop after too many
             optimizer.zero_grad(set_to_none=True)
+            bad_steps += 1
+            if bad_steps > cfg.max_bad_steps:
+                raise RuntimeError(f"{bad_steps} steps with NaN/inf loss or gradients (--max-bad-steps "
+                                   f"{cfg.max_bad_steps}): lower --lr or check the rewards")
         else:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -332,13 +380,39 @@ def trainer_main(cfg, rank, world_size, model_path, shared, rollout_queue, contr
             log.step(step, version, taken, batch, metrics, loss=float(stats[0]), grad_norm=grad_norm,
                      logprob_diff=float(stats[1]) if stats[2] > 0 else None, wait_s=wait_s,
                      train_s=time.perf_counter() - t_step, publish_ms=publish_ms, skipped=skipped)
+        if cfg.save_every and (step + 1) % cfg.save_every == 0:
+            save_checkpoint(model, optimizer, model_path, cfg, step + 1, version, rank)
+    else:
+        step = cfg.steps  # the loop ran to the end
+    finished = step >= cfg.steps and not control.interrupted.is_set()
     if rank == 0:
         control.stop.set()  # the generator can stop now
-    save_final_model(model, model_path, os.path.join(cfg.out, "model"), rank)
+    if finished:
+        save_final_model(model, model_path, os.path.join(cfg.out, "model"), rank)
+    elif control.interrupted.is_set():
+        where = save_checkpoint(model, optimizer, model_path, cfg, step, version, rank)
+        if rank == 0:
+            print(f"stopped at step {step} (version {version}); checkpoint in {where}; continue with "
+                  f"--resume latest --out {cfg.out}", flush=True)
     if rank == 0:
         log.finish(version)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def save_checkpoint(model, optimizer, model_path, cfg, step, version, rank):
+    """Gather full model and optimizer state (collectives: every rank calls) and write them on rank 0."""
+    import checkpoint
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_state = get_model_state_dict(model, options=options)
+    optimizer_state = get_optimizer_state_dict(model, optimizer, options=options)
+    if rank != 0:
+        return None
+    return checkpoint.save(checkpoint.checkpoint_root(cfg.out), step, version, model_state, optimizer_state,
+                           model_path, dataclasses.asdict(cfg), cfg.keep_checkpoints)
 
 
 def publish(model, shared, version, rank, world_size):
@@ -367,13 +441,10 @@ def save_final_model(model, model_path, out_dir, rank):
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank != 0:
         return
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import checkpoint
 
-    plain = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    plain.load_state_dict(state)
     tmp = out_dir + ".tmp"
-    plain.save_pretrained(tmp)
-    AutoTokenizer.from_pretrained(model_path).save_pretrained(tmp)
+    checkpoint.save_model(state, model_path, tmp)
     if os.path.exists(out_dir):
         import shutil
         shutil.rmtree(out_dir)
@@ -383,12 +454,31 @@ def save_final_model(model, model_path, out_dir, rank):
 class RunLog:
     """Rank 0's metrics: one JSON row per step, a progress line, wandb, and the summary at the end."""
 
-    def __init__(self, cfg, world_size):
+    def __init__(self, cfg, world_size, start_step=0):
         self.cfg, self.rows, self.start = cfg, [], time.perf_counter()
-        self.file = open(os.path.join(cfg.out, "metrics.jsonl"), "w")
         self.tokens_trained = self.dropped = self.wait_s = self.train_s = 0.0
         self.max_token_lag, self.logprob_diff, self.sync_ms, self.gen = 0, None, [], {}
         self.bad_steps = 0
+        path = os.path.join(cfg.out, "metrics.jsonl")
+        if start_step and os.path.exists(path):  # a resume: keep the rows of the steps already done
+            with open(path) as f:
+                earlier = [json.loads(line) for line in f if line.strip()]
+            self.rows = [r for r in earlier if r["step"] < start_step]
+            self.start -= self.rows[-1]["wall_s"] if self.rows else 0.0
+            for r in self.rows:
+                self.tokens_trained += r["tokens"]
+                self.dropped += r["dropped_stale"]
+                self.wait_s += r["trainer_wait_s"]
+                self.train_s += r["train_s"]
+                self.max_token_lag = max(self.max_token_lag, r["lag_max"])
+                self.bad_steps += int(r["skipped"])
+                if r.get("logprob_diff_on_policy") is not None:
+                    self.logprob_diff = max(self.logprob_diff or 0.0, r["logprob_diff_on_policy"])
+                if r.get("sync_ms") is not None:
+                    self.sync_ms.append(r["sync_ms"])
+        self.file = open(path, "w")
+        for r in self.rows:
+            self.file.write(json.dumps(r) + "\n")
         self.wandb = None
         if cfg.wandb != "off":
             os.environ["WANDB_MODE"] = cfg.wandb
@@ -424,6 +514,12 @@ class RunLog:
                "gen_elapsed_s": gen.get("elapsed_s"), "gen_loaded_version": gen.get("loaded_version"),
                "sync_ms": (self.sync_ms[-1] if self.sync_ms else None), "wall_s": time.perf_counter() - self.start,
                **metrics}
+        import data  # per reward function: mean/std/none_frac/errors/time_s; lengths; tokens per lag
+        lengths = batch.mask.sum(1)
+        lags = torch.bincount((version - (0 if skipped else 1) - batch.token_versions[batch.mask]).clamp(min=0))
+        row.update(data.summarize([g.reward_stats for g in taken.groups]), completion_len_min=int(lengths.min()),
+                   completion_len_max=int(lengths.max()), unscored=sum(g.unscored for g in taken.groups),
+                   gen_reward_s=gen.get("reward_s"), **{f"lag_hist/{k}": int(n) for k, n in enumerate(lags)})
         self.rows.append(row)
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
@@ -463,8 +559,14 @@ class RunLog:
         if self.wandb is not None:
             self.wandb.summary.update({k: v for k, v in summary.items() if k != "config"})
             self.wandb.finish()
-        print(f"done: {n} steps in {wall:.0f} s, reward {summary['reward_first10']:.3f} -> "
-              f"{summary['reward_last20']:.3f}; summary in {self.cfg.out}/summary.json", flush=True)
+        if n:
+            print(f"done: {n} steps in {wall:.0f} s, reward {summary['reward_first10']:.3f} -> "
+                  f"{summary['reward_last20']:.3f}; summary in {self.cfg.out}/summary.json", flush=True)
+        try:
+            import plots
+            plots.plot_run(self.cfg.out)
+        except Exception as e:  # a plot is never worth failing a finished run
+            print(f"warning: no {self.cfg.out}/plots.png ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -506,8 +608,20 @@ def run(cfg: Config) -> int:
     """Start the generator and trainer ranks, wait for them, and return the run's exit code."""
     from rollout import GeneratorSettings, generator_main
 
+    import checkpoint
+
     os.makedirs(cfg.out, exist_ok=True)
-    model_path = prepare_model(cfg)
+    resume_dir, start_step, start_version = "", 0, 0
+    if cfg.resume:
+        resume_dir = checkpoint.resolve(cfg.resume, cfg.out)
+        saved = checkpoint.load_state(resume_dir)
+        start_step, start_version = saved["step"], saved["version"]
+        for line in checkpoint.config_differences(saved["config"], dataclasses.asdict(cfg)):
+            print(f"warning: config differs from the checkpoint's: {line}", file=sys.stderr)
+        print(f"resuming from {resume_dir}: step {start_step}, version {start_version}", flush=True)
+        model_path = os.path.join(resume_dir, "model")
+    else:
+        model_path = prepare_model(cfg)
     gen_threads, cfg.train_threads = split_threads(cfg)
     with open(os.path.join(cfg.out, "config.json"), "w") as f:
         json.dump(dataclasses.asdict(cfg), f, indent=2)
@@ -521,14 +635,19 @@ def run(cfg: Config) -> int:
         max_new_tokens=cfg.max_new_tokens, max_lag=cfg.max_lag, update_mode=cfg.update_mode,
         temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
         max_inflight_groups=cfg.max_inflight_groups, kv_cache_mb=cfg.kv_cache_mb, threads=gen_threads,
-        queue_timeout_s=cfg.timeout_s)
+        queue_timeout_s=cfg.timeout_s, initial_version=start_version,
+        first_group_id=start_step * cfg.prompts_per_step,
+        task=cfg.task, dataset=cfg.dataset, split=cfg.split, prompt_column=cfg.prompt_column,
+        answer_column=cfg.answer_column, reward=cfg.reward, reward_weights=cfg.reward_weights,
+        system_prompt=cfg.system_prompt, reward_workers=cfg.reward_workers)
     init_file = tempfile.mktemp(prefix="asyncgrpo-dist-")
     procs = {"generator": (ctx.Process(target=child_entry, name="generator", args=(
         "generator", _generator_entry, (settings, shared, rollout_queue, control), errors, True)), True)}
     for rank in range(cfg.train_ranks):
         procs[f"trainer{rank}"] = (ctx.Process(target=child_entry, name=f"trainer{rank}", args=(
             f"trainer{rank}", trainer_main,
-            (cfg, rank, cfg.train_ranks, model_path, shared, rollout_queue, control, init_file), errors, False)),
+            (cfg, rank, cfg.train_ranks, model_path, shared, rollout_queue, control, init_file, resume_dir),
+            errors, False)),
             False)
     interrupted = []
 
@@ -536,8 +655,9 @@ def run(cfg: Config) -> int:
         if interrupted:  # second Ctrl-C: stop now
             raise KeyboardInterrupt
         interrupted.append(signum)
-        print(f"\n{signal.Signals(signum).name}: stopping after the current step (again to stop at once)",
-              file=sys.stderr, flush=True)
+        print(f"\n{signal.Signals(signum).name}: stopping after the current step and writing a checkpoint "
+              "(press Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
+        control.interrupted.set()
         control.stop.set()
 
     old_handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -559,7 +679,7 @@ def run(cfg: Config) -> int:
         if os.path.exists(init_file):
             os.unlink(init_file)
     if interrupted and code == 0:
-        code = 130
+        code = 128 + interrupted[0]  # 130 for SIGINT, 143 for SIGTERM, as a shell reports them
     return code
 
 

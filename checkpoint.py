@@ -1,0 +1,108 @@
+"""checkpoint.py — atomic checkpoints and what a resume needs.
+
+Role
+    Writes and finds the trainer's checkpoints. A checkpoint is written into a hidden temporary folder
+    and renamed into place only when complete, so a run killed while writing (even by SIGKILL) leaves the
+    previous checkpoint intact and loadable; half-written folders are never listed and are cleaned up.
+
+Data contract
+    OUT/checkpoints/step_00000100/
+        model/              Hugging Face safetensors + config + tokenizer (loads in transformers and vLLM)
+        optimizer.pt        the full (unsharded) optimizer state dict, keyed by parameter name
+        rng.pt              RNG states of the trainer's rank 0 (torch, python, numpy)
+        trainer_state.json  {"step": steps completed, "version": model version, "config": {...}}
+    `step` counts completed optimizer steps; a resumed run starts at that step with that version.
+
+May touch: files under the checkpoint root only. Imports torch, transformers; no processes.
+"""
+import json
+import os
+import random
+import shutil
+
+import numpy as np
+import torch
+
+PREFIX = "step_"
+
+
+def checkpoint_root(out_dir: str) -> str:
+    return os.path.join(out_dir, "checkpoints")
+
+
+def list_checkpoints(root: str) -> list[str]:
+    """Complete checkpoints, oldest first (temporary folders are not listed)."""
+    if not os.path.isdir(root):
+        return []
+    names = sorted(n for n in os.listdir(root) if n.startswith(PREFIX)
+                   and os.path.exists(os.path.join(root, n, "trainer_state.json")))
+    return [os.path.join(root, n) for n in names]
+
+
+def resolve(resume: str, out_dir: str) -> str:
+    """`--resume latest` or a checkpoint folder -> that folder; one clear error line otherwise."""
+    if resume == "latest":
+        found = list_checkpoints(checkpoint_root(out_dir))
+        if not found:
+            raise SystemExit(f"error: --resume latest: no checkpoint under {checkpoint_root(out_dir)}; "
+                             "run with --save-every N first, or give a checkpoint folder")
+        return found[-1]
+    if not os.path.exists(os.path.join(resume, "trainer_state.json")):
+        raise SystemExit(f"error: --resume {resume}: not a checkpoint folder (no trainer_state.json)")
+    return os.path.abspath(resume)
+
+
+def load_state(path: str) -> dict:
+    with open(os.path.join(path, "trainer_state.json")) as f:
+        return json.load(f)
+
+
+def config_differences(saved: dict, current: dict, ignore=("resume", "steps", "out")) -> list[str]:
+    keys = sorted(set(saved) | set(current))
+    return [f"{k}: {saved.get(k)!r} -> {current.get(k)!r}" for k in keys
+            if k not in ignore and saved.get(k) != current.get(k)]
+
+
+def save_model(full_state: dict, base_model: str, dst: str) -> None:
+    """Save full weights in Hugging Face format, with the tokenizer of `base_model`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    plain = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32)
+    plain.load_state_dict(full_state)
+    plain.save_pretrained(dst)
+    AutoTokenizer.from_pretrained(base_model).save_pretrained(dst)
+
+
+def save(root: str, step: int, version: int, model_state: dict, optimizer_state: dict, base_model: str,
+         config: dict, keep: int) -> str:
+    """Write a checkpoint atomically; keep the newest `keep` (0 keeps all). Returns its folder."""
+    os.makedirs(root, exist_ok=True)
+    final = os.path.join(root, f"{PREFIX}{step:08d}")
+    tmp = os.path.join(root, f".tmp-{PREFIX}{step:08d}-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_model(model_state, base_model, os.path.join(tmp, "model"))
+    torch.save(optimizer_state, os.path.join(tmp, "optimizer.pt"))
+    torch.save({"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
+               os.path.join(tmp, "rng.pt"))
+    with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+        json.dump({"step": step, "version": version, "config": config}, f, indent=2)
+    for folder, _, files in os.walk(tmp):  # on disk before the rename makes it visible
+        for name in files:
+            with open(os.path.join(folder, name), "rb") as f:
+                os.fsync(f.fileno())
+    if os.path.exists(final):
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    for stale in [os.path.join(root, n) for n in os.listdir(root) if n.startswith(".tmp-")]:
+        shutil.rmtree(stale, ignore_errors=True)  # left by a run killed while writing
+    if keep > 0:
+        for old in list_checkpoints(root)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def restore_rng(path: str) -> None:
+    states = torch.load(os.path.join(path, "rng.pt"), weights_only=False)
+    torch.set_rng_state(states["torch"])
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])

@@ -1,0 +1,552 @@
+"""data.py — bring your own data and reward: datasets, prompt rendering, reward functions (TRL convention).
+
+Role
+    Everything between "a researcher's files" and "token ids plus a reward per completion", with no engine
+    and no trainer in sight (importable without vLLM or torch):
+    - `load_rows`: a JSONL / JSON / Parquet file, or a Hugging Face dataset `NAME[:CONFIG]` with a split
+      (through `datasets`, when installed). `check_rows` reports every row that lacks the prompt or the
+      answer column, by file line (JSONL) or row number.
+    - `encode_prompt`: a prompt given as a list of chat messages goes through the tokenizer's chat template
+      (with the generation prompt); a plain-text prompt is used as it is. `--system-prompt S` adds a
+      system message to chat prompts; on a plain-text prompt it wraps the prompt as [system, user] when the
+      tokenizer has a chat template, and prefixes `S + "\\n\\n"` when it has none.
+    - `load_reward("module:function")` (or `path/to/file.py:function`, or a built-in name: `math`), and
+      `Scorer`, which calls each reward function with TRL's GRPOTrainer convention and combines them with
+      `--reward-weights`, in the calling thread or in a small pool of worker processes.
+    - `math_reward`: the final answer checked with `math-verify`; `GSM8K`: the built-in GSM8K-style task.
+
+Data contract
+    - A row is a dict; its prompt column holds a string or a list of {"role", "content"} messages.
+    - A reward function is called as `f(prompts=..., completions=..., completion_ids=..., trainer_state=...,
+      **columns)`, exactly as TRL's GRPOTrainer calls it: one list entry per completion (a group's prompt
+      repeated G times); completions are strings for plain-text prompts and
+      `[{"role": "assistant", "content": text}]` for chat prompts; every column of the row other than the
+      prompt column is passed under its own name, and the answer column is also passed as `answer` when
+      the row has no column of that name. Keyword arguments the function does not accept are left out
+      (so `def f(completions, answer)` works too). It returns one `float | None` per completion.
+    - Per-sample fault rules (never fatal, always counted):
+        None                      the function does not apply to that sample (TRL's meaning): left out of
+                                  that sample's weighted sum; counted in `none`.
+        NaN, inf, not a number    treated as None; counted in `invalid`.
+        raises, wrong count, not a list
+                                  every sample of the group gets None from that function; counted in
+                                  `errors` (first message of each kind printed once).
+      A sample's reward = sum over the functions that gave it a value of weight * value. A sample that got
+      no value from any function is *unscored*: it gets the mean reward of its group's scored samples (0
+      when none is), so its group-relative advantage is exactly 0: no gradient, and the group mean is
+      unchanged. Unscored samples are counted (RolloutGroup.unscored). (TRL gives such a sample 0.)
+    - Per-function stats for a group: {"n", "count", "sum", "sumsq", "none", "invalid", "errors", "time_s"}
+      ("count": samples with a value; n - count of them had none), summed by the trainer into
+      `reward/<name>/mean|std|none_frac|errors` per step.
+
+May touch: the files and the modules it is pointed at. Nothing of the engine, the queue or the trainer.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import json
+import math
+import os
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+BUILTIN_REWARDS = {"math": "data:math_reward"}
+GSM8K_SYSTEM_PROMPT = ("Solve the math problem step by step. "
+                       "End with the final answer on its own line, as '#### <number>'.")
+# The GSM8K-style task (`--task gsm8k`): a preset for the dataset task; flags given explicitly win.
+GSM8K = {"dataset": os.path.join(HERE, "data", "gsm8k_sample.jsonl"), "prompt_column": "question",
+         "answer_column": "answer", "reward": "math", "system_prompt": GSM8K_SYSTEM_PROMPT}
+TASKS = ("auto", "copy", "dataset", "gsm8k")
+LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
+
+
+class DataError(ValueError):
+    """A problem with the user's data or reward spec, worded for the user (one line per problem)."""
+
+
+# ----------------------------------------------------------------------------------------------------
+# Flags -> what the generator needs
+# ----------------------------------------------------------------------------------------------------
+@dataclass
+class DataSpec:
+    """The resolved data/reward settings of a dataset task (the copy task has none)."""
+    dataset: str
+    split: str = "train"
+    prompt_column: str = "prompt"
+    answer_column: str = "answer"
+    rewards: tuple = ()  # "module:function" specs
+    weights: tuple = ()  # one float per spec
+    system_prompt: str = ""
+    reward_workers: int = 0
+
+
+def split_list(text: str) -> list[str]:
+    return [part.strip() for part in (text or "").split(",") if part.strip()]
+
+
+def resolve(task="auto", dataset="", split="train", prompt_column="prompt", answer_column="answer", reward="",
+            reward_weights="", system_prompt="", reward_workers=0) -> DataSpec | None:
+    """The task's data settings from the flags; None for the built-in copy task. Raises DataError."""
+    if task not in TASKS:
+        raise DataError(f"--task must be one of {', '.join(TASKS)} (got {task!r})")
+    if task == "auto":
+        task = "dataset" if dataset else "copy"
+    if task == "copy":
+        if dataset or reward:
+            raise DataError("the copy task has its own data and reward: --dataset/--reward need --task auto, "
+                            "dataset or gsm8k")
+        return None
+    if task == "gsm8k":  # preset values for whatever was left at its default
+        dataset = dataset or GSM8K["dataset"]
+        prompt_column = GSM8K["prompt_column"] if prompt_column == "prompt" else prompt_column
+        reward = reward or GSM8K["reward"]
+        system_prompt = system_prompt or GSM8K["system_prompt"]
+    if not dataset:
+        raise DataError("--task dataset needs --dataset (a .jsonl/.json/.parquet file or a Hugging Face "
+                        "dataset name)")
+    if not reward:
+        raise DataError("a dataset task needs --reward module:function (or --reward math)")
+    specs = [BUILTIN_REWARDS.get(s, s) for s in split_list(reward)]
+    for spec in specs:
+        module, _, func = spec.rpartition(":")
+        if not module or not func.isidentifier():
+            raise DataError(f"--reward {spec!r}: expected module:function or path/to/file.py:function "
+                            f"(built-in: {', '.join(BUILTIN_REWARDS)})")
+    if reward_weights:
+        try:
+            weights = [float(w) for w in split_list(reward_weights)]
+        except ValueError:
+            raise DataError(f"--reward-weights {reward_weights!r}: expected comma-separated numbers") from None
+        if len(weights) != len(specs):
+            raise DataError(f"--reward-weights has {len(weights)} value(s) for {len(specs)} reward function(s)")
+        if not all(math.isfinite(w) for w in weights):
+            raise DataError(f"--reward-weights {reward_weights!r}: weights must be finite")
+    else:
+        weights = [1.0] * len(specs)
+    if reward_workers < 0:
+        raise DataError(f"--reward-workers must be >= 0 (got {reward_workers})")
+    return DataSpec(dataset, split, prompt_column, answer_column, tuple(specs), tuple(weights), system_prompt,
+                    reward_workers)
+
+
+def is_local(dataset: str) -> bool:
+    return dataset.endswith(LOCAL_SUFFIXES) or os.path.exists(dataset) or dataset.startswith((".", "/", "~"))
+
+
+def check_flags(cfg) -> list[str]:
+    """train.py's validate(): one line per problem with the data/reward flags. Reads local dataset files
+    and imports reward modules, so mistakes show before the engine starts (not hub datasets: no network)."""
+    try:
+        spec = resolve(cfg.task, cfg.dataset, cfg.split, cfg.prompt_column, cfg.answer_column, cfg.reward,
+                       cfg.reward_weights, cfg.system_prompt, cfg.reward_workers)
+    except DataError as e:
+        return [str(e)]
+    if spec is None:
+        return []
+    problems = []
+    if is_local(spec.dataset):
+        if not os.path.isfile(os.path.expanduser(spec.dataset)):
+            problems.append(f"--dataset {spec.dataset}: no such file")
+        else:
+            try:
+                check_rows(load_rows(spec.dataset, spec.split), spec.prompt_column, spec.answer_column)
+            except DataError as e:
+                problems.append(str(e).replace("\n", "\n  "))
+    for s in spec.rewards:
+        try:
+            load_reward(s)
+        except DataError as e:
+            problems.append(str(e))
+    return problems
+
+
+# ----------------------------------------------------------------------------------------------------
+# Datasets
+# ----------------------------------------------------------------------------------------------------
+def load_rows(dataset: str, split: str = "train") -> list[tuple[str, dict]]:
+    """[(where, row)]: `where` names the row for error messages ("file.jsonl line 7", "NAME[split] row 7")."""
+    path = os.path.expanduser(dataset)
+    if path.endswith(".parquet"):
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise DataError("reading Parquet needs pyarrow: pip install pyarrow") from None
+        rows = pq.read_table(path).to_pylist()
+        return [(f"{dataset} row {i + 1}", row) for i, row in enumerate(rows)]
+    if path.endswith((".jsonl", ".json")) and os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        if path.endswith(".json") and text.lstrip().startswith("["):  # one JSON list of rows
+            return [(f"{dataset} row {i + 1}", row) for i, row in enumerate(json.loads(text))]
+        rows = []
+        for n, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append((f"{dataset} line {n}", json.loads(line)))
+            except json.JSONDecodeError as e:
+                raise DataError(f"{dataset} line {n}: not valid JSON ({e.msg}, column {e.colno})") from None
+        return rows
+    if is_local(dataset) and not os.path.isdir(path):
+        raise DataError(f"--dataset {dataset}: no such file (local datasets: .jsonl, .json, .parquet)")
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(f"--dataset {dataset}: a Hugging Face dataset name needs `pip install datasets` "
+                        "(or give a .jsonl/.parquet file)") from None
+    name, _, config = dataset.partition(":")
+    rows = datasets.load_dataset(name, config or None, split=split)
+    return [(f"{dataset}[{split}] row {i + 1}", row) for i, row in enumerate(rows)]
+
+
+def is_conversation(prompt) -> bool:
+    return isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m and "content" in m
+                                            for m in prompt)
+
+
+def check_rows(rows: list[tuple[str, dict]], prompt_column: str, answer_column: str, show: int = 5) -> None:
+    """Raise DataError naming every row (up to `show`, then a count) that lacks a usable prompt or answer."""
+    bad = []
+    for where, row in rows:
+        if not isinstance(row, dict):
+            bad.append(f"{where}: not an object (got {type(row).__name__})")
+            continue
+        missing = [c for c in (prompt_column, answer_column) if row.get(c) is None]
+        if missing:
+            have = ", ".join(sorted(row)) or "none"
+            bad.append(f"{where}: no {' and no '.join(repr(c) for c in missing)} field (columns: {have})")
+            continue
+        prompt = row[prompt_column]
+        if not isinstance(prompt, str) and not (is_conversation(prompt) and prompt):
+            bad.append(f"{where}: {prompt_column!r} must be a string or a list of {{'role', 'content'}} "
+                       f"messages (got {type(prompt).__name__})")
+    if not rows:
+        raise DataError("the dataset has no rows")
+    if bad:
+        more = f"\n... and {len(bad) - show} more" if len(bad) > show else ""
+        raise DataError(f"{len(bad)} of {len(rows)} rows are unusable "
+                        f"(--prompt-column {prompt_column}, --answer-column {answer_column}):\n"
+                        + "\n".join(bad[:show]) + more)
+
+
+def row_columns(row: dict, prompt_column: str, answer_column: str) -> dict:
+    """The keyword arguments a row gives reward functions: every column but the prompt (TRL), plus
+    `answer` = the answer column when the row has no column of that name."""
+    columns = {k: v for k, v in row.items() if k != prompt_column}
+    if "answer" not in columns:
+        columns["answer"] = row[answer_column]
+    return columns
+
+
+# ----------------------------------------------------------------------------------------------------
+# Prompts
+# ----------------------------------------------------------------------------------------------------
+def uses_chat_template(tokenizer, prompt, system_prompt: str = "") -> bool:
+    """Chat messages always go through the chat template; plain text only to carry a system prompt."""
+    return not isinstance(prompt, str) or bool(system_prompt and getattr(tokenizer, "chat_template", None))
+
+
+def render_prompt(tokenizer, prompt, system_prompt: str = "") -> str:
+    """The text the model sees: chat template for messages, the plain text otherwise (see module doc)."""
+    if not uses_chat_template(tokenizer, prompt, system_prompt):
+        return f"{system_prompt}\n\n{prompt}" if system_prompt else prompt
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    if system_prompt and messages[0].get("role") != "system":
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError("the prompt is a list of chat messages but the tokenizer has no chat template: give "
+                        "plain-text prompts, or a model whose tokenizer has one")
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def encode_prompt(tokenizer, prompt, system_prompt: str = "") -> list[int]:
+    """Token ids of the rendered prompt. A chat template writes its own special tokens (BOS included);
+    plain text gets the tokenizer's usual ones, as vLLM does for a text prompt."""
+    text = render_prompt(tokenizer, prompt, system_prompt)
+    chat = uses_chat_template(tokenizer, prompt, system_prompt)
+    return list(tokenizer(text, add_special_tokens=not chat)["input_ids"])
+
+
+# ----------------------------------------------------------------------------------------------------
+# Reward functions
+# ----------------------------------------------------------------------------------------------------
+def load_reward(spec: str):
+    """`module:function`, `path/to/file.py:function` or a built-in name -> the function. Raises DataError."""
+    spec = BUILTIN_REWARDS.get(spec, spec)
+    module_name, _, func_name = spec.rpartition(":")
+    if not module_name or not func_name:
+        raise DataError(f"--reward {spec!r}: expected module:function or path/to/file.py:function")
+    try:
+        if module_name.endswith(".py"):
+            path = os.path.abspath(os.path.expanduser(module_name))
+            if not os.path.isfile(path):
+                raise DataError(f"--reward {spec}: no such file {module_name}")
+            name = "reward_" + os.path.splitext(os.path.basename(path))[0]
+            module = sys.modules.get(name)
+            if module is None or getattr(module, "__file__", None) != path:
+                loader_spec = importlib.util.spec_from_file_location(name, path)
+                module = importlib.util.module_from_spec(loader_spec)
+                loader_spec.loader.exec_module(module)
+                sys.modules[name] = module
+        else:
+            if os.getcwd() not in sys.path:  # `--reward my_rewards:f` with my_rewards.py where you run from
+                sys.path.append(os.getcwd())
+            module = importlib.import_module(module_name)
+    except DataError:
+        raise
+    except Exception as e:
+        raise DataError(f"--reward {spec}: cannot import {module_name} ({type(e).__name__}: {e})") from None
+    func = getattr(module, func_name, None)
+    if func is None:
+        raise DataError(f"--reward {spec}: {module_name} has no {func_name!r}")
+    if not callable(func):
+        raise DataError(f"--reward {spec}: {module_name}.{func_name} is not callable")
+    return func
+
+
+def reward_names(specs) -> list[str]:
+    """A name per function for the metrics (the function's name, as TRL; #2, #3 on repeats)."""
+    names = []
+    for spec in specs:
+        base = BUILTIN_REWARDS.get(spec, spec).rpartition(":")[2]
+        name, k = base, 2
+        while name in names:
+            name, k = f"{base}#{k}", k + 1
+        names.append(name)
+    return names
+
+
+def call_kwargs(func, kwargs: dict) -> dict:
+    """Only the keyword arguments `func` accepts, unless it takes **kwargs (TRL's functions all do)."""
+    try:
+        params = inspect.signature(func).parameters.values()
+    except (TypeError, ValueError):
+        return kwargs
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return kwargs
+    names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return {k: v for k, v in kwargs.items() if k in names}
+
+
+def call_reward(func, n: int, kwargs: dict) -> tuple[list, dict, str | None]:
+    """Call one reward function; return (values: float | None each, stats, fault message or None)."""
+    stats = {"n": n, "count": 0, "sum": 0.0, "sumsq": 0.0, "none": 0, "invalid": 0, "errors": 0, "time_s": 0.0}
+    t0 = time.perf_counter()
+    fault = None
+    try:
+        out = func(**call_kwargs(func, kwargs))
+        if isinstance(out, (str, bytes, dict)) or not hasattr(out, "__len__"):
+            raise TypeError(f"returned {type(out).__name__}, expected a list of {n} floats or None")
+        out = list(out.tolist() if hasattr(out, "tolist") else out)
+        if len(out) != n:
+            raise TypeError(f"returned {len(out)} values for {n} completions")
+    except Exception as e:
+        fault = f"{type(e).__name__}: {e}"
+        if not isinstance(e, TypeError) or "returned" not in str(e):
+            fault += "\n" + "".join(traceback.format_exception(e)[-3:]).rstrip()
+        out = [None] * n
+        stats["errors"] = 1
+    stats["time_s"] = time.perf_counter() - t0
+    values = []
+    for v in out:
+        if v is None:
+            stats["none"] += 0 if fault else 1
+            values.append(None)
+            continue
+        try:
+            f = float(v)
+        except (TypeError, ValueError):
+            f = math.nan
+        if not math.isfinite(f):
+            stats["invalid"] += 1
+            values.append(None)
+            continue
+        values.append(f)
+        stats["count"] += 1
+        stats["sum"] += f
+        stats["sumsq"] += f * f
+    return values, stats, fault
+
+
+def combine(values_per_func: list[list], weights, n: int) -> tuple[list[float], int]:
+    """Weighted sum over the functions that scored each sample; unscored samples get the mean of the scored
+    ones (zero advantage). Returns (rewards, number of unscored samples)."""
+    rewards, unscored = [], []
+    for j in range(n):
+        got = [(w, vals[j]) for w, vals in zip(weights, values_per_func) if vals[j] is not None]
+        if got:
+            rewards.append(sum(w * v for w, v in got))
+        else:
+            rewards.append(None)
+            unscored.append(j)
+    scored = [r for r in rewards if r is not None]
+    fill = sum(scored) / len(scored) if scored else 0.0
+    return [fill if r is None else r for r in rewards], len(unscored)
+
+
+def reward_kwargs(prompt, completions: list[str], completion_ids: list[list[int]], columns: dict,
+                  step: int = 0) -> dict:
+    """TRL's GRPOTrainer arguments for one group: one entry per completion."""
+    n = len(completions)
+    chat = is_conversation(prompt)
+    kwargs = {key: [value] * n for key, value in columns.items()}
+    kwargs.update(prompts=[prompt] * n,
+                  completions=[[{"role": "assistant", "content": c}] for c in completions] if chat else completions,
+                  completion_ids=completion_ids, trainer_state=SimpleNamespace(global_step=step))
+    return kwargs
+
+
+def _score_all(funcs, kwargs: dict, n: int) -> list[tuple[list, dict, str | None]]:
+    return [call_reward(func, n, kwargs) for func in funcs]
+
+
+_WORKER_FUNCS: list = []
+
+
+def _worker_init(specs, cwd):
+    os.chdir(cwd)
+    _WORKER_FUNCS[:] = [load_reward(s) for s in specs]
+
+
+def _worker_score(kwargs: dict, n: int):
+    return _score_all(_WORKER_FUNCS, kwargs, n)
+
+
+class Scorer:
+    """The reward functions of a run: TRL-convention calls, fault rules, weights, per-function stats.
+
+    `workers=0`: the functions run in the calling thread (the generator calls `score` from a worker thread,
+    never on its event loop). `workers=N`: a pool of N spawned processes (for slow rewards; each process
+    imports the functions itself, and math-verify's own timeouts work there).
+    """
+
+    def __init__(self, specs, weights=None, workers: int = 0, log=None):
+        self.specs = list(specs)
+        self.names = reward_names(self.specs)
+        self.weights = list(weights) if weights else [1.0] * len(self.specs)
+        self.funcs = [load_reward(s) for s in self.specs]  # here too: import errors show at once
+        self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        self.warned: set = set()
+        self.pool = None
+        if workers:
+            import multiprocessing
+            from concurrent.futures import ProcessPoolExecutor
+
+            self.pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                                            initializer=_worker_init, initargs=(self.specs, os.getcwd()))
+
+    def score(self, prompt, completions: list[str], completion_ids: list[list[int]], columns: dict,
+              step: int = 0) -> tuple[list[float], dict, int]:
+        """(rewards, {name: stats}, unscored) for one group. Never raises for a faulty reward function."""
+        n = len(completions)
+        kwargs = reward_kwargs(prompt, completions, completion_ids, columns, step)
+        if self.pool is not None:
+            results = self.pool.submit(_worker_score, kwargs, n).result()
+        else:
+            results = _score_all(self.funcs, kwargs, n)
+        stats = {}
+        for name, (values, st, fault) in zip(self.names, results):
+            stats[name] = st
+            kinds = [("error", fault)] if fault else []
+            if st["invalid"]:
+                kinds.append(("invalid", f"gave {st['invalid']} NaN/inf/non-number value(s), treated as None"))
+            for kind, message in kinds:
+                if (name, kind) not in self.warned:
+                    self.warned.add((name, kind))
+                    self.log(f"[reward] {name}: {message}\n[reward] (those samples get no value from {name}; "
+                             f"counted in reward/{name}/errors and none_frac, reported once)")
+        rewards, unscored = combine([r[0] for r in results], self.weights, n)
+        return rewards, stats, unscored
+
+    def close(self):
+        if self.pool is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)
+            self.pool = None
+
+
+def summarize(stats_list: list[dict]) -> dict:
+    """Sum per-group stats ({name: stats}) into per-function metrics for one step."""
+    total: dict[str, dict] = {}
+    for stats in stats_list:
+        for name, st in stats.items():
+            acc = total.setdefault(name, dict.fromkeys(st, 0))
+            for k, v in st.items():
+                acc[k] = acc.get(k, 0) + v
+    out = {}
+    for name, a in total.items():
+        mean = a["sum"] / a["count"] if a["count"] else None
+        std = math.sqrt(max(0.0, a["sumsq"] / a["count"] - mean * mean)) if a["count"] else None
+        out[f"reward/{name}/mean"] = mean
+        out[f"reward/{name}/std"] = std
+        out[f"reward/{name}/none_frac"] = (a["n"] - a["count"]) / a["n"] if a["n"] else None
+        out[f"reward/{name}/errors"] = a["errors"]
+        out[f"reward/{name}/time_s"] = a["time_s"]
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# The built-in math reward
+# ----------------------------------------------------------------------------------------------------
+def final_answer(text: str) -> str:
+    """GSM8K-style text: what follows the last '####' (first line of it), without thousands commas."""
+    if "####" in text:
+        text = text.rsplit("####", 1)[1].strip().split("\n", 1)[0]
+        text = text.replace(",", "").replace("$", "").strip()
+    return text
+
+
+def math_reward(completions, answer=None, solution=None, **kwargs) -> list[float | None]:
+    """1.0 when the completion's final answer equals the reference (math-verify), else 0.0.
+
+    The reference comes from the `answer` column (or `solution`, as in TRL's examples); for GSM8K answers
+    the part after '####' is used, and so it is for completions that write '#### N'; otherwise math-verify
+    extracts the last answer-like expression (\\boxed{...}, "the answer is ...", the last number).
+    None when the reference itself cannot be parsed (the reward does not apply to that sample).
+    """
+    import logging
+
+    from math_verify import parse, verify
+
+    golds = answer if answer is not None else solution
+    if golds is None:
+        raise TypeError("math_reward needs an `answer` (or `solution`) column")
+    # math-verify's timeouts use signal.alarm, which only works in a process's main thread: in a thread we
+    # run without them (as its docs advise); use --reward-workers N to keep them, in worker processes.
+    timeout = 5 if threading.current_thread() is threading.main_thread() else None
+    logging.getLogger("math_verify").setLevel(logging.ERROR)  # its "timeout is disabled" notice, per call
+    rewards = []
+    for completion, gold in zip(completions, golds):
+        text = completion[-1]["content"] if isinstance(completion, list) else str(completion)
+        gold_parsed = parse(final_answer(str(gold)), parsing_timeout=timeout)
+        if not gold_parsed:
+            rewards.append(None)
+            continue
+        pred = parse(final_answer(text), parsing_timeout=timeout)
+        rewards.append(1.0 if pred and verify(gold_parsed, pred, timeout_seconds=timeout) else 0.0)
+    return rewards
+
+
+# ----------------------------------------------------------------------------------------------------
+# Models
+# ----------------------------------------------------------------------------------------------------
+def resolve_model(model: str) -> str:
+    """A local model directory as it is; a hub id (`org/name`) downloaded once into the Hugging Face cache
+    (so every process of the run reads the same files). Raises DataError with the reason when it fails."""
+    if os.path.isdir(os.path.expanduser(model)):
+        return os.path.abspath(os.path.expanduser(model))
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt",
+                                                        "*.jinja", "*.tiktoken", "*.py"])
+    except Exception as e:
+        raise DataError(f"--model {model}: not a local directory, and the hub download failed "
+                        f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None

@@ -1,0 +1,168 @@
+"""devices.py — which devices each process of a run uses (`--gen-devices`, `--train-devices`).
+
+Role
+    Turns the two flags into a `DeviceLayout`: either the CPU path (the default, and the fallback on a
+    machine without GPUs: gloo, CPU shared memory, vLLM's CPU build), or the GPU path: vLLM's CUDA build on
+    the generator's GPU(s), one FSDP2 trainer rank per trainer GPU over NCCL, and the packed weight buffer
+    on the first trainer GPU, shared with the generator through CUDA IPC. It only decides: it reads the
+    CUDA device count and CUDA_VISIBLE_DEVICES, and changes nothing.
+
+Data contract
+    - A device list is "" or "cpu" (no GPU), or comma-separated GPU indices as the launching process sees
+      them ("0", "1,2,3"): integers >= 0, no repeats, each < torch.cuda.device_count().
+    - Both lists empty -> the CPU layout: exactly the run without these flags. GPUs asked for on a machine
+      where CUDA is unavailable -> the same CPU layout, plus a one-line `notice` saying so.
+    - GPU layout: both lists non-empty. Trainer rank r runs on train_devices[r]: one rank per GPU (NCCL
+      refuses two ranks on one GPU), so world size = len(train_devices) (`--train-ranks` must be 1 or that
+      number). Process-group backend "cpu:gloo,cuda:nccl": CUDA tensors go over NCCL, the trainer's small
+      CPU tensors (step statistics) over gloo. The packed buffer lives on train_devices[0].
+    - The generator process gets CUDA_VISIBLE_DEVICES = its GPUs, then the buffer's GPU if it is not one
+      of them: vLLM uses the first `tensor_parallel_size` visible GPUs, and its worker must see the
+      buffer's GPU to open the IPC handle and copy peer-to-peer. Trainer processes keep the launcher's view.
+    - A GPU used by both sides is *shared* (async on one GPU): vLLM gets gpu_memory_utilization =
+      SHARED_GEN_FRACTION of it, the trainer rank on it a per-process cap of SHARED_TRAIN_FRACTION (the
+      rest is CUDA contexts, the packed buffer and the worker's snapshot), and trainer ranks touch no GPU
+      until vLLM has started (vLLM measures the GPU's free memory while it starts). A GPU of the generator's
+      alone gets DEDICATED_GEN_FRACTION (vLLM's default).
+    - Errors: `DeviceError` (a ValueError) with one line that names the flag.
+
+May touch: nothing (reads torch.cuda's device count and the environment). Used by train.py, which applies
+the layout, and by tests.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+SHARED_GEN_FRACTION = 0.3  # vLLM's share of a GPU it shares with a trainer rank
+SHARED_TRAIN_FRACTION = 0.55  # the trainer rank's cap on that GPU; 0.15 left for contexts, buffer, snapshot
+DEDICATED_GEN_FRACTION = 0.9  # vLLM's default, on a GPU of its own
+GPU_BACKEND = "cpu:gloo,cuda:nccl"
+CPU_BACKEND = "gloo"
+
+
+class DeviceError(ValueError):
+    """A bad --gen-devices / --train-devices value; the message is one line."""
+
+
+@dataclass(frozen=True)
+class DeviceLayout:
+    kind: str  # "cpu" | "cuda"
+    world_size: int  # trainer ranks
+    gen_devices: tuple[int, ...] = ()  # GPU indices as the launcher sees them; () on the CPU
+    train_devices: tuple[int, ...] = ()
+    shared_gpus: tuple[int, ...] = ()  # GPUs both sides use
+    backend: str = CPU_BACKEND  # torch.distributed backend of the trainer ranks
+    buffer_device: str = "cpu"  # where the packed weight buffer is allocated (by the launching process)
+    gen_visible_devices: str = ""  # CUDA_VISIBLE_DEVICES for the generator process ("" on the CPU)
+    gpu_memory_utilization: float = 0.0  # vLLM's; 0 on the CPU
+    train_memory_fraction: float | None = None  # per-process cap of a trainer rank on a shared GPU
+    notice: str = ""  # one line to print (GPUs asked for, none available)
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.kind == "cuda"
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return max(1, len(self.gen_devices))
+
+    def train_device(self, rank: int) -> str:
+        """The device trainer rank `rank` computes on ("cpu" or "cuda:N")."""
+        return f"cuda:{self.train_devices[rank]}" if self.on_gpu else "cpu"
+
+    def shares_gpu(self, rank: int) -> bool:
+        return self.on_gpu and self.train_devices[rank] in self.shared_gpus
+
+    def generator_settings(self) -> dict:
+        """Keyword arguments for rollout.GeneratorSettings: none on the CPU (its defaults are the CPU path)."""
+        if not self.on_gpu:
+            return {}
+        return {"device": "cuda", "cuda_visible_devices": self.gen_visible_devices,
+                "gpu_memory_utilization": self.gpu_memory_utilization,
+                "tensor_parallel_size": self.tensor_parallel_size}
+
+
+def parse_devices(text: str, flag: str = "--devices") -> tuple[int, ...]:
+    """"" or "cpu" -> (); "0" -> (0,); "1,2,3" -> (1, 2, 3). Raises DeviceError (one line) otherwise."""
+    text = (text or "").strip()
+    if text.lower() in ("", "cpu"):
+        return ()
+    out = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part.isdigit():  # also rejects "-1", "cuda:0", "" (as in "1,,2")
+            raise DeviceError(f"{flag} {text!r}: give comma-separated GPU indices like 0 or 1,2,3 (or cpu)")
+        out.append(int(part))
+    if len(set(out)) != len(out):
+        raise DeviceError(f"{flag} {text!r}: a GPU appears twice")
+    return tuple(out)
+
+
+def cuda_device_count() -> int:
+    """GPUs this process can use (0 when torch has no CUDA or no driver)."""
+    import torch
+
+    try:
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # a broken driver counts as no GPU: the CPU path still works
+        return 0
+
+
+def visible_tokens(count: int, env: str | None) -> list[str]:
+    """How each GPU index of this process is named in CUDA_VISIBLE_DEVICES (so a child sees the same GPU)."""
+    if env is None or not env.strip():
+        return [str(i) for i in range(count)]
+    tokens = [t.strip() for t in env.split(",") if t.strip()]
+    return tokens[:count] if len(tokens) >= count else [str(i) for i in range(count)]
+
+
+def plan(gen_devices: str, train_devices: str, train_ranks: int = 1, cuda_count: int | None = None,
+         visible_env: str | None = None) -> DeviceLayout:
+    """Decide the layout. `cuda_count` None: ask torch (only when a GPU is asked for).
+    `visible_env`: the launcher's CUDA_VISIBLE_DEVICES (None: read it from the environment)."""
+    gen = parse_devices(gen_devices, "--gen-devices")
+    train = parse_devices(train_devices, "--train-devices")
+    if not gen and not train:
+        return DeviceLayout("cpu", world_size=train_ranks)
+    if not gen or not train:
+        raise DeviceError("--gen-devices and --train-devices go together: give both GPU lists (e.g. "
+                          "--gen-devices 0 --train-devices 1), or neither for the CPU path")
+    if cuda_count is None:
+        cuda_count = cuda_device_count()
+    if cuda_count == 0:
+        return DeviceLayout("cpu", world_size=train_ranks,
+                            notice=f"notice: --gen-devices {gen_devices} --train-devices {train_devices} ignored: "
+                                   "no CUDA device here (torch.cuda.is_available() is False); running the CPU path")
+    for flag, devs in (("--gen-devices", gen), ("--train-devices", train)):
+        bad = [d for d in devs if d >= cuda_count]
+        if bad:
+            raise DeviceError(f"{flag} {','.join(map(str, devs))}: GPU {bad[0]} does not exist "
+                              f"(this process sees {cuda_count} GPU(s): 0..{cuda_count - 1})")
+    if train_ranks not in (1, len(train)):
+        raise DeviceError(f"--train-ranks {train_ranks} does not match --train-devices {train_devices} "
+                          f"({len(train)} GPU(s)): on GPUs there is one trainer rank per GPU")
+    shared = tuple(d for d in train if d in gen)
+    names = visible_tokens(cuda_count, os.environ.get("CUDA_VISIBLE_DEVICES") if visible_env is None else visible_env)
+    buffer_gpu = train[0]
+    gen_visible = list(gen) + ([buffer_gpu] if buffer_gpu not in gen else [])
+    return DeviceLayout(
+        "cuda", world_size=len(train), gen_devices=gen, train_devices=train, shared_gpus=shared,
+        backend=GPU_BACKEND, buffer_device=f"cuda:{buffer_gpu}",
+        gen_visible_devices=",".join(names[d] for d in gen_visible),
+        gpu_memory_utilization=SHARED_GEN_FRACTION if any(d in shared for d in gen) else DEDICATED_GEN_FRACTION,
+        train_memory_fraction=SHARED_TRAIN_FRACTION if shared else None)
+
+
+def layout_for(cfg) -> DeviceLayout:
+    """The layout of a train.Config (reads cfg.gen_devices, cfg.train_devices, cfg.train_ranks)."""
+    return plan(getattr(cfg, "gen_devices", ""), getattr(cfg, "train_devices", ""), cfg.train_ranks)
+
+
+def problems(cfg) -> list[str]:
+    """For train.validate: the one-line error, if any (no GPU query when neither flag is given)."""
+    try:
+        layout_for(cfg)
+    except DeviceError as err:
+        return [str(err)]
+    return []

@@ -1,0 +1,111 @@
+"""plots.py — one picture of a run: `plot_run(out_dir)` reads OUT/metrics.jsonl and writes OUT/plots.png.
+
+Role
+    Called by train.py when a run finishes (a failure only prints a warning), or by hand on any run
+    directory, also while it runs: `python plots.py runs/latest`. Matplotlib with the Agg backend (no
+    display); needs neither vLLM nor torch.
+
+Data contract
+    Reads the rows train.py writes, one per step: `step`, `reward`, `reward/<name>/mean` (per reward
+    function), `completion_len` (+ `_min`, `_max`), `lag_hist/<k>` (trained tokens that were k versions old;
+    older runs without it fall back to `lag_max` per step), `sync_ms` (publish -> serving). Missing keys
+    leave their panel empty. Four panels: reward, completion length, staleness histogram, sync latency.
+
+May touch: OUT/plots.png only.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def read_rows(out_dir: str) -> list[dict]:
+    rows = []
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        for line in f:
+            if line.strip():
+                rows.append(json.loads(line))
+    return rows
+
+
+def smooth(values: list[float], window: int) -> list[float]:
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def plot_run(out_dir: str) -> str | None:
+    """Write OUT/plots.png from OUT/metrics.jsonl; returns its path (None when there is no row yet)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_rows(out_dir)
+    if not rows:
+        return None
+    steps = [r["step"] for r in rows]
+    window = max(1, len(rows) // 20)
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
+    (ax_reward, ax_len), (ax_lag, ax_sync) = axes
+
+    rewards = [r["reward"] for r in rows]
+    ax_reward.plot(steps, rewards, color="tab:blue", alpha=0.3, lw=1)
+    ax_reward.plot(steps, smooth(rewards, window), color="tab:blue", lw=2, label="reward (weighted sum)")
+    names = sorted({k.split("/")[1] for r in rows for k in r if k.startswith("reward/") and k.endswith("/mean")})
+    if len(names) > 1 or (names and names[0] != "copy"):
+        for name in names:
+            pts = [(r["step"], r[f"reward/{name}/mean"]) for r in rows if r.get(f"reward/{name}/mean") is not None]
+            if pts:
+                xs, ys = zip(*pts)
+                ax_reward.plot(xs, smooth(list(ys), window), lw=1.2, ls="--", label=name)
+    ax_reward.set(title="reward", xlabel="step")
+    ax_reward.legend(fontsize=8)
+
+    lengths = [r.get("completion_len") for r in rows]
+    ax_len.plot(steps, lengths, color="tab:green", lw=1.5, label="mean")
+    if all(r.get("completion_len_min") is not None for r in rows):
+        ax_len.fill_between(steps, [r["completion_len_min"] for r in rows], [r["completion_len_max"] for r in rows],
+                            color="tab:green", alpha=0.2, label="min-max")
+    ax_len.set(title="completion length (tokens trained)", xlabel="step")
+    ax_len.legend(fontsize=8)
+
+    hist: dict[int, int] = {}
+    for r in rows:
+        for k, v in r.items():
+            if k.startswith("lag_hist/"):
+                hist[int(k.split("/")[1])] = hist.get(int(k.split("/")[1]), 0) + v
+    if hist:
+        ax_lag.bar(list(hist), list(hist.values()), color="tab:orange")
+        ax_lag.set(title="staleness: trained tokens by lag", xlabel="lag (versions)", ylabel="tokens")
+    elif any("lag_max" in r for r in rows):
+        lag_max = [r["lag_max"] for r in rows if "lag_max" in r]
+        ax_lag.hist(lag_max, bins=range(0, max(lag_max) + 2), color="tab:orange", align="left")
+        ax_lag.set(title="staleness: max lag per step", xlabel="lag (versions)", ylabel="steps")
+    ax_lag.xaxis.get_major_locator().set_params(integer=True)
+
+    sync = [(r["step"], r["sync_ms"]) for r in rows if r.get("sync_ms") is not None]
+    if sync:
+        xs, ys = zip(*sync)
+        ax_sync.plot(xs, ys, ".", color="tab:purple", ms=3)
+        median = sorted(ys)[len(ys) // 2]
+        ax_sync.axhline(median, color="tab:purple", lw=1, ls="--", label=f"median {median:.0f} ms")
+        ax_sync.legend(fontsize=8)
+    ax_sync.set(title="sync latency (publish -> serving)", xlabel="step", ylabel="ms")
+
+    fig.suptitle(os.path.abspath(out_dir), fontsize=9)
+    fig.tight_layout()
+    path = os.path.join(out_dir, "plots.png")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+if __name__ == "__main__":
+    for d in sys.argv[1:] or ["runs/latest"]:
+        print(plot_run(d))
