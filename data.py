@@ -13,7 +13,9 @@ Role
     - `load_reward("module:function")` (or `path/to/file.py:function`, or a built-in name: `math`), and
       `Scorer`, which calls each reward function with TRL's GRPOTrainer convention and combines them with
       `--reward-weights`, in the calling thread or in a small pool of worker processes.
-    - `math_reward`: the final answer checked with `math-verify`; `GSM8K`: the built-in GSM8K-style task.
+    - `math_reward`: the final answer checked with `math-verify`; `GSM8K`: the built-in GSM8K-style task
+      (`--task gsm8k`: data/gsm8k_sample.jsonl, question/answer columns, the math reward, a system prompt).
+    - `resolve_model`: a local model directory, or a hub id downloaded once into the Hugging Face cache.
 
 Data contract
     - A row is a dict; its prompt column holds a string or a list of {"role", "content"} messages.
@@ -30,7 +32,7 @@ Data contract
         NaN, inf, not a number    treated as None; counted in `invalid`.
         raises, wrong count, not a list
                                   every sample of the group gets None from that function; counted in
-                                  `errors` (first message of each kind printed once).
+                                  `errors` (the first message per function and kind is printed).
       A sample's reward = sum over the functions that gave it a value of weight * value. A sample that got
       no value from any function is *unscored*: it gets the mean reward of its group's scored samples (0
       when none is), so its group-relative advantage is exactly 0: no gradient, and the group mean is
@@ -48,6 +50,7 @@ import importlib.util
 import inspect
 import json
 import math
+import numbers
 import os
 import sys
 import threading
@@ -153,9 +156,9 @@ def check_flags(cfg) -> list[str]:
         return []
     problems = []
     if is_local(spec.dataset):
-        if not os.path.isfile(os.path.expanduser(spec.dataset)):
+        if not os.path.exists(os.path.expanduser(spec.dataset)):
             problems.append(f"--dataset {spec.dataset}: no such file")
-        else:
+        elif os.path.isfile(os.path.expanduser(spec.dataset)):
             try:
                 check_rows(load_rows(spec.dataset, spec.split), spec.prompt_column, spec.answer_column)
             except DataError as e:
@@ -196,7 +199,8 @@ def load_rows(dataset: str, split: str = "train") -> list[tuple[str, dict]]:
                 raise DataError(f"{dataset} line {n}: not valid JSON ({e.msg}, column {e.colno})") from None
         return rows
     if is_local(dataset) and not os.path.isdir(path):
-        raise DataError(f"--dataset {dataset}: no such file (local datasets: .jsonl, .json, .parquet)")
+        what = "not a .jsonl, .json or .parquet file" if os.path.exists(path) else "no such file"
+        raise DataError(f"--dataset {dataset}: {what}")
     try:
         import datasets
     except ImportError:
@@ -361,10 +365,7 @@ def call_reward(func, n: int, kwargs: dict) -> tuple[list, dict, str | None]:
             stats["none"] += 0 if fault else 1
             values.append(None)
             continue
-        try:
-            f = float(v)
-        except (TypeError, ValueError):
-            f = math.nan
+        f = float(v) if isinstance(v, numbers.Real) else math.nan  # bools and numpy scalars are numbers
         if not math.isfinite(f):
             stats["invalid"] += 1
             values.append(None)

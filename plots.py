@@ -87,7 +87,6 @@ def plot_run(out_dir: str) -> str | None:
         lag_max = [r["lag_max"] for r in rows if "lag_max" in r]
         ax_lag.hist(lag_max, bins=range(0, max(lag_max) + 2), color="tab:orange", align="left")
         ax_lag.set(title="staleness: max lag per step", xlabel="lag (versions)", ylabel="steps")
-    ax_lag.xaxis.get_major_locator().set_params(integer=True)
 
     sync = [(r["step"], r["sync_ms"]) for r in rows if r.get("sync_ms") is not None]
     if sync:
@@ -98,6 +97,10 @@ def plot_run(out_dir: str) -> str | None:
         ax_sync.legend(fontsize=8)
     ax_sync.set(title="sync latency (publish -> serving)", xlabel="step", ylabel="ms")
 
+    from matplotlib.ticker import MaxNLocator
+
+    for ax in (ax_reward, ax_len, ax_lag, ax_sync):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.suptitle(os.path.abspath(out_dir), fontsize=9)
     fig.tight_layout()
     path = os.path.join(out_dir, "plots.png")

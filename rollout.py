@@ -20,7 +20,10 @@ The built-in task ("copy"): the prompt is `<bos>` + 3 letters from a..j + `=`, t
 letters then `<eos>`. Reward = matching positions / max(len(prediction), len(answer)) in [0, 1], the
 prediction being the tokens before the first `<eos>` (partial credit; never stopping does not pay).
 `build_tiny_model` makes the default model for it: a 0.4M-parameter Qwen2 with random weights and a
-26-symbol character tokenizer, built locally (no download).
+26-symbol character tokenizer, built locally (no download); `alphabet="ascii"` makes one for real text.
+With `--dataset` (or `--task gsm8k`) the task is a dataset task instead: prompts from the user's rows,
+rewards from the user's functions (TRL's convention), both through data.py. Rewards are computed in a
+worker thread (or a small process pool, `--reward-workers`), never on the event loop, and timed.
 
 May touch: its engine, the queue, the shared buffer (read only), `Control`. Nothing of the trainer.
 Data flows one way: rollout -> buffer -> train (losses) -> sync -> rollout.
@@ -66,10 +69,13 @@ def build_tiny_model(path: str, seed: int = 0, hidden: int = 128, layers: int = 
     alphabet="copy": the default 26 symbols (the copy task's), 64 positions.
     alphabet="ascii": one token per printable ASCII character plus newline and tab (100 tokens with the
     specials), 1024 positions and a small chat template: for trying datasets, prompts and rewards on real
-    text (it is random-init: it writes garbage, but the whole path runs)."""
+    text (it is random-init: it writes garbage, but the whole path runs). Llama architecture, not Qwen2:
+    transformers 5 loads any tokenizer saved next to a Qwen2 config as `Qwen2Tokenizer`, whose byte-level
+    pre-tokenizer would drop every space and newline of a character vocabulary."""
     import torch
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config,
+                              Qwen2ForCausalLM)
 
     if alphabet not in ("copy", "ascii"):
         raise ValueError(f"alphabet must be 'copy' or 'ascii' (got {alphabet!r})")
@@ -83,12 +89,13 @@ def build_tiny_model(path: str, seed: int = 0, hidden: int = 128, layers: int = 
                                         pad_token="<pad>")
     if ascii_:
         tokenizer.chat_template = TINY_CHAT_TEMPLATE
-    config = Qwen2Config(vocab_size=len(vocab), hidden_size=hidden, num_hidden_layers=layers,
-                         num_attention_heads=heads, num_key_value_heads=heads, intermediate_size=4 * hidden,
-                         max_position_embeddings=1024 if ascii_ else 64, tie_word_embeddings=True,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=0, dtype="float32")
+    config_class, model_class = (LlamaConfig, LlamaForCausalLM) if ascii_ else (Qwen2Config, Qwen2ForCausalLM)
+    config = config_class(vocab_size=len(vocab), hidden_size=hidden, num_hidden_layers=layers,
+                          num_attention_heads=heads, num_key_value_heads=heads, intermediate_size=4 * hidden,
+                          max_position_embeddings=1024 if ascii_ else 64, tie_word_embeddings=True,
+                          bos_token_id=1, eos_token_id=2, pad_token_id=0, dtype="float32")
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config)
+    model = model_class(config)
     tmp = path + ".tmp"
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
@@ -239,6 +246,11 @@ class GeneratorSettings:
     reward_workers: int = 0
     initial_version: int = 0  # the version of the weights in `model` (a resumed run's checkpoint version)
     first_group_id: int = 0  # a resumed run continues the sequence of group ids (and so of prompts)
+    # GPU path only (train.py fills these from devices.py; the defaults are the CPU path)
+    device: str = "cpu"  # "cpu" or "cuda"
+    cuda_visible_devices: str = ""  # this process's GPUs: the generator's first, then the weight buffer's
+    gpu_memory_utilization: float = 0.9  # vLLM's share of each of its GPUs (bounded on a shared GPU)
+    tensor_parallel_size: int = 1  # = number of generator GPUs
 
 
 def tag_versions(weight_versions, num_tokens: int) -> list[int]:
@@ -273,6 +285,15 @@ class Generator:
         self.error: BaseException | None = None
 
     def build_engine(self):
+        if self.s.device == "cuda":
+            # Before vLLM is imported (its engine and worker processes inherit this): vLLM runs on the first
+            # tensor_parallel_size visible GPUs; the trainer's weight buffer is on one of them or on the
+            # last one, where the worker extension opens its CUDA IPC handle and copies peer-to-peer.
+            os.environ["CUDA_VISIBLE_DEVICES"] = self.s.cuda_visible_devices
+            memory = dict(gpu_memory_utilization=self.s.gpu_memory_utilization,
+                          tensor_parallel_size=self.s.tensor_parallel_size)
+        else:
+            memory = dict(kv_cache_memory_bytes=self.s.kv_cache_mb * 2**20)
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
         from transformers import AutoTokenizer
@@ -281,7 +302,7 @@ class Generator:
         args = AsyncEngineArgs(
             model=self.s.model, tokenizer=self.s.model, dtype="float32", seed=self.s.seed,
             enforce_eager=True, logprobs_mode="processed_logprobs",
-            worker_extension_cls="sync.WeightSyncWorker", kv_cache_memory_bytes=self.s.kv_cache_mb * 2**20,
+            worker_extension_cls="sync.WeightSyncWorker", **memory,
             enable_prefix_caching=True, disable_log_stats=True,
         )
         self.engine = AsyncLLM.from_engine_args(args)
@@ -341,21 +362,37 @@ class Generator:
                                          self.s.queue_timeout_s)
         self.stats["queue_wait_s"] += waited
 
+    async def engine_call(self, awaitable, what: str):
+        """Await an engine call, failing fast if vLLM's EngineCore dies (a dead engine never answers)."""
+        task = asyncio.ensure_future(awaitable)
+        deadline = time.monotonic() + self.s.queue_timeout_s
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.5)
+            if done:
+                return task.result()
+            if self.engine.errored:
+                task.cancel()
+                raise RuntimeError(f"vLLM's engine died during {what}") from self.engine.dead_error
+            if time.monotonic() > deadline:
+                task.cancel()
+                raise TimeoutError(f"vLLM did not finish {what} within {self.s.queue_timeout_s:.0f} s")
+
     async def swap_weights(self, version: int):
         """Load the newest published weights between engine steps; tag later tokens with `version`."""
         t0 = time.perf_counter()
         mode = "keep" if self.s.update_mode == "inflight" else "wait"
-        await self.engine.pause_generation(mode=mode, clear_cache=False)
+        await self.engine_call(self.engine.pause_generation(mode=mode, clear_cache=False), "pause_generation")
         t1 = time.perf_counter()
-        loaded = await self.engine.collective_rpc("load_shared_weights", args=(version,))
+        loaded = await self.engine_call(self.engine.collective_rpc("load_shared_weights", args=(version,)),
+                                        "the weight load")
         version = min(loaded)  # the buffer may already hold a newer version than we were told
         t2 = time.perf_counter()
         # Cached blocks hold keys/values of the old weights; in-flight requests are re-prefilled.
-        if not await self.engine.reset_prefix_cache(reset_running_requests=True):
+        if not await self.engine_call(self.engine.reset_prefix_cache(reset_running_requests=True), "the reset"):
             raise RuntimeError("reset_prefix_cache failed after a weight update: stale KV cache would be reused")
-        await self.engine.update_weight_version(str(version))
+        await self.engine_call(self.engine.update_weight_version(str(version)), "update_weight_version")
         t3 = time.perf_counter()
-        await self.engine.resume_generation()
+        await self.engine_call(self.engine.resume_generation(), "resume_generation")
         self.loaded_version = version
         self.control.loaded_version.value = version
         self.stats["loads"] += 1
@@ -376,9 +413,9 @@ class Generator:
             self.error = task.exception()
 
     async def run(self):
-        from transformers import AutoTokenizer
-
         from concurrent.futures import ThreadPoolExecutor
+
+        from transformers import AutoTokenizer
 
         max_len = getattr(getattr(self.engine, "model_config", None), "max_model_len", None)
         self.task = make_task(self.s, AutoTokenizer.from_pretrained(self.s.model), max_len)
@@ -393,6 +430,8 @@ class Generator:
         while not self.control.stop.is_set():
             if self.error is not None:
                 raise self.error
+            if self.engine.errored:  # vLLM's EngineCore died (it is not our child: we must look)
+                raise RuntimeError("vLLM's engine died") from self.engine.dead_error
             published = self.shared.version()
             if published > self.loaded_version:
                 await self.swap_weights(published)

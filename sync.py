@@ -15,6 +15,13 @@ Data contract
     - Writers: `begin_write` / `write_param` / `end_write` (one trainer process, or FSDP2 ranks each
       writing their own rows between barriers). Readers: `read_snapshot`, which retries until it copies
       a snapshot no writer touched, then returns it with its version.
+    - CUDA: the buffer is allocated once by the launching process on the first trainer GPU and lives
+      until every other process has ended; the header stays in CPU shared memory. `end_write` waits for
+      the device writes before it publishes the version; `read_snapshot` waits for its device copy before
+      it re-checks `seq`. Another process receives a `CudaIpcHandle` (pickled with the object, or
+      `to_bytes`) naming the GPU by UUID, since indices differ under CUDA_VISIBLE_DEVICES; it opens the
+      handle on first use of `.buffer` (a process that only forwards it, like the generator's front end,
+      never opens it: torch cannot re-share a CUDA tensor it received).
 
 May touch: torch tensors it is handed, and the vLLM worker it is installed into. Nothing else.
 Data flows one way: train -> sync -> rollout.
@@ -23,6 +30,7 @@ from __future__ import annotations
 
 import io
 import math
+import os
 import time
 from dataclasses import dataclass
 
@@ -55,13 +63,82 @@ def make_layout(named_shapes: list[tuple[str, tuple[int, ...]]]) -> list[Slot]:
     return slots
 
 
-@dataclass
+def gpu_uuids() -> list[str]:
+    """The UUID of each GPU this process sees, by index."""
+    return [str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())]
+
+
+def local_gpu_index(uuid: str, uuids: list[str]) -> int:
+    """This process's index of the GPU named `uuid`; a clear error when it cannot see that GPU."""
+    if uuid in uuids:
+        return uuids.index(uuid)
+    raise RuntimeError(f"the packed weight buffer is on GPU {uuid}, which this process cannot see "
+                       f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}, "
+                       f"{len(uuids)} GPU(s) visible): a reader must see the buffer's GPU to open its IPC handle")
+
+
+_DEVICE_ARG = 6  # position of the device index in rebuild_cuda_tensor's arguments
+
+
+@dataclass(frozen=True)
+class CudaIpcHandle:
+    """How another process maps the packed CUDA buffer: torch's CUDA IPC arguments, the GPU named by UUID."""
+
+    gpu_uuid: str
+    rebuild_args: tuple  # torch.multiprocessing.reductions.rebuild_cuda_tensor's, device index left None
+
+    @staticmethod
+    def of(tensor: torch.Tensor) -> "CudaIpcHandle":
+        """Share `tensor` (owned by this process) once more; the owner must keep it alive."""
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
+
+        rebuild, args = reduce_tensor(tensor)
+        assert rebuild is rebuild_cuda_tensor, "CudaIpcHandle.of: not a CUDA tensor"
+        uuid = str(torch.cuda.get_device_properties(tensor.device).uuid)
+        args = list(args)
+        args[_DEVICE_ARG] = None
+        return CudaIpcHandle(uuid, tuple(args))
+
+    def open(self, uuids: list[str] | None = None, rebuild=None) -> torch.Tensor:
+        """Map the buffer into this process, on this process's index of its GPU (a peer mapping)."""
+        if rebuild is None:
+            from torch.multiprocessing.reductions import rebuild_cuda_tensor as rebuild
+        args = list(self.rebuild_args)
+        args[_DEVICE_ARG] = local_gpu_index(self.gpu_uuid, gpu_uuids() if uuids is None else uuids)
+        return rebuild(*args)
+
+
 class SharedWeights:
     """The packed buffer, its header and its layout. Picklable across `torch.multiprocessing` spawn."""
 
-    buffer: torch.Tensor  # flat, one dtype, shared memory (CPU) or device memory (CUDA IPC)
-    header: torch.Tensor  # int64 [seq, version, publish_time_ns], always in CPU shared memory
-    layout: list[Slot]
+    def __init__(self, buffer: torch.Tensor | None, header: torch.Tensor, layout: list[Slot],
+                 ipc_handle: CudaIpcHandle | None = None):
+        self._buffer = buffer  # flat, one dtype: CPU shared memory, or CUDA memory (None: not opened yet)
+        self.header = header  # int64 [seq, version, publish_time_ns], always in CPU shared memory
+        self.layout = layout
+        self._ipc = ipc_handle  # set in processes that received a CUDA buffer
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        if self._buffer is None:
+            self._buffer = self._ipc.open()  # first use in a receiving process: map the owner's memory
+        return self._buffer
+
+    @property
+    def device_type(self) -> str:
+        """"cpu" or "cuda", without opening a received CUDA buffer."""
+        return "cuda" if self._ipc is not None else self._buffer.device.type
+
+    def _shareable(self) -> tuple:
+        """(buffer or handle, header, layout): what crosses to another process."""
+        if self._ipc is not None:  # received: forward the owner's handle (a received CUDA tensor cannot be re-shared)
+            return self._ipc, self.header, self.layout
+        if self._buffer.device.type == "cuda":
+            return CudaIpcHandle.of(self._buffer), self.header, self.layout
+        return self._buffer, self.header, self.layout
+
+    def __reduce__(self):
+        return _rebuild_shared, self._shareable()
 
     @staticmethod
     def allocate(named_shapes, dtype=torch.float32, device="cpu") -> "SharedWeights":
@@ -89,8 +166,8 @@ class SharedWeights:
         dst.copy_(value.detach(), non_blocking=False)
 
     def end_write(self, version: int) -> None:
-        if self.buffer.device.type == "cuda":
-            torch.cuda.synchronize(self.buffer.device)
+        if self.device_type == "cuda":
+            self._wait_for_device_writes()  # the writes are in device memory before the version says so
         self.header[VERSION] = version
         self.header[PUBLISH_NS] = time.time_ns()
         self.header[SEQ] += 1  # even: consistent
@@ -107,6 +184,9 @@ class SharedWeights:
                 self.write_param(slot, tensors[slot.name])
         finally:
             self.end_write(version)
+
+    def _wait_for_device_writes(self) -> None:
+        _synchronize(self.buffer.device, torch.device("cuda", torch.cuda.current_device()))
 
     # ---- reader side (generator) ----
     def version(self) -> int:
@@ -128,23 +208,38 @@ class SharedWeights:
                 continue
             version = int(self.header[VERSION])
             out.copy_(self.buffer)
+            if out.device.type == "cuda" or self.device_type == "cuda":
+                self._wait_for_device_copy(out)  # the copy is done before seq is re-read
             if int(self.header[SEQ]) == seq_before:
                 return version
         raise TimeoutError(f"read_snapshot: no consistent snapshot after {max_tries} tries (writer stuck?)")
+
+    def _wait_for_device_copy(self, out: torch.Tensor) -> None:
+        _synchronize(out.device, self.buffer.device)  # a peer copy runs on the source GPU's stream
 
     # ---- handing the buffer to another process as bytes (vLLM RPC arguments must be bytes) ----
     def to_bytes(self) -> bytes:
         """Pickle the handles (not the data): the receiver maps the same memory. Keep `self` alive."""
         buf = io.BytesIO()
-        ForkingPickler(buf).dump((self.buffer, self.header, self.layout))
+        ForkingPickler(buf).dump(self._shareable())
         return buf.getvalue()
 
     @staticmethod
     def from_bytes(data: bytes) -> "SharedWeights":
         import pickle
 
-        buffer, header, layout = pickle.loads(data)
-        return SharedWeights(buffer, header, layout)
+        return _rebuild_shared(*pickle.loads(data))
+
+
+def _rebuild_shared(buffer_or_handle, header, layout) -> SharedWeights:
+    if isinstance(buffer_or_handle, CudaIpcHandle):
+        return SharedWeights(None, header, layout, ipc_handle=buffer_or_handle)  # opened on first use
+    return SharedWeights(buffer_or_handle, header, layout)
+
+
+def _synchronize(*devices: torch.device) -> None:
+    for device in dict.fromkeys(d for d in devices if d.type == "cuda"):
+        torch.cuda.synchronize(device)
 
 
 def named_shapes_of(model: torch.nn.Module) -> list[tuple[str, tuple[int, ...]]]:
@@ -169,6 +264,8 @@ class WeightSyncWorker:
     def attach_shared_weights(self, handles: bytes) -> int:
         self._shared = SharedWeights.from_bytes(handles)
         # A private snapshot: the engine never aliases the trainer's buffer, and a torn read is impossible.
+        # On a GPU worker `.buffer` opens the CUDA IPC handle here, once (on the buffer's own GPU, which must
+        # be visible to this process), and every snapshot is a device-to-device or peer-to-peer copy.
         self._snapshot = torch.empty_like(self._shared.buffer, device=self._snapshot_device())
         return self._shared.buffer.numel()
 
@@ -181,7 +278,8 @@ class WeightSyncWorker:
     def load_shared_weights(self, min_version: int = -1) -> int:
         """Copy a consistent snapshot and reload it into the engine; returns the version loaded."""
         shared = self._shared
-        version = shared.read_snapshot(self._snapshot)
+        # On GPUs a publish gathers every parameter over NCCL while `seq` is odd: allow it longer (~1 min).
+        version = shared.read_snapshot(self._snapshot, max_tries=1000 if shared.device_type == "cpu" else 100_000)
         if version < min_version:
             raise RuntimeError(f"load_shared_weights: buffer holds version {version} < wanted {min_version}")
         weights = [(slot.name, shared.view(slot, self._snapshot)) for slot in shared.layout]

@@ -93,6 +93,8 @@ class Config:
     train_threads: int = 0  # per rank; 0: the rest of the cores, split between ranks
     kv_cache_mb: int = 256
     timeout_s: float = 300.0  # longest wait for any other process before the run fails
+    gen_devices: str = ""  # generator GPUs, e.g. "0" ("" or "cpu": the CPU path); see devices.py
+    train_devices: str = ""  # trainer GPUs, one FSDP2 rank each, e.g. "1,2,3"; "0" with --gen-devices 0 shares it
     # checkpoints and faults
     save_every: int = 0  # write a checkpoint every N steps (0: only when interrupted)
     keep_checkpoints: int = 2  # newest checkpoints kept (0: all)
@@ -157,6 +159,8 @@ def validate(cfg: Config) -> None:
         problems.append(f"--model {cfg.model}: no such directory")
     import data
     problems += data.check_flags(cfg)  # data/reward flags: files exist, rows complete, reward functions import
+    import devices
+    problems += devices.problems(cfg)  # --gen-devices/--train-devices: parse, GPUs exist, one rank per GPU
     if problems:
         raise SystemExit("error: " + "\nerror: ".join(problems))
 
@@ -220,14 +224,18 @@ def kill_tree(proc, own_group: bool):
 # ----------------------------------------------------------------------------------------------------
 # The trainer (one process per rank)
 # ----------------------------------------------------------------------------------------------------
-def build_trainer_model(model_path, world_size):
+def build_trainer_model(model_path, world_size, device="cpu"):
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    device = torch.device(device)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device)
+    # An explicit mesh: with a CUDA build of torch, fully_shard's default mesh is on the GPU even on the CPU path.
+    mesh = init_device_mesh(device.type, (world_size,))
     for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model
 
 
@@ -282,11 +290,23 @@ def trainer_main(cfg, rank, world_size, model_path, shared, rollout_queue, contr
     import checkpoint
     from losses import group_advantages
 
+    import devices
+
     torch.set_num_threads(cfg.train_threads)
     torch.manual_seed(cfg.seed + rank)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+    layout = devices.layout_for(cfg)  # CPU: gloo, as before; GPU: this rank's GPU, NCCL for CUDA tensors
+    device = torch.device(layout.train_device(rank))
+    if layout.on_gpu:
+        # vLLM measures a GPU's free memory while it starts: on a shared GPU, keep off it until vLLM is up.
+        if layout.shared_gpus and not wait_for(control.ready, control.stop, cfg.timeout_s,
+                                               "the generator's engine to start"):
+            return
+        torch.cuda.set_device(device)
+        if layout.shares_gpu(rank):
+            torch.cuda.set_per_process_memory_fraction(layout.train_memory_fraction, device)
+    dist.init_process_group(layout.backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=cfg.timeout_s + 60))
-    model = build_trainer_model(model_path, world_size)
+    model = build_trainer_model(model_path, world_size, device)
     # Build the optimizer before any forward pass (FSDP2 pitfall: see shared notes).
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     start_step = version = 0
@@ -306,7 +326,7 @@ def trainer_main(cfg, rank, world_size, model_path, shared, rollout_queue, contr
     ref_model = None
     if cfg.kl_coef > 0:
         from transformers import AutoModelForCausalLM
-        ref_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+        ref_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device).eval()
         ref_model.requires_grad_(False)
     from transformers import AutoTokenizer
     pad_id = AutoTokenizer.from_pretrained(model_path).pad_token_id or 0
@@ -347,6 +367,9 @@ def trainer_main(cfg, rank, world_size, model_path, shared, rollout_queue, contr
         advantages = group_advantages(rewards, scale=cfg.adv_scale)
         batch = buffer.collate(buffer.to_samples(taken.groups, advantages), pad_id)
         local = batch.select(buffer.rows_for_rank(len(batch), rank, world_size))
+        if device.type == "cuda":
+            local = dataclasses.replace(local, **{f.name: getattr(local, f.name).to(device)
+                                                  for f in dataclasses.fields(local)})
 
         scaled_loss, loss_share, logp, metrics = loss_on_batch(model, ref_model, local, cfg, world_size)
         scaled_loss.backward()
@@ -389,7 +412,7 @@ def trainer_main(cfg, rank, world_size, model_path, shared, rollout_queue, contr
         control.stop.set()  # the generator can stop now
     if finished:
         save_final_model(model, model_path, os.path.join(cfg.out, "model"), rank)
-    elif control.interrupted.is_set():
+    else:  # a signal, or another process failed: keep what was learned
         where = save_checkpoint(model, optimizer, model_path, cfg, step, version, rank)
         if rank == 0:
             print(f"stopped at step {step} (version {version}); checkpoint in {where}; continue with "
@@ -416,10 +439,28 @@ def save_checkpoint(model, optimizer, model_path, cfg, step, version, rank):
 
 
 def publish(model, shared, version, rank, world_size):
-    """Each rank writes its own FSDP2 rows straight into the packed buffer: no gather."""
+    """Write the current weights into the packed buffer and publish `version`.
+
+    CPU: each rank writes its own FSDP2 rows straight into the shared-memory buffer, no gather.
+    GPU: the buffer is on rank 0's GPU and only rank 0 maps it: each parameter is gathered in turn
+    (DTensor.full_tensor, an all-gather over NCCL; one parameter's worth of memory at a time) and rank 0,
+    the only writer, copies it in; `end_write` waits for the device copies before bumping the version.
+    """
     import torch.distributed as dist
     from sync import fsdp_row_start
 
+    if shared.device_type == "cuda":
+        with torch.no_grad():
+            if rank == 0:
+                shared.begin_write()
+            for slot, (_, param) in zip(shared.layout, model.named_parameters()):
+                full = param.full_tensor() if hasattr(param, "full_tensor") else param
+                if rank == 0:
+                    shared.write_param(slot, full)
+                del full
+            if rank == 0:
+                shared.end_write(version)
+        return
     if rank == 0:
         shared.begin_write()
     if world_size > 1:
@@ -587,14 +628,14 @@ def prepare_model(cfg) -> str:
     return path
 
 
-def allocate_shared_weights(model_path):
+def allocate_shared_weights(model_path, device="cpu"):
     from transformers import AutoConfig, AutoModelForCausalLM
     from sync import SharedWeights, named_shapes_of
 
     config = AutoConfig.from_pretrained(model_path)
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    return SharedWeights.allocate(named_shapes_of(skeleton), dtype=torch.float32)
+    return SharedWeights.allocate(named_shapes_of(skeleton), dtype=torch.float32, device=device)
 
 
 def split_threads(cfg):
@@ -622,10 +663,17 @@ def run(cfg: Config) -> int:
         model_path = os.path.join(resume_dir, "model")
     else:
         model_path = prepare_model(cfg)
+    import devices
+
+    layout = devices.layout_for(cfg)
+    if layout.notice:
+        print(layout.notice, file=sys.stderr, flush=True)
+    cfg.train_ranks = layout.world_size  # on GPUs: one rank per --train-devices GPU
     gen_threads, cfg.train_threads = split_threads(cfg)
     with open(os.path.join(cfg.out, "config.json"), "w") as f:
         json.dump(dataclasses.asdict(cfg), f, indent=2)
-    shared = allocate_shared_weights(model_path)
+    # On GPUs this process owns the packed buffer (on the first trainer GPU) and outlives every reader.
+    shared = allocate_shared_weights(model_path, device=layout.buffer_device)
     ctx = mp.get_context("spawn")
     rollout_queue = ctx.Queue(maxsize=cfg.queue_size)
     errors = ctx.Queue()
@@ -639,7 +687,7 @@ def run(cfg: Config) -> int:
         first_group_id=start_step * cfg.prompts_per_step,
         task=cfg.task, dataset=cfg.dataset, split=cfg.split, prompt_column=cfg.prompt_column,
         answer_column=cfg.answer_column, reward=cfg.reward, reward_weights=cfg.reward_weights,
-        system_prompt=cfg.system_prompt, reward_workers=cfg.reward_workers)
+        system_prompt=cfg.system_prompt, reward_workers=cfg.reward_workers, **layout.generator_settings())
     init_file = tempfile.mktemp(prefix="asyncgrpo-dist-")
     procs = {"generator": (ctx.Process(target=child_entry, name="generator", args=(
         "generator", _generator_entry, (settings, shared, rollout_queue, control), errors, True)), True)}
@@ -670,8 +718,13 @@ def run(cfg: Config) -> int:
         code = 130
     finally:
         control.stop.set()
-        deadline = time.monotonic() + 30
-        for name, (proc, own_group) in procs.items():
+        # Trainers first: they hold what must be saved (a checkpoint on a stop). After a failure the
+        # generator has nothing to save and its engine may be dead: it gets no grace then.
+        generator, own_group = procs["generator"]
+        if code != 0:
+            kill_tree(generator, own_group)
+        deadline = time.monotonic() + 20
+        for name, (proc, own_group) in reversed(list(procs.items())):
             proc.join(timeout=max(0.1, deadline - time.monotonic()))
             kill_tree(proc, own_group)  # also reaps vLLM's EngineCore left in the generator's group
         for s, h in old_handlers.items():

@@ -394,24 +394,67 @@ def count_params(model_path: str) -> int:
     return sum(p.numel() for p in m.parameters())
 
 
-def generate_alone(cfg, model_path: str, steps: int, publish: bool = True, keep_groups: bool = True,
-                   timeout_s: float = 300.0) -> dict:
-    """Generation with no training: the real generator process (`rollout.generator_main`, started like
-    `train.run` starts it) feeding a stand-in trainer that takes each step's groups from the queue
-    (`buffer.take_groups`) and, if `publish`, republishes the same weights under the next version, so
-    the generator swaps weights once per step exactly as in a run. Returns the groups (the batches a run
-    would train on) and, per step, when its last group arrived."""
+def stand_in_trainer(queue, control, shared, model_path: str, steps: int, prompts_per_step: int,
+                     publish: bool = True, keep_groups: bool = True, timeout_s: float = 300.0, armed=None) -> dict:
+    """The trainer's side of the queue with the training taken out: take each step's groups
+    (`buffer.take_groups`, as the trainer does) and, if `publish`, republish the same weights under the next
+    version (`sync.SharedWeights.publish`), so that the generator swaps weights once per step as in a run.
+    Records when each step's last group arrived and how many tokens it held; sets `control.stop` at the end."""
     import torch
-    import torch.multiprocessing as mp
     from transformers import AutoModelForCausalLM
 
     import buffer
     import train
 
-    ctx = mp.get_context("spawn")
-    shared = train.allocate_shared_weights(model_path)
     weights = {k: v.detach().clone() for k, v in
                AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).named_parameters()}
+    if armed is not None:
+        armed.set()
+    t_wait = time.perf_counter()
+    train.wait_for(control.ready, control.stop, timeout_s, "the generator's engine to start")
+    ready_s = time.perf_counter() - t_wait
+    groups, step_end, tokens, sync_ms, parts = [], [], [], [], []
+    start = time.perf_counter()
+    version = 0
+    try:
+        for step in range(steps):
+            taken = buffer.take_groups(queue, prompts_per_step, version, 10**6, timeout_s)
+            step_end.append(time.perf_counter() - start)
+            tokens.append(sum(len(c) for g in taken.groups for c in g.completion_ids))
+            for g in taken.groups:
+                sync_ms += g.gen_stats.get("sync_ms", [])
+                parts += g.gen_stats.get("sync_parts", [])
+            if keep_groups:
+                groups.extend(taken.groups)
+            last_stats = dict(taken.groups[-1].gen_stats, sync_ms=None, sync_parts=None)
+            if publish:
+                version += 1
+                shared.publish(weights, version)
+    finally:
+        control.stop.set()
+    return {"groups": groups, "step_end_s": step_end, "tokens": tokens, "ready_wait_s": ready_s,
+            "gen_stats": last_stats, "sync_ms": sync_ms, "sync_parts": parts}
+
+
+def stand_in_entry(results, *args):
+    """`stand_in_trainer` as a process target: its result goes to `results`."""
+    try:
+        results.put(("ok", stand_in_trainer(*args)))
+    except BaseException:
+        results.put(("error", traceback.format_exc()))
+
+
+def generate_alone(cfg, model_path: str, steps: int, publish: bool = True, keep_groups: bool = True,
+                   timeout_s: float = 300.0) -> dict:
+    """Generation with no training: the real generator process (`rollout.generator_main`, started like
+    `train.run` starts it) feeding `stand_in_trainer` (here, in this process). Returns the groups (the
+    batches a run would train on) and, per step, when its last group arrived."""
+    import torch.multiprocessing as mp
+
+    import train
+
+    ctx = mp.get_context("spawn")
+    shared = train.allocate_shared_weights(model_path)
     queue = ctx.Queue(maxsize=cfg.queue_size)
     errors = ctx.Queue()
     control = train.make_control(ctx)
@@ -421,31 +464,15 @@ def generate_alone(cfg, model_path: str, steps: int, publish: bool = True, keep_
         "generator", train._generator_entry, (settings, shared, queue, control), errors, True))
     t_spawn = time.perf_counter()
     proc.start()
-    groups, step_end, tokens = [], [], []
     try:
-        train.wait_for(control.ready, control.stop, timeout_s, "the generator's engine to start")
-        startup_s = time.perf_counter() - t_spawn
-        start = time.perf_counter()
-        version = 0
-        for step in range(steps):
-            taken = buffer.take_groups(queue, cfg.prompts_per_step, version, 10**6, timeout_s)
-            step_end.append(time.perf_counter() - start)
-            tokens.append(sum(len(c) for g in taken.groups for c in g.completion_ids))
-            if keep_groups:
-                groups.extend(taken.groups)
-            last_stats = taken.groups[-1].gen_stats
-            if publish:
-                version += 1
-                shared.publish(weights, version)
-        control.stop.set()
+        result = stand_in_trainer(queue, control, shared, model_path, steps, cfg.prompts_per_step, publish,
+                                  keep_groups, timeout_s)
         proc.join(timeout=60)
     finally:
         control.stop.set()
         train.kill_tree(proc, True)
-    sync_ms = [ms for g in groups for ms in g.gen_stats.get("sync_ms", [])]
-    parts = [p for g in groups for p in g.gen_stats.get("sync_parts", [])]
-    return {"groups": groups, "step_end_s": step_end, "tokens": tokens, "startup_s": startup_s,
-            "gen_stats": last_stats, "sync_ms": sync_ms, "sync_parts": parts}
+    result["process_s"] = time.perf_counter() - t_spawn
+    return result
 
 
 def train_alone(cfg, model_path: str, groups: list, out_dir: Path, timeout_s: float = 600.0) -> list[dict]:
@@ -458,7 +485,8 @@ def train_alone(cfg, model_path: str, groups: list, out_dir: Path, timeout_s: fl
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    cfg = dataclasses.replace(cfg, out=str(out_dir), max_lag=10**6, queue_size=len(groups) + 1)
+    cfg = dataclasses.replace(cfg, out=str(out_dir), max_lag=10**6, queue_size=len(groups) + 1,
+                              steps=len(groups) // cfg.prompts_per_step, timeout_s=min(cfg.timeout_s, 60.0))
     _, cfg.train_threads = train.split_threads(cfg)
     ctx = mp.get_context("spawn")
     shared = train.allocate_shared_weights(model_path)

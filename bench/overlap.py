@@ -1,0 +1,160 @@
+"""bench/overlap.py — does asynchrony keep both sides busy? Sync against async, side by side, in one run.
+
+    python bench/overlap.py --out DIR        # writes DIR/overlap.json and DIR/overlap.png, prints a table
+
+What runs, all with the default workload (the tiny model, 32 prompts x 8 completions, 5 new tokens) and the
+same thread budget per process as `python train.py` (half the cores for the generator, the rest for the
+trainer):
+1. Generation alone: the real generator process (`rollout.generator_main`) feeding a stand-in trainer that
+   only takes each step's groups and republishes the weights (one weight swap per step, as in a run).
+   -> t_gen, seconds per step's batch.
+2. Training alone: the real trainer (`train.trainer_main`) on the very batches of 1, from a queue that is
+   never empty. -> t_train, seconds per step.
+3. `python train.py --max-lag K` for K = 0 (sync: strictly on-policy, each side waits for the other),
+   1, 2 and 4, same seed and model, `--steps` steps each.
+Rates are steady-state: the first `--warmup` steps of every run are left out.
+
+bound = (t_gen + t_train) / max(t_gen, t_train): the best speedup two overlapped stages can give.
+speedup = steps/s of a mode / steps/s of sync; share_of_bound = speedup / bound.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+MODES = (("sync", 0), ("lag1", 1), ("lag2", 2), ("lag4", 4))
+
+
+def measure(args, work: Path, model: str, rep: int) -> dict:
+    cfg = common.default_config(steps=args.steps, model=model, seed=args.seed)
+    out = {}
+    t = time.perf_counter()
+    gen = common.generate_alone(cfg, model, steps=args.steps)
+    gen_steps = common.intervals(gen["step_end_s"], args.warmup)
+    out["gen_alone"] = {"step_s_mean": statistics.fmean(gen_steps), "step_s_median": statistics.median(gen_steps),
+                        "tokens_per_step": statistics.fmean(gen["tokens"][args.warmup:]),
+                        "sync_ms_median": statistics.median(gen["sync_ms"]) if gen["sync_ms"] else None,
+                        "engine_ready_wait_s": gen["ready_wait_s"], "process_s": time.perf_counter() - t}
+    print(f"[overlap] generation alone: {out['gen_alone']['step_s_mean'] * 1e3:.0f} ms/step", flush=True)
+    t = time.perf_counter()
+    rows = common.train_alone(cfg, model, gen["groups"], work / f"train_alone{rep}")
+    train_steps = common.intervals([r["wall_s"] for r in rows], args.warmup)
+    out["train_alone"] = {"step_s_mean": statistics.fmean(train_steps),
+                          "step_s_median": statistics.median(train_steps),
+                          "train_s_mean": statistics.fmean(r["train_s"] for r in rows[args.warmup:]),
+                          "tokens_per_step": statistics.fmean(r["tokens"] for r in rows[args.warmup:]),
+                          "process_s": time.perf_counter() - t}
+    print(f"[overlap] training alone:   {out['train_alone']['step_s_mean'] * 1e3:.0f} ms/step", flush=True)
+    for mode, lag in MODES:
+        run = common.run_train_cli(work / f"{mode}{rep}", ["--steps", str(args.steps), "--max-lag", str(lag),
+                                                            "--model", model, "--seed", str(args.seed)])
+        st = common.steady(run["rows"], args.warmup)
+        st["process_s"] = run["process_s"]
+        st["max_token_lag"] = run["summary"].get("max_token_lag")
+        st["dropped_stale"] = run["summary"].get("dropped_stale")
+        out[mode] = st
+        print(f"[overlap] {mode:5s} (--max-lag {lag}): {st['steps_per_s']:.2f} steps/s, trainer waits "
+              f"{st['trainer_wait_frac']:.0%}, generator waits {st.get('generator_wait_frac') or 0:.0%} "
+              f"({run['process_s']:.0f} s with start-up)", flush=True)
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    common.add_argument_out(p)
+    p.add_argument("--steps", type=int, default=40, help="optimizer steps per run")
+    p.add_argument("--warmup", type=int, default=5, help="first steps left out of every rate")
+    p.add_argument("--repeats", type=int, default=1, help="repeat the whole set; medians are reported")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.steps <= args.warmup + 2:
+        p.error("--steps must exceed --warmup by at least 3")
+    info = common.machine_info()
+    start = time.perf_counter()
+    reps = []
+    with common.LoadMonitor() as mon, common.Scratch(args.work, "overlap") as work:
+        model = common.build_model(work / "init_model", seed=args.seed)
+        for rep in range(args.repeats):
+            reps.append(measure(args, work, model, rep))
+    load = mon.summary()
+
+    def med(key, field):
+        vals = [r[key][field] for r in reps if r[key].get(field) is not None]
+        return statistics.median(vals) if vals else None
+
+    t_gen, t_train = med("gen_alone", "step_s_mean"), med("train_alone", "step_s_mean")
+    bound = (t_gen + t_train) / max(t_gen, t_train)
+    data = {"benchmark": "overlap", "machine": info, "load": load, "wall_s": time.perf_counter() - start,
+            "settings": {"steps": args.steps, "warmup": args.warmup, "repeats": args.repeats, "seed": args.seed,
+                         "workload": "default task and tiny model; 32 prompts x 8 completions, 5 new tokens"},
+            "t_gen_s": t_gen, "t_train_s": t_train, "bound": bound,
+            "sequential_steps_per_s": 1 / (t_gen + t_train), "pipelined_steps_per_s": 1 / max(t_gen, t_train),
+            "alone": {"gen": reps[-1]["gen_alone"], "train": reps[-1]["train_alone"]}, "modes": [m for m, _ in MODES],
+            "repeats": reps}
+    sync_rate = med("sync", "steps_per_s")
+    for mode, lag in MODES:
+        rate = med(mode, "steps_per_s")
+        speedup = rate / sync_rate
+        data[mode] = {
+            "max_lag": lag, "steps_per_s": rate, "speedup": speedup, "share_of_bound": speedup / bound,
+            "share_of_pipelined": rate * max(t_gen, t_train),
+            "trainer_wait_frac": med(mode, "trainer_wait_frac"), "generator_wait_frac": med(mode, "generator_wait_frac"),
+            "train_s_per_step": med(mode, "train_s_mean"), "gen_busy_s_per_step": med(mode, "gen_busy_s_per_step"),
+            "sync_ms_median": med(mode, "sync_ms_median"), "lag_mean": med(mode, "lag_mean"),
+        }
+    path = common.write_json(args.out, "overlap", data)
+    plot(data, Path(args.out) / "overlap.png")
+
+    rows = [[m, data[m]["max_lag"], data[m]["steps_per_s"], data[m]["speedup"], data[m]["share_of_bound"],
+             data[m]["trainer_wait_frac"], data[m]["generator_wait_frac"], data[m]["train_s_per_step"] * 1e3,
+             (data[m]["gen_busy_s_per_step"] or 0) * 1e3] for m, _ in MODES]
+    print()
+    print(f"t_gen {t_gen * 1e3:.0f} ms/step alone, t_train {t_train * 1e3:.0f} ms/step alone, bound "
+          f"(t_gen + t_train) / max = {bound:.2f}x")
+    print(common.table(["mode", "max lag", "steps/s", "speedup", "share of bound", "trainer wait",
+                        "generator wait", "train ms/step", "gen busy ms/step"], rows))
+    print(f"machine: {common.machine_line(info)}; other processes used {load['foreign_cores_mean']} cores on "
+          f"average. Wrote {path}")
+    return 0
+
+
+def plot(data: dict, path: Path) -> None:
+    plt = common.plt()
+    modes = data["modes"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    rates = [data[m]["steps_per_s"] for m in modes]
+    ax1.bar(modes, rates, color=["#999999"] + ["#1f77b4"] * (len(modes) - 1))
+    ax1.axhline(data["sequential_steps_per_s"], ls="--", color="k", lw=1,
+                label=f"1 / (t_gen + t_train) (sequential)")
+    ax1.axhline(data["pipelined_steps_per_s"], ls=":", color="r", lw=1.5,
+                label=f"1 / max(t_gen, t_train) (perfect overlap)")
+    for i, m in enumerate(modes):
+        ax1.text(i, rates[i], f"{data[m]['speedup']:.2f}x\n{data[m]['share_of_bound']:.0%} of bound",
+                 ha="center", va="bottom", fontsize=8)
+    ax1.set_ylabel("steps / s (steady state)")
+    ax1.set_ylim(0, max(rates + [data["pipelined_steps_per_s"]]) * 1.3)
+    ax1.set_title(f"throughput; bound {data['bound']:.2f}x")
+    ax1.legend(fontsize=7, loc="upper left")
+    x = range(len(modes))
+    ax2.bar([i - 0.2 for i in x], [data[m]["trainer_wait_frac"] for m in modes], 0.4, label="trainer waits for data")
+    ax2.bar([i + 0.2 for i in x], [data[m]["generator_wait_frac"] or 0 for m in modes], 0.4,
+            label="generator waits (queue full / weights)")
+    ax2.set_xticks(list(x), modes)
+    ax2.set_ylim(0, 1)
+    ax2.set_ylabel("fraction of wall time")
+    ax2.set_title("who waits")
+    ax2.legend(fontsize=7)
+    fig.suptitle(f"overlap: {common.machine_line(data['machine'])}", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

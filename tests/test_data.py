@@ -1,0 +1,314 @@
+"""Bring your own model, data and reward (data.py, rollout's tasks, plots.py), with local files only.
+
+Fast tests (no engine): JSONL and Parquet datasets with a column mapping, rows missing a field reported
+by line, reward functions from a user module (TRL's calling convention, the per-sample fault rules,
+weights, a process pool), the math reward on right and wrong answers, chat-template rendering, a saved
+Hugging Face model directory, the plot. One end-to-end run: the GSM8K-style sample, the math reward plus a
+user reward, the tiny character-level model saved to disk (random-init: rewards ~0, no learning expected).
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import data
+import plots
+import rollout
+import train
+
+REPO = Path(__file__).resolve().parent.parent
+SAMPLE = str(REPO / "data" / "gsm8k_sample.jsonl")
+ROWS = [{"question": "What is 2 + 3?", "answer": "#### 5", "level": 1},
+        {"question": "What is 10 - 4?", "answer": "#### 6", "level": 2},
+        {"question": "What is 3 * 3?", "answer": "#### 9", "level": 1}]
+
+
+@pytest.fixture(scope="module")
+def ascii_model(tmp_path_factory):
+    """The tiny model with a printable-ASCII tokenizer and a chat template, saved as a HF directory."""
+    return rollout.build_tiny_model(str(tmp_path_factory.mktemp("models") / "tiny_ascii"), alphabet="ascii")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(ascii_model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(ascii_model)
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+# ---- datasets -------------------------------------------------------------------------------------
+def test_jsonl_and_parquet_give_the_same_rows_with_a_column_mapping(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    jsonl = write_jsonl(tmp_path / "d.jsonl", ROWS)
+    parquet = str(tmp_path / "d.parquet")
+    pq.write_table(pa.Table.from_pylist(ROWS), parquet)
+    for path in (jsonl, parquet):
+        rows = data.load_rows(path)
+        assert [r for _, r in rows] == ROWS
+        data.check_rows(rows, "question", "answer")
+    assert data.load_rows(jsonl)[1][0] == f"{jsonl} line 2"
+    assert data.load_rows(parquet)[1][0] == f"{parquet} row 2"
+    cols = data.row_columns(ROWS[0], "question", "answer")
+    assert cols == {"answer": "#### 5", "level": 1}  # every column but the prompt, TRL's way
+    assert data.row_columns({"q": "x", "sol": "7"}, "q", "sol") == {"sol": "7", "answer": "7"}  # alias
+
+
+def test_rows_missing_a_field_are_reported_with_their_line(tmp_path):
+    lines = [ROWS[0], {"question": "no answer here"}, ROWS[1], {"answer": "#### 1", "q": "renamed"}]
+    path = tmp_path / "bad.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in lines[:2]) + "\n\n" + "\n".join(json.dumps(r) for r in lines[2:]))
+    with pytest.raises(data.DataError) as err:
+        data.check_rows(data.load_rows(str(path)), "question", "answer")
+    msg = str(err.value)
+    assert "2 of 4 rows" in msg and "line 2: no 'answer' field" in msg and "line 5: no 'question' field" in msg
+    with pytest.raises(SystemExit) as err:  # and before anything starts, from the flags
+        train.parse_args(["--dataset", str(path), "--prompt-column", "question", "--reward", "math"])
+    assert "line 2: no 'answer' field" in str(err.value)
+    path.write_text(json.dumps(ROWS[0]) + "\n{not json\n")
+    with pytest.raises(data.DataError, match="line 2: not valid JSON"):
+        data.load_rows(str(path))
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--dataset", "missing.jsonl", "--reward", "math"], "--dataset missing.jsonl: no such file"),
+    (["--dataset", SAMPLE, "--prompt-column", "question", "--reward", "nocolon"], "expected module:function"),
+    (["--dataset", SAMPLE, "--prompt-column", "question", "--reward", "math,math", "--reward-weights", "1"],
+     "1 value(s) for 2 reward function(s)"),
+    (["--dataset", SAMPLE, "--prompt-column", "question"], "needs --reward"),
+    (["--reward", "math"], "the copy task has its own data and reward"),
+    (["--task", "nope"], "--task must be one of"),
+    (["--task", "gsm8k", "--reward", "no_such_module_xyz:f"], "cannot import no_such_module_xyz"),
+])
+def test_bad_data_flags_give_a_clear_line(argv, needle):
+    with pytest.raises(SystemExit) as err:
+        train.parse_args(argv)
+    assert needle in str(err.value)
+
+
+def test_task_resolution():
+    assert data.resolve() is None  # the default: the built-in copy task
+    spec = data.resolve("gsm8k")
+    assert (spec.dataset, spec.prompt_column, spec.answer_column, spec.rewards) == \
+        (SAMPLE, "question", "answer", ("data:math_reward",))
+    spec = data.resolve(dataset="x.jsonl", reward="math, examples/my_rewards.py:format_reward",
+                        reward_weights="1,0.25")
+    assert spec.rewards == ("data:math_reward", "examples/my_rewards.py:format_reward")
+    assert spec.weights == (1.0, 0.25)
+    cfg = train.parse_args(["--task", "gsm8k", "--steps", "3"])  # the shipped sample passes every check
+    assert cfg.task == "gsm8k"
+
+
+# ---- reward functions -----------------------------------------------------------------------------
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+    (tmp_path / "my_user_rewards.py").write_text(
+        "SEEN = []\n"
+        "def capture(prompts, completions, completion_ids, **kwargs):\n"
+        "    SEEN.append(dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs))\n"
+        "    return [float(len(c if isinstance(c, str) else c[0]['content'])) for c in completions]\n"
+        "def simple(completions, answer):\n"
+        "    return [1.0 if c.endswith(a) else 0.0 for c, a in zip(completions, answer)]\n"
+        "NOT_CALLABLE = 3\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    yield tmp_path
+    sys.modules.pop("my_user_rewards", None)
+
+
+def test_reward_functions_load_from_a_user_module_or_file(user_module):
+    import my_user_rewards
+
+    assert data.load_reward("my_user_rewards:capture") is my_user_rewards.capture
+    assert data.load_reward(str(user_module / "my_user_rewards.py") + ":simple").__name__ == "simple"
+    assert data.load_reward(str(REPO / "examples" / "my_rewards.py") + ":format_reward").__name__ == "format_reward"
+    assert data.load_reward("math") is data.math_reward
+    for spec, needle in [("my_user_rewards:nope", "has no 'nope'"), ("my_user_rewards:NOT_CALLABLE", "not callable"),
+                         ("nowhere_mod:f", "cannot import nowhere_mod"), ("missing.py:f", "no such file")]:
+        with pytest.raises(data.DataError, match=needle):
+            data.load_reward(spec)
+
+
+def test_trl_calling_convention_with_extra_columns(user_module):
+    import my_user_rewards
+
+    scorer = data.Scorer(["my_user_rewards:capture", "my_user_rewards:simple"])
+    columns = data.row_columns({"question": "q?", "sol": "7", "level": 3}, "question", "sol")
+    rewards, stats, unscored = scorer.score("q?", ["a 7", "b"], [[1, 2], [3]], columns, step=5)
+    seen = my_user_rewards.SEEN[-1]
+    assert seen["prompts"] == ["q?", "q?"] and seen["completions"] == ["a 7", "b"]
+    assert seen["completion_ids"] == [[1, 2], [3]]
+    assert seen["sol"] == ["7", "7"] and seen["answer"] == ["7", "7"] and seen["level"] == [3, 3]
+    assert seen["trainer_state"].global_step == 5
+    assert rewards == [3.0 + 1.0, 1.0 + 0.0] and unscored == 0  # `simple` got only what it takes
+    assert set(stats) == {"capture", "simple"} and stats["simple"]["sum"] == 1.0
+    # chat prompts: completions come as assistant messages, as in TRL
+    chat = [{"role": "user", "content": "q?"}]
+    scorer = data.Scorer(["my_user_rewards:capture"])
+    scorer.score(chat, ["xyz"], [[1]], {"answer": "1"})
+    assert my_user_rewards.SEEN[-1]["completions"] == [[{"role": "assistant", "content": "xyz"}]]
+    assert my_user_rewards.SEEN[-1]["prompts"] == [chat]
+
+
+def test_fault_rules_none_nan_errors_and_weights(tmp_path, monkeypatch):
+    (tmp_path / "faulty_rewards.py").write_text(
+        "import math\n"
+        "def ok(completions, **kw): return [1.0, 2.0, 3.0, 4.0]\n"
+        "def some_none(completions, **kw): return [None, 10.0, None, math.nan]\n"
+        "def raises(completions, **kw): raise ValueError('boom')\n"
+        "def wrong_count(completions, **kw): return [1.0]\n"
+        "def all_none(completions, **kw): return [None] * len(completions)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    logged = []
+    scorer = data.Scorer([f"faulty_rewards:{f}" for f in ("ok", "some_none", "raises", "wrong_count")],
+                         weights=[1.0, 0.5, 1.0, 1.0], log=logged.append)
+    rewards, stats, unscored = scorer.score("p", ["a", "b", "c", "d"], [[1]] * 4, {})
+    assert rewards == [1.0, 2.0 + 5.0, 3.0, 4.0] and unscored == 0  # None/NaN left out of the weighted sum
+    assert (stats["some_none"]["none"], stats["some_none"]["invalid"], stats["some_none"]["count"]) == (2, 1, 1)
+    assert stats["raises"]["errors"] == 1 and stats["raises"]["count"] == 0
+    assert stats["wrong_count"]["errors"] == 1
+    assert any("boom" in m for m in logged) and any("returned 1 values for 4" in m for m in logged)
+    scorer.score("p", ["a", "b", "c", "d"], [[1]] * 4, {})
+    assert len([m for m in logged if "boom" in m]) == 1  # reported once, counted always
+    # a sample no function scored gets its group's mean (zero advantage); a group nobody scored gets 0
+    scorer = data.Scorer(["faulty_rewards:some_none"], log=logged.append)
+    rewards, _, unscored = scorer.score("p", list("abcd"), [[1]] * 4, {})
+    assert rewards == [10.0] * 4 and unscored == 3
+    rewards, stats, unscored = data.Scorer(["faulty_rewards:all_none"]).score("p", list("ab"), [[1]] * 2, {})
+    assert rewards == [0.0, 0.0] and unscored == 2 and stats["all_none"]["none"] == 2
+    metrics = data.summarize([stats, stats])
+    assert metrics["reward/all_none/none_frac"] == 1.0 and metrics["reward/all_none/mean"] is None
+
+
+def test_reward_functions_in_a_process_pool(tmp_path):
+    scorer = data.Scorer(["math", str(REPO / "examples" / "my_rewards.py") + ":format_reward"], workers=1)
+    try:
+        rewards, stats, _ = scorer.score("q", ["so #### 5", "it is 4"], [[1], [2]], {"answer": "#### 5"})
+    finally:
+        scorer.close()
+    assert rewards == [2.0, 0.0] and stats["math_reward"]["count"] == 2
+
+
+def test_math_reward_right_and_wrong_answers():
+    gold = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nAltogether she sold 48+24 = <<48+24=72>>72 clips.\n#### 72"
+    completions = ["48 + 24 = 72\n#### 72", "So the answer is $\\boxed{72}$.", "She sold 72.0 clips in total.",
+                   "48 + 24 = 73\n#### 73", "I do not know.", "#### 72 clips", "72 ... no, 71"]
+    assert data.math_reward(completions, answer=[gold] * len(completions)) == [1.0, 1.0, 1.0, 0.0, 0.0, 1.0, 0.0]
+    assert data.math_reward(["#### 1,250"], answer=["#### 1250"]) == [1.0]
+    assert data.math_reward(["x = 1/2"], solution=["$\\frac{1}{2}$"]) == [1.0]  # TRL's column name
+    assert data.math_reward([[{"role": "assistant", "content": "#### -7"}]], answer=["#### -7"]) == [1.0]
+    assert data.math_reward(["#### 3"], answer=["no number at all"]) == [None]  # the reward does not apply
+    with pytest.raises(TypeError):
+        data.math_reward(["#### 3"])
+
+
+# ---- prompts, the chat template, a saved model ----------------------------------------------------
+def test_chat_template_and_plain_text_prompts(tokenizer, tmp_path):
+    from transformers import AutoTokenizer
+
+    messages = [{"role": "user", "content": "What is 2 + 3?"}]
+    text = data.render_prompt(tokenizer, messages)
+    assert text == "<|user|>\nWhat is 2 + 3?\n<|assistant|>\n"
+    assert data.render_prompt(tokenizer, messages, "Be brief.") == \
+        "<|system|>\nBe brief.\n<|user|>\nWhat is 2 + 3?\n<|assistant|>\n"
+    assert data.render_prompt(tokenizer, "2 + 3 =") == "2 + 3 ="  # plain text as it is
+    assert data.render_prompt(tokenizer, "2 + 3 =", "Add.") == "<|system|>\nAdd.\n<|user|>\n2 + 3 =\n<|assistant|>\n"
+    ids = data.encode_prompt(tokenizer, messages)
+    assert tokenizer.decode(ids) == text  # every character encoded faithfully (no <pad> for unknowns)
+    copy_dir = rollout.build_tiny_model(str(tmp_path / "copy_tiny"))  # no chat template
+    copy_tok = AutoTokenizer.from_pretrained(copy_dir)
+    assert data.render_prompt(copy_tok, "abc=", "sys") == "sys\n\nabc="
+    with pytest.raises(data.DataError, match="no chat template"):
+        data.render_prompt(copy_tok, messages)
+
+
+def test_saved_model_directory_and_dataset_task(ascii_model, tokenizer, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    assert AutoModelForCausalLM.from_pretrained(ascii_model).config.vocab_size == 100
+    assert data.resolve_model(ascii_model) == os.path.abspath(ascii_model)
+    cfg = train.parse_args(["--model", ascii_model, "--task", "gsm8k"])
+    settings = rollout.GeneratorSettings(model=ascii_model, seed=0, group_size=2, prompts_per_step=2,
+                                         max_new_tokens=8, max_lag=1, update_mode="inflight", task=cfg.task)
+    task = rollout.make_task(settings, tokenizer, max_len=1024)
+    import random
+
+    prompt = task.sample(random.Random("0-0"))
+    assert task.sample(random.Random("0-0")) == prompt  # a function of (seed, group id)
+    text = tokenizer.decode(prompt.prompt_ids)
+    assert text.startswith("<|system|>\n" + data.GSM8K_SYSTEM_PROMPT) and prompt.prompt in text
+    assert float(prompt.answer.split("####")[1]) == float(prompt.columns["answer"].split("####")[1])
+    rewards, stats, _ = task.score(prompt, ["#### " + prompt.answer.split("####")[1].strip(), "hm"], [[5], [6]])
+    assert rewards == [1.0, 0.0] and set(stats) == {"math_reward"}
+    # a context too small for any prompt is reported, not a hang
+    with pytest.raises(RuntimeError, match="too long"):
+        rollout.make_task(settings, tokenizer, max_len=40).sample(random.Random(0))
+    assert isinstance(rollout.make_task(rollout.GeneratorSettings(
+        model=ascii_model, seed=0, group_size=2, prompts_per_step=2, max_new_tokens=8, max_lag=1,
+        update_mode="inflight"), tokenizer), rollout.CopyTask)  # the default stays the copy task
+
+
+def test_a_chat_dataset_with_a_solution_column(ascii_model, tokenizer):
+    import random
+
+    cfg = train.parse_args(["--model", ascii_model, "--dataset", "examples/chat_prompts.jsonl",
+                            "--answer-column", "solution", "--reward", "math"])
+    settings = rollout.GeneratorSettings(model=ascii_model, seed=0, group_size=2, prompts_per_step=2,
+                                         max_new_tokens=8, max_lag=1, update_mode="inflight", task=cfg.task,
+                                         dataset=cfg.dataset, answer_column=cfg.answer_column, reward=cfg.reward)
+    task = rollout.make_task(settings, tokenizer, max_len=1024)
+    prompt = task.sample(random.Random(1))
+    assert tokenizer.decode(prompt.prompt_ids).startswith("<|system|>\nAnswer with the number only.\n<|user|>\n")
+    assert prompt.columns["solution"] == prompt.columns["answer"] == prompt.answer
+    rewards, _, _ = task.score(prompt, [prompt.answer, "0.5"], [[7], [8]])
+    assert rewards == [1.0, 0.0]
+
+
+def test_a_hub_id_that_cannot_be_fetched_fails_with_one_clear_line():
+    code = ("import data\ntry:\n    data.resolve_model('someone/no-such-model')\n"
+            "except data.DataError as e:\n    print(e)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
+                         env=dict(os.environ, HF_HUB_OFFLINE="1")).stdout
+    assert out.startswith("--model someone/no-such-model: not a local directory, and the hub download failed")
+
+
+def test_plot_from_metrics(tmp_path):
+    rows = [{"step": i, "reward": i / 10, "reward/math_reward/mean": i / 10, "completion_len": 4 + i % 2,
+             "completion_len_min": 2, "completion_len_max": 6, "lag_hist/0": 10, "lag_hist/1": i,
+             "sync_ms": 30.0 + i} for i in range(10)]
+    write_jsonl(tmp_path / "metrics.jsonl", rows)
+    assert plots.plot_run(str(tmp_path)) == str(tmp_path / "plots.png")
+    assert (tmp_path / "plots.png").stat().st_size > 10_000
+
+
+# ---- end to end -----------------------------------------------------------------------------------
+def test_gsm8k_sample_with_the_math_reward_end_to_end(ascii_model, tmp_path):
+    out = tmp_path / "run"
+    argv = [sys.executable, "train.py", "--out", str(out), "--model", ascii_model, "--task", "gsm8k",
+            "--reward", "math,examples/my_rewards.py:format_reward", "--reward-weights", "1,0.5",
+            "--reward-workers", "1", "--steps", "3", "--prompts-per-step", "4", "--group-size", "4",
+            "--max-new-tokens", "16", "--max-lag", "1"]
+    proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=240,
+                          env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 3
+    for row in rows:
+        for name in ("math_reward", "format_reward"):
+            assert {f"reward/{name}/{k}" for k in ("mean", "std", "none_frac", "errors")} <= set(row)
+            assert row[f"reward/{name}/none_frac"] == 0.0 and row[f"reward/{name}/errors"] == 0
+        assert 1 <= row["completion_len_min"] <= row["completion_len"] <= row["completion_len_max"] <= 16
+        assert math.isfinite(row["reward"]) and row["unscored"] == 0
+        assert sum(v for k, v in row.items() if k.startswith("lag_hist/")) == row["tokens"]
+    assert (out / "plots.png").exists()
+    assert json.loads((out / "summary.json").read_text())["steps"] == 3
