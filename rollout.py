@@ -444,9 +444,6 @@ class Generator:
                 continue
             await asyncio.sleep(0.002)
             self.stats["elapsed_s"] = time.perf_counter() - start
-            if os.environ.get("ASYNCGRPO_DEBUG") and int(self.stats["elapsed_s"] * 500) % 1000 == 0:
-                print(f"[generator] published {published} loaded {self.loaded_version} issued {self.issued} "
-                      f"running {len(self.running)} dropped {self.control.groups_dropped.value}", flush=True)
         for task in list(self.running):
             task.cancel()
         await asyncio.gather(*self.running, return_exceptions=True)

@@ -329,7 +329,8 @@ def trainer_main(cfg, rank, world_size, model_path, shared, rollout_queue, contr
         ref_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device).eval()
         ref_model.requires_grad_(False)
     from transformers import AutoTokenizer
-    pad_id = AutoTokenizer.from_pretrained(model_path).pad_token_id or 0
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     ready = True
     if rank == 0:  # the run's clock starts when the engine is up, not while vLLM starts
@@ -628,6 +629,24 @@ def prepare_model(cfg) -> str:
     return path
 
 
+def check_tokenizer(model_path) -> None:
+    """The run needs an end-of-sequence token (completions must be able to stop)."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+    except Exception as err:
+        raise SystemExit(f"error: cannot load the tokenizer of {model_path}: {err}") from None
+    from transformers import AutoConfig
+
+    vocab = getattr(AutoConfig.from_pretrained(model_path), "vocab_size", None)
+    eos = tokenizer.eos_token_id
+    if eos is None or (vocab is not None and eos >= vocab):
+        raise SystemExit(f"error: the tokenizer in {model_path} has no eos token the model knows (eos "
+                         f"{tokenizer.eos_token!r}, id {eos}, model vocabulary {vocab}): completions could "
+                         "never stop; set eos_token in its tokenizer_config.json")
+
+
 def allocate_shared_weights(model_path, device="cpu"):
     from transformers import AutoConfig, AutoModelForCausalLM
     from sync import SharedWeights, named_shapes_of
@@ -663,6 +682,7 @@ def run(cfg: Config) -> int:
         model_path = os.path.join(resume_dir, "model")
     else:
         model_path = prepare_model(cfg)
+    check_tokenizer(model_path)
     import devices
 
     layout = devices.layout_for(cfg)
