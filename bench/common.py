@@ -292,15 +292,97 @@ def _kill_group(proc):
     proc.join(timeout=5)
 
 
-def run_train_cli(out_dir: Path, args: list[str], timeout_s: float = 900.0) -> dict:
-    """`python train.py --out OUT ARGS` exactly as a user runs it; returns its summary and per-step rows."""
+class CpuByRole:
+    """Cores used by each process of a `train.py` run while its steps `from_step`..`to_step` ran.
+
+    Polls the run's process tree and its metrics.jsonl; takes a snapshot of every process's CPU time when
+    step `from_step - 1` has been logged and another when step `to_step - 1` has. Roles: trainer, generator
+    (the asyncio process), engine_core and vllm_worker (vLLM's), parent (train.py itself), helpers."""
+
+    def __init__(self, pid: int, metrics: Path, from_step: int, to_step: int):
+        import psutil
+
+        self.ps, self.root, self.metrics = psutil, pid, Path(metrics)
+        self.marks = (from_step, to_step)
+        self.snaps: list[tuple[float, dict]] = []
+        self.info: dict[int, tuple[str, int]] = {}  # pid -> (name, ppid)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _rows(self) -> int:
+        try:
+            with open(self.metrics, "rb") as f:
+                return f.read().count(b"\n")
+        except OSError:
+            return 0
+
+    def _times(self) -> dict:
+        out = {}
+        try:
+            procs = [self.ps.Process(self.root)] + self.ps.Process(self.root).children(recursive=True)
+        except self.ps.Error:
+            return out
+        for p in procs:
+            try:
+                t = p.cpu_times()
+                self.info[p.pid] = (p.name(), p.ppid())
+                out[p.pid] = t.user + t.system
+            except self.ps.Error:
+                pass
+        return out
+
+    def _loop(self):
+        while not self._stop.wait(0.05) and len(self.snaps) < 2:
+            n = self._rows()
+            if n >= self.marks[len(self.snaps)]:
+                self.snaps.append((time.monotonic(), self._times()))
+            elif len(self.snaps) == 0 and n == 0:
+                self._times()  # learn names while the processes start
+
+    def stop(self):
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def result(self) -> dict | None:
+        if len(self.snaps) < 2:
+            return None
+        (t0, a), (t1, b) = self.snaps
+        gens = {ppid for name, ppid in self.info.values() if name.startswith("VLLM::EngineCor")}
+        cores: dict[str, float] = {}
+        for pid, cpu in b.items():
+            name, ppid = self.info.get(pid, ("?", 0))
+            if pid == self.root:
+                role = "parent"
+            elif name.startswith("VLLM::Worker"):
+                role = "vllm_worker"
+            elif name.startswith("VLLM::EngineCor"):
+                role = "engine_core"
+            elif pid in gens:
+                role = "generator"
+            elif ppid == self.root and name.startswith("python"):
+                role = "trainer"
+            else:
+                role = "helpers"
+            cores[role] = cores.get(role, 0.0) + (cpu - a.get(pid, 0.0)) / (t1 - t0)
+        cores["total"] = sum(cores.values())
+        return {k: round(v, 3) for k, v in cores.items()}
+
+
+def run_train_cli(out_dir: Path, args: list[str], timeout_s: float = 900.0, cpu_window=None) -> dict:
+    """`python train.py --out OUT ARGS` exactly as a user runs it; returns its summary and per-step rows.
+    With `cpu_window=(from_step, to_step)`, also the cores each process used over those steps."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "metrics.jsonl").unlink(missing_ok=True)
     cmd = [PY, str(REPO / "train.py"), "--out", str(out_dir), *args]
     start = time.perf_counter()
+    cpu = None
     with open(out_dir / "stdout.txt", "w") as so, open(out_dir / "stderr.txt", "w") as se:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=so, stderr=se, env=dict(os.environ, PYTHONUNBUFFERED="1"),
                                 start_new_session=True)
+        if cpu_window:
+            cpu = CpuByRole(proc.pid, out_dir / "metrics.jsonl", *cpu_window)
         try:
             rc = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -311,13 +393,17 @@ def run_train_cli(out_dir: Path, args: list[str], timeout_s: float = 900.0) -> d
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
             rc = "timeout"
+        finally:
+            if cpu:
+                cpu.stop()
     total_s = time.perf_counter() - start
     if rc != 0:
         tail = (out_dir / "stderr.txt").read_text()[-3000:]
         raise RuntimeError(f"{' '.join(cmd)} ended with {rc}:\n{tail}")
     summary = json.loads((out_dir / "summary.json").read_text())
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return {"summary": summary, "rows": rows, "process_s": total_s, "cmd": " ".join(cmd[1:])}
+    return {"summary": summary, "rows": rows, "process_s": total_s, "cmd": " ".join(cmd[1:]),
+            "cores_by_role": cpu.result() if cpu else None}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -395,7 +481,8 @@ def count_params(model_path: str) -> int:
 
 
 def stand_in_trainer(queue, control, shared, model_path: str, steps: int, prompts_per_step: int,
-                     publish: bool = True, keep_groups: bool = True, timeout_s: float = 300.0, armed=None) -> dict:
+                     publish: bool = True, keep_groups: bool = True, timeout_s: float = 300.0, armed=None,
+                     on_step=None) -> dict:
     """The trainer's side of the queue with the training taken out: take each step's groups
     (`buffer.take_groups`, as the trainer does) and, if `publish`, republish the same weights under the next
     version (`sync.SharedWeights.publish`), so that the generator swaps weights once per step as in a run.
@@ -420,6 +507,8 @@ def stand_in_trainer(queue, control, shared, model_path: str, steps: int, prompt
         for step in range(steps):
             taken = buffer.take_groups(queue, prompts_per_step, version, 10**6, timeout_s)
             step_end.append(time.perf_counter() - start)
+            if on_step is not None:
+                on_step(step)
             tokens.append(sum(len(c) for g in taken.groups for c in g.completion_ids))
             for g in taken.groups:
                 sync_ms += g.gen_stats.get("sync_ms", [])
@@ -445,7 +534,7 @@ def stand_in_entry(results, *args):
 
 
 def generate_alone(cfg, model_path: str, steps: int, publish: bool = True, keep_groups: bool = True,
-                   timeout_s: float = 300.0) -> dict:
+                   timeout_s: float = 300.0, cpu_from_step: int | None = None) -> dict:
     """Generation with no training: the real generator process (`rollout.generator_main`, started like
     `train.run` starts it) feeding `stand_in_trainer` (here, in this process). Returns the groups (the
     batches a run would train on) and, per step, when its last group arrived."""
@@ -464,15 +553,52 @@ def generate_alone(cfg, model_path: str, steps: int, publish: bool = True, keep_
         "generator", train._generator_entry, (settings, shared, queue, control), errors, True))
     t_spawn = time.perf_counter()
     proc.start()
+    snaps = []
+
+    def on_step(step):  # CPU time of the generator's processes at the start and the end of the window
+        if cpu_from_step is not None and step in (cpu_from_step - 1, steps - 1):
+            snaps.append((time.monotonic(), tree_cpu(proc.pid)))
+
     try:
         result = stand_in_trainer(queue, control, shared, model_path, steps, cfg.prompts_per_step, publish,
-                                  keep_groups, timeout_s)
+                                  keep_groups, timeout_s, None, on_step)
         proc.join(timeout=60)
     finally:
         control.stop.set()
         train.kill_tree(proc, True)
     result["process_s"] = time.perf_counter() - t_spawn
+    result["cores_by_role"] = cores_by_role(snaps, root_role="generator") if len(snaps) == 2 else None
     return result
+
+
+def tree_cpu(pid: int) -> dict:
+    """{pid: (name, ppid, cpu seconds)} for a process and its descendants."""
+    import psutil
+
+    out = {}
+    try:
+        procs = [psutil.Process(pid)] + psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return out
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            out[p.pid] = (p.name(), p.ppid(), t.user + t.system)
+        except psutil.Error:
+            pass
+    return out
+
+
+def cores_by_role(snaps, root_role: str) -> dict:
+    (t0, a), (t1, b) = snaps
+    root = next(iter(a)) if a else None
+    cores: dict[str, float] = {}
+    for pid, (name, ppid, cpu) in b.items():
+        role = (root_role if pid == root else "vllm_worker" if name.startswith("VLLM::Worker")
+                else "engine_core" if name.startswith("VLLM::EngineCor") else "helpers")
+        cores[role] = cores.get(role, 0.0) + (cpu - a.get(pid, (0, 0, 0.0))[2]) / (t1 - t0)
+    cores["total"] = sum(cores.values())
+    return {k: round(v, 3) for k, v in cores.items()}
 
 
 def train_alone(cfg, model_path: str, groups: list, out_dir: Path, timeout_s: float = 600.0) -> list[dict]:
@@ -520,3 +646,22 @@ def intervals(ends: list[float], warmup: int) -> list[float]:
     """Per-step durations from cumulative end times, skipping `warmup` steps."""
     return [b - a for a, b in zip(ends[warmup - 1:], ends[warmup:])] if warmup > 0 else \
         [ends[0]] + [b - a for a, b in zip(ends, ends[1:])]
+
+
+def pause_without_sleep(engine):
+    """What-if (not the project's code path): make `engine.pause_generation` skip the fixed 20 ms
+    `asyncio.sleep` that vLLM 0.32's `AsyncLLM.pause_generation` adds after pausing the scheduler (it only
+    orders output delivery; the per-token version tags come from the engine's own step labels).
+    Returns a function that undoes it."""
+
+    async def pause_generation(*, mode="abort", clear_cache=True):
+        if clear_cache:
+            await engine.renderer.clear_mm_cache_async()
+        await engine.engine_core.pause_scheduler_async(mode=mode, clear_cache=clear_cache)
+
+    engine.pause_generation = pause_generation
+
+    def undo():
+        del engine.pause_generation
+
+    return undo

@@ -12,6 +12,8 @@ threads), serves three kinds of phases, interleaved for `--rounds` rounds:
   takes each step's groups and republishes the weights, so the generator swaps weights once per step as in
   a run (pause, load, prefix-cache reset, resume).
 - pipeline, no sync: the same without weight swaps (the generator's own overhead alone).
+- pipeline, no sleep (a what-if, not the project's code path): the pipeline phase with vLLM's fixed 20 ms
+  sleep taken out of `pause_generation` (see `common.pause_without_sleep`).
 Rates are tokens/s over the steps after `--warmup`; ratio = pipeline / bare (goal >= 0.90).
 """
 from __future__ import annotations
@@ -25,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-PHASES = ("bare", "pipeline", "pipeline_nosync")
+PHASES = ("bare", "pipeline", "pipeline_nosync", "pipeline_nosleep")
 
 
 def window_rate(step_end: list[float], tokens: list[int], warmup: int) -> dict:
@@ -116,6 +118,12 @@ def measure(model_path: str, steps: int, warmup: int, rounds: int, seed: int) ->
             for phase in PHASES:
                 if phase == "bare":
                     res = loop.run_until_complete(bare(f"bare{r}"))
+                elif phase == "pipeline_nosleep":
+                    undo = common.pause_without_sleep(engine)
+                    try:
+                        res = pipeline(publish=True)
+                    finally:
+                        undo()
                 else:
                     res = pipeline(publish=(phase == "pipeline"))
                 rate = window_rate(res["step_end_s"], res["tokens"], warmup)
@@ -160,6 +168,7 @@ def main(argv=None) -> int:
     # per-round ratios (each phase next to the bare phase of the same round), then the median
     ratios = [pl["tokens_per_s"] / b["tokens_per_s"] for pl, b in zip(runs["pipeline"], runs["bare"])]
     ratios_nosync = [pl["tokens_per_s"] / b["tokens_per_s"] for pl, b in zip(runs["pipeline_nosync"], runs["bare"])]
+    ratios_nosleep = [pl["tokens_per_s"] / b["tokens_per_s"] for pl, b in zip(runs["pipeline_nosleep"], runs["bare"])]
     sync = [r for r in runs["pipeline"] if r.get("sync_ms_median") is not None]
     step_s = statistics.median(r["step_s_mean"] for r in runs["pipeline"])
     sync_ms = statistics.median(r["sync_ms_median"] for r in sync) if sync else None
@@ -169,8 +178,10 @@ def main(argv=None) -> int:
                          "generator_threads": res["threads"]},
             "bare_tokens_per_s": med["bare"], "pipeline_tokens_per_s": med["pipeline"],
             "pipeline_nosync_tokens_per_s": med["pipeline_nosync"],
+            "pipeline_nosleep_tokens_per_s": med["pipeline_nosleep"],
             "ratio": statistics.median(ratios), "ratio_nosync": statistics.median(ratios_nosync),
-            "ratios": ratios, "ratios_nosync": ratios_nosync,
+            "ratio_nosleep": statistics.median(ratios_nosleep),
+            "ratios": ratios, "ratios_nosync": ratios_nosync, "ratios_nosleep": ratios_nosleep,
             "sync_ms_median": sync_ms, "sync_share_of_step": (sync_ms / 1e3 / step_s) if sync_ms else None,
             "sync_parts_median": sync[-1]["sync_parts_median"] if sync else None,
             "engine_start_s": res["engine_start_s"], "runs": runs}
@@ -181,7 +192,9 @@ def main(argv=None) -> int:
         ["bare vLLM", med["bare"], 1.0, "-"],
         ["pipeline (weight swap every step)", med["pipeline"], data["ratio"], " ".join(f"{x:.2f}" for x in ratios)],
         ["pipeline, no weight swaps", med["pipeline_nosync"], data["ratio_nosync"],
-         " ".join(f"{x:.2f}" for x in ratios_nosync)]]))
+         " ".join(f"{x:.2f}" for x in ratios_nosync)],
+        ["what-if: swaps without vLLM's 20 ms pause sleep", med["pipeline_nosleep"], data["ratio_nosleep"],
+         " ".join(f"{x:.2f}" for x in ratios_nosleep)]]))
     if sync_ms:
         print(f"weight swap: {sync_ms:.0f} ms median, {data['sync_share_of_step']:.0%} of a "
               f"{step_s * 1e3:.0f} ms step; parts (ms): "
@@ -193,14 +206,14 @@ def main(argv=None) -> int:
 
 def plot(data: dict, path: Path) -> None:
     plt = common.plt()
-    fig, ax = plt.subplots(figsize=(7, 4))
-    labels = ["bare vLLM", "pipeline\n(swap every step)", "pipeline\n(no swaps)"]
-    keys = ["bare", "pipeline", "pipeline_nosync"]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    labels = ["bare vLLM", "pipeline\n(swap every step)", "pipeline\n(no swaps)", "what-if: swaps w/o\n20 ms pause sleep"]
+    keys = ["bare", "pipeline", "pipeline_nosync", "pipeline_nosleep"]
     for i, k in enumerate(keys):
         vals = [r["tokens_per_s"] for r in data["runs"][k]]
-        ax.bar(i, statistics.median(vals), color=["#999999", "#1f77b4", "#aec7e8"][i])
+        ax.bar(i, statistics.median(vals), color=["#999999", "#1f77b4", "#aec7e8", "#ffbb78"][i])
         ax.plot([i] * len(vals), vals, "k.", ms=5)
-    ax.set_xticks(range(3), labels)
+    ax.set_xticks(range(len(keys)), labels, fontsize=8)
     ax.set_ylabel("generated tokens / s (dots: rounds)")
     ax.set_title(f"generator overhead: ratio {data['ratio']:.2f} (no swaps: {data['ratio_nosync']:.2f}); goal 0.90",
                  fontsize=10)

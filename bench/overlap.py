@@ -35,12 +35,13 @@ def measure(args, work: Path, model: str, rep: int) -> dict:
     cfg = common.default_config(steps=args.steps, model=model, seed=args.seed)
     out = {}
     t = time.perf_counter()
-    gen = common.generate_alone(cfg, model, steps=args.steps)
+    gen = common.generate_alone(cfg, model, steps=args.steps, cpu_from_step=args.warmup)
     gen_steps = common.intervals(gen["step_end_s"], args.warmup)
     out["gen_alone"] = {"step_s_mean": statistics.fmean(gen_steps), "step_s_median": statistics.median(gen_steps),
                         "tokens_per_step": statistics.fmean(gen["tokens"][args.warmup:]),
                         "sync_ms_median": statistics.median(gen["sync_ms"]) if gen["sync_ms"] else None,
-                        "engine_ready_wait_s": gen["ready_wait_s"], "process_s": time.perf_counter() - t}
+                        "engine_ready_wait_s": gen["ready_wait_s"], "process_s": time.perf_counter() - t,
+                        "cores_by_role": gen["cores_by_role"]}
     print(f"[overlap] generation alone: {out['gen_alone']['step_s_mean'] * 1e3:.0f} ms/step", flush=True)
     t = time.perf_counter()
     rows = common.train_alone(cfg, model, gen["groups"], work / f"train_alone{rep}")
@@ -53,8 +54,10 @@ def measure(args, work: Path, model: str, rep: int) -> dict:
     print(f"[overlap] training alone:   {out['train_alone']['step_s_mean'] * 1e3:.0f} ms/step", flush=True)
     for mode, lag in MODES:
         run = common.run_train_cli(work / f"{mode}{rep}", ["--steps", str(args.steps), "--max-lag", str(lag),
-                                                            "--model", model, "--seed", str(args.seed)])
+                                                            "--model", model, "--seed", str(args.seed)],
+                                   cpu_window=(args.warmup, args.steps))
         st = common.steady(run["rows"], args.warmup)
+        st["cores_by_role"] = run["cores_by_role"]
         st["process_s"] = run["process_s"]
         st["max_token_lag"] = run["summary"].get("max_token_lag")
         st["dropped_stale"] = run["summary"].get("dropped_stale")
@@ -107,6 +110,7 @@ def main(argv=None) -> int:
             "trainer_wait_frac": med(mode, "trainer_wait_frac"), "generator_wait_frac": med(mode, "generator_wait_frac"),
             "train_s_per_step": med(mode, "train_s_mean"), "gen_busy_s_per_step": med(mode, "gen_busy_s_per_step"),
             "sync_ms_median": med(mode, "sync_ms_median"), "lag_mean": med(mode, "lag_mean"),
+            "cores_by_role": reps[-1][mode]["cores_by_role"],
         }
     path = common.write_json(args.out, "overlap", data)
     plot(data, Path(args.out) / "overlap.png")
@@ -119,6 +123,17 @@ def main(argv=None) -> int:
           f"(t_gen + t_train) / max = {bound:.2f}x")
     print(common.table(["mode", "max lag", "steps/s", "speedup", "share of bound", "trainer wait",
                         "generator wait", "train ms/step", "gen busy ms/step"], rows))
+    roles = ["trainer", "generator", "engine_core", "vllm_worker", "parent", "helpers", "total"]
+    cpu_rows = []
+    if data["alone"]["gen"].get("cores_by_role"):
+        cpu_rows.append(["generation alone"] + [data["alone"]["gen"]["cores_by_role"].get(r) for r in roles])
+    for m, _ in MODES:
+        if data[m].get("cores_by_role"):
+            cpu_rows.append([m] + [data[m]["cores_by_role"].get(r) for r in roles])
+    if cpu_rows:
+        print()
+        print(common.table(["run"] + roles, cpu_rows, title="cores used by each process over the steady window "
+                                                          f"(of {info['cores']}):"))
     print(f"machine: {common.machine_line(info)}; other processes used {load['foreign_cores_mean']} cores on "
           f"average. Wrote {path}")
     return 0

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 # name -> build_tiny_model sizes (None: the default tiny model)
-SIZES = {"0.4M": None, "3M": {"hidden": 256, "layers": 4, "heads": 4}}
+SIZES = {"tiny": None, "4M": {"hidden": 256, "layers": 4, "heads": 4}}
 
 
 def bare_loop(model_path: str, groups: list, prompts_per_step: int, lr: float, threads: int, seed: int) -> dict:
@@ -98,7 +98,7 @@ def main(argv=None) -> int:
     with common.LoadMonitor() as mon, common.Scratch(args.work, "trainer") as work:
         import train
 
-        base = common.build_model(work / "model_0.4M", seed=args.seed)
+        base = common.build_model(work / "model_tiny", seed=args.seed)
         cfg = common.default_config(model=base, seed=args.seed, steps=args.steps)
         _, threads = train.split_threads(cfg)
         gen = common.generate_alone(cfg, base, steps=args.steps)
@@ -161,7 +161,7 @@ def plot(data: dict, path: Path) -> None:
            label="project trainer")
     for i, r in enumerate(rows):
         ax.text(i + 0.2, r["project_tokens_per_s"], f"{r['ratio']:.2f}", ha="center", va="bottom")
-    ax.set_xticks(list(x), [f"{r['name']} params" for r in rows])
+    ax.set_xticks(list(x), [f"{r['name']} ({r['params'] / 1e6:.2f}M params)" for r in rows])
     ax.set_ylabel("trained completion tokens / s")
     ax.set_title("trainer overhead (goal: ratio >= 0.90)")
     ax.legend(fontsize=8)

@@ -98,7 +98,7 @@ def measure_size(name: str, shape: tuple, work: str, syncs: int, seed: int) -> d
     t_engine = time.perf_counter()
     engine = gen.build_engine()
     engine_s = time.perf_counter() - t_engine
-    publish_ms, wall_ms = [], []
+    publish_ms, wall_ms, nosleep_copy_ms = [], [], []
 
     async def scenario():
         task = asyncio.create_task(gen.run())
@@ -116,6 +116,17 @@ def measure_size(name: str, shape: tuple, work: str, syncs: int, seed: int) -> d
                 await asyncio.sleep(0.0005)
             wall_ms.append((time.perf_counter() - t1) * 1e3)
             publish_ms.append((t1 - t0) * 1e3)
+        # what-if (not the project's code path): the same syncs without vLLM's 20 ms sleep in pause_generation
+        undo = common.pause_without_sleep(engine)
+        for version in range(syncs + 1, 2 * syncs + 1):
+            await asyncio.sleep(0.3)
+            t0 = time.perf_counter()
+            train.publish(model, shared, version, 0, 1)
+            t1 = time.perf_counter()
+            while gen.loaded_version < version and not task.done():
+                await asyncio.sleep(0.0005)
+            nosleep_copy_ms.append((t1 - t0) * 1e3)
+        undo()
         await asyncio.sleep(0.3)
         profile = [(await engine.collective_rpc(_profile_load_in_worker()))[0] for _ in range(3)]
         control.stop.set()
@@ -138,8 +149,10 @@ def measure_size(name: str, shape: tuple, work: str, syncs: int, seed: int) -> d
             os.unlink(init_file)
     sync_ms = [ms for g in groups for ms in g.gen_stats.get("sync_ms", [])]
     parts = [p for g in groups for p in g.gen_stats.get("sync_parts", [])]
-    if len(sync_ms) < syncs:
-        raise RuntimeError(f"{len(sync_ms)} syncs reported by the generator, expected {syncs}")
+    if len(sync_ms) < 2 * syncs:
+        raise RuntimeError(f"{len(sync_ms)} syncs reported by the generator, expected {2 * syncs}")
+    nosleep_ms, nosleep_parts = sync_ms[syncs + 1:], parts[syncs + 1:]
+    sync_ms, parts = sync_ms[:syncs], parts[:syncs]
     # the first load also warms up paths in the engine: report it, leave it out of the medians
     first = {"sync_ms": sync_ms[0], **parts[0]}
     sync_ms, parts, pub = sync_ms[1:], parts[1:], publish_ms[1:]
@@ -152,6 +165,10 @@ def measure_size(name: str, shape: tuple, work: str, syncs: int, seed: int) -> d
             "mb": nbytes / 2**20, "gather_ms": 0.0, "copy_ms": copy_ms, "publish_to_serving_ms": serve_ms,
             **part, "detect_ms": serve_ms - sum(part.values()), "sync_ms": total, "memcpy_ms": med(memcpy),
             "ratio": total / med(memcpy), "samples": len(sync_ms), "first_sync": first,
+            "what_if_no_pause_sleep": {
+                "sync_ms": med(nosleep_copy_ms[1:]) + med(nosleep_ms),
+                "pause_ms": med(p["pause_ms"] for p in nosleep_parts),
+                "ratio": (med(nosleep_copy_ms[1:]) + med(nosleep_ms)) / med(memcpy)},
             "load_profile": prof, "build_s": build_s, "engine_start_s": engine_s,
             "all_sync_ms": sync_ms, "all_copy_ms": pub}
 
@@ -190,9 +207,11 @@ def main(argv=None) -> int:
     print()
     print(common.table(
         ["size", "params", "MB", "copy in", "pause", "load", "reset", "resume", "detect", "total ms", "memcpy ms",
-         "ratio"],
+         "ratio", "what-if: no pause sleep, total ms (ratio)"],
         [[r["name"], f"{r['params'] / 1e6:.1f}M", r["mb"], r["copy_ms"], r["pause_ms"], r["load_ms"], r["reset_ms"],
-          r["resume_ms"], r["detect_ms"], r["sync_ms"], r["memcpy_ms"], r["ratio"]] for r in rows]))
+          r["resume_ms"], r["detect_ms"], r["sync_ms"], r["memcpy_ms"], r["ratio"],
+          f"{r['what_if_no_pause_sleep']['sync_ms']:.1f} ({r['what_if_no_pause_sleep']['ratio']:.1f})"]
+         for r in rows]))
     print()
     print(common.table(["size", "snapshot copy ms", "reload_weights ms", "re-tie head ms", "memcpy ms"],
                        [[r["name"], r["load_profile"]["snapshot_copy_ms"], r["load_profile"]["reload_weights_ms"],
@@ -206,28 +225,35 @@ def main(argv=None) -> int:
 def plot(data: dict, path: Path) -> None:
     plt = common.plt()
     rows = data["rows"]
-    names = [f"{r['name']}\n{r['mb']:.0f} MB" for r in rows]
-    parts = [("copy_ms", "copy into buffer (trainer)"), ("pause_ms", "pause"), ("load_ms", "load in engine"),
-             ("reset_ms", "prefix-cache reset"), ("resume_ms", "resume"), ("detect_ms", "notice new version")]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    bottom = [0.0] * len(rows)
+    names = [f"{r['name']} ({r['mb']:.0f} MB)" for r in rows]
+    parts = [("copy_ms", "copy into buffer (trainer)"), ("pause_ms", "pause (20 ms of it: vLLM's sleep)"),
+             ("load_ms", "load in engine (reload_weights)"), ("reset_ms", "prefix-cache reset"),
+             ("resume_ms", "resume"), ("detect_ms", "notice the new version")]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
+    left = [0.0] * len(rows)
     for key, label in parts:
-        vals = [max(0.0, r[key]) for r in rows]
-        ax1.bar(names, vals, bottom=bottom, label=label)
-        bottom = [b + v for b, v in zip(bottom, vals)]
-    ax1.plot(names, [r["memcpy_ms"] for r in rows], "k_", ms=30, mew=2, label="memcpy of the same bytes")
-    ax1.plot(names, [2 * r["memcpy_ms"] for r in rows], "r_", ms=30, mew=2, label="goal: 2 x memcpy")
-    ax1.set_yscale("log")
-    ax1.set_ylabel("ms (log)")
-    ax1.set_title("publish -> serving, by part")
-    ax1.legend(fontsize=7)
-    ax2.plot([r["params"] for r in rows], [r["ratio"] for r in rows], "o-")
-    ax2.axhline(2, color="r", ls=":", label="goal")
+        share = [max(0.0, r[key]) / r["sync_ms"] for r in rows]
+        ax1.barh(names, share, left=left, label=label)
+        left = [a + b for a, b in zip(left, share)]
+    ax1.set_xlim(0, 1)
+    ax1.invert_yaxis()
+    ax1.set_xlabel("share of publish -> serving time")
+    ax1.set_title("where the time goes")
+    ax1.legend(fontsize=7, loc="lower right")
+    x = [r["params"] for r in rows]
+    ax2.plot(x, [r["sync_ms"] for r in rows], "o-", label="publish -> serving (measured)")
+    ax2.plot(x, [r["what_if_no_pause_sleep"]["sync_ms"] for r in rows], "s--", alpha=0.7,
+             label="what-if: without vLLM's 20 ms pause sleep")
+    ax2.plot(x, [r["memcpy_ms"] for r in rows], "k^-", label="memcpy of the same bytes")
+    ax2.plot(x, [2 * r["memcpy_ms"] for r in rows], "r:", label="goal: 2 x memcpy")
+    for r in rows:
+        ax2.annotate(f"{r['ratio']:.0f}x" if r["ratio"] >= 10 else f"{r['ratio']:.1f}x", (r["params"], r["sync_ms"]),
+                     textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
     ax2.set_xscale("log")
     ax2.set_yscale("log")
     ax2.set_xlabel("parameters")
-    ax2.set_ylabel("total / memcpy")
-    ax2.set_title("ratio to memcpy")
+    ax2.set_ylabel("ms (log)")
+    ax2.set_title("total against memcpy (labels: ratio)")
     ax2.legend(fontsize=7)
     fig.suptitle(f"weight sync: {common.machine_line(data['machine'])}", fontsize=8)
     fig.tight_layout()
