@@ -12,7 +12,8 @@ Data contract
     - `RolloutGroup` holds plain Python lists (no shared tensors: the sender may exit before the receiver
       unpickles). For completion j: `completion_ids[j]`, `behaviour_logprobs[j]` (what vLLM reported for
       each sampled token: the behaviour policy), `token_versions[j]` (the version of the weights that
-      sampled each token), `rewards[j]` in [0, 1] or NaN when the reward failed.
+      sampled each token), `rewards[j]` (a float; a sample no reward function scored gets its group's
+      mean, so zero advantage, and is counted in `unscored`).
     - A sample's lag = trainer version - the version of its *oldest* token. A sample is trained on only if
       lag <= max_lag; otherwise it is dropped and counted (`dropped_stale`), never silently.
     - `Batch` tensors have shape (num_samples, seq_len - 1), aligned with targets `input_ids[:, 1:]`;

@@ -239,13 +239,16 @@ def build_trainer_model(model_path, world_size, device="cpu"):
     return model
 
 
-def sequence_logprobs(model, batch, cfg):
-    """Log-probs of the batch's targets under the distribution the generator samples from."""
+def target_logprobs(logits, batch, temperature, top_k=-1, top_p=1.0):
+    """Log-probs of the batch's targets (0 off the mask) under the given sampling distribution."""
     from losses import token_logprobs
 
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1].float()
-    logp = token_logprobs(logits, batch.targets, cfg.temperature, cfg.top_k, cfg.top_p)
+    logp = token_logprobs(logits, batch.targets, temperature, top_k, top_p)
     return torch.where(batch.mask, logp, torch.zeros_like(logp))
+
+
+def next_token_logits(model, batch):
+    return model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1].float()
 
 
 def loss_on_batch(model, ref_model, local, cfg, world_size):
@@ -253,7 +256,14 @@ def loss_on_batch(model, ref_model, local, cfg, world_size):
     import torch.distributed as dist
     from losses import behaviour_weights, kl_penalty, policy_loss
 
-    logp = sequence_logprobs(model, local, cfg)
+    logits = next_token_logits(model, local)
+    # Score with the generator's distribution: temperature, and the same top-k/top-p truncation.
+    logp = target_logprobs(logits, local, cfg.temperature, cfg.top_k, cfg.top_p)
+    # A stale token can lie outside the current policy's top-k/top-p set (log-prob -inf): leave it out.
+    outside = local.mask & ~torch.isfinite(logp)
+    if outside.any():
+        local = dataclasses.replace(local, mask=local.mask & ~outside)
+        logp = torch.where(local.mask, logp, torch.zeros_like(logp))
     if cfg.is_mode == "off":
         old_logp, weights = local.behaviour_logp, None  # ratio against the generator (PipelineRL style)
     else:
@@ -263,12 +273,14 @@ def loss_on_batch(model, ref_model, local, cfg, world_size):
     loss, metrics = policy_loss(logp, old_logp, local.advantages, local.mask, variant=cfg.loss,
                                 eps_low=cfg.eps_low, eps_high=cfg.eps_high, dual_clip=cfg.dual_clip,
                                 agg=cfg.agg, max_len=cfg.max_new_tokens, weights=weights)
-    if ref_model is not None and cfg.kl_coef > 0:
+    if ref_model is not None and cfg.kl_coef > 0:  # between the untruncated distributions
         with torch.no_grad():
-            ref_logp = sequence_logprobs(ref_model, local, cfg)
-        kl = (kl_penalty(logp, ref_logp, cfg.kl_kind) * local.mask).sum() / local.mask.sum().clamp(min=1)
+            ref_logp = target_logprobs(next_token_logits(ref_model, local), local, cfg.temperature)
+        full_logp = target_logprobs(logits, local, cfg.temperature)
+        kl = (kl_penalty(full_logp, ref_logp, cfg.kl_kind) * local.mask).sum() / local.mask.sum().clamp(min=1)
         loss = loss + cfg.kl_coef * kl
         metrics["kl_ref"] = float(kl)
+    metrics["outside_support_tokens"] = int(outside.sum())
     if weights is not None:
         metrics["is_weight_mean"] = float(weights[local.mask].mean()) if local.mask.any() else 1.0
     # Aggregations are means over tokens (token-mean) or over non-empty sequences: weight each rank's
@@ -279,7 +291,7 @@ def loss_on_batch(model, ref_model, local, cfg, world_size):
     if world_size > 1:
         dist.all_reduce(total_units)
     share = units / total_units.clamp(min=1)
-    return loss * share * world_size, loss * share, logp.detach(), metrics
+    return loss * share * world_size, loss * share, logp.detach(), metrics, local
 
 
 def trainer_main(cfg, rank, world_size, model_path, shared, rollout_queue, control, init_file, resume_dir=""):
@@ -372,7 +384,7 @@ def trainer_main(cfg, rank, world_size, model_path, shared, rollout_queue, contr
             local = dataclasses.replace(local, **{f.name: getattr(local, f.name).to(device)
                                                   for f in dataclasses.fields(local)})
 
-        scaled_loss, loss_share, logp, metrics = loss_on_batch(model, ref_model, local, cfg, world_size)
+        scaled_loss, loss_share, logp, metrics, local = loss_on_batch(model, ref_model, local, cfg, world_size)
         scaled_loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
@@ -616,11 +628,15 @@ class RunLog:
 # ----------------------------------------------------------------------------------------------------
 def prepare_model(cfg) -> str:
     if cfg.model:
-        if not os.path.isdir(cfg.model):
-            raise SystemExit(f"error: --model {cfg.model}: not a local model directory (this machine is offline)")
-        if not os.path.exists(os.path.join(cfg.model, "config.json")):
+        import data
+
+        try:
+            path = data.resolve_model(cfg.model)  # a local directory, or a hub id downloaded once
+        except data.DataError as err:
+            raise SystemExit(f"error: {err}") from None
+        if not os.path.exists(os.path.join(path, "config.json")):
             raise SystemExit(f"error: --model {cfg.model} has no config.json: not a Hugging Face model directory")
-        return os.path.abspath(cfg.model)
+        return path
     from rollout import build_tiny_model
 
     path = os.path.abspath(os.path.join(cfg.out, "init_model"))

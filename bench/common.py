@@ -263,6 +263,7 @@ def in_child(fn, *args, timeout_s: float = 600.0, what: str = "child"):
     results = ctx.Queue()
     proc = ctx.Process(target=_child_main, args=(fn, args, results), name=what)
     proc.start()
+    cpu = CpuByRole(proc.pid, out_dir / "metrics.jsonl", cpu_from_step, cfg.steps) if cpu_from_step else None
     deadline = time.monotonic() + timeout_s
     try:
         while True:
@@ -302,6 +303,7 @@ class CpuByRole:
     def __init__(self, pid: int, metrics: Path, from_step: int, to_step: int):
         import psutil
 
+        (Path(metrics)).unlink(missing_ok=True)
         self.ps, self.root, self.metrics = psutil, pid, Path(metrics)
         self.marks = (from_step, to_step)
         self.snaps: list[tuple[float, dict]] = []
@@ -601,10 +603,11 @@ def cores_by_role(snaps, root_role: str) -> dict:
     return {k: round(v, 3) for k, v in cores.items()}
 
 
-def train_alone(cfg, model_path: str, groups: list, out_dir: Path, timeout_s: float = 600.0) -> list[dict]:
+def train_alone(cfg, model_path: str, groups: list, out_dir: Path, timeout_s: float = 600.0,
+                cpu_from_step: int | None = None):
     """Training with no generation: the real trainer (`train.trainer_main`, rank 0 of 1, started like
     `train.run` starts it) fed from a queue already holding every group it will take. Returns its
-    metrics rows (metrics.jsonl)."""
+    metrics rows (metrics.jsonl), and with `cpu_from_step`, (rows, cores the trainer used from that step on)."""
     import torch.multiprocessing as mp
 
     import train
@@ -627,6 +630,7 @@ def train_alone(cfg, model_path: str, groups: list, out_dir: Path, timeout_s: fl
         "trainer0", train.trainer_main, (cfg, 0, 1, model_path, shared, queue, control, init_file), errors,
         False))
     proc.start()
+    cpu = CpuByRole(proc.pid, out_dir / "metrics.jsonl", cpu_from_step, cfg.steps) if cpu_from_step else None
     deadline = time.monotonic() + timeout_s
     try:
         while proc.is_alive() and time.monotonic() < deadline:
@@ -636,10 +640,18 @@ def train_alone(cfg, model_path: str, groups: list, out_dir: Path, timeout_s: fl
         if proc.exitcode != 0:
             raise RuntimeError(train.failure_report("trainer0", proc.exitcode, errors))
     finally:
+        if cpu:
+            cpu.stop()
         train.kill_tree(proc, False)
         if os.path.exists(init_file):
             os.unlink(init_file)
-    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    if cpu is None:
+        return rows
+    cores = cpu.result()
+    if cores:
+        cores = {"trainer": cores.pop("parent", 0.0), **cores}
+    return rows, cores
 
 
 def intervals(ends: list[float], warmup: int) -> list[float]:

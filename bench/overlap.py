@@ -44,13 +44,14 @@ def measure(args, work: Path, model: str, rep: int) -> dict:
                         "cores_by_role": gen["cores_by_role"]}
     print(f"[overlap] generation alone: {out['gen_alone']['step_s_mean'] * 1e3:.0f} ms/step", flush=True)
     t = time.perf_counter()
-    rows = common.train_alone(cfg, model, gen["groups"], work / f"train_alone{rep}")
+    rows, train_cores = common.train_alone(cfg, model, gen["groups"], work / f"train_alone{rep}",
+                                           cpu_from_step=args.warmup)
     train_steps = common.intervals([r["wall_s"] for r in rows], args.warmup)
     out["train_alone"] = {"step_s_mean": statistics.fmean(train_steps),
                           "step_s_median": statistics.median(train_steps),
                           "train_s_mean": statistics.fmean(r["train_s"] for r in rows[args.warmup:]),
                           "tokens_per_step": statistics.fmean(r["tokens"] for r in rows[args.warmup:]),
-                          "process_s": time.perf_counter() - t}
+                          "process_s": time.perf_counter() - t, "cores_by_role": train_cores}
     print(f"[overlap] training alone:   {out['train_alone']['step_s_mean'] * 1e3:.0f} ms/step", flush=True)
     for mode, lag in MODES:
         run = common.run_train_cli(work / f"{mode}{rep}", ["--steps", str(args.steps), "--max-lag", str(lag),
@@ -93,10 +94,22 @@ def main(argv=None) -> int:
 
     t_gen, t_train = med("gen_alone", "step_s_mean"), med("train_alone", "step_s_mean")
     bound = (t_gen + t_train) / max(t_gen, t_train)
+    # What the CPU allows: each stage needs (cores it keeps busy alone) x (its time alone) CPU-seconds per step;
+    # overlapped, both must fit in the machine's cores.
+    gen_cores = statistics.median(r["gen_alone"]["cores_by_role"]["total"] for r in reps
+                                  if r["gen_alone"].get("cores_by_role"))
+    train_cores = statistics.median(r["train_alone"]["cores_by_role"]["total"] for r in reps
+                                    if r["train_alone"].get("cores_by_role"))
+    cpu_gen, cpu_train = t_gen * gen_cores, t_train * train_cores
+    cpu_bound_rate = min(info["cores"] / (cpu_gen + cpu_train), 1 / max(t_gen, t_train))
+    cpu_bound = cpu_bound_rate * (t_gen + t_train)
     data = {"benchmark": "overlap", "machine": info, "load": load, "wall_s": time.perf_counter() - start,
             "settings": {"steps": args.steps, "warmup": args.warmup, "repeats": args.repeats, "seed": args.seed,
                          "workload": "default task and tiny model; 32 prompts x 8 completions, 5 new tokens"},
             "t_gen_s": t_gen, "t_train_s": t_train, "bound": bound,
+            "gen_alone_cores": gen_cores, "train_alone_cores": train_cores,
+            "cpu_s_per_step": {"gen": cpu_gen, "train": cpu_train}, "cpu_bound": cpu_bound,
+            "cpu_bound_steps_per_s": cpu_bound_rate,
             "sequential_steps_per_s": 1 / (t_gen + t_train), "pipelined_steps_per_s": 1 / max(t_gen, t_train),
             "alone": {"gen": reps[-1]["gen_alone"], "train": reps[-1]["train_alone"]}, "modes": [m for m, _ in MODES],
             "repeats": reps}
@@ -106,7 +119,7 @@ def main(argv=None) -> int:
         speedup = rate / sync_rate
         data[mode] = {
             "max_lag": lag, "steps_per_s": rate, "speedup": speedup, "share_of_bound": speedup / bound,
-            "share_of_pipelined": rate * max(t_gen, t_train),
+            "share_of_pipelined": rate * max(t_gen, t_train), "share_of_cpu_bound": speedup / cpu_bound,
             "trainer_wait_frac": med(mode, "trainer_wait_frac"), "generator_wait_frac": med(mode, "generator_wait_frac"),
             "train_s_per_step": med(mode, "train_s_mean"), "gen_busy_s_per_step": med(mode, "gen_busy_s_per_step"),
             "sync_ms_median": med(mode, "sync_ms_median"), "lag_mean": med(mode, "lag_mean"),
@@ -116,12 +129,15 @@ def main(argv=None) -> int:
     plot(data, Path(args.out) / "overlap.png")
 
     rows = [[m, data[m]["max_lag"], data[m]["steps_per_s"], data[m]["speedup"], data[m]["share_of_bound"],
+             data[m]["share_of_cpu_bound"],
              data[m]["trainer_wait_frac"], data[m]["generator_wait_frac"], data[m]["train_s_per_step"] * 1e3,
              (data[m]["gen_busy_s_per_step"] or 0) * 1e3] for m, _ in MODES]
     print()
     print(f"t_gen {t_gen * 1e3:.0f} ms/step alone, t_train {t_train * 1e3:.0f} ms/step alone, bound "
           f"(t_gen + t_train) / max = {bound:.2f}x")
-    print(common.table(["mode", "max lag", "steps/s", "speedup", "share of bound", "trainer wait",
+    print(f"the CPU allows less: generation alone keeps {gen_cores:.2f} cores busy, training alone {train_cores:.2f}; "
+          f"{cpu_gen + cpu_train:.3f} CPU-s per step on {info['cores']} cores -> at most {cpu_bound:.2f}x")
+    print(common.table(["mode", "max lag", "steps/s", "speedup", "share of bound", "share of CPU bound", "trainer wait",
                         "generator wait", "train ms/step", "gen busy ms/step"], rows))
     roles = ["trainer", "generator", "engine_core", "vllm_worker", "parent", "helpers", "total"]
     cpu_rows = []
@@ -153,8 +169,10 @@ def plot(data: dict, path: Path) -> None:
         ax1.text(i, rates[i], f"{data[m]['speedup']:.2f}x\n{data[m]['share_of_bound']:.0%} of bound",
                  ha="center", va="bottom", fontsize=8)
     ax1.set_ylabel("steps / s (steady state)")
-    ax1.set_ylim(0, max(rates + [data["pipelined_steps_per_s"]]) * 1.3)
-    ax1.set_title(f"throughput; bound {data['bound']:.2f}x")
+    ax1.set_ylim(0, max(rates + [data["pipelined_steps_per_s"]]) * 1.5)
+    ax1.axhline(data["cpu_bound_steps_per_s"], ls="-.", color="#d62728", lw=1,
+                label=f"what {data['machine']['cores']} cores allow (CPU work of both stages)")
+    ax1.set_title(f"throughput; bound {data['bound']:.2f}x, CPU bound {data['cpu_bound']:.2f}x", fontsize=10)
     ax1.legend(fontsize=7, loc="upper left")
     x = range(len(modes))
     ax2.bar([i - 0.2 for i in x], [data[m]["trainer_wait_frac"] for m in modes], 0.4, label="trainer waits for data")

@@ -171,7 +171,7 @@ def receiver_main(handle_bytes, model_dir, device, visible, cmd_q, res_q, thread
                     synchronize(device)
                     load_ms = (time.perf_counter() - t1) * 1e3
                     b = argparse.Namespace(**{k: torch.tensor(v).to(device) for k, v in batch.items()})
-                    logp = train.sequence_logprobs(model, b, cfg)
+                    logp = train.target_logprobs(train.next_token_logits(model, b), b, cfg.temperature, cfg.top_k, cfg.top_p)
                 res_q.put(("load", {"version": version, "wanted": want, "snapshot_ms": snapshot_ms,
                                     "load_ms": load_ms, "done_ns": done_ns, "logp": logp.cpu().tolist()}))
         del model, params, snapshot, buf, shared  # release the mapping before the owner frees anything
@@ -254,7 +254,7 @@ def check_size(size, args, device, receiver_device, receiver_visible, peer_here,
             local = to_device(synthetic_batch(seed=step), device)
             synchronize(device)
             t0 = time.perf_counter()
-            scaled_loss, loss_share, _, _ = train.loss_on_batch(model, None, local, cfg, 1)
+            scaled_loss, loss_share, _, _, _ = train.loss_on_batch(model, None, local, cfg, 1)
             scaled_loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             optimizer.step()
@@ -269,7 +269,7 @@ def check_size(size, args, device, receiver_device, receiver_visible, peer_here,
             train.publish(model, shared, step + 1, 0, 1)
             publish_ms.append((time.perf_counter() - t0) * 1e3)
             with torch.no_grad():
-                mine = train.sequence_logprobs(model, eval_dev, cfg).cpu()
+                mine = train.target_logprobs(train.next_token_logits(model, eval_dev), eval_dev, cfg.temperature, cfg.top_k, cfg.top_p).cpu()
             if hasattr(model, "reshard"):
                 model.reshard()  # after a no-grad forward (FSDP2 pitfall: see shared notes)
             cmd_q.put(("load", (step + 1, eval_lists)))

@@ -151,7 +151,7 @@ def test_bad_model_inputs_get_one_clear_line(tmp_path):
     import train
     from rollout import build_tiny_model
 
-    with pytest.raises(SystemExit, match="not a local model directory"):
+    with pytest.raises(SystemExit, match="not a local directory"):
         train.prepare_model(train.Config(model="no-such-model-dir"))
     (tmp_path / "empty").mkdir()
     with pytest.raises(SystemExit, match="no config.json"):

@@ -61,7 +61,7 @@ def _worker(rank, world, model_path, init_file, agg, shared, version, results):
 
         batch = make_batch()
         local = batch.select(buffer.rows_for_rank(len(batch), rank, world))
-        scaled, loss_share, logp, _ = train.loss_on_batch(model, None, local, cfg, world)
+        scaled, loss_share, logp, _, _ = train.loss_on_batch(model, None, local, cfg, world)
         scaled.backward()
         grads = {name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().clone()
                  for name, p in model.named_parameters()}  # before clipping (which would hide a scale error)
