@@ -9,12 +9,10 @@
 Every distributed run is a set of spawned processes (torch.multiprocessing, start method "spawn");
 rank 0 sends its results back through a queue as numpy arrays (plain bytes: nothing shared).
 """
-import os
 import queue as queue_lib
 import random
 import time
 
-import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
