@@ -263,7 +263,6 @@ def in_child(fn, *args, timeout_s: float = 600.0, what: str = "child"):
     results = ctx.Queue()
     proc = ctx.Process(target=_child_main, args=(fn, args, results), name=what)
     proc.start()
-    cpu = CpuByRole(proc.pid, out_dir / "metrics.jsonl", cpu_from_step, cfg.steps) if cpu_from_step else None
     deadline = time.monotonic() + timeout_s
     try:
         while True:

@@ -3,7 +3,7 @@
     python bench/generator.py --out DIR      # writes DIR/generator.json and DIR/generator.png
 
 One vLLM engine, built by the project's own `rollout.Generator.build_engine` (same engine arguments, same
-threads), serves three kinds of phases, interleaved for `--rounds` rounds:
+threads), serves these phases, interleaved for `--rounds` rounds (the order rotates from round to round):
 - bare: the engine's own `AsyncLLM.generate` on the same prompts (the built-in task, same seed), with the
   same sampling parameters (`Generator.sampling_params`: n = G, temperature, top-k/p, log-probs) and the
   same number of groups in flight (prompts per step); nothing else.
@@ -14,7 +14,11 @@ threads), serves three kinds of phases, interleaved for `--rounds` rounds:
 - pipeline, no sync: the same without weight swaps (the generator's own overhead alone).
 - pipeline, no sleep (a what-if, not the project's code path): the pipeline phase with vLLM's fixed 20 ms
   sleep taken out of `pause_generation` (see `common.pause_without_sleep`).
-Rates are tokens/s over the steps after `--warmup`; ratio = pipeline / bare (goal >= 0.90).
+Two workloads share the engine: the default one (5 new tokens per completion, as `python train.py`) and a
+long one (`--long-tokens`, 40 by default), where a step's generation lasts longer, so the fixed part of a
+swap weighs less, but each swap preempts longer in-flight completions, which are re-prefilled under the new
+weights (`reset_prefix_cache(reset_running_requests=True)`). Rates are tokens/s over the steps after the warm-up; ratio = pipeline / bare,
+each pipeline phase against the bare phase of its own round (goal >= 0.90).
 """
 from __future__ import annotations
 
@@ -28,6 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 PHASES = ("bare", "pipeline", "pipeline_nosync", "pipeline_nosleep")
+LABELS = {"bare": "bare vLLM", "pipeline": "pipeline (weight swap every step)",
+          "pipeline_nosync": "pipeline, no weight swaps",
+          "pipeline_nosleep": "what-if: swaps without vLLM's 20 ms pause sleep"}
 
 
 def window_rate(step_end: list[float], tokens: list[int], warmup: int) -> dict:
@@ -37,9 +44,10 @@ def window_rate(step_end: list[float], tokens: list[int], warmup: int) -> dict:
             "step_s_mean": span / (len(step_end) - warmup)}
 
 
-def measure(model_path: str, steps: int, warmup: int, rounds: int, seed: int) -> dict:
-    """In a child process: one engine, phases interleaved."""
+def measure(model_path: str, plan: list[dict], rounds: int, seed: int) -> dict:
+    """In a child process: one engine; for each round, each workload, each phase."""
     import asyncio
+    import dataclasses
     import random
 
     import torch.multiprocessing as mp
@@ -49,20 +57,22 @@ def measure(model_path: str, steps: int, warmup: int, rounds: int, seed: int) ->
 
     cfg = common.default_config(model=model_path, seed=seed)
     ctx = mp.get_context("spawn")
-    settings = common.generator_settings(cfg, model_path, max_lag=10**6)  # the stand-in never lags
-    builder = Generator(settings, train.allocate_shared_weights(model_path), ctx.Queue(), train.make_control(ctx))
+    base = common.generator_settings(cfg, model_path, max_lag=10**6)  # the stand-in never lags
+    builder = Generator(base, train.allocate_shared_weights(model_path), ctx.Queue(), train.make_control(ctx))
     t = time.perf_counter()
     engine = builder.build_engine()
     engine_s = time.perf_counter() - t
     loop = asyncio.new_event_loop()
-    pps, n_groups = cfg.prompts_per_step, steps * cfg.prompts_per_step
+    pps = cfg.prompts_per_step
 
-    async def bare(tag: str) -> dict:
+    async def bare(tag: str, settings, steps: int) -> dict:
         from transformers import AutoTokenizer
 
+        sampler = Generator(settings, None, None, None)  # only for its sampling_params
         task = CopyTask(AutoTokenizer.from_pretrained(model_path))
         rng = random.Random(seed)  # the prompts Generator.run draws
         slots = asyncio.Semaphore(pps)  # as many groups in flight as the generator allows
+        n_groups = steps * pps
         done, toks = [], []
         start = time.perf_counter()
 
@@ -70,7 +80,7 @@ def measure(model_path: str, steps: int, warmup: int, rounds: int, seed: int) ->
             final = None
             try:
                 async for out in engine.generate({"prompt_token_ids": prompts[i].prompt_ids},
-                                                 builder.sampling_params(i), request_id=f"{tag}-{i}"):
+                                                 sampler.sampling_params(i), request_id=f"{tag}-{i}"):
                     final = out
             finally:
                 slots.release()
@@ -87,7 +97,7 @@ def measure(model_path: str, steps: int, warmup: int, rounds: int, seed: int) ->
         per_step = [sum(toks[k * pps:(k + 1) * pps]) for k in range(steps)]
         return {"step_end_s": ends, "tokens": per_step}
 
-    def pipeline(publish: bool) -> dict:
+    def pipeline(settings, steps: int, publish: bool) -> dict:
         shared = train.allocate_shared_weights(model_path)
         queue = ctx.Queue(maxsize=cfg.queue_size)
         queue.cancel_join_thread()  # leftovers in the queue must not hold this process at exit
@@ -112,31 +122,34 @@ def measure(model_path: str, steps: int, warmup: int, rounds: int, seed: int) ->
         value["gen_stats"] = dict(gen.stats)
         return value
 
-    runs = {p: [] for p in PHASES}
+    runs = {w["name"]: {p: [] for p in w["phases"]} for w in plan}
     try:
         for r in range(rounds):
-            for phase in PHASES:
-                if phase == "bare":
-                    res = loop.run_until_complete(bare(f"bare{r}"))
-                elif phase == "pipeline_nosleep":
-                    undo = common.pause_without_sleep(engine)
-                    try:
-                        res = pipeline(publish=True)
-                    finally:
-                        undo()
-                else:
-                    res = pipeline(publish=(phase == "pipeline"))
-                rate = window_rate(res["step_end_s"], res["tokens"], warmup)
-                if res.get("sync_ms"):
-                    rate["sync_ms_median"] = statistics.median(res["sync_ms"])
-                    rate["syncs"] = len(res["sync_ms"])
-                    rate["sync_parts_median"] = {k: statistics.median(p[k] for p in res["sync_parts"])
-                                                 for k in res["sync_parts"][0]}
-                if res.get("gen_stats"):
-                    rate["gen_idle_frac"] = res["gen_stats"]["idle_s"] / max(res["gen_stats"]["elapsed_s"], 1e-9)
-                runs[phase].append(rate)
-                print(f"[generator] round {r} {phase:16s} {rate['tokens_per_s']:8.0f} tok/s "
-                      f"({rate['step_s_mean'] * 1e3:.0f} ms/step)", flush=True)
+            for w in plan:
+                settings = dataclasses.replace(base, max_new_tokens=w["max_new_tokens"])
+                k = r % len(w["phases"])  # rotate the order from round to round: no phase always runs first
+                for phase in w["phases"][k:] + w["phases"][:k]:
+                    if phase == "bare":
+                        res = loop.run_until_complete(bare(f"bare-{w['name']}-{r}", settings, w["steps"]))
+                    elif phase == "pipeline_nosleep":
+                        undo = common.pause_without_sleep(engine)
+                        try:
+                            res = pipeline(settings, w["steps"], publish=True)
+                        finally:
+                            undo()
+                    else:
+                        res = pipeline(settings, w["steps"], publish=(phase == "pipeline"))
+                    rate = window_rate(res["step_end_s"], res["tokens"], w["warmup"])
+                    if res.get("sync_ms"):
+                        rate["sync_ms_median"] = statistics.median(res["sync_ms"])
+                        rate["syncs"] = len(res["sync_ms"])
+                        rate["sync_parts_median"] = {k: statistics.median(p[k] for p in res["sync_parts"])
+                                                     for k in res["sync_parts"][0]}
+                    if res.get("gen_stats"):
+                        rate["gen_idle_frac"] = res["gen_stats"]["idle_s"] / max(res["gen_stats"]["elapsed_s"], 1e-9)
+                    runs[w["name"]][phase].append(rate)
+                    print(f"[generator] round {r} {w['name']:8s} {phase:16s} {rate['tokens_per_s']:8.0f} tok/s "
+                          f"({rate['step_s_mean'] * 1e3:.0f} ms/step)", flush=True)
     finally:
         engine.shutdown()
         builder.engine = engine = None
@@ -145,60 +158,83 @@ def measure(model_path: str, steps: int, warmup: int, rounds: int, seed: int) ->
             task.cancel()
         loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
         loop.close()
-    return {"runs": runs, "engine_start_s": engine_s, "threads": settings.threads}
+    return {"runs": runs, "engine_start_s": engine_s, "threads": base.threads}
+
+
+def summarize(runs: dict) -> dict:
+    """Medians per phase; ratios per round (each phase against the bare phase of the same round)."""
+    out = {}
+    for phase, rates in runs.items():
+        out[f"{phase}_tokens_per_s"] = statistics.median(r["tokens_per_s"] for r in rates)
+        if phase != "bare":
+            ratios = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(rates, runs["bare"])]  # same round
+            key = "ratio" + phase[len("pipeline"):]
+            out[key] = statistics.median(ratios)
+            out[key.replace("ratio", "ratios")] = ratios
+    pipe = runs.get("pipeline", [])
+    sync = [r for r in pipe if r.get("sync_ms_median") is not None]
+    if sync:
+        step_s = statistics.median(r["step_s_mean"] for r in pipe)
+        out["pipeline_step_ms"] = step_s * 1e3
+        out["bare_step_ms"] = statistics.median(r["step_s_mean"] for r in runs["bare"]) * 1e3
+        out["sync_ms_median"] = statistics.median(r["sync_ms_median"] for r in sync)
+        out["sync_share_of_step"] = out["sync_ms_median"] / 1e3 / step_s
+        out["sync_parts_median"] = {k: statistics.median(r["sync_parts_median"][k] for r in sync)
+                                    for k in sync[0]["sync_parts_median"]}
+    return out
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     common.add_argument_out(p)
-    p.add_argument("--steps", type=int, default=25, help="steps' worth of groups per phase")
-    p.add_argument("--warmup", type=int, default=5, help="first steps of each phase left out")
-    p.add_argument("--rounds", type=int, default=3, help="rounds of (bare, pipeline, pipeline without sync)")
+    p.add_argument("--steps", type=int, default=25, help="steps' worth of groups per phase (default workload)")
+    p.add_argument("--warmup", type=int, default=5, help="first steps of each phase left out (default workload)")
+    p.add_argument("--long-tokens", type=int, default=40, help="new tokens per completion, long workload (0: skip)")
+    p.add_argument("--long-steps", type=int, default=10, help="steps per phase, long workload")
+    p.add_argument("--rounds", type=int, default=2, help="rounds of all phases")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    cfg = common.default_config()
+    plan = [{"name": "default", "max_new_tokens": cfg.max_new_tokens, "steps": args.steps, "warmup": args.warmup,
+             "phases": list(PHASES)}]
+    if args.long_tokens:
+        plan.append({"name": "long", "max_new_tokens": args.long_tokens, "steps": args.long_steps, "warmup": 2,
+                     "phases": ["bare", "pipeline", "pipeline_nosync"]})
     info = common.machine_info()
     start = time.perf_counter()
     with common.LoadMonitor() as mon, common.Scratch(args.work, "generator") as work:
         model = common.build_model(work / "init_model", seed=args.seed)
-        res = common.in_child(measure, model, args.steps, args.warmup, args.rounds, args.seed, timeout_s=900,
+        res = common.in_child(measure, model, plan, args.rounds, args.seed, timeout_s=900,
                               what="generator benchmark")
     load = mon.summary()
-    runs = res["runs"]
-    med = {ph: statistics.median(r["tokens_per_s"] for r in runs[ph]) for ph in PHASES}
-    # per-round ratios (each phase next to the bare phase of the same round), then the median
-    ratios = [pl["tokens_per_s"] / b["tokens_per_s"] for pl, b in zip(runs["pipeline"], runs["bare"])]
-    ratios_nosync = [pl["tokens_per_s"] / b["tokens_per_s"] for pl, b in zip(runs["pipeline_nosync"], runs["bare"])]
-    ratios_nosleep = [pl["tokens_per_s"] / b["tokens_per_s"] for pl, b in zip(runs["pipeline_nosleep"], runs["bare"])]
-    sync = [r for r in runs["pipeline"] if r.get("sync_ms_median") is not None]
-    step_s = statistics.median(r["step_s_mean"] for r in runs["pipeline"])
-    sync_ms = statistics.median(r["sync_ms_median"] for r in sync) if sync else None
+    workloads = {w["name"]: {**{k: v for k, v in w.items() if k != "name"}, **summarize(res["runs"][w["name"]])}
+                 for w in plan}
+    d = workloads["default"]
     data = {"benchmark": "generator", "machine": info, "load": load, "wall_s": time.perf_counter() - start,
-            "settings": {"steps": args.steps, "warmup": args.warmup, "rounds": args.rounds, "seed": args.seed,
-                         "workload": "default task and tiny model; 32 prompts x 8 completions in flight, 5 new tokens",
-                         "generator_threads": res["threads"]},
-            "bare_tokens_per_s": med["bare"], "pipeline_tokens_per_s": med["pipeline"],
-            "pipeline_nosync_tokens_per_s": med["pipeline_nosync"],
-            "pipeline_nosleep_tokens_per_s": med["pipeline_nosleep"],
-            "ratio": statistics.median(ratios), "ratio_nosync": statistics.median(ratios_nosync),
-            "ratio_nosleep": statistics.median(ratios_nosleep),
-            "ratios": ratios, "ratios_nosync": ratios_nosync, "ratios_nosleep": ratios_nosleep,
-            "sync_ms_median": sync_ms, "sync_share_of_step": (sync_ms / 1e3 / step_s) if sync_ms else None,
-            "sync_parts_median": sync[-1]["sync_parts_median"] if sync else None,
-            "engine_start_s": res["engine_start_s"], "runs": runs}
+            "settings": {"rounds": args.rounds, "seed": args.seed, "generator_threads": res["threads"],
+                         "workload": f"default task and tiny model; {cfg.prompts_per_step} prompts x "
+                                     f"{cfg.group_size} completions in flight"},
+            "ratio": d["ratio"], "ratio_nosync": d["ratio_nosync"], "ratio_nosleep": d.get("ratio_nosleep"),
+            "bare_tokens_per_s": d["bare_tokens_per_s"], "pipeline_tokens_per_s": d["pipeline_tokens_per_s"],
+            "workloads": workloads, "engine_start_s": res["engine_start_s"], "runs": res["runs"]}
     path = common.write_json(args.out, "generator", data)
     plot(data, Path(args.out) / "generator.png")
     print()
-    print(common.table(["phase", "tokens/s (median)", "ratio to bare", "per-round ratios"], [
-        ["bare vLLM", med["bare"], 1.0, "-"],
-        ["pipeline (weight swap every step)", med["pipeline"], data["ratio"], " ".join(f"{x:.2f}" for x in ratios)],
-        ["pipeline, no weight swaps", med["pipeline_nosync"], data["ratio_nosync"],
-         " ".join(f"{x:.2f}" for x in ratios_nosync)],
-        ["what-if: swaps without vLLM's 20 ms pause sleep", med["pipeline_nosleep"], data["ratio_nosleep"],
-         " ".join(f"{x:.2f}" for x in ratios_nosleep)]]))
-    if sync_ms:
-        print(f"weight swap: {sync_ms:.0f} ms median, {data['sync_share_of_step']:.0%} of a "
-              f"{step_s * 1e3:.0f} ms step; parts (ms): "
-              + ", ".join(f"{k[:-3]} {v:.1f}" for k, v in data["sync_parts_median"].items()))
+    rows = []
+    for w in plan:
+        s = workloads[w["name"]]
+        for phase in w["phases"]:
+            key = "ratio" + phase[len("pipeline"):] if phase != "bare" else None
+            rows.append([f"{w['name']} ({w['max_new_tokens']} new tokens)", LABELS[phase],
+                         s[f"{phase}_tokens_per_s"], s[key] if key else 1.0,
+                         " ".join(f"{x:.2f}" for x in s[key.replace("ratio", "ratios")]) if key else "-"])
+    print(common.table(["workload", "phase", "tokens/s (median)", "ratio to bare", "per-round ratios"], rows))
+    for w in plan:
+        s = workloads[w["name"]]
+        if s.get("sync_ms_median"):
+            print(f"{w['name']}: a weight swap stalls the engine {s['sync_ms_median']:.0f} ms (median; parts: "
+                  + ", ".join(f"{k[:-3]} {v:.1f}" for k, v in s["sync_parts_median"].items())
+                  + f" ms) per {s['pipeline_step_ms']:.0f} ms step ({s['bare_step_ms']:.0f} ms bare)")
     print(f"machine: {common.machine_line(info)}; other processes used {load['foreign_cores_mean']} cores on "
           f"average. Wrote {path}")
     return 0
@@ -206,18 +242,26 @@ def main(argv=None) -> int:
 
 def plot(data: dict, path: Path) -> None:
     plt = common.plt()
-    fig, ax = plt.subplots(figsize=(8, 4))
-    labels = ["bare vLLM", "pipeline\n(swap every step)", "pipeline\n(no swaps)", "what-if: swaps w/o\n20 ms pause sleep"]
-    keys = ["bare", "pipeline", "pipeline_nosync", "pipeline_nosleep"]
-    for i, k in enumerate(keys):
-        vals = [r["tokens_per_s"] for r in data["runs"][k]]
-        ax.bar(i, statistics.median(vals), color=["#999999", "#1f77b4", "#aec7e8", "#ffbb78"][i])
-        ax.plot([i] * len(vals), vals, "k.", ms=5)
-    ax.set_xticks(range(len(keys)), labels, fontsize=8)
-    ax.set_ylabel("generated tokens / s (dots: rounds)")
-    ax.set_title(f"generator overhead: ratio {data['ratio']:.2f} (no swaps: {data['ratio_nosync']:.2f}); goal 0.90",
-                 fontsize=10)
-    fig.suptitle(common.machine_line(data["machine"]), fontsize=7)
+    names = list(data["workloads"])
+    fig, axes = plt.subplots(1, len(names), figsize=(5.5 * len(names), 4.2), squeeze=False)
+    colors = {"bare": "#999999", "pipeline": "#1f77b4", "pipeline_nosync": "#aec7e8", "pipeline_nosleep": "#ffbb78"}
+    short = {"bare": "bare vLLM", "pipeline": "pipeline\n(swap every step)", "pipeline_nosync": "pipeline\n(no swaps)",
+             "pipeline_nosleep": "what-if: swaps\nw/o 20 ms sleep"}
+    for ax, name in zip(axes[0], names):
+        w = data["workloads"][name]
+        phases = w["phases"]
+        for i, ph in enumerate(phases):
+            vals = [r["tokens_per_s"] for r in data["runs"][name][ph]]
+            ax.bar(i, statistics.median(vals), color=colors[ph])
+            ax.plot([i] * len(vals), vals, "k.", ms=5)
+            if ph != "bare":
+                key = "ratio" + ph[len("pipeline"):]
+                ax.text(i, statistics.median(vals), f"{w[key]:.2f}", ha="center", va="bottom", fontsize=9)
+        ax.set_xticks(range(len(phases)), [short[p] for p in phases], fontsize=8)
+        ax.set_ylabel("generated tokens / s (dots: rounds)")
+        ax.set_title(f"{name}: {w['max_new_tokens']} new tokens; pipeline / bare = {w['ratio']:.2f} (goal 0.90)",
+                     fontsize=9)
+    fig.suptitle(f"generator overhead: {common.machine_line(data['machine'])}", fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

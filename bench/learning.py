@@ -11,7 +11,6 @@ reward curves, the time and the step at which the reward (mean over a 10-step wi
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path

@@ -162,9 +162,9 @@ def plot(data: dict, path: Path) -> None:
     rates = [data[m]["steps_per_s"] for m in modes]
     ax1.bar(modes, rates, color=["#999999"] + ["#1f77b4"] * (len(modes) - 1))
     ax1.axhline(data["sequential_steps_per_s"], ls="--", color="k", lw=1,
-                label=f"1 / (t_gen + t_train) (sequential)")
+                label="1 / (t_gen + t_train) (sequential)")
     ax1.axhline(data["pipelined_steps_per_s"], ls=":", color="r", lw=1.5,
-                label=f"1 / max(t_gen, t_train) (perfect overlap)")
+                label="1 / max(t_gen, t_train) (perfect overlap)")
     for i, m in enumerate(modes):
         ax1.text(i, rates[i], f"{data[m]['speedup']:.2f}x\n{data[m]['share_of_bound']:.0%} of bound",
                  ha="center", va="bottom", fontsize=8)

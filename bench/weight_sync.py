@@ -9,8 +9,9 @@ For models of about 1M, 10M, 100M and 300M parameters (Qwen2 built from configs 
 - the generator side is the project's `rollout.Generator` with its real vLLM engine, running its own loop
   (`Generator.run`); it notices the new version, pauses, loads (`sync.WeightSyncWorker`), resets the prefix
   cache and resumes, and reports each part (`sync_parts`) and the publish-to-serving time (`sync_ms`).
-  The engine is idle when a version lands (one one-token request per version), so this is the transfer
-  itself, not waiting for a decode step to end.
+  The engine has been idle for `--gap-s` seconds when a version lands (one one-token request per
+  version), so this is the transfer itself: no decode step to wait for, and vLLM's processes no longer
+  busy-poll (they do for 1 s after each message, and would compete with the trainer's copy for the cores).
 - memcpy: a plain copy of the same bytes (one flat tensor into another), in the same process, same threads.
 total = copy into the buffer + publish-to-serving; ratio = total / memcpy (goal: <= 2).
 Then, on the idle engine, the load is split further inside the vLLM worker (snapshot copy, `reload_weights`,
@@ -53,7 +54,7 @@ def _profile_load_in_worker():
     return profile
 
 
-def measure_size(name: str, shape: tuple, work: str, syncs: int, seed: int) -> dict:
+def measure_size(name: str, shape: tuple, work: str, syncs: int, seed: int, gap_s: float) -> dict:
     """One model size, in its own process (it owns a vLLM engine)."""
     import asyncio
     import os
@@ -105,7 +106,9 @@ def measure_size(name: str, shape: tuple, work: str, syncs: int, seed: int) -> d
         while not control.ready.is_set():
             await asyncio.sleep(0.01)
         for version in range(1, syncs + 1):
-            await asyncio.sleep(0.3)  # let the one-token request of the last version finish: an idle engine
+            # an idle engine: the one-token request of the last version is done, and vLLM's processes have
+            # stopped busy-polling their message queues (they spin for 1 s after each message)
+            await asyncio.sleep(gap_s)
             with torch.no_grad():
                 for p in model.parameters():
                     p.add_(1e-4)  # new values every version
@@ -119,7 +122,7 @@ def measure_size(name: str, shape: tuple, work: str, syncs: int, seed: int) -> d
         # what-if (not the project's code path): the same syncs without vLLM's 20 ms sleep in pause_generation
         undo = common.pause_without_sleep(engine)
         for version in range(syncs + 1, 2 * syncs + 1):
-            await asyncio.sleep(0.3)
+            await asyncio.sleep(gap_s)
             t0 = time.perf_counter()
             train.publish(model, shared, version, 0, 1)
             t1 = time.perf_counter()
@@ -127,7 +130,7 @@ def measure_size(name: str, shape: tuple, work: str, syncs: int, seed: int) -> d
                 await asyncio.sleep(0.0005)
             nosleep_copy_ms.append((t1 - t0) * 1e3)
         undo()
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(gap_s)
         profile = [(await engine.collective_rpc(_profile_load_in_worker()))[0] for _ in range(3)]
         control.stop.set()
         await task
@@ -177,7 +180,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     common.add_argument_out(p)
     p.add_argument("--sizes", default="1M,10M,100M,300M", help=f"comma-separated, from {', '.join(SIZES)}")
-    p.add_argument("--syncs", type=int, default=8, help="weight updates per size (the first is left out)")
+    p.add_argument("--syncs", type=int, default=6, help="weight updates per size (the first is left out)")
+    p.add_argument("--gap-s", type=float, default=1.5, help="idle time before each update (vLLM's processes "
+                                                            "busy-poll for 1 s after each message)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
@@ -190,7 +195,7 @@ def main(argv=None) -> int:
     with common.LoadMonitor() as mon, common.Scratch(args.work, "weight-sync") as work:
         for name in sizes:
             t = time.perf_counter()
-            row = common.in_child(measure_size, name, SIZES[name], str(work), args.syncs + 1, args.seed,
+            row = common.in_child(measure_size, name, SIZES[name], str(work), args.syncs + 1, args.seed, args.gap_s,
                                   timeout_s=600, what=f"weight sync {name}")
             row["process_s"] = time.perf_counter() - t
             rows.append(row)
@@ -200,7 +205,7 @@ def main(argv=None) -> int:
     load = mon.summary()
     data = {"benchmark": "weight_sync", "machine": info, "load": load, "wall_s": time.perf_counter() - start,
             "settings": {"sizes": sizes, "syncs": args.syncs, "dtype": "float32", "train_ranks": 1,
-                         "engine": "idle when a version lands"},
+                         "engine": f"idle for {args.gap_s} s when a version lands", "gap_s": args.gap_s},
             "rows": rows}
     path = common.write_json(args.out, "weight_sync", data)
     plot(data, Path(args.out) / "weight_sync.png")

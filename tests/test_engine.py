@@ -31,6 +31,7 @@ def engine_env(tmp_path_factory):
     loop = asyncio.new_event_loop()
     yield {"path": path, "shared": shared, "engine": engine, "loop": loop, "ctx": ctx, "settings": settings}
     engine.shutdown()
+    builder.engine = engine = None  # no second shutdown from AsyncLLM.__del__ at interpreter exit
     loop.close()
 
 

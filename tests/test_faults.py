@@ -163,3 +163,24 @@ def test_bad_model_inputs_get_one_clear_line(tmp_path):
     (tmp_path / "tiny" / "tokenizer_config.json").write_text(json.dumps(config))
     with pytest.raises(SystemExit, match="no eos token the model knows"):
         train.check_tokenizer(path)
+
+
+def test_inf_loss_steps_are_skipped_counted_then_stop_the_run(tmp_path):
+    """A reward of 1e38 (finite, so no reward fault) with unscaled advantages overflows the loss: each such
+    step is skipped and counted, and more than --max-bad-steps of them stop the run with the reason."""
+    from rollout import build_tiny_model
+
+    model = build_tiny_model(str(tmp_path / "ascii"), alphabet="ascii")
+    (tmp_path / "huge.py").write_text(
+        "def huge(completions, **kwargs):\n    return [1e38 if i % 2 else 0.0 for i in range(len(completions))]\n")
+    out = str(tmp_path / "run")
+    proc = subprocess.run([sys.executable, "train.py", "--out", out, "--model", model, "--dataset",
+                           "data/gsm8k_sample.jsonl", "--prompt-column", "question", "--reward",
+                           f"{tmp_path / 'huge.py'}:huge", "--adv-scale", "none", "--max-bad-steps", "2",
+                           "--steps", "20", "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "8"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1
+    assert "3 steps with NaN/inf loss or gradients" in proc.stderr
+    logged = rows(out)
+    assert len(logged) == 2 and all(r["skipped"] for r in logged)
+    assert all(r["version"] == 0 for r in logged)  # no optimizer step was taken, nothing was published
