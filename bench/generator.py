@@ -12,8 +12,9 @@ threads), serves these phases, interleaved for `--rounds` rounds (the order rota
   takes each step's groups and republishes the weights, so the generator swaps weights once per step as in
   a run (pause, load, prefix-cache reset, resume).
 - pipeline, no sync: the same without weight swaps (the generator's own overhead alone).
-- pipeline, no sleep (a what-if, not the project's code path): the pipeline phase with vLLM's fixed 20 ms
-  sleep taken out of `pause_generation` (see `common.pause_without_sleep`).
+- two what-ifs (not the project's code path): the pipeline phase with vLLM's fixed 20 ms sleep taken out
+  of `pause_generation` (see `common.pause_without_sleep`), and with `SamplingParams(detokenize=False)`
+  (the generator only reads token ids; vLLM's output processor detokenizes every token by default).
 Two workloads share the engine: the default one (5 new tokens per completion, as `python train.py`) and a
 long one (`--long-tokens`, 40 by default), where a step's generation lasts longer, so the fixed part of a
 swap weighs less, but each swap preempts longer in-flight completions, which are re-prefilled under the new
@@ -31,10 +32,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-PHASES = ("bare", "pipeline", "pipeline_nosync", "pipeline_nosleep")
+PHASES = ("bare", "pipeline", "pipeline_nosync", "pipeline_nosleep", "pipeline_nodetok")
 LABELS = {"bare": "bare vLLM", "pipeline": "pipeline (weight swap every step)",
           "pipeline_nosync": "pipeline, no weight swaps",
-          "pipeline_nosleep": "what-if: swaps without vLLM's 20 ms pause sleep"}
+          "pipeline_nosleep": "what-if: swaps without vLLM's 20 ms pause sleep",
+          "pipeline_nodetok": "what-if: pipeline with detokenize=False"}
 
 
 def window_rate(step_end: list[float], tokens: list[int], warmup: int) -> dict:
@@ -97,13 +99,22 @@ def measure(model_path: str, plan: list[dict], rounds: int, seed: int) -> dict:
         per_step = [sum(toks[k * pps:(k + 1) * pps]) for k in range(steps)]
         return {"step_end_s": ends, "tokens": per_step}
 
-    def pipeline(settings, steps: int, publish: bool) -> dict:
+    def pipeline(settings, steps: int, publish: bool, detokenize: bool = True) -> dict:
         shared = train.allocate_shared_weights(model_path)
         queue = ctx.Queue(maxsize=cfg.queue_size)
         queue.cancel_join_thread()  # leftovers in the queue must not hold this process at exit
         control = train.make_control(ctx)
         gen = Generator(settings, shared, queue, control)
         gen.engine = engine
+        if not detokenize:  # what-if: the generator never reads the text, only token ids
+            project_params = gen.sampling_params
+
+            def sampling_params(group_id):
+                params = project_params(group_id)
+                params.detokenize = False
+                return params
+
+            gen.sampling_params = sampling_params
         results, armed = ctx.Queue(), ctx.Event()
         proc = ctx.Process(target=common.stand_in_entry, args=(
             results, queue, control, shared, model_path, steps, pps, publish, False, 120.0, armed))
@@ -131,6 +142,8 @@ def measure(model_path: str, plan: list[dict], rounds: int, seed: int) -> dict:
                 for phase in w["phases"][k:] + w["phases"][:k]:
                     if phase == "bare":
                         res = loop.run_until_complete(bare(f"bare-{w['name']}-{r}", settings, w["steps"]))
+                    elif phase == "pipeline_nodetok":
+                        res = pipeline(settings, w["steps"], publish=True, detokenize=False)
                     elif phase == "pipeline_nosleep":
                         undo = common.pause_without_sleep(engine)
                         try:
@@ -243,10 +256,12 @@ def main(argv=None) -> int:
 def plot(data: dict, path: Path) -> None:
     plt = common.plt()
     names = list(data["workloads"])
-    fig, axes = plt.subplots(1, len(names), figsize=(5.5 * len(names), 4.2), squeeze=False)
-    colors = {"bare": "#999999", "pipeline": "#1f77b4", "pipeline_nosync": "#aec7e8", "pipeline_nosleep": "#ffbb78"}
-    short = {"bare": "bare vLLM", "pipeline": "pipeline\n(swap every step)", "pipeline_nosync": "pipeline\n(no swaps)",
-             "pipeline_nosleep": "what-if: swaps\nw/o 20 ms sleep"}
+    fig, axes = plt.subplots(1, len(names), figsize=(12, 4.6), squeeze=False,
+                             gridspec_kw={"width_ratios": [len(data["workloads"][n]["phases"]) for n in names]})
+    colors = {"bare": "#999999", "pipeline": "#1f77b4", "pipeline_nosync": "#aec7e8", "pipeline_nosleep": "#ffbb78",
+              "pipeline_nodetok": "#ffbb78"}
+    short = {"bare": "bare vLLM", "pipeline": "pipeline\n(swap every\nstep)", "pipeline_nosync": "pipeline\n(no swaps)",
+             "pipeline_nosleep": "what-if:\nno 20 ms\npause sleep", "pipeline_nodetok": "what-if:\ndetokenize\n=False"}
     for ax, name in zip(axes[0], names):
         w = data["workloads"][name]
         phases = w["phases"]

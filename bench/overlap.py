@@ -114,6 +114,12 @@ def main(argv=None) -> int:
             "alone": {"gen": reps[-1]["gen_alone"], "train": reps[-1]["train_alone"]}, "modes": [m for m, _ in MODES],
             "repeats": reps}
     sync_rate = med("sync", "steps_per_s")
+    # Cross-check from the sync run itself, where the stages take turns: the trainer's wait per step is the
+    # generation of its batch (plus the weight swap and the queue hop), its train time the training.
+    s_gen = med("sync", "trainer_wait_frac") / sync_rate
+    s_train = med("sync", "train_s_mean")
+    data["from_sync_run"] = {"t_gen_s": s_gen, "t_train_s": s_train,
+                             "bound": (s_gen + s_train) / max(s_gen, s_train)}
     for mode, lag in MODES:
         rate = med(mode, "steps_per_s")
         speedup = rate / sync_rate
@@ -135,7 +141,10 @@ def main(argv=None) -> int:
     print()
     print(f"t_gen {t_gen * 1e3:.0f} ms/step alone, t_train {t_train * 1e3:.0f} ms/step alone, bound "
           f"(t_gen + t_train) / max = {bound:.2f}x")
-    print(f"the CPU allows less: generation alone keeps {gen_cores:.2f} cores busy, training alone {train_cores:.2f}; "
+    fs = data["from_sync_run"]
+    print(f"cross-check inside the sync run: generation (with the swap and the queue hop) {fs['t_gen_s'] * 1e3:.0f} "
+          f"ms/step, training {fs['t_train_s'] * 1e3:.0f} ms/step, bound {fs['bound']:.2f}x")
+    print(f"what the CPUs allow: generation alone keeps {gen_cores:.2f} cores busy, training alone {train_cores:.2f}; "
           f"{cpu_gen + cpu_train:.3f} CPU-s per step on {info['cores']} cores -> at most {cpu_bound:.2f}x")
     print(common.table(["mode", "max lag", "steps/s", "speedup", "share of bound", "share of CPU bound", "trainer wait",
                         "generator wait", "train ms/step", "gen busy ms/step"], rows))

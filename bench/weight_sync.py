@@ -181,7 +181,7 @@ def main(argv=None) -> int:
     common.add_argument_out(p)
     p.add_argument("--sizes", default="1M,10M,100M,300M", help=f"comma-separated, from {', '.join(SIZES)}")
     p.add_argument("--syncs", type=int, default=6, help="weight updates per size (the first is left out)")
-    p.add_argument("--gap-s", type=float, default=1.5, help="idle time before each update (vLLM's processes "
+    p.add_argument("--gap-s", type=float, default=1.2, help="idle time before each update (vLLM's processes "
                                                             "busy-poll for 1 s after each message)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
