@@ -204,7 +204,7 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=5, help="first steps of each phase left out (default workload)")
     p.add_argument("--long-tokens", type=int, default=40, help="new tokens per completion, long workload (0: skip)")
     p.add_argument("--long-steps", type=int, default=10, help="steps per phase, long workload")
-    p.add_argument("--rounds", type=int, default=2, help="rounds of all phases")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of all phases")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     cfg = common.default_config()

@@ -166,7 +166,8 @@ def measure_size(name: str, shape: tuple, work: str, syncs: int, seed: int, gap_
     prof = {k: med(p[k] for p in profile) for k in profile[0]}
     return {"name": name, "hidden": hidden, "layers": layers, "heads": heads, "params": params, "bytes": nbytes,
             "mb": nbytes / 2**20, "gather_ms": 0.0, "copy_ms": copy_ms, "publish_to_serving_ms": serve_ms,
-            **part, "detect_ms": serve_ms - sum(part.values()), "sync_ms": total, "memcpy_ms": med(memcpy),
+            **part, "detect_ms": med(ms - sum(p.values()) for ms, p in zip(sync_ms, parts)), "sync_ms": total,
+            "memcpy_ms": med(memcpy),
             "ratio": total / med(memcpy), "samples": len(sync_ms), "first_sync": first,
             "what_if_no_pause_sleep": {
                 "sync_ms": med(nosleep_copy_ms[1:]) + med(nosleep_ms),
