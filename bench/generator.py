@@ -54,8 +54,9 @@ def measure(model_path: str, plan: list[dict], rounds: int, seed: int) -> dict:
 
     import torch.multiprocessing as mp
 
+    import rollout
     import train
-    from rollout import CopyTask, Generator
+    from rollout import Generator
 
     cfg = common.default_config(model=model_path, seed=seed)
     ctx = mp.get_context("spawn")
@@ -71,8 +72,8 @@ def measure(model_path: str, plan: list[dict], rounds: int, seed: int) -> dict:
         from transformers import AutoTokenizer
 
         sampler = Generator(settings, None, None, None)  # only for its sampling_params
-        task = CopyTask(AutoTokenizer.from_pretrained(model_path))
-        rng = random.Random(seed)  # the prompts Generator.run draws
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        task = rollout.make_task(settings, tokenizer) if hasattr(rollout, "make_task") else rollout.CopyTask(tokenizer)
         slots = asyncio.Semaphore(pps)  # as many groups in flight as the generator allows
         n_groups = steps * pps
         done, toks = [], []
@@ -89,7 +90,7 @@ def measure(model_path: str, plan: list[dict], rounds: int, seed: int) -> dict:
             done.append(time.perf_counter() - start)
             toks.append(sum(len(c.token_ids) for c in final.outputs))
 
-        prompts = [task.sample(rng) for _ in range(n_groups)]
+        prompts = [task.sample(random.Random(f"{seed}-{i}")) for i in range(n_groups)]  # as Generator.run draws them
         tasks = []
         for i in range(n_groups):
             await slots.acquire()

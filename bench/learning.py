@@ -6,7 +6,7 @@ Two runs of `python train.py` on the default task, same seed, same model, same s
 (synchronous, strictly on-policy) and `--max-lag 4` (asynchronous). Wall time is the run's own clock
 (`wall_s` in metrics.jsonl: from the moment the engine is up; start-up is reported apart). Reported: the
 reward curves, the time and the step at which the reward (mean over a 10-step window) first reaches 0.5,
-0.8 and 0.9, and the reward over the last 20% of steps.
+0.8 and 0.9, the reward over the last 20% of steps and over the last 10 steps.
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def smooth(xs: list[float], k: int = SMOOTH) -> list[float]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     common.add_argument_out(p)
-    p.add_argument("--steps", type=int, default=250, help="optimizer steps per run")
+    p.add_argument("--steps", type=int, default=300, help="optimizer steps per run")
     p.add_argument("--async-lag", type=int, default=4, help="--max-lag of the asynchronous run")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -61,7 +61,8 @@ def main(argv=None) -> int:
                 "max_lag": lag, "steps": len(rows), "wall_s": rows[-1]["wall_s"], "process_s": run["process_s"],
                 "startup_s": run["process_s"] - rows[-1]["wall_s"],
                 "steps_per_s": len(rows) / rows[-1]["wall_s"], "reward_first10": s.get("reward_first10"),
-                "reward_last20": s.get("reward_last20"), "max_token_lag": s.get("max_token_lag"),
+                "reward_last20": s.get("reward_last20"), "reward_final": sm[-1],
+                "max_token_lag": s.get("max_token_lag"),
                 "dropped_stale": s.get("dropped_stale"), "reach": reach,
                 "curve": {"step": [r["step"] for r in rows], "wall_s": [round(r["wall_s"], 3) for r in rows],
                           "reward": [round(x, 4) for x in reward]}}
@@ -82,13 +83,13 @@ def main(argv=None) -> int:
     path = common.write_json(args.out, "learning", data)
     plot(data, Path(args.out) / "learning.png")
     print()
-    hdr = ["mode", "steps", "wall s", "steps/s", "reward first 10%", "reward last 20%"]
+    hdr = ["mode", "steps", "wall s", "steps/s", "reward first 10%", "reward last 20%", f"last {SMOOTH} steps"]
     for th in THRESHOLDS:
         hdr += [f"to {th}: s", f"to {th}: step"]
     table_rows = []
     for m, _ in modes:
         r = runs[m]
-        row = [m, r["steps"], r["wall_s"], r["steps_per_s"], r["reward_first10"], r["reward_last20"]]
+        row = [m, r["steps"], r["wall_s"], r["steps_per_s"], r["reward_first10"], r["reward_last20"], r["reward_final"]]
         for th in THRESHOLDS:
             row += [r["reach"][str(th)]["wall_s"], r["reach"][str(th)]["step"]]
         table_rows.append(row)

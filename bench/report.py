@@ -60,9 +60,9 @@ def build(out: Path) -> str:
         txt = (f"to reward 0.9: sync {r['sync']['reach']['0.9']['wall_s'] or float('nan'):.0f} s, {async_mode} "
                f"{r[async_mode]['reach']['0.9']['wall_s'] or float('nan'):.0f} s"
                + (f" ({sp:.2f}x sooner)" if sp else "")
-               + f"; final reward {r['sync']['reward_last20']:.3f} vs {r[async_mode]['reward_last20']:.3f}")
+               + f"; reward over the last 10 steps {r['sync']['reward_final']:.3f} vs {r[async_mode]['reward_final']:.3f}")
         goals.append(["learning: async reaches the same reward sooner", "yes", txt,
-                      yes(bool(sp and sp > 1 and r[async_mode]["reward_last20"] >= r["sync"]["reward_last20"] - 0.02))])
+                      yes(bool(sp and sp > 1 and r[async_mode]["reward_final"] >= r["sync"]["reward_final"] - 0.02))])
     lines.append(common.table(["benchmark", "goal", "measured", ""], goals))
     lines.append("")
     if ov:
@@ -108,14 +108,15 @@ def build(out: Path) -> str:
     if ln:
         lines.append("**Learning** (`learning.json`, same seed, same steps):")
         lines.append("")
-        hdr = ["mode", "steps", "wall s", "reward first 10%", "reward last 20%", "reward 0.5 at", "0.8 at", "0.9 at"]
+        hdr = ["mode", "steps", "wall s", "reward first 10%", "last 20%", "last 10 steps", "reward 0.5 at", "0.8 at",
+               "0.9 at"]
         rows = []
         for m in ln["modes"]:
             r = ln["runs"][m]
             at = [f"{r['reach'][t]['wall_s']:.0f} s / step {r['reach'][t]['step']}" if r["reach"][t]["step"] is not None
                   else "not reached" for t in ("0.5", "0.8", "0.9")]
             rows.append([f"{m} (--max-lag {r['max_lag']})", r["steps"], r["wall_s"], r["reward_first10"],
-                         r["reward_last20"], *at])
+                         r["reward_last20"], r["reward_final"], *at])
         lines.append(common.table(hdr, rows))
         lines.append("")
     return "\n".join(lines)
