@@ -16,6 +16,11 @@ Rates are steady-state: the first `--warmup` steps of every run are left out.
 
 bound = (t_gen + t_train) / max(t_gen, t_train): the best speedup two overlapped stages can give.
 speedup = steps/s of a mode / steps/s of sync; share_of_bound = speedup / bound.
+Also reported: the fraction of time the trainer waited for data and the generator for queue space or
+weights; the cores each process used (trainer, generator, vLLM's EngineCore and worker) over the steady
+window; the CPU bound (both stages' CPU-seconds per step, measured alone, fitted into the machine's cores:
+overlap cannot beat it when the stages together need more cores than there are); and a cross-check of
+t_gen and t_train read off the sync run itself (the trainer's wait and train time per step).
 """
 from __future__ import annotations
 

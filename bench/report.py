@@ -11,6 +11,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+from generator import LABELS  # noqa: E402
 
 
 def load(out: Path, name: str):
@@ -94,7 +95,7 @@ def build(out: Path) -> str:
         for name, w in gen["workloads"].items():
             for ph in w["phases"]:
                 key = None if ph == "bare" else "ratio" + ph[len("pipeline"):]
-                rows.append([f"{name} ({w['max_new_tokens']} new tokens)", ph, w[f"{ph}_tokens_per_s"],
+                rows.append([f"{name} ({w['max_new_tokens']} new tokens)", LABELS.get(ph, ph), w[f"{ph}_tokens_per_s"],
                              w[key] if key else 1.0])
         lines.append(common.table(["workload", "phase", "tokens/s", "ratio to bare"], rows))
         lines.append("")

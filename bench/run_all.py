@@ -1,6 +1,6 @@
 """bench/run_all.py — every benchmark, one after the other, then the summary page.
 
-    python bench/run_all.py --out bench/results     # about 20 minutes on 2 cores
+    python bench/run_all.py --out bench/results     # about 16 minutes on 2 cores
 
 Each benchmark runs as its own `python bench/NAME.py --out DIR`; a failure is reported and the others go on.
 """
