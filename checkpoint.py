@@ -8,9 +8,12 @@ Role
 Data contract
     OUT/checkpoints/step_00000100/
         model/              Hugging Face safetensors + config + tokenizer (loads in transformers and vLLM)
+        adapter/            instead of model/ with --lora-rank: the LoRA adapter in PEFT format
+                            (adapter_config.json + adapter_model.safetensors; PeftModel.from_pretrained)
         optimizer.pt        the full (unsharded) optimizer state dict, keyed by parameter name
         rng.pt              RNG states of the trainer's rank 0 (torch, python, numpy)
-        trainer_state.json  {"step": steps completed, "version": model version, "config": {...}}
+        trainer_state.json  {"step": steps completed, "version": model version, "base_model": the model
+                            the run started from (what an adapter applies to), "config": {...}}
     `step` counts completed optimizer steps; a resumed run starts at that step with that version.
 
 May touch: files under the checkpoint root only. Imports torch, transformers; no processes.
@@ -74,18 +77,25 @@ def save_model(full_state: dict, base_model: str, dst: str) -> None:
 
 
 def save(root: str, step: int, version: int, model_state: dict, optimizer_state: dict, base_model: str,
-         config: dict, keep: int) -> str:
-    """Write a checkpoint atomically; keep the newest `keep` (0 keeps all). Returns its folder."""
+         config: dict, keep: int, adapter_config=None) -> str:
+    """Write a checkpoint atomically; keep the newest `keep` (0 keeps all). Returns its folder.
+    With `adapter_config` (a peft LoraConfig), `model_state` is the adapter's tensors (PEFT file names)."""
     os.makedirs(root, exist_ok=True)
     final = os.path.join(root, f"{PREFIX}{step:08d}")
     tmp = os.path.join(root, f".tmp-{PREFIX}{step:08d}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    save_model(model_state, base_model, os.path.join(tmp, "model"))
+    if adapter_config is None:
+        save_model(model_state, base_model, os.path.join(tmp, "model"))
+    else:
+        import lora
+
+        lora.save_adapter(model_state, adapter_config, base_model, os.path.join(tmp, "adapter"))
     torch.save(optimizer_state, os.path.join(tmp, "optimizer.pt"))
     torch.save({"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
                os.path.join(tmp, "rng.pt"))
     with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-        json.dump({"step": step, "version": version, "config": config}, f, indent=2)
+        json.dump({"step": step, "version": version, "base_model": os.path.abspath(base_model), "config": config},
+                  f, indent=2)
     for folder, _, files in os.walk(tmp):  # on disk before the rename makes it visible
         for name in files:
             with open(os.path.join(folder, name), "rb") as f:

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from buffer import RolloutGroup, put_group
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+LORA_ID = 1  # vLLM's id of the one adapter the generator serves with --lora-rank (ids start at 1)
 
 # ----------------------------------------------------------------------------------------------------
 # Tasks and the tiny model
@@ -246,6 +247,9 @@ class GeneratorSettings:
     reward_workers: int = 0
     initial_version: int = 0  # the version of the weights in `model` (a resumed run's checkpoint version)
     first_group_id: int = 0  # a resumed run continues the sequence of group ids (and so of prompts)
+    # LoRA (lora.py): serve `model` with the adapter the trainer publishes; the buffer holds only the adapter
+    lora_rank: int = 0  # 0: full weights
+    lora_dir: str = ""  # holds the adapter's adapter_config.json (rank, alpha, targets)
     # GPU path only (train.py fills these from devices.py; the defaults are the CPU path)
     device: str = "cpu"  # "cpu" or "cuda"
     cuda_visible_devices: str = ""  # this process's GPUs: the generator's first, then the weight buffer's
@@ -283,6 +287,7 @@ class Generator:
         self.sync_ms: list[float] = []  # publish -> serving, per load, not yet handed to the trainer
         self.sync_parts: list[dict] = []
         self.error: BaseException | None = None
+        self.lora_request = None  # with LoRA: every request names the one adapter, which syncs replace in place
 
     def build_engine(self):
         if self.s.device == "cuda":
@@ -294,6 +299,13 @@ class Generator:
                           tensor_parallel_size=self.s.tensor_parallel_size)
         else:
             memory = dict(kv_cache_memory_bytes=self.s.kv_cache_mb * 2**20)
+        if self.s.lora_rank:
+            from lora import engine_max_rank
+            from vllm.lora.request import LoRARequest
+
+            memory.update(enable_lora=True, max_lora_rank=engine_max_rank(self.s.lora_rank), max_loras=1,
+                          max_cpu_loras=1)
+            self.lora_request = LoRARequest("policy", LORA_ID, self.s.lora_dir)
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
         from transformers import AutoTokenizer
@@ -335,7 +347,8 @@ class Generator:
         self._count_generating(+1)
         try:
             async for out in self.engine.generate({"prompt_token_ids": prompt.prompt_ids},
-                                                  self.sampling_params(group_id), request_id=f"group-{group_id}"):
+                                                  self.sampling_params(group_id), request_id=f"group-{group_id}",
+                                                  lora_request=self.lora_request):
                 final = out
         finally:
             self._count_generating(-1)
@@ -383,8 +396,7 @@ class Generator:
         mode = "keep" if self.s.update_mode == "inflight" else "wait"
         await self.engine_call(self.engine.pause_generation(mode=mode, clear_cache=False), "pause_generation")
         t1 = time.perf_counter()
-        loaded = await self.engine_call(self.engine.collective_rpc("load_shared_weights", args=(version,)),
-                                        "the weight load")
+        loaded = await self.engine_call(self.load_rpc(version), "the weight load")
         version = min(loaded)  # the buffer may already hold a newer version than we were told
         t2 = time.perf_counter()
         # Cached blocks hold keys/values of the old weights; in-flight requests are re-prefilled.
@@ -399,6 +411,24 @@ class Generator:
         self.sync_ms.append((time.time_ns() - self.shared.publish_time_ns()) / 1e6)
         self.sync_parts.append({"pause_ms": (t1 - t0) * 1e3, "load_ms": (t2 - t1) * 1e3,
                                 "reset_ms": (t3 - t2) * 1e3, "resume_ms": (time.perf_counter() - t3) * 1e3})
+
+    def load_rpc(self, version: int):
+        """The worker call that loads the buffer's contents: the full weights, or the adapter in place."""
+        if self.s.lora_rank:
+            return self.engine.collective_rpc("load_shared_adapter", args=(version, self.s.lora_dir, LORA_ID))
+        return self.engine.collective_rpc("load_shared_weights", args=(version,))
+
+    async def load_first_adapter(self):
+        """LoRA: the engine serves no adapter until the trainer's first publish of it (at its start)."""
+        deadline = time.monotonic() + self.s.queue_timeout_s
+        while self.shared.publish_time_ns() == 0 or self.shared.version() < self.s.initial_version:
+            if self.control.stop.is_set():
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the trainer published no adapter within {self.s.queue_timeout_s:.0f} s")
+            await asyncio.sleep(0.01)
+        self.loaded_version = min(await self.engine_call(self.load_rpc(self.s.initial_version), "the first load"))
+        self.control.loaded_version.value = self.loaded_version
 
     def may_start_group(self) -> bool:
         max_running = self.s.max_inflight_groups or self.s.prompts_per_step
@@ -424,6 +454,8 @@ class Generator:
         self.reward_threads = ThreadPoolExecutor(max(1, self.s.reward_workers), thread_name_prefix="reward")
         await self.engine.update_weight_version(str(self.loaded_version))
         await self.engine.collective_rpc("attach_shared_weights", args=(self.shared.to_bytes(),))
+        if self.s.lora_rank:
+            await self.load_first_adapter()
         self.control.ready.set()
         start = time.perf_counter()
         self.idle_since = start

@@ -302,3 +302,38 @@ class WeightSyncWorker:
         method = getattr(lm_head, "quant_method", None)
         if method is not None and hasattr(method, "process_weights_after_loading"):
             method.process_weights_after_loading(lm_head)
+
+    def load_shared_adapter(self, min_version: int, adapter_dir: str, lora_id: int) -> int:
+        """LoRA (`--lora-rank`): the buffer holds only the adapter. Copy a consistent snapshot of it and make
+        it the engine's adapter `lora_id` in place of the previous one (requests keep their LoRARequest).
+        `adapter_dir` holds the adapter's `adapter_config.json` (rank, alpha). Returns the version loaded."""
+        from vllm.lora.lora_model import LoRAModel
+        from vllm.lora.peft_helper import PEFTHelper
+
+        shared = self._shared
+        if getattr(self, "_adapter_snapshot", None) is None:  # small: a private CPU copy, as vLLM loads adapters
+            self._adapter_snapshot = torch.empty(shared.buffer.shape, dtype=shared.buffer.dtype)
+        version = shared.read_snapshot(self._adapter_snapshot,
+                                       max_tries=1000 if shared.device_type == "cpu" else 100_000)
+        if version < min_version:
+            raise RuntimeError(f"load_shared_adapter: buffer holds version {version} < wanted {min_version}")
+        workers = self.model_runner.lora_manager  # vLLM's LRUCacheWorkerLoRAManager
+        manager = workers._adapter_manager
+        helper = PEFTHelper.from_local_dir(adapter_dir, workers.max_position_embeddings)
+        helper.validate_legal(workers.lora_config)
+        # vLLM folds the scaling into lora_b in place when it packs q/k/v: hand it copies, not our snapshot.
+        tensors = {slot.name: shared.view(slot, self._adapter_snapshot).clone() for slot in shared.layout}
+        mapper = getattr(manager.model, "hf_to_vllm_mapper", None)
+        lora = LoRAModel.from_lora_tensors(
+            lora_model_id=lora_id, tensors=tensors, peft_helper=helper, device="cpu",
+            dtype=workers.lora_config.lora_dtype, model_vocab_size=workers.vocab_size,
+            weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
+            skip_prefixes=getattr(manager.model, "lora_skip_prefixes", None))
+        manager.remove_adapter(lora_id)
+        manager.add_adapter(lora)  # packs q/k/v (and gate/up) into vLLM's fused modules
+        unknown = [name for name in lora.loras if name not in manager.modules]
+        if not lora.loras or unknown:  # an adapter that silently never reaches the engine is the classic bug
+            raise RuntimeError(f"the adapter's modules {unknown or '(none)'} are not LoRA modules of vLLM's "
+                               f"model (those are e.g. {sorted(manager.modules)[:4]})")
+        manager.activate_adapter(lora_id)  # copies A and B into the engine's stacked LoRA buffers
+        return version

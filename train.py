@@ -92,6 +92,12 @@ class Config:
     gen_threads: int = 0  # 0: half the cores
     train_threads: int = 0  # per rank; 0: the rest of the cores, split between ranks
     kv_cache_mb: int = 256
+    # LoRA (lora.py): train an adapter on the frozen base model and sync only the adapter
+    lora_rank: int = 0  # > 0: LoRA of this rank (0: full fine-tuning)
+    lora_alpha: int = 16  # the adapter's scale is alpha / rank
+    lora_dropout: float = 0.0
+    lora_targets: str = "all-linear"  # or comma-separated module names, e.g. "q_proj,v_proj"
+    merge_at_end: bool = False  # with --lora-rank: also write OUT/model, the base model with the adapter merged in
     timeout_s: float = 300.0  # longest wait for any other process before the run fails
     gen_devices: str = ""  # generator GPUs, e.g. "0" ("" or "cpu": the CPU path); see devices.py
     train_devices: str = ""  # trainer GPUs, one FSDP2 rank each, e.g. "1,2,3"; "0" with --gen-devices 0 shares it
@@ -153,6 +159,16 @@ def validate(cfg: Config) -> None:
         problems.append(f"--top-p must be in (0, 1] (got {cfg.top_p})")
     if cfg.lr <= 0:
         problems.append(f"--lr must be > 0 (got {cfg.lr})")
+    if not 0 <= cfg.lora_rank <= 512:
+        problems.append(f"--lora-rank must be in 0..512 (got {cfg.lora_rank})")
+    if cfg.lora_rank and cfg.lora_alpha <= 0:
+        problems.append(f"--lora-alpha must be > 0 (got {cfg.lora_alpha})")
+    if not 0 <= cfg.lora_dropout < 1:
+        problems.append(f"--lora-dropout must be in [0, 1) (got {cfg.lora_dropout})")
+    if cfg.lora_rank and not cfg.lora_targets.strip(" ,"):
+        problems.append("--lora-targets is empty: give all-linear or module names such as q_proj,v_proj")
+    if cfg.merge_at_end and not cfg.lora_rank:
+        problems.append("--merge-at-end merges a LoRA adapter: it needs --lora-rank")
     if cfg.model and not os.path.isdir(cfg.model) and os.path.exists(cfg.model):
         problems.append(f"--model {cfg.model} is a file; give a Hugging Face model directory")
     elif cfg.model and not os.path.exists(cfg.model) and (cfg.model.startswith((".", "/", "~"))):
@@ -224,19 +240,32 @@ def kill_tree(proc, own_group: bool):
 # ----------------------------------------------------------------------------------------------------
 # The trainer (one process per rank)
 # ----------------------------------------------------------------------------------------------------
-def build_trainer_model(model_path, world_size, device="cpu"):
+def build_trainer_model(model_path, world_size, device="cpu", lora_config=None, adapter_dir="", seed=0):
+    """The model under FSDP2; with a LoRA config, wrapped in a trainable adapter first (from `adapter_dir`
+    on a resume) and the base weights frozen."""
+    import lora
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoModelForCausalLM
 
     device = torch.device(device)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device)
+    if lora_config is not None:
+        model = lora.wrap(model, lora_config, seed, adapter_dir)
     # An explicit mesh: with a CUDA build of torch, fully_shard's default mesh is on the GPU even on the CPU path.
     mesh = init_device_mesh(device.type, (world_size,))
-    for layer in model.model.layers:
+    for layer in lora.base_model_of(model).model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
+
+
+def synced_parameters(model):
+    """(name in the shared buffer, parameter) for every trainable parameter: the whole model, or with
+    LoRA only the adapter (in PEFT's file naming)."""
+    import lora
+
+    return [(lora.file_name(name), p) for name, p in model.named_parameters() if p.requires_grad]
 
 
 def target_logprobs(logits, batch, temperature, top_k=-1, top_p=1.0):
@@ -273,9 +302,14 @@ def loss_on_batch(model, ref_model, local, cfg, world_size):
     loss, metrics = policy_loss(logp, old_logp, local.advantages, local.mask, variant=cfg.loss,
                                 eps_low=cfg.eps_low, eps_high=cfg.eps_high, dual_clip=cfg.dual_clip,
                                 agg=cfg.agg, max_len=cfg.max_new_tokens, weights=weights)
-    if ref_model is not None and cfg.kl_coef > 0:  # between the untruncated distributions
+    if cfg.kl_coef > 0:  # between the untruncated distributions
         with torch.no_grad():
-            ref_logp = target_logprobs(next_token_logits(ref_model, local), local, cfg.temperature)
+            if ref_model is not None:
+                ref_logits = next_token_logits(ref_model, local)
+            else:  # LoRA: the reference is the base model, the same weights with the adapter switched off
+                with model.disable_adapter():
+                    ref_logits = next_token_logits(model, local)
+            ref_logp = target_logprobs(ref_logits, local, cfg.temperature)
         full_logp = target_logprobs(logits, local, cfg.temperature)
         kl = (kl_penalty(full_logp, ref_logp, cfg.kl_kind) * local.mask).sum() / local.mask.sum().clamp(min=1)
         loss = loss + cfg.kl_coef * kl
@@ -319,9 +353,16 @@ def trainer_main(cfg, rank, world_size, model_path, shared, rollout_queue, contr
             torch.cuda.set_per_process_memory_fraction(layout.train_memory_fraction, device)
     dist.init_process_group(layout.backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=cfg.timeout_s + 60))
-    model = build_trainer_model(model_path, world_size, device)
-    # Build the optimizer before any forward pass (FSDP2 pitfall: see shared notes).
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    lora_config = None
+    if cfg.lora_rank:
+        import lora
+        lora_config = lora.peft_config(cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets)
+    model = build_trainer_model(model_path, world_size, device, lora_config,
+                                os.path.join(resume_dir, "adapter") if resume_dir and cfg.lora_rank else "", cfg.seed)
+    if cfg.lora_dropout > 0:
+        model.train()  # dropout on the adapter's input (the base models we load have no other dropout active)
+    # Build the optimizer before any forward pass (FSDP2 pitfall: see shared notes). Only what trains has state.
+    optimizer = torch.optim.AdamW([p for _, p in synced_parameters(model)], lr=cfg.lr, weight_decay=cfg.weight_decay)
     start_step = version = 0
     if resume_dir:  # model_path already points at the checkpoint's model
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
@@ -333,11 +374,13 @@ def trainer_main(cfg, rank, world_size, model_path, shared, rollout_queue, contr
             full_state_dict=True, broadcast_from_rank0=world_size > 1))
         if rank == 0:
             checkpoint.restore_rng(resume_dir)
-    names = [name for name, _ in model.named_parameters()]
+    names = [name for name, _ in synced_parameters(model)]
     if names != [slot.name for slot in shared.layout]:
         raise RuntimeError("trainer parameters do not match the shared buffer's layout")
+    if cfg.lora_rank:  # the generator serves no adapter until this first publish (B = 0: the base model)
+        publish(model, shared, version, rank, world_size)
     ref_model = None
-    if cfg.kl_coef > 0:
+    if cfg.kl_coef > 0 and not cfg.lora_rank:
         from transformers import AutoModelForCausalLM
         ref_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device).eval()
         ref_model.requires_grad_(False)
@@ -425,7 +468,7 @@ def trainer_main(cfg, rank, world_size, model_path, shared, rollout_queue, contr
     if rank == 0:
         control.stop.set()  # the generator can stop now
     if finished:
-        save_final_model(model, model_path, os.path.join(cfg.out, "model"), rank)
+        save_final_model(model, model_path, cfg, rank)
     else:  # a signal, or another process failed: keep what was learned
         where = save_checkpoint(model, optimizer, model_path, cfg, step, version, rank)
         if rank == 0:
@@ -444,12 +487,23 @@ def save_checkpoint(model, optimizer, model_path, cfg, step, version, rank):
                                                          get_optimizer_state_dict)
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    model_state = get_model_state_dict(model, options=options)
+    model_state = trained_state(model, get_model_state_dict(model, options=options))
     optimizer_state = get_optimizer_state_dict(model, optimizer, options=options)
     if rank != 0:
         return None
     return checkpoint.save(checkpoint.checkpoint_root(cfg.out), step, version, model_state, optimizer_state,
-                           model_path, dataclasses.asdict(cfg), cfg.keep_checkpoints)
+                           model_path, dataclasses.asdict(cfg), cfg.keep_checkpoints,
+                           adapter_config=model.peft_config["default"] if cfg.lora_rank else None)
+
+
+def trained_state(model, full_state):
+    """What a checkpoint keeps of the model: everything, or with LoRA the adapter (PEFT file names)."""
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    if len(trainable) == len(full_state):
+        return full_state
+    import lora
+
+    return {lora.file_name(name): value for name, value in full_state.items() if name in trainable}
 
 
 def publish(model, shared, version, rank, world_size):
@@ -467,7 +521,7 @@ def publish(model, shared, version, rank, world_size):
         with torch.no_grad():
             if rank == 0:
                 shared.begin_write()
-            for slot, (_, param) in zip(shared.layout, model.named_parameters()):
+            for slot, (_, param) in zip(shared.layout, synced_parameters(model)):
                 full = param.full_tensor() if hasattr(param, "full_tensor") else param
                 if rank == 0:
                     shared.write_param(slot, full)
@@ -480,7 +534,7 @@ def publish(model, shared, version, rank, world_size):
     if world_size > 1:
         dist.barrier()
     with torch.no_grad():
-        for slot, (_, param) in zip(shared.layout, model.named_parameters()):
+        for slot, (_, param) in zip(shared.layout, synced_parameters(model)):
             local = param.to_local() if hasattr(param, "to_local") else param
             shared.write_param(slot, local, fsdp_row_start(slot.shape[0], rank, world_size) if slot.shape else 0)
     if world_size > 1:
@@ -489,21 +543,33 @@ def publish(model, shared, version, rank, world_size):
         shared.end_write(version)
 
 
-def save_final_model(model, model_path, out_dir, rank):
-    """Gather the full weights (a collective) and save them in Hugging Face format on rank 0."""
+def save_final_model(model, model_path, cfg, rank):
+    """Gather the trained weights (a collective) and save them on rank 0: OUT/model in Hugging Face format,
+    or with LoRA OUT/adapter in PEFT format (and OUT/model merged with --merge-at-end)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    state = trained_state(model, get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)))
     if rank != 0:
         return
     import checkpoint
+    import lora
 
-    tmp = out_dir + ".tmp"
-    checkpoint.save_model(state, model_path, tmp)
-    if os.path.exists(out_dir):
-        import shutil
-        shutil.rmtree(out_dir)
-    os.replace(tmp, out_dir)
+    def replace(out_dir, write):
+        tmp = out_dir + ".tmp"
+        write(tmp)
+        if os.path.exists(out_dir):
+            import shutil
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+
+    model_dir = os.path.join(cfg.out, "model")
+    if not cfg.lora_rank:
+        return replace(model_dir, lambda dst: checkpoint.save_model(state, model_path, dst))
+    adapter_dir = os.path.join(cfg.out, "adapter")
+    replace(adapter_dir, lambda dst: lora.save_adapter(state, model.peft_config["default"], model_path, dst))
+    if cfg.merge_at_end:
+        replace(model_dir, lambda dst: lora.merge(model_path, adapter_dir, dst))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -578,7 +644,10 @@ def run(cfg: Config) -> int:
         for line in checkpoint.config_differences(saved["config"], dataclasses.asdict(cfg)):
             print(f"warning: config differs from the checkpoint's: {line}", file=sys.stderr)
         print(f"resuming from {resume_dir}: step {start_step}, version {start_version}", flush=True)
-        model_path = os.path.join(resume_dir, "model")
+        # LoRA checkpoints hold the adapter only: the base model is the one the run started from
+        model_path = saved.get("base_model", "") if cfg.lora_rank else os.path.join(resume_dir, "model")
+        if cfg.lora_rank and not os.path.isdir(model_path):
+            raise SystemExit(f"error: the base model of {resume_dir} ({model_path or 'not recorded'}) is gone")
     else:
         model_path = prepare_model(cfg)
     check_tokenizer(model_path)
@@ -592,7 +661,17 @@ def run(cfg: Config) -> int:
     with open(os.path.join(cfg.out, "config.json"), "w") as f:
         json.dump(dataclasses.asdict(cfg), f, indent=2)
     # On GPUs this process owns the packed buffer (on the first trainer GPU) and outlives every reader.
-    shared = allocate_shared_weights(model_path, device=layout.buffer_device)
+    lora_dir = ""
+    if cfg.lora_rank:  # the buffer holds the adapter only; vLLM reads its rank and alpha from lora_dir
+        import lora
+        from sync import SharedWeights
+
+        shapes, resolved = lora.adapter_shapes(model_path, lora.peft_config(
+            cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets))
+        lora_dir = lora.write_config(resolved, model_path, os.path.join(cfg.out, "adapter_config"))
+        shared = SharedWeights.allocate(shapes, dtype=torch.float32, device=layout.buffer_device)
+    else:
+        shared = allocate_shared_weights(model_path, device=layout.buffer_device)
     ctx = mp.get_context("spawn")
     rollout_queue = ctx.Queue(maxsize=cfg.queue_size)
     errors = ctx.Queue()
@@ -606,7 +685,8 @@ def run(cfg: Config) -> int:
         first_group_id=start_step * cfg.prompts_per_step,
         task=cfg.task, dataset=cfg.dataset, split=cfg.split, prompt_column=cfg.prompt_column,
         answer_column=cfg.answer_column, reward=cfg.reward, reward_weights=cfg.reward_weights,
-        system_prompt=cfg.system_prompt, reward_workers=cfg.reward_workers, **layout.generator_settings())
+        system_prompt=cfg.system_prompt, reward_workers=cfg.reward_workers, lora_rank=cfg.lora_rank,
+        lora_dir=lora_dir, **layout.generator_settings())
     init_file = tempfile.mktemp(prefix="asyncgrpo-dist-")
     procs = {"generator": (ctx.Process(target=child_entry, name="generator", args=(
         "generator", _generator_entry, (settings, shared, rollout_queue, control), errors, True)), True)}

@@ -1,0 +1,133 @@
+"""lora.py — LoRA adapters: what the trainer trains, and the generator serves, with `--lora-rank R`.
+
+Role
+    With `--lora-rank R > 0` the trainer wraps the base model in a PEFT LoRA adapter (only the adapter's
+    A and B matrices get gradients and optimizer state), the packed shared buffer (sync.py) holds only the
+    adapter, and the generator serves the frozen base model through vLLM's LoRA support, receiving only
+    the adapter on each sync (`sync.WeightSyncWorker.load_shared_adapter`). This file holds what both
+    sides must agree on: the PEFT config built from the flags, adapter tensor names, and the adapter's
+    on-disk format (checkpoints, the final adapter, the merged model of `--merge-at-end`).
+
+Data contract
+    - Adapter tensor names are PEFT's *file* names, `base_model.model.<module>.lora_A.weight` (the
+      parameter names without the adapter's name, "default"): what `adapter_model.safetensors` holds, what
+      `PeftModel.from_pretrained` and vLLM's LoRA loader read, and the slot names of the shared buffer.
+    - An adapter folder = `adapter_config.json` + `adapter_model.safetensors` (PEFT's format).
+    - The initial adapter is PEFT's (A random, B zero: the adapter starts as the base model), drawn from
+      `torch.manual_seed(seed)` so that every FSDP2 rank builds the same one.
+
+May touch: the model it is handed, and the folders it is told to write. Imports torch, peft, transformers.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+ADAPTER_NAME = "default"  # PEFT's name for a model's only adapter; it is not part of the file names
+# vLLM sizes its LoRA buffers for one of these ranks (`--max-lora-rank`); the adapter's rank may be lower.
+VLLM_MAX_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def peft_config(rank: int, alpha: int, dropout: float, targets: str):
+    """The LoraConfig for the flags. `targets`: "all-linear" (PEFT: every linear layer except the output
+    head) or comma-separated module names such as "q_proj,v_proj"."""
+    from peft import LoraConfig
+
+    names = targets.strip()
+    target_modules = names if names == "all-linear" else [t.strip() for t in names.split(",") if t.strip()]
+    return LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules,
+                      bias="none", task_type="CAUSAL_LM")
+
+
+def engine_max_rank(rank: int) -> int:
+    """The smallest rank vLLM can size its LoRA buffers for that holds an adapter of `rank`."""
+    for allowed in VLLM_MAX_RANKS:
+        if allowed >= rank:
+            return allowed
+    raise ValueError(f"--lora-rank {rank} is larger than vLLM supports ({VLLM_MAX_RANKS[-1]})")
+
+
+def file_name(param_name: str) -> str:
+    """PEFT parameter name -> the adapter file's tensor name (drops the adapter name)."""
+    return param_name.replace(f".{ADAPTER_NAME}.", ".")
+
+
+def wrap(model, config, seed: int, adapter_dir: str = ""):
+    """Wrap `model` in a trainable LoRA adapter; load the adapter's weights from `adapter_dir` if given."""
+    from peft import get_peft_model
+
+    torch.manual_seed(seed)  # the same random A on every rank (each rank builds the whole model)
+    peft_model = get_peft_model(model, config)
+    if adapter_dir:
+        load_adapter_weights(peft_model, adapter_dir)
+    return peft_model
+
+
+def load_adapter_weights(peft_model, adapter_dir: str) -> None:
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    state = load_file(os.path.join(adapter_dir, "adapter_model.safetensors"))
+    result = set_peft_model_state_dict(peft_model, state)
+    missing = [k for k in result.missing_keys if "lora_" in k]
+    if missing:
+        raise RuntimeError(f"{adapter_dir} lacks adapter weights for {missing[:3]} (and {len(missing)} in all): "
+                           "was it trained with other --lora-targets?")
+
+
+def base_model_of(model):
+    """The transformers model inside a PEFT wrapper (or the model itself)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def adapter_shapes(model_path: str, config) -> tuple[list[tuple[str, tuple[int, ...]]], object]:
+    """(file name, shape) of every adapter tensor, in parameter order, and the resolved config (with
+    "all-linear" expanded to module names), from a skeleton on the meta device (no weights are read)."""
+    from peft import get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path), dtype=torch.float32)
+    try:
+        peft_model = get_peft_model(skeleton, config)
+    except ValueError as err:  # PEFT: "Target modules {...} not found in the base model"
+        raise SystemExit(f"error: --lora-targets {','.join(sorted(config.target_modules))}: {err}") from None
+    shapes = [(file_name(n), tuple(p.shape)) for n, p in peft_model.named_parameters() if p.requires_grad]
+    if not shapes:
+        raise SystemExit(f"error: --lora-targets {config.target_modules} matches no module of {model_path}")
+    return shapes, peft_model.peft_config[ADAPTER_NAME]
+
+
+def write_config(config, base_model: str, dst: str) -> str:
+    """Write `adapter_config.json` into `dst` (all the generator needs besides the tensors)."""
+    import copy
+
+    config = copy.deepcopy(config)
+    config.base_model_name_or_path = base_model
+    config.inference_mode = True
+    os.makedirs(dst, exist_ok=True)
+    config.save_pretrained(dst)
+    return dst
+
+
+def save_adapter(state: dict, config, base_model: str, dst: str) -> str:
+    """Save adapter tensors ({file name: tensor}) and config in PEFT format (PeftModel.from_pretrained)."""
+    from safetensors.torch import save_file
+
+    write_config(config, base_model, dst)
+    save_file({k: v.detach().to("cpu").contiguous() for k, v in state.items()},
+              os.path.join(dst, "adapter_model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def merge(base_model: str, adapter_dir: str, dst: str) -> str:
+    """Write base + adapter as one plain Hugging Face model (`--merge-at-end`), with the tokenizer."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32)
+    merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
+    merged.save_pretrained(dst)
+    AutoTokenizer.from_pretrained(base_model).save_pretrained(dst)
+    return dst

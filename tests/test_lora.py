@@ -1,0 +1,203 @@
+"""LoRA (`--lora-rank`): only the adapter trains; the real vLLM engine serves the adapter the trainer
+publishes (in place, versioned like full weights) and agrees with the trainer's log-probs; checkpoints and
+the final adapter are PEFT folders; a resumed run continues like an uninterrupted one; --merge-at-end."""
+import asyncio
+import json
+import os
+import queue as queue_lib
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import checkpoint
+import lora
+import train
+from rollout import Generator, GeneratorSettings, build_tiny_model
+from sync import SharedWeights
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL = ["--prompts-per-step", "4", "--group-size", "4", "--max-lag", "0", "--log-every", "1"]
+CONFIG = dict(rank=8, alpha=16, dropout=0.0, targets="all-linear")
+
+
+@pytest.fixture(scope="module")
+def base_model(tmp_path_factory):
+    return build_tiny_model(str(tmp_path_factory.mktemp("model") / "tiny"), seed=0)
+
+
+def peft_model(path, b_scale=0.0, seed=1):
+    """The base model with a LoRA adapter (B ~ N(0, b_scale): 0 is PEFT's initial, no-op adapter)."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
+                           lora.peft_config(**CONFIG))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, b_scale) if b_scale else p.zero_()
+    return model.eval()
+
+
+def adapter_tensors(model):
+    return {lora.file_name(n): p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_only_the_adapter_trains_and_matches_the_buffer_layout(base_model):
+    import torch.distributed as dist
+
+    init_file = tempfile.mktemp(prefix="asyncgrpo-test-")
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=0, world_size=1)
+    try:
+        model = train.build_trainer_model(base_model, 1, lora_config=lora.peft_config(**CONFIG), seed=0)
+        synced = train.synced_parameters(model)
+        shapes, _ = lora.adapter_shapes(base_model, lora.peft_config(**CONFIG))
+        # the parent sizes the shared buffer from a meta skeleton: same names, same order, same shapes
+        assert [(n, tuple(p.shape)) for n, p in synced] == shapes
+        assert all(".lora_A." in n or ".lora_B." in n for n, _ in synced) and len(synced) == 28
+        optimizer = torch.optim.AdamW([p for _, p in synced], lr=1e-2)
+        before = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
+        ids = torch.randint(3, 26, (4, 7))
+        for _ in range(2):  # B starts at zero, so A gets a gradient only from the second step on
+            loss = torch.log_softmax(model(input_ids=ids).logits, -1)[..., 5].mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        changed = {n for n, p in model.named_parameters() if not torch.equal(before[n], p.full_tensor())}
+        trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+        assert changed == trainable, f"changed but frozen: {sorted(changed - trainable)[:3]}"
+        assert len(optimizer.state) == len(synced)  # optimizer state for the adapter only
+    finally:
+        dist.destroy_process_group()
+        os.path.exists(init_file) and os.unlink(init_file)
+
+
+async def wait_until(condition, what, timeout_s=120):
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+def test_generator_serves_each_published_adapter_and_agrees_with_the_trainer(base_model, tmp_path):
+    os.environ["PYTHONPATH"] = REPO  # vLLM's worker imports the extension (sync.WeightSyncWorker)
+    shapes, resolved = lora.adapter_shapes(base_model, lora.peft_config(**CONFIG))
+    lora_dir = lora.write_config(resolved, base_model, str(tmp_path / "adapter_config"))
+    shared = SharedWeights.allocate(shapes)
+    settings = GeneratorSettings(model=base_model, seed=0, group_size=4, prompts_per_step=4, max_new_tokens=8,
+                                 max_lag=10**6, update_mode="inflight", kv_cache_mb=64, initial_version=1,
+                                 lora_rank=8, lora_dir=lora_dir)
+    ctx = mp.get_context("spawn")
+    gen = Generator(settings, shared, ctx.Queue(), train.make_control(ctx))
+    engine = gen.build_engine()
+    initial, trained = peft_model(base_model, 0.0), peft_model(base_model, 0.3)
+
+    async def scenario():
+        shared.publish(adapter_tensors(initial), 1)  # what the trainer publishes at its start
+        task = asyncio.create_task(gen.run())
+        await wait_until(lambda: gen.stats["groups"] >= 8 or task.done(), "8 groups under adapter v1")
+        shared.publish(adapter_tensors(trained), 2)
+        await wait_until(lambda: gen.stats["groups"] >= 24 or task.done(), "16 more groups")
+        if task.done():
+            task.result()
+        gen.control.stop.set()
+        await task
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        engine.shutdown()
+        gen.engine = engine = None
+    groups = []
+    while True:
+        try:
+            groups.append(gen.queue.get(timeout=1.0))
+        except queue_lib.Empty:
+            break
+    diffs, moved = {1: [], 2: []}, []
+    for group in groups:
+        for ids, lps, versions in zip(group.completion_ids, group.behaviour_logprobs, group.token_versions):
+            if not ids or len(set(versions)) != 1:
+                continue
+            version = versions[0]
+            inputs = torch.tensor([group.prompt_ids + ids])
+            targets = torch.tensor(ids)[:, None]
+            with torch.no_grad():
+                logp = {v: torch.log_softmax(m(input_ids=inputs).logits[0, len(group.prompt_ids) - 1:-1], -1)
+                        .gather(-1, targets)[:, 0] for v, m in ((1, initial), (2, trained))}
+            diffs[version] += (logp[version] - torch.tensor(lps)).abs().tolist()
+            if version == 2:
+                moved += (logp[2] - logp[1]).abs().tolist()
+    assert len(diffs[1]) > 20 and len(diffs[2]) > 20, {v: len(d) for v, d in diffs.items()}
+    assert max(diffs[1]) < 1e-4 and max(diffs[2]) < 1e-4  # vLLM's log-probs are the trainer's, per version
+    assert max(moved) > 0.1, "the synced adapter did not change the model's distribution"
+    assert gen.stats["loads"] >= 1
+
+
+def run_train(out, *args, timeout=300):
+    proc = subprocess.run([sys.executable, "train.py", "--out", out, *SMALL, "--lora-rank", "8", "--lr", "3e-3",
+                           *args], cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return {r["step"]: r for r in map(json.loads, filter(str.strip, f))}
+
+
+def test_lora_run_checkpoints_resumes_and_merges(tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    out = str(tmp_path / "run")
+    rows = run_train(out, "--steps", "6", "--save-every", "3", "--merge-at-end")
+    summary = json.load(open(os.path.join(out, "summary.json")))
+    assert summary["logprob_diff_after_sync"] is not None and summary["logprob_diff_after_sync"] < 1e-4
+    base_dir = os.path.join(out, "init_model")
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    ids = torch.tensor([[1, 13, 14, 15, 25]])
+
+    # the final adapter and a checkpoint's adapter load in PEFT; the adapter has moved from its start
+    saved = checkpoint.list_checkpoints(checkpoint.checkpoint_root(out))
+    assert [os.path.basename(p) for p in saved] == ["step_00000003", "step_00000006"]
+    assert not os.path.exists(os.path.join(saved[0], "model"))
+    optimizer_state = torch.load(os.path.join(saved[0], "optimizer.pt"), weights_only=False)
+    assert len(optimizer_state["state"]) == 28  # adapter tensors only
+    assert checkpoint.load_state(saved[0])["base_model"] == os.path.abspath(base_dir)
+    for adapter_dir in (os.path.join(saved[0], "adapter"), os.path.join(out, "adapter")):
+        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32),
+                                          adapter_dir)
+        b_norm = sum(p.norm() for n, p in model.named_parameters() if "lora_B" in n)
+        assert b_norm > 0
+    with torch.no_grad():
+        adapted = model(input_ids=ids).logits
+        merged = AutoModelForCausalLM.from_pretrained(os.path.join(out, "model"), dtype=torch.float32)
+        torch.testing.assert_close(merged(input_ids=ids).logits, adapted, atol=1e-4, rtol=1e-4)
+        assert (adapted - base(input_ids=ids).logits).abs().max() > 1e-4
+    merged_state, base_state = merged.state_dict(), base.state_dict()
+    for name in ("model.embed_tokens.weight", "model.norm.weight", "model.layers.0.input_layernorm.weight"):
+        assert torch.equal(merged_state[name], base_state[name])  # the base model's own weights never train
+
+    # resuming from the step-3 checkpoint gives the uninterrupted run's steps 3..5
+    resumed = run_train(str(tmp_path / "resumed"), "--steps", "6", "--resume", saved[0])
+    assert sorted(resumed) == [3, 4, 5]
+    for step in (3, 4, 5):
+        assert resumed[step]["version"] == rows[step]["version"]
+        assert resumed[step]["reward"] == pytest.approx(rows[step]["reward"], abs=1e-6)
+        assert resumed[step]["loss"] == pytest.approx(rows[step]["loss"], rel=1e-3, abs=1e-5)
+
+
+def test_lora_flags_are_checked(tmp_path):
+    for args, message in ((["--lora-rank", "-1"], "--lora-rank"), (["--merge-at-end"], "--merge-at-end"),
+                          (["--lora-rank", "8", "--lora-dropout", "1.5"], "--lora-dropout")):
+        proc = subprocess.run([sys.executable, "train.py", "--out", str(tmp_path / "x"), *args], cwd=REPO,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode != 0 and message in proc.stderr and "Traceback" not in proc.stderr
+    proc = subprocess.run([sys.executable, "train.py", "--out", str(tmp_path / "y"), "--lora-rank", "8",
+                           "--lora-targets", "no_such_proj", "--steps", "1"], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode != 0 and "no_such_proj" in proc.stderr
