@@ -13,7 +13,7 @@ Data contract
       latency, and per-reward-function statistics.
     - The summary: steps, wall_s, reward_first10 (mean reward over the first 10% of steps), reward_last20,
       tokens_trained, max_token_lag, dropped_stale, trainer_wait_frac, generator_wait_frac, sync_ms_median,
-      gen_tokens_per_s, train_tokens_per_s, logprob_diff_after_sync, bad_steps, config.
+      gen_tokens_per_s, train_tokens_per_s, logprob_diff_after_sync, bad_steps, sync_mb, config.
     - On a resume, the rows of the steps already done are kept and the totals continue from them.
 
 May touch: files under `--out` only.
@@ -38,6 +38,7 @@ class RunLog:
         self.cfg, self.rows, self.start = cfg, [], time.perf_counter()
         self.tokens_trained = self.dropped = self.wait_s = self.train_s = 0.0
         self.max_token_lag, self.logprob_diff, self.sync_ms, self.gen = 0, None, [], {}
+        self.sync_mb = None  # set by the trainer: the size of the packed shared buffer
         self.bad_steps = 0
         path = os.path.join(cfg.out, "metrics.jsonl")
         if start_step and os.path.exists(path):  # a resume: keep the rows of the steps already done
@@ -129,6 +130,7 @@ class RunLog:
             "gen_tokens_per_s": gen.get("tokens", 0) / gen["elapsed_s"] if gen.get("elapsed_s") else None,
             "train_tokens_per_s": self.tokens_trained / self.train_s if self.train_s else None,
             "logprob_diff_after_sync": self.logprob_diff,
+            "sync_mb": self.sync_mb,  # what each weight sync moves (with --lora-rank: the adapter only)
             "config": dataclasses.asdict(self.cfg),
         }
         with open(os.path.join(self.cfg.out, "summary.json"), "w") as f:

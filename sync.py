@@ -6,10 +6,13 @@ Role
     place by the trainer and read by the generator's vLLM worker. A small int64 header next to it holds
     the seqlock counter, the model version and the publish time. Also owns the vLLM worker extension
     (`WeightSyncWorker`) that copies a consistent snapshot out of the buffer into the running engine.
+    With LoRA (`--lora-rank`) the buffer holds only the adapter's tensors (lora.py names them), and
+    `load_shared_adapter` replaces the engine's one adapter in place: same seqlock, same versions.
 
 Data contract
     - `Layout`: (name, shape, offset, numel) for each parameter, in `model.named_parameters()` order,
-      with Hugging Face checkpoint names (what vLLM's `load_weights` expects). One dtype for all.
+      with Hugging Face checkpoint names (what vLLM's `load_weights` expects); with LoRA, PEFT's adapter
+      file names (what vLLM's LoRA loader expects). One dtype for all.
     - header = [seq, version, publish_time_ns]. `seq` is odd while a writer is inside the buffer.
       `version` = the trainer's optimizer-step count of the weights in the buffer.
     - Writers: `begin_write` / `write_param` / `end_write` (one trainer process, or FSDP2 ranks each

@@ -15,7 +15,9 @@ Data contract
       generator tags each sampled token with the version that produced it. A sample is trained on only
       if trainer version - its oldest token's version <= `--max-lag` (`--max-lag 0`: strictly on-policy).
     - `--out DIR` receives `metrics.jsonl` (one row per step), `summary.json` and the final model in
-      `DIR/model` (Hugging Face format: loadable by `transformers` and vLLM).
+      `DIR/model` (Hugging Face format: loadable by `transformers` and vLLM). With `--lora-rank R` only a
+      LoRA adapter trains (lora.py): it alone is synced and checkpointed, and the run ends with
+      `DIR/adapter` (PEFT format) and, with `--merge-at-end`, the merged model in `DIR/model`.
 
 May touch: everything under `--out`; spawns and kills its own children. Data flows one way:
 rollout -> buffer -> train (losses) -> sync -> rollout.
@@ -399,6 +401,8 @@ def trainer_main(cfg, rank, world_size, model_path, shared, rollout_queue, contr
         dist.destroy_process_group()
         return
     log = metrics.RunLog(cfg, world_size, start_step) if rank == 0 else None
+    if log is not None:
+        log.sync_mb = sum(slot.numel for slot in shared.layout) * 4 / 2**20  # float32
     bad_steps = 0
     step = start_step
     for step in range(start_step, cfg.steps):
