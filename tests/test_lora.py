@@ -8,7 +8,6 @@ import queue as queue_lib
 import subprocess
 import sys
 import tempfile
-import time
 
 import pytest
 import torch
@@ -19,6 +18,7 @@ import lora
 import train
 from rollout import Generator, GeneratorSettings, build_tiny_model
 from sync import SharedWeights
+from test_engine import wait_until
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--prompts-per-step", "4", "--group-size", "4", "--max-lag", "0", "--log-every", "1"]
@@ -76,14 +76,6 @@ def test_only_the_adapter_trains_and_matches_the_buffer_layout(base_model):
     finally:
         dist.destroy_process_group()
         os.path.exists(init_file) and os.unlink(init_file)
-
-
-async def wait_until(condition, what, timeout_s=120):
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
 
 
 def test_generator_serves_each_published_adapter_and_agrees_with_the_trainer(base_model, tmp_path):
