@@ -381,7 +381,12 @@ class Generator:
         """Load the newest published weights between engine steps; tag later tokens with `version`."""
         t0 = time.perf_counter()
         mode = "keep" if self.s.update_mode == "inflight" else "wait"
-        await self.engine_call(self.engine.pause_generation(mode=mode, clear_cache=False), "pause_generation")
+        # The scheduler's own pause, not `AsyncLLM.pause_generation`: with clear_cache=False that method only
+        # adds a fixed 20 ms sleep (vLLM 0.32), meant to let outputs of the last step reach their callers
+        # before it returns. We do not need that ordering: EngineCore stamps each step's output with the
+        # version it was sampled under, so a token that arrives after the swap still carries its own tag.
+        await self.engine_call(self.engine.engine_core.pause_scheduler_async(mode=mode, clear_cache=False),
+                               "the pause")
         t1 = time.perf_counter()
         loaded = await self.engine_call(self.engine.collective_rpc("load_shared_weights", args=(version,)),
                                         "the weight load")
