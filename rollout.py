@@ -49,6 +49,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 #     score(prompt, completion_texts, completion_ids, step) -> (rewards, {name: stats}, unscored)
 #                                                                 (called in a worker thread)
 #     close()
+#     needs_text: bool   False: `score` reads only token ids, so vLLM skips detokenizing (the texts are "")
 # `rewards` has one float per completion (never None/NaN: see data.py's fault rules); the stats are
 # data.call_reward's per-function counters, summed by the trainer into reward/<name>/... metrics.
 # ----------------------------------------------------------------------------------------------------
@@ -115,6 +116,7 @@ class CopyTask:
     """Copy 3 letters: `<bos>abc=` -> `abc<eos>`."""
 
     names = ["copy"]
+    needs_text = False  # scored by token ids: vLLM need not detokenize
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
@@ -153,6 +155,8 @@ class DatasetTask:
     Each group's prompt is a row drawn uniformly with the rng it is handed (a function of the seed and the
     group id, so a resumed run draws the same prompts). A prompt too long to leave room for
     `max_new_tokens` within the model's context is skipped and counted (reported once)."""
+
+    needs_text = True  # reward functions get completion texts (TRL's convention)
 
     def __init__(self, spec, tokenizer, max_new_tokens: int, max_len: int | None = None):
         import data
@@ -316,10 +320,11 @@ class Generator:
         # run regenerates the same rollouts. Only when no request is ever preempted by a weight swap:
         # vLLM's CPU sampler cannot re-seed a preempted request ("CPU Generator does not use offset").
         reproducible = self.s.max_lag == 0 or self.s.update_mode == "drain"
+        # Detokenizing every token costs the front end CPU time; a task scored by token ids skips it.
         return SamplingParams(n=self.s.group_size, max_tokens=self.s.max_new_tokens,
                               temperature=self.s.temperature, top_k=self.s.top_k, top_p=self.s.top_p,
                               logprobs=0, seed=self.s.seed * 1_000_003 + group_id if reproducible else None,
-                              output_kind=RequestOutputKind.FINAL_ONLY)
+                              output_kind=RequestOutputKind.FINAL_ONLY, detokenize=self.task.needs_text)
 
     def _count_generating(self, delta: int) -> None:
         now = time.perf_counter()
@@ -345,7 +350,7 @@ class Generator:
             completions.append(ids)
             logprobs.append([c.logprobs[i][t].logprob for i, t in enumerate(ids)])
             versions.append(tag_versions(c.weight_versions, len(ids)))
-            texts.append(c.text or "")
+            texts.append(c.text or "")  # "" when the task does not need text (detokenize=False)
             self.stats["tokens"] += len(ids)
         # Rewards run in worker threads (or the task's process pool), never on this event loop.
         rewards, reward_stats, unscored = await asyncio.get_running_loop().run_in_executor(
