@@ -182,3 +182,13 @@ def test_every_config_field_is_a_flag():
     assert (cfg.steps, cfg.max_lag, cfg.update_mode, cfg.eps_high, cfg.wandb, cfg.train_ranks) == \
         (7, 0, "drain", 0.28, "offline", 2)
     assert train.parse_args(["--eps-high", "none"]).eps_high is None
+
+
+def test_generator_settings_carry_the_config_and_the_resume_point():
+    """One builder for the generator's settings (train.run and the benchmarks both use it)."""
+    cfg = train.parse_args(["--max-lag", "3", "--top-k", "5", "--prompts-per-step", "4", "--group-size", "2",
+                            "--update-mode", "drain", "--timeout-s", "12"])
+    s = train.generator_settings(cfg, "some/model", gen_threads=3, start_step=5, start_version=4)
+    assert (s.model, s.max_lag, s.top_k, s.prompts_per_step, s.group_size, s.update_mode, s.threads) == \
+        ("some/model", 3, 5, 4, 2, "drain", 3)
+    assert (s.queue_timeout_s, s.initial_version, s.first_group_id, s.device) == (12, 4, 20, "cpu")
