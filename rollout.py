@@ -50,6 +50,7 @@ LORA_ID = 1  # vLLM's id of the one adapter the generator serves with --lora-ran
 #     score(prompt, completion_texts, completion_ids, step) -> (rewards, {name: stats}, unscored)
 #                                                                 (called in a worker thread)
 #     close()
+#     needs_text: bool   False: `score` reads only token ids, so vLLM skips detokenizing (the texts are "")
 # `rewards` has one float per completion (never None/NaN: see data.py's fault rules); the stats are
 # data.call_reward's per-function counters, summed by the trainer into reward/<name>/... metrics.
 # ----------------------------------------------------------------------------------------------------
@@ -116,6 +117,7 @@ class CopyTask:
     """Copy 3 letters: `<bos>abc=` -> `abc<eos>`."""
 
     names = ["copy"]
+    needs_text = False  # scored by token ids: vLLM need not detokenize
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
@@ -154,6 +156,8 @@ class DatasetTask:
     Each group's prompt is a row drawn uniformly with the rng it is handed (a function of the seed and the
     group id, so a resumed run draws the same prompts). A prompt too long to leave room for
     `max_new_tokens` within the model's context is skipped and counted (reported once)."""
+
+    needs_text = True  # reward functions get completion texts (TRL's convention)
 
     def __init__(self, spec, tokenizer, max_new_tokens: int, max_len: int | None = None):
         import data
@@ -328,10 +332,11 @@ class Generator:
         # run regenerates the same rollouts. Only when no request is ever preempted by a weight swap:
         # vLLM's CPU sampler cannot re-seed a preempted request ("CPU Generator does not use offset").
         reproducible = self.s.max_lag == 0 or self.s.update_mode == "drain"
+        # Detokenizing every token costs the front end CPU time; a task scored by token ids skips it.
         return SamplingParams(n=self.s.group_size, max_tokens=self.s.max_new_tokens,
                               temperature=self.s.temperature, top_k=self.s.top_k, top_p=self.s.top_p,
                               logprobs=0, seed=self.s.seed * 1_000_003 + group_id if reproducible else None,
-                              output_kind=RequestOutputKind.FINAL_ONLY)
+                              output_kind=RequestOutputKind.FINAL_ONLY, detokenize=self.task.needs_text)
 
     def _count_generating(self, delta: int) -> None:
         now = time.perf_counter()
@@ -358,7 +363,7 @@ class Generator:
             completions.append(ids)
             logprobs.append([c.logprobs[i][t].logprob for i, t in enumerate(ids)])
             versions.append(tag_versions(c.weight_versions, len(ids)))
-            texts.append(c.text or "")
+            texts.append(c.text or "")  # "" when the task does not need text (detokenize=False)
             self.stats["tokens"] += len(ids)
         # Rewards run in worker threads (or the task's process pool), never on this event loop.
         rewards, reward_stats, unscored = await asyncio.get_running_loop().run_in_executor(
@@ -394,7 +399,12 @@ class Generator:
         """Load the newest published weights between engine steps; tag later tokens with `version`."""
         t0 = time.perf_counter()
         mode = "keep" if self.s.update_mode == "inflight" else "wait"
-        await self.engine_call(self.engine.pause_generation(mode=mode, clear_cache=False), "pause_generation")
+        # The scheduler's own pause, not `AsyncLLM.pause_generation`: with clear_cache=False that method only
+        # adds a fixed 20 ms sleep (vLLM 0.32), meant to let outputs of the last step reach their callers
+        # before it returns. We do not need that ordering: EngineCore stamps each step's output with the
+        # version it was sampled under, so a token that arrives after the swap still carries its own tag.
+        await self.engine_call(self.engine.engine_core.pause_scheduler_async(mode=mode, clear_cache=False),
+                               "the pause")
         t1 = time.perf_counter()
         loaded = await self.engine_call(self.load_rpc(version), "the weight load")
         version = min(loaded)  # the buffer may already hold a newer version than we were told

@@ -5,7 +5,7 @@ Role
     allocated once (CPU shared memory here; a CUDA tensor shared through CUDA IPC on GPUs), written in
     place by the trainer and read by the generator's vLLM worker. A small int64 header next to it holds
     the seqlock counter, the model version and the publish time. Also owns the vLLM worker extension
-    (`WeightSyncWorker`) that copies a consistent snapshot out of the buffer into the running engine.
+    (`WeightSyncWorker`) that loads a consistent state of the buffer into the running engine.
     With LoRA (`--lora-rank`) the buffer holds only the adapter's tensors (lora.py names them), and
     `load_shared_adapter` replaces the engine's one adapter in place: same seqlock, same versions.
 
@@ -17,7 +17,8 @@ Data contract
       `version` = the trainer's optimizer-step count of the weights in the buffer.
     - Writers: `begin_write` / `write_param` / `end_write` (one trainer process, or FSDP2 ranks each
       writing their own rows between barriers). Readers: `read_snapshot`, which retries until it copies
-      a snapshot no writer touched, then returns it with its version.
+      a snapshot no writer touched, then returns it with its version; or `read_in_place`, which runs a
+      repeatable read (the engine's reload) on the buffer itself under the same check (CPU).
     - CUDA: the buffer is allocated once by the launching process on the first trainer GPU and lives
       until every other process has ended; the header stays in CPU shared memory. `end_write` waits for
       the device writes before it publishes the version; `read_snapshot` waits for its device copy before
@@ -42,6 +43,7 @@ import torch.multiprocessing as mp
 from multiprocessing.reduction import ForkingPickler
 
 SEQ, VERSION, PUBLISH_NS = 0, 1, 2
+VIEW_TRIES = 3  # torn in-place reloads before the worker falls back to a snapshot copy (CPU)
 
 # Share CPU tensors by file name, from the start: a storage first shared by file descriptor and later
 # pickled by name is silently *moved* to a new segment, and the two sides would stop seeing each other.
@@ -217,6 +219,30 @@ class SharedWeights:
                 return version
         raise TimeoutError(f"read_snapshot: no consistent snapshot after {max_tries} tries (writer stuck?)")
 
+    def read_in_place(self, read, max_tries: int = 3, max_waits: int = 1000) -> int | None:
+        """Call `read(buffer)` straight on the shared buffer (CPU), with no copy; return the version it read.
+
+        The same seqlock as `read_snapshot`: read seq (waiting while it is odd), read, re-check seq. A writer
+        that touched the buffer meanwhile means `read` saw a torn mix, and it is called again. `read` must
+        therefore be safe to repeat, and its result must not be used before this returns. Returns None when
+        every one of `max_tries` reads was torn, or a writer stayed inside for `max_waits` x 0.5 ms: the
+        caller falls back to `read_snapshot`, whose copy is short enough to get through.
+        """
+        waits = 0
+        for _ in range(max_tries):
+            seq_before = int(self.header[SEQ])
+            while seq_before % 2:
+                waits += 1
+                if waits > max_waits:
+                    return None
+                time.sleep(0.0005)
+                seq_before = int(self.header[SEQ])
+            version = int(self.header[VERSION])
+            read(self.buffer)
+            if int(self.header[SEQ]) == seq_before:
+                return version
+        return None
+
     def _wait_for_device_copy(self, out: torch.Tensor) -> None:
         _synchronize(out.device, self.buffer.device)  # a peer copy runs on the source GPU's stream
 
@@ -266,10 +292,13 @@ class WeightSyncWorker:
 
     def attach_shared_weights(self, handles: bytes) -> int:
         self._shared = SharedWeights.from_bytes(handles)
-        # A private snapshot: the engine never aliases the trainer's buffer, and a torn read is impossible.
-        # On a GPU worker `.buffer` opens the CUDA IPC handle here, once (on the buffer's own GPU, which must
-        # be visible to this process), and every snapshot is a device-to-device or peer-to-peer copy.
-        self._snapshot = torch.empty_like(self._shared.buffer, device=self._snapshot_device())
+        # On a GPU worker `.buffer` opens the CUDA IPC handle here, once (on the buffer's own GPU, which must be
+        # visible to this process), and every load goes through a private snapshot on this worker's GPU (a
+        # device-to-device or peer-to-peer copy). On CPU the load reads the shared buffer in place; the
+        # snapshot is allocated only if that ever has to fall back to it (see load_shared_weights).
+        self._snapshot = None
+        if self._shared.device_type != "cpu":
+            self._snapshot = torch.empty_like(self._shared.buffer, device=self._snapshot_device())
         return self._shared.buffer.numel()
 
     def _snapshot_device(self):
@@ -279,16 +308,35 @@ class WeightSyncWorker:
             return torch.device("cpu")
 
     def load_shared_weights(self, min_version: int = -1) -> int:
-        """Copy a consistent snapshot and reload it into the engine; returns the version loaded."""
+        """Reload the newest consistent weights into the engine; returns the version loaded.
+
+        CPU: straight from views of the shared buffer, with no private copy first. `reload_weights` copies
+        every tensor into the engine's own (re-packed) weights, so the engine never aliases the buffer. The
+        seqlock guards the reload: if the trainer wrote meanwhile, the engine holds a torn mix, and we reload
+        again. Generation is paused during the whole load, so a torn state is never sampled from. After
+        `VIEW_TRIES` torn reloads (a writer publishing faster than we reload) we fall back to the snapshot.
+        GPU: a snapshot copy on this worker's GPU first (the buffer is another process's device memory).
+        """
         shared = self._shared
-        # On GPUs a publish gathers every parameter over NCCL while `seq` is odd: allow it longer (~1 min).
-        version = shared.read_snapshot(self._snapshot, max_tries=1000 if shared.device_type == "cpu" else 100_000)
+        version = None
+        if shared.device_type == "cpu":
+            version = shared.read_in_place(self._reload_from, max_tries=VIEW_TRIES)
+        if version is None:
+            if self._snapshot is None:
+                self._snapshot = torch.empty_like(shared.buffer, device=self._snapshot_device())
+            # On GPUs a publish gathers every parameter over NCCL while `seq` is odd: allow it longer (~1 min).
+            version = shared.read_snapshot(self._snapshot,
+                                           max_tries=1000 if shared.device_type == "cpu" else 100_000)
+            self._reload_from(self._snapshot)
         if version < min_version:
             raise RuntimeError(f"load_shared_weights: buffer holds version {version} < wanted {min_version}")
-        weights = [(slot.name, shared.view(slot, self._snapshot)) for slot in shared.layout]
-        self.model_runner.reload_weights(weights_iterator=weights)
         self._refresh_tied_lm_head()
         return version
+
+    def _reload_from(self, buffer: torch.Tensor) -> None:
+        """vLLM's layer-wise reload from views of `buffer` (the shared buffer itself, or our snapshot)."""
+        shared = self._shared
+        self.model_runner.reload_weights(weights_iterator=[(s.name, shared.view(s, buffer)) for s in shared.layout])
 
     def _refresh_tied_lm_head(self) -> None:
         """With tied embeddings the checkpoint has no `lm_head.weight`, so the layer-wise reload never

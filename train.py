@@ -633,10 +633,29 @@ def split_threads(cfg):
     return gen, train
 
 
-def run(cfg: Config) -> int:
-    """Start the generator and trainer ranks, wait for them, and return the run's exit code."""
+def generator_settings(cfg: Config, model_path: str, gen_threads: int, start_step: int = 0,
+                       start_version: int = 0, layout=None, lora_dir: str = ""):
+    """The generator's settings (`rollout.GeneratorSettings`) for this config: what `run` starts the generator
+    with, and what the benchmarks start it with. A resumed run passes its checkpoint's step and version;
+    `layout` (devices.layout_for) adds the GPU placement, None is the CPU path; `lora_dir` holds the
+    adapter's config with --lora-rank."""
     from rollout import GeneratorSettings
 
+    return GeneratorSettings(
+        model=model_path, seed=cfg.seed, group_size=cfg.group_size, prompts_per_step=cfg.prompts_per_step,
+        max_new_tokens=cfg.max_new_tokens, max_lag=cfg.max_lag, update_mode=cfg.update_mode,
+        temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
+        max_inflight_groups=cfg.max_inflight_groups, kv_cache_mb=cfg.kv_cache_mb, threads=gen_threads,
+        queue_timeout_s=cfg.timeout_s, initial_version=start_version,
+        first_group_id=start_step * cfg.prompts_per_step,
+        task=cfg.task, dataset=cfg.dataset, split=cfg.split, prompt_column=cfg.prompt_column,
+        answer_column=cfg.answer_column, reward=cfg.reward, reward_weights=cfg.reward_weights,
+        system_prompt=cfg.system_prompt, reward_workers=cfg.reward_workers, lora_rank=cfg.lora_rank,
+        lora_dir=lora_dir, **(layout.generator_settings() if layout is not None else {}))
+
+
+def run(cfg: Config) -> int:
+    """Start the generator and trainer ranks, wait for them, and return the run's exit code."""
     import checkpoint
 
     os.makedirs(cfg.out, exist_ok=True)
@@ -680,17 +699,7 @@ def run(cfg: Config) -> int:
     rollout_queue = ctx.Queue(maxsize=cfg.queue_size)
     errors = ctx.Queue()
     control = make_control(ctx)
-    settings = GeneratorSettings(
-        model=model_path, seed=cfg.seed, group_size=cfg.group_size, prompts_per_step=cfg.prompts_per_step,
-        max_new_tokens=cfg.max_new_tokens, max_lag=cfg.max_lag, update_mode=cfg.update_mode,
-        temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
-        max_inflight_groups=cfg.max_inflight_groups, kv_cache_mb=cfg.kv_cache_mb, threads=gen_threads,
-        queue_timeout_s=cfg.timeout_s, initial_version=start_version,
-        first_group_id=start_step * cfg.prompts_per_step,
-        task=cfg.task, dataset=cfg.dataset, split=cfg.split, prompt_column=cfg.prompt_column,
-        answer_column=cfg.answer_column, reward=cfg.reward, reward_weights=cfg.reward_weights,
-        system_prompt=cfg.system_prompt, reward_workers=cfg.reward_workers, lora_rank=cfg.lora_rank,
-        lora_dir=lora_dir, **layout.generator_settings())
+    settings = generator_settings(cfg, model_path, gen_threads, start_step, start_version, layout, lora_dir)
     init_file = tempfile.mktemp(prefix="asyncgrpo-dist-")
     procs = {"generator": (ctx.Process(target=child_entry, name="generator", args=(
         "generator", _generator_entry, (settings, shared, rollout_queue, control), errors, True)), True)}

@@ -1,6 +1,6 @@
 """bench/common.py — what the benchmarks share: paths, machine facts, a CPU-load monitor, child processes,
-the project's own stages run alone (generation without training, training without generation), tables,
-JSON and plots.
+the project's own stages run alone (generation without training, training without generation), the options
+every benchmark takes and what it writes (`Bench`: its JSON, plot and closing line), tables.
 
 Nothing here reimplements the pipeline: the stages are the project's own functions
 (`rollout.generator_main`, `train.trainer_main`, `buffer.take_groups`, `sync.SharedWeights`) started the
@@ -9,6 +9,7 @@ Heavy imports stay inside functions: spawned children re-import the benchmark sc
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import datetime
 import importlib.metadata
@@ -215,10 +216,77 @@ def machine_line(info: dict) -> str:
             f"vLLM {info['vllm']}; {info['date_utc']} UTC")
 
 
-def add_argument_out(parser, default="bench_out"):
-    parser.add_argument("--out", default=default, help="folder for NAME.json and NAME.png")
-    parser.add_argument("--work", default="", help="scratch folder for runs (default: a temporary folder, "
-                                                    "deleted at the end)")
+def parser(doc: str, sizes: dict | None = None):
+    """The options every benchmark takes (--out, --work, --seed; --sizes when it has model `sizes`);
+    the benchmark adds its own. Its description is the first paragraph of the benchmark's docstring."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("--out", default="bench_out", help="folder for NAME.json and NAME.png")
+    p.add_argument("--work", default="", help="scratch folder for runs (default: a temporary folder, "
+                                              "deleted at the end)")
+    p.add_argument("--seed", type=int, default=0)
+    if sizes:
+        p.add_argument("--sizes", default=",".join(sizes), help=f"comma-separated, from {', '.join(sizes)}")
+    return p
+
+
+def parse_args(p, argv, sizes: dict | None = None):
+    """`p.parse_args(argv)`; with `sizes`, `args.sizes` becomes the list of sizes asked for (checked)."""
+    args = p.parse_args(argv)
+    if sizes:
+        args.sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
+        for s in args.sizes:
+            if s not in sizes:
+                p.error(f"unknown size {s}; choose from {', '.join(sizes)}")
+    return args
+
+
+class Bench:
+    """What every benchmark does around its measurements: while it runs, the machine's facts, the load
+    monitor and a scratch folder; afterwards its JSON (name, machine, load and wall time first), its plot
+    and its closing line.
+
+        with common.Bench("overlap", args) as bench:     # bench.work: the scratch folder, bench.info
+            ...measure...
+        path = bench.save(data, plot)                    # DIR/overlap.json, DIR/overlap.png
+        print(bench.closing_line(path))
+    """
+
+    def __init__(self, name: str, args):
+        self.name, self.out = name, Path(args.out)
+        self.info = machine_info()
+        self.load, self.wall_s = None, None
+        self._start = time.perf_counter()
+        self._monitor = LoadMonitor()
+        self._scratch = Scratch(args.work, name.replace("_", "-"))
+
+    def __enter__(self):
+        self._monitor.__enter__()
+        self.work = self._scratch.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._scratch.__exit__(*exc)
+        self._monitor.__exit__(*exc)
+        self.load = self._monitor.summary()
+        self.wall_s = time.perf_counter() - self._start
+
+    def save(self, data: dict, plot) -> Path:
+        data = {"benchmark": self.name, "machine": self.info, "load": self.load, "wall_s": self.wall_s, **data}
+        path = write_json(self.out, self.name, data)
+        plot(data, self.out / f"{self.name}.png")
+        return path
+
+    def closing_line(self, path: Path) -> str:
+        return (f"machine: {machine_line(self.info)}; other processes used {self.load['foreign_cores_mean']} "
+                f"cores on average. Wrote {path}")
+
+
+def save_figure(fig, path: Path, data: dict, what: str) -> None:
+    """Title the figure with what it shows and the machine it was measured on, write it, close it."""
+    fig.suptitle(f"{what}: {machine_line(data['machine'])}", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt().close(fig)
 
 
 class Scratch:
@@ -448,18 +516,14 @@ def default_config(**changes):
     return cfg
 
 
-def generator_settings(cfg, model_path: str, max_lag: int | None = None):
-    """The generator's settings, built from a train.Config the way train.run builds them."""
+def run_ahead_settings(cfg, model_path: str):
+    """The generator's settings as `train.run` builds them (`train.generator_settings`), except that the
+    staleness gate never closes: a stand-in trainer never lags, so the generator runs as far ahead as the
+    queue allows."""
     import train
-    from rollout import GeneratorSettings
 
     gen_threads, _ = train.split_threads(cfg)
-    return GeneratorSettings(
-        model=model_path, seed=cfg.seed, group_size=cfg.group_size, prompts_per_step=cfg.prompts_per_step,
-        max_new_tokens=cfg.max_new_tokens, max_lag=cfg.max_lag if max_lag is None else max_lag,
-        update_mode=cfg.update_mode, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
-        max_inflight_groups=cfg.max_inflight_groups, kv_cache_mb=cfg.kv_cache_mb, threads=gen_threads,
-        queue_timeout_s=cfg.timeout_s)
+    return train.generator_settings(dataclasses.replace(cfg, max_lag=10**6), model_path, gen_threads)
 
 
 def build_model(path: Path, seed: int = 0, **sizes) -> str:
@@ -548,8 +612,7 @@ def generate_alone(cfg, model_path: str, steps: int, publish: bool = True, keep_
     queue = ctx.Queue(maxsize=cfg.queue_size)
     errors = ctx.Queue()
     control = train.make_control(ctx)
-    # the stand-in trainer never lags: let the generator run ahead as far as the queue allows
-    settings = generator_settings(cfg, model_path, max_lag=10**6)
+    settings = run_ahead_settings(cfg, model_path)
     proc = ctx.Process(target=train.child_entry, name="generator", args=(
         "generator", train._generator_entry, (settings, shared, queue, control), errors, True))
     t_spawn = time.perf_counter()
@@ -657,22 +720,3 @@ def intervals(ends: list[float], warmup: int) -> list[float]:
     """Per-step durations from cumulative end times, skipping `warmup` steps."""
     return [b - a for a, b in zip(ends[warmup - 1:], ends[warmup:])] if warmup > 0 else \
         [ends[0]] + [b - a for a, b in zip(ends, ends[1:])]
-
-
-def pause_without_sleep(engine):
-    """What-if (not the project's code path): make `engine.pause_generation` skip the fixed 20 ms
-    `asyncio.sleep` that vLLM 0.32's `AsyncLLM.pause_generation` adds after pausing the scheduler (it only
-    orders output delivery; the per-token version tags come from the engine's own step labels).
-    Returns a function that undoes it."""
-
-    async def pause_generation(*, mode="abort", clear_cache=True):
-        if clear_cache:
-            await engine.renderer.clear_mm_cache_async()
-        await engine.engine_core.pause_scheduler_async(mode=mode, clear_cache=clear_cache)
-
-    engine.pause_generation = pause_generation
-
-    def undo():
-        del engine.pause_generation
-
-    return undo

@@ -12,9 +12,8 @@ threads), serves these phases, interleaved for `--rounds` rounds (the order rota
   takes each step's groups and republishes the weights, so the generator swaps weights once per step as in
   a run (pause, load, prefix-cache reset, resume).
 - pipeline, no sync: the same without weight swaps (the generator's own overhead alone).
-- two what-ifs (not the project's code path): the pipeline phase with vLLM's fixed 20 ms sleep taken out
-  of `pause_generation` (see `common.pause_without_sleep`), and with `SamplingParams(detokenize=False)`
-  (the generator only reads token ids; vLLM's output processor detokenizes every token by default).
+Both sides use the generator's sampling parameters, so on the built-in task (scored by token ids) neither
+detokenizes (`detokenize=False`).
 Two workloads share the engine: the default one (5 new tokens per completion, as `python train.py`) and a
 long one (`--long-tokens`, 40 by default), where a step's generation lasts longer, so the fixed part of a
 swap weighs less, but each swap preempts longer in-flight completions, which are re-prefilled under the new
@@ -23,7 +22,6 @@ each pipeline phase against the bare phase of its own round (goal >= 0.90).
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -32,11 +30,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-PHASES = ("bare", "pipeline", "pipeline_nosync", "pipeline_nosleep", "pipeline_nodetok")
+PHASES = ("bare", "pipeline", "pipeline_nosync")
 LABELS = {"bare": "bare vLLM", "pipeline": "pipeline (weight swap every step)",
-          "pipeline_nosync": "pipeline, no weight swaps",
-          "pipeline_nosleep": "what-if: swaps without vLLM's 20 ms pause sleep",
-          "pipeline_nodetok": "what-if: pipeline with detokenize=False"}
+          "pipeline_nosync": "pipeline, no weight swaps"}
 
 
 def window_rate(step_end: list[float], tokens: list[int], warmup: int) -> dict:
@@ -60,7 +56,7 @@ def measure(model_path: str, plan: list[dict], rounds: int, seed: int) -> dict:
 
     cfg = common.default_config(model=model_path, seed=seed)
     ctx = mp.get_context("spawn")
-    base = common.generator_settings(cfg, model_path, max_lag=10**6)  # the stand-in never lags
+    base = common.run_ahead_settings(cfg, model_path)  # the stand-in trainer never lags
     builder = Generator(base, train.allocate_shared_weights(model_path), ctx.Queue(), train.make_control(ctx))
     t = time.perf_counter()
     engine = builder.build_engine()
@@ -71,9 +67,8 @@ def measure(model_path: str, plan: list[dict], rounds: int, seed: int) -> dict:
     async def bare(tag: str, settings, steps: int) -> dict:
         from transformers import AutoTokenizer
 
-        sampler = Generator(settings, None, None, None)  # only for its sampling_params
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
-        task = rollout.make_task(settings, tokenizer) if hasattr(rollout, "make_task") else rollout.CopyTask(tokenizer)
+        sampler = Generator(settings, None, None, None)  # only for its sampling_params (they ask its task)
+        task = sampler.task = rollout.make_task(settings, AutoTokenizer.from_pretrained(model_path))
         slots = asyncio.Semaphore(pps)  # as many groups in flight as the generator allows
         n_groups = steps * pps
         done, toks = [], []
@@ -100,22 +95,13 @@ def measure(model_path: str, plan: list[dict], rounds: int, seed: int) -> dict:
         per_step = [sum(toks[k * pps:(k + 1) * pps]) for k in range(steps)]
         return {"step_end_s": ends, "tokens": per_step}
 
-    def pipeline(settings, steps: int, publish: bool, detokenize: bool = True) -> dict:
+    def pipeline(settings, steps: int, publish: bool) -> dict:
         shared = train.allocate_shared_weights(model_path)
         queue = ctx.Queue(maxsize=cfg.queue_size)
         queue.cancel_join_thread()  # leftovers in the queue must not hold this process at exit
         control = train.make_control(ctx)
         gen = Generator(settings, shared, queue, control)
         gen.engine = engine
-        if not detokenize:  # what-if: the generator never reads the text, only token ids
-            project_params = gen.sampling_params
-
-            def sampling_params(group_id):
-                params = project_params(group_id)
-                params.detokenize = False
-                return params
-
-            gen.sampling_params = sampling_params
         results, armed = ctx.Queue(), ctx.Event()
         proc = ctx.Process(target=common.stand_in_entry, args=(
             results, queue, control, shared, model_path, steps, pps, publish, False, 120.0, armed))
@@ -143,14 +129,6 @@ def measure(model_path: str, plan: list[dict], rounds: int, seed: int) -> dict:
                 for phase in w["phases"][k:] + w["phases"][:k]:
                     if phase == "bare":
                         res = loop.run_until_complete(bare(f"bare-{w['name']}-{r}", settings, w["steps"]))
-                    elif phase == "pipeline_nodetok":
-                        res = pipeline(settings, w["steps"], publish=True, detokenize=False)
-                    elif phase == "pipeline_nosleep":
-                        undo = common.pause_without_sleep(engine)
-                        try:
-                            res = pipeline(settings, w["steps"], publish=True)
-                        finally:
-                            undo()
                     else:
                         res = pipeline(settings, w["steps"], publish=(phase == "pipeline"))
                     rate = window_rate(res["step_end_s"], res["tokens"], w["warmup"])
@@ -199,40 +177,33 @@ def summarize(runs: dict) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    common.add_argument_out(p)
+    p = common.parser(__doc__)
     p.add_argument("--steps", type=int, default=25, help="steps' worth of groups per phase (default workload)")
     p.add_argument("--warmup", type=int, default=5, help="first steps of each phase left out (default workload)")
     p.add_argument("--long-tokens", type=int, default=40, help="new tokens per completion, long workload (0: skip)")
     p.add_argument("--long-steps", type=int, default=10, help="steps per phase, long workload")
     p.add_argument("--rounds", type=int, default=3, help="rounds of all phases")
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
+    args = common.parse_args(p, argv)
     cfg = common.default_config()
     plan = [{"name": "default", "max_new_tokens": cfg.max_new_tokens, "steps": args.steps, "warmup": args.warmup,
              "phases": list(PHASES)}]
     if args.long_tokens:
         plan.append({"name": "long", "max_new_tokens": args.long_tokens, "steps": args.long_steps, "warmup": 2,
-                     "phases": ["bare", "pipeline", "pipeline_nosync"]})
-    info = common.machine_info()
-    start = time.perf_counter()
-    with common.LoadMonitor() as mon, common.Scratch(args.work, "generator") as work:
-        model = common.build_model(work / "init_model", seed=args.seed)
+                     "phases": list(PHASES)})
+    with common.Bench("generator", args) as bench:
+        model = common.build_model(bench.work / "init_model", seed=args.seed)
         res = common.in_child(measure, model, plan, args.rounds, args.seed, timeout_s=900,
                               what="generator benchmark")
-    load = mon.summary()
     workloads = {w["name"]: {**{k: v for k, v in w.items() if k != "name"}, **summarize(res["runs"][w["name"]])}
                  for w in plan}
     d = workloads["default"]
-    data = {"benchmark": "generator", "machine": info, "load": load, "wall_s": time.perf_counter() - start,
-            "settings": {"rounds": args.rounds, "seed": args.seed, "generator_threads": res["threads"],
+    data = {"settings": {"rounds": args.rounds, "seed": args.seed, "generator_threads": res["threads"],
                          "workload": f"default task and tiny model; {cfg.prompts_per_step} prompts x "
                                      f"{cfg.group_size} completions in flight"},
-            "ratio": d["ratio"], "ratio_nosync": d["ratio_nosync"], "ratio_nosleep": d.get("ratio_nosleep"),
+            "ratio": d["ratio"], "ratio_nosync": d["ratio_nosync"],
             "bare_tokens_per_s": d["bare_tokens_per_s"], "pipeline_tokens_per_s": d["pipeline_tokens_per_s"],
             "workloads": workloads, "engine_start_s": res["engine_start_s"], "runs": res["runs"]}
-    path = common.write_json(args.out, "generator", data)
-    plot(data, Path(args.out) / "generator.png")
+    path = bench.save(data, plot)
     print()
     rows = []
     for w in plan:
@@ -249,20 +220,17 @@ def main(argv=None) -> int:
             print(f"{w['name']}: a weight swap stalls the engine {s['sync_ms_median']:.0f} ms (median; parts: "
                   + ", ".join(f"{k[:-3]} {v:.1f}" for k, v in s["sync_parts_median"].items())
                   + f" ms) per {s['pipeline_step_ms']:.0f} ms step ({s['bare_step_ms']:.0f} ms bare)")
-    print(f"machine: {common.machine_line(info)}; other processes used {load['foreign_cores_mean']} cores on "
-          f"average. Wrote {path}")
+    print(bench.closing_line(path))
     return 0
 
 
 def plot(data: dict, path: Path) -> None:
     plt = common.plt()
     names = list(data["workloads"])
-    fig, axes = plt.subplots(1, len(names), figsize=(12, 4.6), squeeze=False,
+    fig, axes = plt.subplots(1, len(names), figsize=(9, 4.2), squeeze=False,
                              gridspec_kw={"width_ratios": [len(data["workloads"][n]["phases"]) for n in names]})
-    colors = {"bare": "#999999", "pipeline": "#1f77b4", "pipeline_nosync": "#aec7e8", "pipeline_nosleep": "#ffbb78",
-              "pipeline_nodetok": "#ffbb78"}
-    short = {"bare": "bare vLLM", "pipeline": "pipeline\n(swap every\nstep)", "pipeline_nosync": "pipeline\n(no swaps)",
-             "pipeline_nosleep": "what-if:\nno 20 ms\npause sleep", "pipeline_nodetok": "what-if:\ndetokenize\n=False"}
+    colors = {"bare": "#999999", "pipeline": "#1f77b4", "pipeline_nosync": "#aec7e8"}
+    short = {"bare": "bare vLLM", "pipeline": "pipeline\n(swap every\nstep)", "pipeline_nosync": "pipeline\n(no swaps)"}
     for ax, name in zip(axes[0], names):
         w = data["workloads"][name]
         phases = w["phases"]
@@ -277,10 +245,7 @@ def plot(data: dict, path: Path) -> None:
         ax.set_ylabel("generated tokens / s (dots: rounds)")
         ax.set_title(f"{name}: {w['max_new_tokens']} new tokens; pipeline / bare = {w['ratio']:.2f} (goal 0.90)",
                      fontsize=9)
-    fig.suptitle(f"generator overhead: {common.machine_line(data['machine'])}", fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    common.save_figure(fig, path, data, "generator overhead")
 
 
 if __name__ == "__main__":

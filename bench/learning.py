@@ -10,47 +10,32 @@ reward curves, the time and the step at which the reward (mean over a 10-step wi
 """
 from __future__ import annotations
 
-import argparse
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+import plots  # noqa: E402  (the project's own, on sys.path through common)
 
 THRESHOLDS = (0.5, 0.8, 0.9)
 SMOOTH = 10
 
 
-def smooth(xs: list[float], k: int = SMOOTH) -> list[float]:
-    out, acc = [], 0.0
-    for i, x in enumerate(xs):
-        acc += x
-        if i >= k:
-            acc -= xs[i - k]
-        out.append(acc / min(i + 1, k))
-    return out
-
-
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    common.add_argument_out(p)
+    p = common.parser(__doc__)
     p.add_argument("--steps", type=int, default=300, help="optimizer steps per run")
     p.add_argument("--async-lag", type=int, default=4, help="--max-lag of the asynchronous run")
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
+    args = common.parse_args(p, argv)
     modes = (("sync", 0), (f"lag{args.async_lag}", args.async_lag))
-    info = common.machine_info()
-    start = time.perf_counter()
     runs = {}
-    with common.LoadMonitor() as mon, common.Scratch(args.work, "learning") as work:
-        model = common.build_model(work / "init_model", seed=args.seed)
+    with common.Bench("learning", args) as bench:
+        model = common.build_model(bench.work / "init_model", seed=args.seed)
         for mode, lag in modes:
-            run = common.run_train_cli(work / mode, ["--steps", str(args.steps), "--max-lag", str(lag),
-                                                     "--model", model, "--seed", str(args.seed)])
+            run = common.run_train_cli(bench.work / mode, ["--steps", str(args.steps), "--max-lag", str(lag),
+                                                           "--model", model, "--seed", str(args.seed)])
             rows = run["rows"]
             reward = [r["reward"] for r in rows]
-            sm = smooth(reward)
+            sm = plots.smooth(reward, SMOOTH)
             reach = {}
             for th in THRESHOLDS:
                 i = next((i for i, v in enumerate(sm) if i >= SMOOTH - 1 and v >= th), None)
@@ -69,19 +54,16 @@ def main(argv=None) -> int:
             print(f"[learning] {mode}: {len(rows)} steps in {rows[-1]['wall_s']:.0f} s "
                   f"({run['process_s']:.0f} s with start-up), reward {s.get('reward_first10'):.3f} -> "
                   f"{s.get('reward_last20'):.3f}", flush=True)
-    load = mon.summary()
     sync, asyn = runs["sync"], runs[modes[1][0]]
     speed = {}
     for th in THRESHOLDS:
         a, b = sync["reach"][str(th)]["wall_s"], asyn["reach"][str(th)]["wall_s"]
         speed[str(th)] = a / b if a and b else None
-    data = {"benchmark": "learning", "machine": info, "load": load, "wall_s": time.perf_counter() - start,
-            "settings": {"steps": args.steps, "seed": args.seed, "smooth": SMOOTH,
+    data = {"settings": {"steps": args.steps, "seed": args.seed, "smooth": SMOOTH,
                          "workload": "default task (copy 3 letters), tiny model, default flags except --max-lag"},
             "modes": [m for m, _ in modes], "runs": runs, "time_to_reward_speedup": speed,
             "wall_speedup": sync["wall_s"] / asyn["wall_s"]}
-    path = common.write_json(args.out, "learning", data)
-    plot(data, Path(args.out) / "learning.png")
+    path = bench.save(data, plot)
     print()
     hdr = ["mode", "steps", "wall s", "steps/s", "reward first 10%", "reward last 20%", f"last {SMOOTH} steps"]
     for th in THRESHOLDS:
@@ -96,8 +78,7 @@ def main(argv=None) -> int:
     print(common.table(hdr, table_rows))
     print("time-to-reward speedup (sync / async): " + ", ".join(
         f"{th}: {speed[str(th)]:.2f}x" if speed[str(th)] else f"{th}: not reached" for th in THRESHOLDS))
-    print(f"machine: {common.machine_line(info)}; other processes used {load['foreign_cores_mean']} cores on "
-          f"average. Wrote {path}")
+    print(bench.closing_line(path))
     return 0
 
 
@@ -111,7 +92,7 @@ def plot(data: dict, path: Path) -> None:
         label = f"{m} (--max-lag {data['runs'][m]['max_lag']})"
         for ax, x in ((ax1, c["wall_s"]), (ax2, c["step"])):
             ax.plot(x, c["reward"], color=color, alpha=0.2, lw=0.8)
-            ax.plot(x, smooth(c["reward"]), color=color, lw=2, label=label)
+            ax.plot(x, plots.smooth(c["reward"], SMOOTH), color=color, lw=2, label=label)
     for th in (0.9,):
         for ax in (ax1, ax2):
             ax.axhline(th, color="k", ls=":", lw=0.8)
@@ -122,10 +103,7 @@ def plot(data: dict, path: Path) -> None:
     ax2.set_title("reward vs steps")
     ax1.legend(fontsize=8, loc="lower right")
     ax1.set_ylim(0, 1.02)
-    fig.suptitle(f"learning, async vs sync: {common.machine_line(data['machine'])}", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    common.save_figure(fig, path, data, "learning, async vs sync")
 
 
 if __name__ == "__main__":

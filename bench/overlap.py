@@ -24,7 +24,6 @@ t_gen and t_train read off the sync run itself (the trainer's wait and train tim
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -75,23 +74,19 @@ def measure(args, work: Path, model: str, rep: int) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    common.add_argument_out(p)
+    p = common.parser(__doc__)
     p.add_argument("--steps", type=int, default=40, help="optimizer steps per run")
     p.add_argument("--warmup", type=int, default=5, help="first steps left out of every rate")
     p.add_argument("--repeats", type=int, default=1, help="repeat the whole set; medians are reported")
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
+    args = common.parse_args(p, argv)
     if args.steps <= args.warmup + 2:
         p.error("--steps must exceed --warmup by at least 3")
-    info = common.machine_info()
-    start = time.perf_counter()
     reps = []
-    with common.LoadMonitor() as mon, common.Scratch(args.work, "overlap") as work:
-        model = common.build_model(work / "init_model", seed=args.seed)
+    with common.Bench("overlap", args) as bench:
+        model = common.build_model(bench.work / "init_model", seed=args.seed)
         for rep in range(args.repeats):
-            reps.append(measure(args, work, model, rep))
-    load = mon.summary()
+            reps.append(measure(args, bench.work, model, rep))
+    info = bench.info
 
     def med(key, field):
         vals = [r[key][field] for r in reps if r[key].get(field) is not None]
@@ -108,8 +103,7 @@ def main(argv=None) -> int:
     cpu_gen, cpu_train = t_gen * gen_cores, t_train * train_cores
     cpu_bound_rate = min(info["cores"] / (cpu_gen + cpu_train), 1 / max(t_gen, t_train))
     cpu_bound = cpu_bound_rate * (t_gen + t_train)
-    data = {"benchmark": "overlap", "machine": info, "load": load, "wall_s": time.perf_counter() - start,
-            "settings": {"steps": args.steps, "warmup": args.warmup, "repeats": args.repeats, "seed": args.seed,
+    data = {"settings": {"steps": args.steps, "warmup": args.warmup, "repeats": args.repeats, "seed": args.seed,
                          "workload": "default task and tiny model; 32 prompts x 8 completions, 5 new tokens"},
             "t_gen_s": t_gen, "t_train_s": t_train, "bound": bound,
             "gen_alone_cores": gen_cores, "train_alone_cores": train_cores,
@@ -136,8 +130,7 @@ def main(argv=None) -> int:
             "sync_ms_median": med(mode, "sync_ms_median"), "lag_mean": med(mode, "lag_mean"),
             "cores_by_role": reps[-1][mode]["cores_by_role"],
         }
-    path = common.write_json(args.out, "overlap", data)
-    plot(data, Path(args.out) / "overlap.png")
+    path = bench.save(data, plot)
 
     rows = [[m, data[m]["max_lag"], data[m]["steps_per_s"], data[m]["speedup"], data[m]["share_of_bound"],
              data[m]["share_of_cpu_bound"],
@@ -164,8 +157,7 @@ def main(argv=None) -> int:
         print()
         print(common.table(["run"] + roles, cpu_rows, title="cores used by each process over the steady window "
                                                           f"(of {info['cores']}):"))
-    print(f"machine: {common.machine_line(info)}; other processes used {load['foreign_cores_mean']} cores on "
-          f"average. Wrote {path}")
+    print(bench.closing_line(path))
     return 0
 
 
@@ -197,10 +189,7 @@ def plot(data: dict, path: Path) -> None:
     ax2.set_ylabel("fraction of wall time")
     ax2.set_title("who waits")
     ax2.legend(fontsize=7)
-    fig.suptitle(f"overlap: {common.machine_line(data['machine'])}", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    common.save_figure(fig, path, data, "overlap")
 
 
 if __name__ == "__main__":

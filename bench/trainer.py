@@ -17,7 +17,6 @@ Rates are completion tokens/s over the steps after `--warmup`; ratio = project /
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -81,30 +80,22 @@ def rate(step_s: list[float], tokens: list[int], warmup: int) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    common.add_argument_out(p)
+    p = common.parser(__doc__, sizes=SIZES)
     p.add_argument("--steps", type=int, default=25, help="batches (optimizer steps) per measurement")
     p.add_argument("--warmup", type=int, default=5, help="first steps of each measurement left out")
-    p.add_argument("--sizes", default=",".join(SIZES), help=f"comma-separated, from {', '.join(SIZES)}")
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
-    sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
-    for s in sizes:
-        if s not in SIZES:
-            p.error(f"unknown size {s}; choose from {', '.join(SIZES)}")
-    info = common.machine_info()
-    start = time.perf_counter()
+    args = common.parse_args(p, argv, sizes=SIZES)
     rows = []
-    with common.LoadMonitor() as mon, common.Scratch(args.work, "trainer") as work:
+    with common.Bench("trainer", args) as bench:
         import train
 
+        work = bench.work
         base = common.build_model(work / "model_tiny", seed=args.seed)
         cfg = common.default_config(model=base, seed=args.seed, steps=args.steps)
         _, threads = train.split_threads(cfg)
         gen = common.generate_alone(cfg, base, steps=args.steps)
         groups = gen["groups"]
         print(f"[trainer] recorded {len(groups)} groups from the generator", flush=True)
-        for name in sizes:
+        for name in args.sizes:
             model = base if SIZES[name] is None else common.build_model(work / f"model_{name}", seed=args.seed,
                                                                          **SIZES[name])
             run_cfg = common.default_config(model=model, seed=args.seed, steps=args.steps)
@@ -131,14 +122,11 @@ def main(argv=None) -> int:
             print(f"[trainer] {name}: bare {bare_rate:.0f} tok/s ({bare[0]['tokens_per_s']:.0f}, "
                   f"{bare[1]['tokens_per_s']:.0f}), project {proj['tokens_per_s']:.0f} tok/s, "
                   f"ratio {row['ratio']:.2f}", flush=True)
-    load = mon.summary()
-    data = {"benchmark": "trainer", "machine": info, "load": load, "wall_s": time.perf_counter() - start,
-            "settings": {"steps": args.steps, "warmup": args.warmup, "sizes": sizes, "seed": args.seed,
+    data = {"settings": {"steps": args.steps, "warmup": args.warmup, "sizes": args.sizes, "seed": args.seed,
                          "threads": threads, "train_ranks": 1,
                          "workload": "default task; 32 prompts x 8 completions per batch, recorded from the generator"},
             "ratio": rows[0]["ratio"], "rows": rows}
-    path = common.write_json(args.out, "trainer", data)
-    plot(data, Path(args.out) / "trainer.png")
+    path = bench.save(data, plot)
     print()
     print(common.table(["model", "params", "bare tok/s", "project tok/s", "ratio", "bare ms/step",
                         "project ms/step", "of which: take from queue", "publish"],
@@ -146,8 +134,7 @@ def main(argv=None) -> int:
                          r["ratio"], statistics.fmean(x["step_ms_mean"] for x in r["bare"]),
                          r["project"]["step_ms_mean"], r["project"]["take_ms_mean"], r["project"]["publish_ms_mean"]]
                         for r in rows]))
-    print(f"machine: {common.machine_line(info)}; other processes used {load['foreign_cores_mean']} cores on "
-          f"average. Wrote {path}")
+    print(bench.closing_line(path))
     return 0
 
 
@@ -165,10 +152,7 @@ def plot(data: dict, path: Path) -> None:
     ax.set_ylabel("trained completion tokens / s")
     ax.set_title("trainer overhead (goal: ratio >= 0.90)")
     ax.legend(fontsize=8)
-    fig.suptitle(common.machine_line(data["machine"]), fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    common.save_figure(fig, path, data, "trainer")
 
 
 if __name__ == "__main__":

@@ -14,12 +14,12 @@ For models of about 1M, 10M, 100M and 300M parameters (Qwen2 built from configs 
   busy-poll (they do for 1 s after each message, and would compete with the trainer's copy for the cores).
 - memcpy: a plain copy of the same bytes (one flat tensor into another), in the same process, same threads.
 total = copy into the buffer + publish-to-serving; ratio = total / memcpy (goal: <= 2).
-Then, on the idle engine, the load is split further inside the vLLM worker (snapshot copy, `reload_weights`,
-re-tie of the head) to show where the time goes.
+Then, on the idle engine, the load is split further inside the vLLM worker (`reload_weights` straight from
+the shared buffer under the seqlock, then the re-tie of the head) to show where the time goes, and the
+engine's tensors are checked to share no memory with the buffer (the trainer's later writes cannot reach it).
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -34,22 +34,30 @@ SIZES = {"1M": (128, 4, 4), "10M": (256, 10, 4), "100M": (768, 11, 12), "300M": 
 
 def _profile_load_in_worker():
     """Returns a function to run inside vLLM's worker (through collective_rpc): the steps of
-    `WeightSyncWorker.load_shared_weights`, timed one by one."""
+    `WeightSyncWorker.load_shared_weights` (CPU path), timed one by one, and whether any of the engine's
+    tensors shares memory with the shared buffer (it must not: the trainer writes there)."""
 
     def profile(worker):
         import time as _t
 
+        import torch as _torch
+
         shared = worker._shared
         t0 = _t.perf_counter()
-        shared.read_snapshot(worker._snapshot)
+        version = shared.read_in_place(worker._reload_from)
         t1 = _t.perf_counter()
-        weights = [(slot.name, shared.view(slot, worker._snapshot)) for slot in shared.layout]
-        worker.model_runner.reload_weights(weights_iterator=weights)
-        t2 = _t.perf_counter()
         worker._refresh_tied_lm_head()
-        t3 = _t.perf_counter()
-        return {"snapshot_copy_ms": (t1 - t0) * 1e3, "reload_weights_ms": (t2 - t1) * 1e3,
-                "retie_head_ms": (t3 - t2) * 1e3}
+        t2 = _t.perf_counter()
+        start = shared.buffer.untyped_storage().data_ptr()
+        end = start + shared.buffer.untyped_storage().nbytes()
+        model = worker.model_runner.get_model()
+        tensors = list(model.parameters()) + list(model.buffers())
+        for module in model.modules():  # also what the CPU kernels keep as plain attributes (packed weights)
+            tensors += [v for v in vars(module).values() if isinstance(v, _torch.Tensor)]
+        aliases = sum(start <= t.untyped_storage().data_ptr() < end for t in tensors)
+        return {"reload_in_place_ms": (t1 - t0) * 1e3, "retie_head_ms": (t2 - t1) * 1e3,
+                "torn": version is None, "engine_tensors_in_buffer": aliases, "engine_tensors": len(tensors),
+                "snapshot_allocated": worker._snapshot is not None}
 
     return profile
 
@@ -73,7 +81,7 @@ def measure_size(name: str, shape: tuple, work: str, syncs: int, seed: int, gap_
     path = common.build_model(Path(work) / f"model_{name}", seed=seed, hidden=hidden, layers=layers, heads=heads)
     build_s = time.perf_counter() - t_build
     cfg = common.default_config(model=path, max_lag=0, prompts_per_step=1, group_size=2, max_new_tokens=1)
-    _, train_threads = train.split_threads(cfg)
+    gen_threads, train_threads = train.split_threads(cfg)
     torch.set_num_threads(train_threads)
     init_file = tempfile.mktemp(prefix="asyncgrpo-bench-dist-")
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=0, world_size=1)
@@ -95,11 +103,11 @@ def measure_size(name: str, shape: tuple, work: str, syncs: int, seed: int, gap_
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     control = train.make_control(ctx)
-    gen = Generator(common.generator_settings(cfg, path, max_lag=0), shared, queue, control)
+    gen = Generator(train.generator_settings(cfg, path, gen_threads), shared, queue, control)
     t_engine = time.perf_counter()
     engine = gen.build_engine()
     engine_s = time.perf_counter() - t_engine
-    publish_ms, wall_ms, nosleep_copy_ms = [], [], []
+    publish_ms, wall_ms = [], []
 
     async def scenario():
         task = asyncio.create_task(gen.run())
@@ -119,17 +127,6 @@ def measure_size(name: str, shape: tuple, work: str, syncs: int, seed: int, gap_
                 await asyncio.sleep(0.0005)
             wall_ms.append((time.perf_counter() - t1) * 1e3)
             publish_ms.append((t1 - t0) * 1e3)
-        # what-if (not the project's code path): the same syncs without vLLM's 20 ms sleep in pause_generation
-        undo = common.pause_without_sleep(engine)
-        for version in range(syncs + 1, 2 * syncs + 1):
-            await asyncio.sleep(gap_s)
-            t0 = time.perf_counter()
-            train.publish(model, shared, version, 0, 1)
-            t1 = time.perf_counter()
-            while gen.loaded_version < version and not task.done():
-                await asyncio.sleep(0.0005)
-            nosleep_copy_ms.append((t1 - t0) * 1e3)
-        undo()
         await asyncio.sleep(gap_s)
         profile = [(await engine.collective_rpc(_profile_load_in_worker()))[0] for _ in range(3)]
         control.stop.set()
@@ -152,9 +149,8 @@ def measure_size(name: str, shape: tuple, work: str, syncs: int, seed: int, gap_
             os.unlink(init_file)
     sync_ms = [ms for g in groups for ms in g.gen_stats.get("sync_ms", [])]
     parts = [p for g in groups for p in g.gen_stats.get("sync_parts", [])]
-    if len(sync_ms) < 2 * syncs:
-        raise RuntimeError(f"{len(sync_ms)} syncs reported by the generator, expected {2 * syncs}")
-    nosleep_ms, nosleep_parts = sync_ms[syncs + 1:], parts[syncs + 1:]
+    if len(sync_ms) < syncs:
+        raise RuntimeError(f"{len(sync_ms)} syncs reported by the generator, expected {syncs}")
     sync_ms, parts = sync_ms[:syncs], parts[:syncs]
     # the first load also warms up paths in the engine: report it, leave it out of the medians
     first = {"sync_ms": sync_ms[0], **parts[0]}
@@ -163,68 +159,54 @@ def measure_size(name: str, shape: tuple, work: str, syncs: int, seed: int, gap_
     part = {k: med(p[k] for p in parts) for k in parts[0]}
     copy_ms, serve_ms = med(pub), med(sync_ms)
     total = copy_ms + serve_ms
-    prof = {k: med(p[k] for p in profile) for k in profile[0]}
+    prof = {k: med(p[k] for p in profile) for k in ("reload_in_place_ms", "retie_head_ms")}
+    prof.update({k: max(p[k] for p in profile) for k in ("torn", "engine_tensors_in_buffer", "snapshot_allocated")})
+    prof["engine_tensors"] = profile[0]["engine_tensors"]
     return {"name": name, "hidden": hidden, "layers": layers, "heads": heads, "params": params, "bytes": nbytes,
             "mb": nbytes / 2**20, "gather_ms": 0.0, "copy_ms": copy_ms, "publish_to_serving_ms": serve_ms,
             **part, "detect_ms": med(ms - sum(p.values()) for ms, p in zip(sync_ms, parts)), "sync_ms": total,
             "memcpy_ms": med(memcpy),
             "ratio": total / med(memcpy), "samples": len(sync_ms), "first_sync": first,
-            "what_if_no_pause_sleep": {
-                "sync_ms": med(nosleep_copy_ms[1:]) + med(nosleep_ms),
-                "pause_ms": med(p["pause_ms"] for p in nosleep_parts),
-                "ratio": (med(nosleep_copy_ms[1:]) + med(nosleep_ms)) / med(memcpy)},
             "load_profile": prof, "build_s": build_s, "engine_start_s": engine_s,
             "all_sync_ms": sync_ms, "all_copy_ms": pub}
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    common.add_argument_out(p)
-    p.add_argument("--sizes", default="1M,10M,100M,300M", help=f"comma-separated, from {', '.join(SIZES)}")
+    p = common.parser(__doc__, sizes=SIZES)
     p.add_argument("--syncs", type=int, default=6, help="weight updates per size (the first is left out)")
     p.add_argument("--gap-s", type=float, default=1.2, help="idle time before each update (vLLM's processes "
                                                             "busy-poll for 1 s after each message)")
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
-    sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
-    for s in sizes:
-        if s not in SIZES:
-            p.error(f"unknown size {s}; choose from {', '.join(SIZES)}")
-    info = common.machine_info()
-    start = time.perf_counter()
+    args = common.parse_args(p, argv, sizes=SIZES)
     rows = []
-    with common.LoadMonitor() as mon, common.Scratch(args.work, "weight-sync") as work:
-        for name in sizes:
+    with common.Bench("weight_sync", args) as bench:
+        for name in args.sizes:
             t = time.perf_counter()
-            row = common.in_child(measure_size, name, SIZES[name], str(work), args.syncs + 1, args.seed, args.gap_s,
+            row = common.in_child(measure_size, name, SIZES[name], str(bench.work), args.syncs + 1, args.seed,
+                                  args.gap_s,
                                   timeout_s=600, what=f"weight sync {name}")
             row["process_s"] = time.perf_counter() - t
             rows.append(row)
             print(f"[weight_sync] {name}: {row['params'] / 1e6:.1f}M params, total {row['sync_ms']:.1f} ms "
                   f"(copy {row['copy_ms']:.1f} + publish->serving {row['publish_to_serving_ms']:.1f}), memcpy "
                   f"{row['memcpy_ms']:.1f} ms, ratio {row['ratio']:.1f} ({row['process_s']:.0f} s)", flush=True)
-    load = mon.summary()
-    data = {"benchmark": "weight_sync", "machine": info, "load": load, "wall_s": time.perf_counter() - start,
-            "settings": {"sizes": sizes, "syncs": args.syncs, "dtype": "float32", "train_ranks": 1,
+    data = {"settings": {"sizes": args.sizes, "syncs": args.syncs, "dtype": "float32", "train_ranks": 1,
                          "engine": f"idle for {args.gap_s} s when a version lands", "gap_s": args.gap_s},
             "rows": rows}
-    path = common.write_json(args.out, "weight_sync", data)
-    plot(data, Path(args.out) / "weight_sync.png")
+    path = bench.save(data, plot)
     print()
     print(common.table(
         ["size", "params", "MB", "copy in", "pause", "load", "reset", "resume", "detect", "total ms", "memcpy ms",
-         "ratio", "what-if: no pause sleep, total ms (ratio)"],
+         "ratio"],
         [[r["name"], f"{r['params'] / 1e6:.1f}M", r["mb"], r["copy_ms"], r["pause_ms"], r["load_ms"], r["reset_ms"],
-          r["resume_ms"], r["detect_ms"], r["sync_ms"], r["memcpy_ms"], r["ratio"],
-          f"{r['what_if_no_pause_sleep']['sync_ms']:.1f} ({r['what_if_no_pause_sleep']['ratio']:.1f})"]
-         for r in rows]))
+          r["resume_ms"], r["detect_ms"], r["sync_ms"], r["memcpy_ms"], r["ratio"]] for r in rows]))
     print()
-    print(common.table(["size", "snapshot copy ms", "reload_weights ms", "re-tie head ms", "memcpy ms"],
-                       [[r["name"], r["load_profile"]["snapshot_copy_ms"], r["load_profile"]["reload_weights_ms"],
-                         r["load_profile"]["retie_head_ms"], r["memcpy_ms"]] for r in rows],
+    print(common.table(["size", "reload_weights from the buffer ms", "re-tie head ms", "memcpy ms",
+                        "engine tensors in the buffer"],
+                       [[r["name"], r["load_profile"]["reload_in_place_ms"], r["load_profile"]["retie_head_ms"],
+                         r["memcpy_ms"], f"{r['load_profile']['engine_tensors_in_buffer']} of "
+                                         f"{r['load_profile']['engine_tensors']}"] for r in rows],
                        title="inside the load (idle engine, timed in the vLLM worker):"))
-    print(f"machine: {common.machine_line(info)}; other processes used {load['foreign_cores_mean']} cores on "
-          f"average. Wrote {path}")
+    print(bench.closing_line(path))
     return 0
 
 
@@ -232,7 +214,7 @@ def plot(data: dict, path: Path) -> None:
     plt = common.plt()
     rows = data["rows"]
     names = [f"{r['name']} ({r['mb']:.0f} MB)" for r in rows]
-    parts = [("copy_ms", "copy into buffer (trainer)"), ("pause_ms", "pause (20 ms of it: vLLM's sleep)"),
+    parts = [("copy_ms", "copy into buffer (trainer)"), ("pause_ms", "pause"),
              ("load_ms", "load in engine (reload_weights)"), ("reset_ms", "prefix-cache reset"),
              ("resume_ms", "resume"), ("detect_ms", "notice the new version")]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
@@ -248,8 +230,6 @@ def plot(data: dict, path: Path) -> None:
     ax1.legend(fontsize=7, loc="lower right")
     x = [r["params"] for r in rows]
     ax2.plot(x, [r["sync_ms"] for r in rows], "o-", label="publish -> serving (measured)")
-    ax2.plot(x, [r["what_if_no_pause_sleep"]["sync_ms"] for r in rows], "s--", alpha=0.7,
-             label="what-if: without vLLM's 20 ms pause sleep")
     ax2.plot(x, [r["memcpy_ms"] for r in rows], "k^-", label="memcpy of the same bytes")
     ax2.plot(x, [2 * r["memcpy_ms"] for r in rows], "r:", label="goal: 2 x memcpy")
     for r in rows:
@@ -261,10 +241,7 @@ def plot(data: dict, path: Path) -> None:
     ax2.set_ylabel("ms (log)")
     ax2.set_title("total against memcpy (labels: ratio)")
     ax2.legend(fontsize=7)
-    fig.suptitle(f"weight sync: {common.machine_line(data['machine'])}", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    common.save_figure(fig, path, data, "weight sync")
 
 
 if __name__ == "__main__":

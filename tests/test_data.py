@@ -253,9 +253,12 @@ def test_saved_model_directory_and_dataset_task(ascii_model, tokenizer, tmp_path
     # a context too small for any prompt is reported, not a hang
     with pytest.raises(RuntimeError, match="too long"):
         rollout.make_task(settings, tokenizer, max_len=40).sample(random.Random(0))
-    assert isinstance(rollout.make_task(rollout.GeneratorSettings(
+    copy_task = rollout.make_task(rollout.GeneratorSettings(
         model=ascii_model, seed=0, group_size=2, prompts_per_step=2, max_new_tokens=8, max_lag=1,
-        update_mode="inflight"), tokenizer), rollout.CopyTask)  # the default stays the copy task
+        update_mode="inflight"), tokenizer)
+    assert isinstance(copy_task, rollout.CopyTask)  # the default stays the copy task
+    # reward functions get texts (vLLM detokenizes); the copy task reads ids only (vLLM skips detokenizing)
+    assert task.needs_text and not copy_task.needs_text
 
 
 def test_a_chat_dataset_with_a_solution_column(ascii_model, tokenizer):

@@ -69,6 +69,32 @@ def test_seqlock_never_returns_a_torn_snapshot():
         thread.join()
 
 
+def test_read_in_place_repeats_a_torn_read_and_gives_up_after_its_tries():
+    """The in-place read the vLLM worker reloads from (CPU): a writer inside the read means read again;
+    a read that is always torn, or a writer that never leaves, gives None (the caller then snapshots)."""
+    shared = small_shared()
+    shared.publish({s.name: torch.full(s.shape, 1.0) for s in shared.layout}, version=1)
+    seen = []
+
+    def read_once_torn(buf):  # the trainer publishes v2 while the first read runs
+        seen.append(buf.sum().item())
+        if len(seen) == 1:
+            shared.publish({s.name: torch.full(s.shape, 2.0) for s in shared.layout}, version=2)
+
+    assert shared.read_in_place(read_once_torn) == 2
+    assert seen == [1.0 * shared.buffer.numel(), 2.0 * shared.buffer.numel()]
+
+    def always_torn(buf):
+        shared.begin_write()
+        shared.end_write(shared.version() + 1)
+
+    assert shared.read_in_place(always_torn, max_tries=3) is None
+    shared.begin_write()  # a writer that stays inside: never read
+    assert shared.read_in_place(lambda buf: seen.append("read"), max_waits=5) is None and seen[-1] != "read"
+    shared.end_write(9)
+    assert shared.read_in_place(lambda buf: None) == 9
+
+
 def _child_reads(data, result_queue):
     shared = sync.SharedWeights.from_bytes(data)
     out = torch.empty_like(shared.buffer)
@@ -156,3 +182,13 @@ def test_every_config_field_is_a_flag():
     assert (cfg.steps, cfg.max_lag, cfg.update_mode, cfg.eps_high, cfg.wandb, cfg.train_ranks) == \
         (7, 0, "drain", 0.28, "offline", 2)
     assert train.parse_args(["--eps-high", "none"]).eps_high is None
+
+
+def test_generator_settings_carry_the_config_and_the_resume_point():
+    """One builder for the generator's settings (train.run and the benchmarks both use it)."""
+    cfg = train.parse_args(["--max-lag", "3", "--top-k", "5", "--prompts-per-step", "4", "--group-size", "2",
+                            "--update-mode", "drain", "--timeout-s", "12"])
+    s = train.generator_settings(cfg, "some/model", gen_threads=3, start_step=5, start_version=4)
+    assert (s.model, s.max_lag, s.top_k, s.prompts_per_step, s.group_size, s.update_mode, s.threads) == \
+        ("some/model", 3, 5, 4, 2, "drain", 3)
+    assert (s.queue_timeout_s, s.initial_version, s.first_group_id, s.device) == (12, 4, 20, "cpu")
