@@ -5,9 +5,10 @@ Role
     generator process (rollout.py) and `--train-ranks` FSDP2 trainer processes (gloo on CPU), joins them
     with a bounded rollout queue (buffer.py) and a packed shared weight buffer (sync.py), and trains with
     a GRPO-family loss (losses.py) until `--steps` optimizer steps are done; metrics.py writes what a run
-    reports, checkpoint.py its checkpoints (`--save-every`, `--resume`). The parent process only
-    supervises: a child that raises, exits or is killed ends the whole run with a non-zero exit and the
-    child's traceback, and no process of the run is left behind.
+    reports, checkpoint.py its checkpoints (`--save-every`, `--resume`), lora.py the adapter of
+    `--lora-rank`. The parent process only supervises (processes.py): a child that raises, exits or is
+    killed ends the whole run with a non-zero exit and the child's traceback, and no process of the run is
+    left behind.
 
 Data contract
     - Every `Config` field is a `--flag` (underscores become dashes).
@@ -26,19 +27,18 @@ import argparse
 import dataclasses
 import json
 import math
-import multiprocessing.connection
 import os
-import signal
 import sys
 import tempfile
 import time
-import traceback
 import typing
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.multiprocessing as mp
+
+from processes import make_control, run_children, wait_for
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -181,62 +181,6 @@ def validate(cfg: Config) -> None:
     problems += devices.problems(cfg)  # --gen-devices/--train-devices: parse, GPUs exist, one rank per GPU
     if problems:
         raise SystemExit("error: " + "\nerror: ".join(problems))
-
-
-# ----------------------------------------------------------------------------------------------------
-# Cross-process plumbing
-# ----------------------------------------------------------------------------------------------------
-@dataclass
-class Control:
-    """Shared flags and counters (from the spawn context, so children can use them)."""
-    stop: object  # Event: everyone winds down
-    ready: object  # Event: the generator's engine is up
-    groups_dropped: object  # Value: groups the trainer rejected entirely (the generator replaces them)
-    loaded_version: object  # Value: the version the generator serves now
-    interrupted: object  # Event: a signal asked the run to stop (the trainer checkpoints)
-
-
-def make_control(ctx) -> Control:
-    return Control(ctx.Event(), ctx.Event(), ctx.Value("q", 0), ctx.Value("q", 0), ctx.Event())
-
-
-def child_entry(name, fn, args, errors, own_process_group):
-    """Run `fn(*args)` in a child; on any failure send the traceback to the parent and exit 1."""
-    if own_process_group:
-        os.setpgrp()  # the parent can kill this child and every process it starts (vLLM's EngineCore)
-    else:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides what Ctrl-C means
-    try:
-        fn(*args)
-    except BaseException:
-        errors.put((name, traceback.format_exc()))
-        errors.close()
-        errors.join_thread()  # the traceback must reach the parent before this process ends
-        sys.stderr.flush()
-        os._exit(1)
-
-
-def wait_for(event, stop, timeout_s, what) -> bool:
-    """True once `event` is set; False if `stop` is set first; TimeoutError after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while not event.wait(0.2):
-        if stop.is_set():
-            return False
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"waited {timeout_s:.0f} s for {what}")
-    return True
-
-
-def kill_tree(proc, own_group: bool):
-    if proc.pid is None:
-        return
-    try:
-        if own_group:
-            os.killpg(proc.pid, signal.SIGKILL)
-        elif proc.is_alive():
-            proc.kill()
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -701,51 +645,15 @@ def run(cfg: Config) -> int:
     control = make_control(ctx)
     settings = generator_settings(cfg, model_path, gen_threads, start_step, start_version, layout, lora_dir)
     init_file = tempfile.mktemp(prefix="asyncgrpo-dist-")
-    procs = {"generator": (ctx.Process(target=child_entry, name="generator", args=(
-        "generator", _generator_entry, (settings, shared, rollout_queue, control), errors, True)), True)}
+    children = {"generator": (_generator_entry, (settings, shared, rollout_queue, control), True)}
     for rank in range(cfg.train_ranks):
-        procs[f"trainer{rank}"] = (ctx.Process(target=child_entry, name=f"trainer{rank}", args=(
-            f"trainer{rank}", trainer_main,
-            (cfg, rank, cfg.train_ranks, model_path, shared, rollout_queue, control, init_file, resume_dir),
-            errors, False)),
-            False)
-    interrupted = []
-
-    def on_signal(signum, frame):
-        if interrupted:  # second Ctrl-C: stop now
-            raise KeyboardInterrupt
-        interrupted.append(signum)
-        print(f"\n{signal.Signals(signum).name}: stopping after the current step and writing a checkpoint "
-              "(press Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
-        control.interrupted.set()
-        control.stop.set()
-
-    old_handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    code = 0
+        children[f"trainer{rank}"] = (trainer_main, (cfg, rank, cfg.train_ranks, model_path, shared, rollout_queue,
+                                                     control, init_file, resume_dir), False)
     try:
-        for proc, _ in procs.values():
-            proc.start()
-        code = supervise(procs, errors, control, cfg)
-    except KeyboardInterrupt:
-        code = 130
+        return run_children(ctx, children, errors, control)
     finally:
-        control.stop.set()
-        # Trainers first: they hold what must be saved (a checkpoint on a stop). After a failure the
-        # generator has nothing to save and its engine may be dead: it gets no grace then.
-        generator, own_group = procs["generator"]
-        if code != 0:
-            kill_tree(generator, own_group)
-        deadline = time.monotonic() + 20
-        for name, (proc, own_group) in reversed(list(procs.items())):
-            proc.join(timeout=max(0.1, deadline - time.monotonic()))
-            kill_tree(proc, own_group)  # also reaps vLLM's EngineCore left in the generator's group
-        for s, h in old_handlers.items():
-            signal.signal(s, h)
         if os.path.exists(init_file):
             os.unlink(init_file)
-    if interrupted and code == 0:
-        code = 128 + interrupted[0]  # 130 for SIGINT, 143 for SIGTERM, as a shell reports them
-    return code
 
 
 def _generator_entry(settings, shared, rollout_queue, control):
@@ -753,43 +661,6 @@ def _generator_entry(settings, shared, rollout_queue, control):
 
     rollout_queue.cancel_join_thread()  # exiting must not wait for a full queue to drain
     generator_main(settings, shared, rollout_queue, control)
-
-
-def supervise(procs, errors, control, cfg) -> int:
-    """Wait until the trainers finish (0) or any child fails (1, with its traceback printed)."""
-    trainers = [p for name, (p, _) in procs.items() if name.startswith("trainer")]
-    while True:
-        sentinels = [p.sentinel for p, _ in procs.values() if p.exitcode is None]
-        multiprocessing.connection.wait(sentinels, timeout=1.0)
-        for name, (proc, _) in procs.items():
-            if proc.exitcode is not None and proc.exitcode != 0:
-                print(failure_report(name, proc.exitcode, errors), file=sys.stderr, flush=True)
-                return 1
-        if all(p.exitcode == 0 for p in trainers):
-            generator = procs["generator"][0]
-            generator.join(timeout=60)  # it stops on control.stop and shuts its engine down
-            if generator.exitcode not in (0, None):
-                print(failure_report("generator", generator.exitcode, errors), file=sys.stderr, flush=True)
-            return 0
-        if procs["generator"][0].exitcode == 0 and not control.stop.is_set():
-            print("error: the generator exited before the trainer finished", file=sys.stderr, flush=True)
-            return 1
-
-
-def failure_report(name, exitcode, errors) -> str:
-    reports = []
-    deadline = time.monotonic() + 2
-    while time.monotonic() < deadline:
-        try:
-            reports.append(errors.get(timeout=0.2))
-        except Exception:
-            if reports:
-                break
-    how = f"signal {signal.Signals(-exitcode).name}" if exitcode < 0 else f"exit code {exitcode}"
-    text = [f"error: {name} died ({how}); stopping the run"]
-    for who, tb in reports:
-        text.append(f"--- traceback from {who} ---\n{tb}")
-    return "\n".join(text)
 
 
 def main(argv=None) -> int:

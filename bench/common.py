@@ -605,6 +605,7 @@ def generate_alone(cfg, model_path: str, steps: int, publish: bool = True, keep_
     batches a run would train on) and, per step, when its last group arrived."""
     import torch.multiprocessing as mp
 
+    import processes
     import train
 
     ctx = mp.get_context("spawn")
@@ -613,7 +614,7 @@ def generate_alone(cfg, model_path: str, steps: int, publish: bool = True, keep_
     errors = ctx.Queue()
     control = train.make_control(ctx)
     settings = run_ahead_settings(cfg, model_path)
-    proc = ctx.Process(target=train.child_entry, name="generator", args=(
+    proc = ctx.Process(target=processes.child_entry, name="generator", args=(
         "generator", train._generator_entry, (settings, shared, queue, control), errors, True))
     t_spawn = time.perf_counter()
     proc.start()
@@ -629,7 +630,7 @@ def generate_alone(cfg, model_path: str, steps: int, publish: bool = True, keep_
         proc.join(timeout=60)
     finally:
         control.stop.set()
-        train.kill_tree(proc, True)
+        processes.kill_tree(proc, True)
     result["process_s"] = time.perf_counter() - t_spawn
     result["cores_by_role"] = cores_by_role(snaps, root_role="generator") if len(snaps) == 2 else None
     return result
@@ -672,6 +673,7 @@ def train_alone(cfg, model_path: str, groups: list, out_dir: Path, timeout_s: fl
     metrics rows (metrics.jsonl), and with `cpu_from_step`, (rows, cores the trainer used from that step on)."""
     import torch.multiprocessing as mp
 
+    import processes
     import train
 
     out_dir = Path(out_dir)
@@ -688,7 +690,7 @@ def train_alone(cfg, model_path: str, groups: list, out_dir: Path, timeout_s: fl
     control = train.make_control(ctx)
     control.ready.set()  # no engine to wait for
     init_file = tempfile.mktemp(prefix="asyncgrpo-bench-dist-")
-    proc = ctx.Process(target=train.child_entry, name="trainer0", args=(
+    proc = ctx.Process(target=processes.child_entry, name="trainer0", args=(
         "trainer0", train.trainer_main, (cfg, 0, 1, model_path, shared, queue, control, init_file), errors,
         False))
     proc.start()
@@ -700,11 +702,11 @@ def train_alone(cfg, model_path: str, groups: list, out_dir: Path, timeout_s: fl
         if proc.is_alive():
             raise TimeoutError(f"the trainer took more than {timeout_s:.0f} s")
         if proc.exitcode != 0:
-            raise RuntimeError(train.failure_report("trainer0", proc.exitcode, errors))
+            raise RuntimeError(processes.failure_report("trainer0", proc.exitcode, errors))
     finally:
         if cpu:
             cpu.stop()
-        train.kill_tree(proc, False)
+        processes.kill_tree(proc, False)
         if os.path.exists(init_file):
             os.unlink(init_file)
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]

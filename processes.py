@@ -1,0 +1,159 @@
+"""processes.py — the run's processes: start them, watch them, end them.
+
+Role
+    train.py decides what each child runs; this file owns how the run's processes live and die. Children
+    start from the spawn context. A child that raises sends its traceback to the parent and exits 1; the
+    parent then prints `error: NAME died (...)` with that traceback, kills the rest and returns 1, within
+    seconds: never a hang. Ctrl-C or SIGTERM ask the run to stop after the current step with a checkpoint
+    (exit 130 or 143); a second Ctrl-C stops at once. The generator runs in its own process group, so
+    killing it also kills what vLLM started (its EngineCore); nothing of the run is left behind.
+
+Data contract
+    - `Control`: the flags and counters every child shares (stop, ready, groups_dropped, loaded_version,
+      interrupted).
+    - `run_children(ctx, children, errors, control)`: `children` maps a name to (function, args,
+      own_process_group); names starting with "trainer" are the ranks whose success ends the run, and
+      "generator" is the one that may be given no grace after a failure. Returns the run's exit code.
+    - Every wait here has a timeout; the errors queue carries (name, traceback) pairs.
+
+May touch: the processes it starts, the signal handlers of the parent while the run lasts. Nothing else.
+"""
+import multiprocessing.connection
+import os
+import signal
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+
+
+@dataclass
+class Control:
+    """Shared flags and counters (from the spawn context, so children can use them)."""
+    stop: object  # Event: everyone winds down
+    ready: object  # Event: the generator's engine is up
+    groups_dropped: object  # Value: groups the trainer rejected entirely (the generator replaces them)
+    loaded_version: object  # Value: the version the generator serves now
+    interrupted: object  # Event: a signal asked the run to stop (the trainer checkpoints)
+
+
+def make_control(ctx) -> Control:
+    return Control(ctx.Event(), ctx.Event(), ctx.Value("q", 0), ctx.Value("q", 0), ctx.Event())
+
+
+def child_entry(name, fn, args, errors, own_process_group):
+    """Run `fn(*args)` in a child; on any failure send the traceback to the parent and exit 1."""
+    if own_process_group:
+        os.setpgrp()  # the parent can kill this child and every process it starts (vLLM's EngineCore)
+    else:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides what Ctrl-C means
+    try:
+        fn(*args)
+    except BaseException:
+        errors.put((name, traceback.format_exc()))
+        errors.close()
+        errors.join_thread()  # the traceback must reach the parent before this process ends
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def wait_for(event, stop, timeout_s, what) -> bool:
+    """True once `event` is set; False if `stop` is set first; TimeoutError after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not event.wait(0.2):
+        if stop.is_set():
+            return False
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"waited {timeout_s:.0f} s for {what}")
+    return True
+
+
+def kill_tree(proc, own_group: bool):
+    if proc.pid is None:
+        return
+    try:
+        if own_group:
+            os.killpg(proc.pid, signal.SIGKILL)
+        elif proc.is_alive():
+            proc.kill()
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def run_children(ctx, children: dict, errors, control: Control) -> int:
+    """Start every child, supervise them until the trainers finish or something fails, then make sure
+    none is left. Returns 0, 1 (a child failed), or 128 + the signal that stopped the run."""
+    procs = {name: (ctx.Process(target=child_entry, name=name, args=(name, fn, args, errors, own_group)),
+                    own_group) for name, (fn, args, own_group) in children.items()}
+    interrupted = []
+
+    def on_signal(signum, frame):
+        if interrupted:  # second Ctrl-C: stop now
+            raise KeyboardInterrupt
+        interrupted.append(signum)
+        print(f"\n{signal.Signals(signum).name}: stopping after the current step and writing a checkpoint "
+              "(press Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
+        control.interrupted.set()
+        control.stop.set()
+
+    old_handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    code = 0
+    try:
+        for proc, _ in procs.values():
+            proc.start()
+        code = supervise(procs, errors, control)
+    except KeyboardInterrupt:
+        code = 130
+    finally:
+        control.stop.set()
+        # Trainers first: they hold what must be saved (a checkpoint on a stop). After a failure the
+        # generator has nothing to save and its engine may be dead: it gets no grace then.
+        generator, own_group = procs["generator"]
+        if code != 0:
+            kill_tree(generator, own_group)
+        deadline = time.monotonic() + 20
+        for name, (proc, own_group) in reversed(list(procs.items())):
+            proc.join(timeout=max(0.1, deadline - time.monotonic()))
+            kill_tree(proc, own_group)  # also reaps vLLM's EngineCore left in the generator's group
+        for s, h in old_handlers.items():
+            signal.signal(s, h)
+    if interrupted and code == 0:
+        code = 128 + interrupted[0]  # 130 for SIGINT, 143 for SIGTERM, as a shell reports them
+    return code
+
+
+def supervise(procs, errors, control) -> int:
+    """Wait until the trainers finish (0) or any child fails (1, with its traceback printed)."""
+    trainers = [p for name, (p, _) in procs.items() if name.startswith("trainer")]
+    while True:
+        sentinels = [p.sentinel for p, _ in procs.values() if p.exitcode is None]
+        multiprocessing.connection.wait(sentinels, timeout=1.0)
+        for name, (proc, _) in procs.items():
+            if proc.exitcode is not None and proc.exitcode != 0:
+                print(failure_report(name, proc.exitcode, errors), file=sys.stderr, flush=True)
+                return 1
+        if all(p.exitcode == 0 for p in trainers):
+            generator = procs["generator"][0]
+            generator.join(timeout=60)  # it stops on control.stop and shuts its engine down
+            if generator.exitcode not in (0, None):
+                print(failure_report("generator", generator.exitcode, errors), file=sys.stderr, flush=True)
+            return 0
+        if procs["generator"][0].exitcode == 0 and not control.stop.is_set():
+            print("error: the generator exited before the trainer finished", file=sys.stderr, flush=True)
+            return 1
+
+
+def failure_report(name, exitcode, errors) -> str:
+    reports = []
+    deadline = time.monotonic() + 2
+    while time.monotonic() < deadline:
+        try:
+            reports.append(errors.get(timeout=0.2))
+        except Exception:
+            if reports:
+                break
+    how = f"signal {signal.Signals(-exitcode).name}" if exitcode < 0 else f"exit code {exitcode}"
+    text = [f"error: {name} died ({how}); stopping the run"]
+    for who, tb in reports:
+        text.append(f"--- traceback from {who} ---\n{tb}")
+    return "\n".join(text)
