@@ -17,6 +17,12 @@ total = copy into the buffer + publish-to-serving; ratio = total / memcpy (goal:
 Then, on the idle engine, the load is split further inside the vLLM worker (`reload_weights` straight from
 the shared buffer under the seqlock, then the re-tie of the head) to show where the time goes, and the
 engine's tensors are checked to share no memory with the buffer (the trainer's later writes cannot reach it).
+
+LoRA rows (`--lora-sizes`, default 100M; rank `--lora-rank` 8 on every linear layer): the same model served by
+vLLM with an adapter, the trainer a PEFT adapter under FSDP2; only the adapter crosses, through the same
+buffer and seqlock (`sync.WeightSyncWorker.load_shared_adapter`). Reported beside the full sync of that size
+(`ratio_to_full`), and against the alternative of a tmpfs file: the adapter written as a PEFT folder under
+/dev/shm and reloaded by vLLM's own `add_lora(load_inplace=True)` on the same engine (`tmpfs_file`).
 """
 from __future__ import annotations
 
@@ -62,8 +68,57 @@ def _profile_load_in_worker():
     return profile
 
 
-def measure_size(name: str, shape: tuple, work: str, syncs: int, seed: int, gap_s: float) -> dict:
-    """One model size, in its own process (it owns a vLLM engine)."""
+async def tmpfs_route(gen, model, config, base_model: str, versions, gap_s: float) -> list[dict]:
+    """LoRA's alternative to the shared buffer, measured on the same engine: the trainer writes the adapter as
+    a PEFT folder on tmpfs (/dev/shm), renamed into place per version (that is the consistency), and the
+    generator pauses, has vLLM reload its adapter from the folder (`add_lora` with `load_inplace=True`),
+    resets the prefix cache, sets the version and resumes: the shared-memory path's steps, with a file."""
+    import asyncio
+    import os
+    import shutil
+    import tempfile
+
+    import torch
+
+    import lora
+    import train
+    from rollout import LORA_ID
+    from vllm.lora.request import LoRARequest
+
+    engine, timings = gen.engine, []
+    root = tempfile.mkdtemp(prefix="asyncgrpo-bench-lora-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    try:
+        for version in versions:
+            await asyncio.sleep(gap_s)
+            with torch.no_grad():
+                for _, p in train.synced_parameters(model):
+                    p.add_(1e-4)
+            t0 = time.perf_counter()
+            state = {name: p.full_tensor() for name, p in train.synced_parameters(model)}
+            folder, tmp = os.path.join(root, f"v{version}"), os.path.join(root, f".tmp-v{version}")
+            lora.save_adapter(state, config, base_model, tmp)
+            os.rename(tmp, folder)
+            t1 = time.perf_counter()
+            await engine.engine_core.pause_scheduler_async(mode="keep", clear_cache=False)
+            t2 = time.perf_counter()
+            if not await engine.add_lora(LoRARequest("policy", LORA_ID, folder, load_inplace=True)):
+                raise RuntimeError("vLLM did not reload the adapter from the file")
+            t3 = time.perf_counter()
+            await engine.reset_prefix_cache(reset_running_requests=True)
+            await engine.update_weight_version(str(version))
+            await engine.resume_generation()
+            t4 = time.perf_counter()
+            timings.append({"write_ms": (t1 - t0) * 1e3, "pause_ms": (t2 - t1) * 1e3, "load_ms": (t3 - t2) * 1e3,
+                            "reset_resume_ms": (t4 - t3) * 1e3, "sync_ms": (t4 - t0) * 1e3})
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return timings
+
+
+def measure_size(name: str, shape: tuple, work: str, syncs: int, seed: int, gap_s: float,
+                 lora_rank: int = 0) -> dict:
+    """One model size, in its own process (it owns a vLLM engine). With `lora_rank`, the same model served
+    with a LoRA adapter on every linear layer (alpha = 2 x rank): only the adapter is synced."""
     import asyncio
     import os
     import tempfile
@@ -80,14 +135,29 @@ def measure_size(name: str, shape: tuple, work: str, syncs: int, seed: int, gap_
     t_build = time.perf_counter()
     path = common.build_model(Path(work) / f"model_{name}", seed=seed, hidden=hidden, layers=layers, heads=heads)
     build_s = time.perf_counter() - t_build
-    cfg = common.default_config(model=path, max_lag=0, prompts_per_step=1, group_size=2, max_new_tokens=1)
+    cfg = common.default_config(model=path, max_lag=0, prompts_per_step=1, group_size=2, max_new_tokens=1,
+                                lora_rank=lora_rank)
     gen_threads, train_threads = train.split_threads(cfg)
     torch.set_num_threads(train_threads)
     init_file = tempfile.mktemp(prefix="asyncgrpo-bench-dist-")
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=0, world_size=1)
-    model = train.build_trainer_model(path, 1)
-    shared = train.allocate_shared_weights(path)
-    params = sum(p.numel() for p in model.parameters())
+    lora_config, lora_dir = None, ""
+    if lora_rank:
+        import lora
+        from sync import SharedWeights
+
+        lora_config = lora.peft_config(lora_rank, 2 * lora_rank, 0.0, "all-linear")
+    model = train.build_trainer_model(path, 1, lora_config=lora_config, seed=seed)
+    if lora_rank:  # as train.run and trainer_main do: a buffer for the adapter, published once at the start
+        shapes, resolved = lora.adapter_shapes(path, lora_config)
+        lora_dir = lora.write_config(resolved, path, str(Path(work) / f"adapter_config_{name}_r{lora_rank}"))
+        shared = SharedWeights.allocate(shapes)
+        train.publish(model, shared, 0, 0, 1)
+    else:
+        shared = train.allocate_shared_weights(path)
+    synced = [p for _, p in train.synced_parameters(model)]
+    base_params = sum(p.numel() for p in model.parameters()) - (sum(p.numel() for p in synced) if lora_rank else 0)
+    params = sum(p.numel() for p in synced)
     nbytes = shared.buffer.numel() * shared.buffer.element_size()
 
     # memcpy of the same bytes, same process, same threads
@@ -103,7 +173,7 @@ def measure_size(name: str, shape: tuple, work: str, syncs: int, seed: int, gap_
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     control = train.make_control(ctx)
-    gen = Generator(train.generator_settings(cfg, path, gen_threads), shared, queue, control)
+    gen = Generator(train.generator_settings(cfg, path, gen_threads, lora_dir=lora_dir), shared, queue, control)
     t_engine = time.perf_counter()
     engine = gen.build_engine()
     engine_s = time.perf_counter() - t_engine
@@ -118,7 +188,7 @@ def measure_size(name: str, shape: tuple, work: str, syncs: int, seed: int, gap_
             # stopped busy-polling their message queues (they spin for 1 s after each message)
             await asyncio.sleep(gap_s)
             with torch.no_grad():
-                for p in model.parameters():
+                for p in synced:
                     p.add_(1e-4)  # new values every version
             t0 = time.perf_counter()
             train.publish(model, shared, version, 0, 1)
@@ -127,14 +197,18 @@ def measure_size(name: str, shape: tuple, work: str, syncs: int, seed: int, gap_
                 await asyncio.sleep(0.0005)
             wall_ms.append((time.perf_counter() - t1) * 1e3)
             publish_ms.append((t1 - t0) * 1e3)
-        await asyncio.sleep(gap_s)
-        profile = [(await engine.collective_rpc(_profile_load_in_worker()))[0] for _ in range(3)]
+        if lora_rank:
+            files = await tmpfs_route(gen, model, resolved, path, range(syncs + 1, 2 * syncs + 1), gap_s)
+            profile = []
+        else:
+            await asyncio.sleep(gap_s)
+            files, profile = [], [(await engine.collective_rpc(_profile_load_in_worker()))[0] for _ in range(3)]
         control.stop.set()
         await task
-        return profile
+        return profile, files
 
     try:
-        profile = asyncio.run(scenario())
+        profile, files = asyncio.run(scenario())
         groups = []
         while True:
             try:
@@ -159,15 +233,25 @@ def measure_size(name: str, shape: tuple, work: str, syncs: int, seed: int, gap_
     part = {k: med(p[k] for p in parts) for k in parts[0]}
     copy_ms, serve_ms = med(pub), med(sync_ms)
     total = copy_ms + serve_ms
-    prof = {k: med(p[k] for p in profile) for k in ("reload_in_place_ms", "retie_head_ms")}
-    prof.update({k: max(p[k] for p in profile) for k in ("torn", "engine_tensors_in_buffer", "snapshot_allocated")})
-    prof["engine_tensors"] = profile[0]["engine_tensors"]
-    return {"name": name, "hidden": hidden, "layers": layers, "heads": heads, "params": params, "bytes": nbytes,
+    row = {}
+    if profile:
+        prof = {k: med(p[k] for p in profile) for k in ("reload_in_place_ms", "retie_head_ms")}
+        prof.update({k: max(p[k] for p in profile) for k in ("torn", "engine_tensors_in_buffer",
+                                                             "snapshot_allocated")})
+        prof["engine_tensors"] = profile[0]["engine_tensors"]
+        row["load_profile"] = prof
+    if lora_rank:
+        name = f"{name} LoRA r{lora_rank}"
+        files = files[1:]  # the first file load warms up too
+        row["tmpfs_file"] = {**{k: med(f[k] for f in files) for k in files[0]}, "samples": len(files)}
+        # like for like: the shared-memory path without the time to notice a new version
+        row["shm_sync_ms_without_detect"] = copy_ms + sum(part.values())
+    return {**row, "name": name, "lora_rank": lora_rank, "base_params": base_params, "hidden": hidden, "layers": layers, "heads": heads, "params": params, "bytes": nbytes,
             "mb": nbytes / 2**20, "gather_ms": 0.0, "copy_ms": copy_ms, "publish_to_serving_ms": serve_ms,
             **part, "detect_ms": med(ms - sum(p.values()) for ms, p in zip(sync_ms, parts)), "sync_ms": total,
             "memcpy_ms": med(memcpy),
             "ratio": total / med(memcpy), "samples": len(sync_ms), "first_sync": first,
-            "load_profile": prof, "build_s": build_s, "engine_start_s": engine_s,
+            "build_s": build_s, "engine_start_s": engine_s,
             "all_sync_ms": sync_ms, "all_copy_ms": pub}
 
 
@@ -176,21 +260,31 @@ def main(argv=None) -> int:
     p.add_argument("--syncs", type=int, default=6, help="weight updates per size (the first is left out)")
     p.add_argument("--gap-s", type=float, default=1.2, help="idle time before each update (vLLM's processes "
                                                             "busy-poll for 1 s after each message)")
+    p.add_argument("--lora-sizes", default="100M", help="sizes that also get a LoRA row (adapter-only sync); "
+                                                        "'' for none")
+    p.add_argument("--lora-rank", type=int, default=8, help="the LoRA rows' adapter rank (alpha = 2 x rank)")
     args = common.parse_args(p, argv, sizes=SIZES)
+    lora_sizes = [s.strip() for s in args.lora_sizes.split(",") if s.strip()]
+    if any(s not in SIZES for s in lora_sizes):
+        p.error(f"--lora-sizes: choose from {', '.join(SIZES)}")
     rows = []
     with common.Bench("weight_sync", args) as bench:
-        for name in args.sizes:
+        for name, rank in [(n, 0) for n in args.sizes] + [(n, args.lora_rank) for n in lora_sizes]:
             t = time.perf_counter()
             row = common.in_child(measure_size, name, SIZES[name], str(bench.work), args.syncs + 1, args.seed,
-                                  args.gap_s,
-                                  timeout_s=600, what=f"weight sync {name}")
+                                  args.gap_s, rank, timeout_s=600, what=f"weight sync {name}")
             row["process_s"] = time.perf_counter() - t
+            full = next((r for r in rows if r["name"] == name and not r["lora_rank"]), None)
+            if rank and full is not None:
+                row.update(full_sync_ms=full["sync_ms"], ratio_to_full=row["sync_ms"] / full["sync_ms"],
+                           bytes_ratio_to_full=row["bytes"] / full["bytes"])
             rows.append(row)
-            print(f"[weight_sync] {name}: {row['params'] / 1e6:.1f}M params, total {row['sync_ms']:.1f} ms "
-                  f"(copy {row['copy_ms']:.1f} + publish->serving {row['publish_to_serving_ms']:.1f}), memcpy "
-                  f"{row['memcpy_ms']:.1f} ms, ratio {row['ratio']:.1f} ({row['process_s']:.0f} s)", flush=True)
+            print(f"[weight_sync] {row['name']}: {row['params'] / 1e6:.2f}M params synced, total {row['sync_ms']:.1f} "
+                  f"ms (copy {row['copy_ms']:.1f} + publish->serving {row['publish_to_serving_ms']:.1f}), memcpy "
+                  f"{row['memcpy_ms']:.2f} ms, ratio {row['ratio']:.1f} ({row['process_s']:.0f} s)", flush=True)
     data = {"settings": {"sizes": args.sizes, "syncs": args.syncs, "dtype": "float32", "train_ranks": 1,
-                         "engine": f"idle for {args.gap_s} s when a version lands", "gap_s": args.gap_s},
+                         "engine": f"idle for {args.gap_s} s when a version lands", "gap_s": args.gap_s,
+                         "lora_sizes": lora_sizes, "lora_rank": args.lora_rank, "lora_targets": "all-linear"},
             "rows": rows}
     path = bench.save(data, plot)
     print()
@@ -200,12 +294,24 @@ def main(argv=None) -> int:
         [[r["name"], f"{r['params'] / 1e6:.1f}M", r["mb"], r["copy_ms"], r["pause_ms"], r["load_ms"], r["reset_ms"],
           r["resume_ms"], r["detect_ms"], r["sync_ms"], r["memcpy_ms"], r["ratio"]] for r in rows]))
     print()
+    full_rows, lora_rows = [r for r in rows if not r["lora_rank"]], [r for r in rows if r["lora_rank"]]
     print(common.table(["size", "reload_weights from the buffer ms", "re-tie head ms", "memcpy ms",
                         "engine tensors in the buffer"],
                        [[r["name"], r["load_profile"]["reload_in_place_ms"], r["load_profile"]["retie_head_ms"],
                          r["memcpy_ms"], f"{r['load_profile']['engine_tensors_in_buffer']} of "
-                                         f"{r['load_profile']['engine_tensors']}"] for r in rows],
+                                         f"{r['load_profile']['engine_tensors']}"] for r in full_rows],
                        title="inside the load (idle engine, timed in the vLLM worker):"))
+    if lora_rows:
+        print()
+        print(common.table(
+            ["LoRA row", "adapter MB", "full MB", "sync ms", "full sync ms", "LoRA / full", "shm (no detect) ms",
+             "tmpfs file ms", "file: write", "file: pause", "file: vLLM load", "file: reset+resume"],
+            [[r["name"], r["mb"], r["mb"] / r.get("bytes_ratio_to_full", float("nan")), r["sync_ms"],
+              r.get("full_sync_ms", float("nan")), r.get("ratio_to_full", float("nan")),
+              r["shm_sync_ms_without_detect"], r["tmpfs_file"]["sync_ms"], r["tmpfs_file"]["write_ms"],
+              r["tmpfs_file"]["pause_ms"], r["tmpfs_file"]["load_ms"], r["tmpfs_file"]["reset_resume_ms"]]
+             for r in lora_rows],
+            title="LoRA: only the adapter crosses; shared memory (the project's path) against a tmpfs file:"))
     print(bench.closing_line(path))
     return 0
 
@@ -228,11 +334,14 @@ def plot(data: dict, path: Path) -> None:
     ax1.set_xlabel("share of publish -> serving time")
     ax1.set_title("where the time goes")
     ax1.legend(fontsize=7, loc="lower right")
-    x = [r["params"] for r in rows]
-    ax2.plot(x, [r["sync_ms"] for r in rows], "o-", label="publish -> serving (measured)")
-    ax2.plot(x, [r["memcpy_ms"] for r in rows], "k^-", label="memcpy of the same bytes")
-    ax2.plot(x, [2 * r["memcpy_ms"] for r in rows], "r:", label="goal: 2 x memcpy")
+    full = [r for r in rows if not r.get("lora_rank")]
+    x = [r["params"] for r in full]
+    ax2.plot(x, [r["sync_ms"] for r in full], "o-", label="publish -> serving (measured)")
+    ax2.plot(x, [r["memcpy_ms"] for r in full], "k^-", label="memcpy of the same bytes")
+    ax2.plot(x, [2 * r["memcpy_ms"] for r in full], "r:", label="goal: 2 x memcpy")
     for r in rows:
+        if r.get("lora_rank"):
+            ax2.plot([r["params"]], [r["sync_ms"]], "g*", markersize=10, label=f"{r['name']} (adapter only)")
         ax2.annotate(f"{r['ratio']:.0f}x" if r["ratio"] >= 10 else f"{r['ratio']:.1f}x", (r["params"], r["sync_ms"]),
                      textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
     ax2.set_xscale("log")
