@@ -446,9 +446,9 @@ def save_checkpoint(model, optimizer, model_path, cfg, step, version, rank):
 
 def trained_state(model, full_state):
     """What a checkpoint keeps of the model: everything, or with LoRA the adapter (PEFT file names)."""
+    if all(p.requires_grad for p in model.parameters()):
+        return full_state  # full fine-tuning (also holds tied weights, which named_parameters lists once)
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
-    if len(trainable) == len(full_state):
-        return full_state
     import lora
 
     return {lora.file_name(name): value for name, value in full_state.items() if name in trainable}

@@ -23,6 +23,7 @@ from test_engine import wait_until
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--prompts-per-step", "4", "--group-size", "4", "--max-lag", "0", "--log-every", "1"]
 CONFIG = dict(rank=8, alpha=16, dropout=0.0, targets="all-linear")
+PROMPTS = [[1, 13, 14, 15, 25], [1, 20, 21, 13, 25], [1, 16, 16, 22, 25]]  # <bos>abc= and the like
 
 
 @pytest.fixture(scope="module")
@@ -101,9 +102,23 @@ def test_generator_serves_each_published_adapter_and_agrees_with_the_trainer(bas
             task.result()
         gen.control.stop.set()
         await task
+        # vLLM also serves the adapter from a PEFT folder (what checkpoints and OUT/adapter hold): greedy
+        # output equals the merged model's in transformers
+        from vllm import SamplingParams
+        from vllm.lora.request import LoRARequest
+
+        folder = lora.save_adapter(adapter_tensors(trained), resolved, base_model, str(tmp_path / "peft"))
+        greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+        served = []
+        for i, prompt in enumerate(PROMPTS):
+            async for out in engine.generate({"prompt_token_ids": prompt}, greedy, request_id=f"greedy-{i}",
+                                             lora_request=LoRARequest("from-folder", 2, folder)):
+                final = out
+            served.append(list(final.outputs[0].token_ids))
+        return served
 
     try:
-        asyncio.run(scenario())
+        served = asyncio.run(scenario())
     finally:
         engine.shutdown()
         gen.engine = engine = None
@@ -131,6 +146,11 @@ def test_generator_serves_each_published_adapter_and_agrees_with_the_trainer(bas
     assert max(diffs[1]) < 1e-4 and max(diffs[2]) < 1e-4  # vLLM's log-probs are the trainer's, per version
     assert max(moved) > 0.1, "the synced adapter did not change the model's distribution"
     assert gen.stats["loads"] >= 1
+    merged = trained.merge_and_unload()
+    with torch.no_grad():
+        expected = [merged.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False, eos_token_id=None,
+                                    pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS]
+    assert served == expected
 
 
 def run_train(out, *args, timeout=300):
