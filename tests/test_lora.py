@@ -154,8 +154,9 @@ def test_generator_serves_each_published_adapter_and_agrees_with_the_trainer(bas
 
 
 def run_train(out, *args, timeout=300):
+    """A LoRA run on two FSDP2 ranks (each publishes, and checkpoints gather, its rows of the adapter)."""
     proc = subprocess.run([sys.executable, "train.py", "--out", out, *SMALL, "--lora-rank", "8", "--lr", "3e-3",
-                           *args], cwd=REPO, capture_output=True, text=True, timeout=timeout)
+                           "--train-ranks", "2", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     with open(os.path.join(out, "metrics.jsonl")) as f:
         return {r["step"]: r for r in map(json.loads, filter(str.strip, f))}
