@@ -8,6 +8,7 @@ import queue as queue_lib
 import subprocess
 import sys
 import tempfile
+import time
 
 import pytest
 import torch
@@ -80,24 +81,30 @@ def test_only_the_adapter_trains_and_matches_the_buffer_layout(base_model):
 
 
 def test_generator_serves_each_published_adapter_and_agrees_with_the_trainer(base_model, tmp_path):
+    """Adapters swapped every 40 ms while requests are mid-generation: every token's vLLM log-prob is the
+    trainer's under the adapter its version tag names (per token, also within completions that span
+    swaps), the two adapters give different distributions, and a PEFT folder serves like the merged model."""
     os.environ["PYTHONPATH"] = REPO  # vLLM's worker imports the extension (sync.WeightSyncWorker)
     shapes, resolved = lora.adapter_shapes(base_model, lora.peft_config(**CONFIG))
     lora_dir = lora.write_config(resolved, base_model, str(tmp_path / "adapter_config"))
     shared = SharedWeights.allocate(shapes)
-    settings = GeneratorSettings(model=base_model, seed=0, group_size=4, prompts_per_step=4, max_new_tokens=8,
+    settings = GeneratorSettings(model=base_model, seed=0, group_size=4, prompts_per_step=4, max_new_tokens=16,
                                  max_lag=10**6, update_mode="inflight", kv_cache_mb=64, initial_version=1,
                                  lora_rank=8, lora_dir=lora_dir)
     ctx = mp.get_context("spawn")
     gen = Generator(settings, shared, ctx.Queue(), train.make_control(ctx))
     engine = gen.build_engine()
-    initial, trained = peft_model(base_model, 0.0), peft_model(base_model, 0.3)
+    adapters = {1: peft_model(base_model, 0.0), 0: peft_model(base_model, 0.3)}  # by version parity
 
     async def scenario():
-        shared.publish(adapter_tensors(initial), 1)  # what the trainer publishes at its start
+        shared.publish(adapter_tensors(adapters[1]), 1)  # what the trainer publishes at its start
         task = asyncio.create_task(gen.run())
-        await wait_until(lambda: gen.stats["groups"] >= 8 or task.done(), "8 groups under adapter v1")
-        shared.publish(adapter_tensors(trained), 2)
-        await wait_until(lambda: gen.stats["groups"] >= 24 or task.done(), "16 more groups")
+        await wait_until(lambda: gen.stats["groups"] >= 4 or task.done(), "4 groups under adapter v1")
+        version, deadline = 1, time.monotonic() + 5
+        while time.monotonic() < deadline and not task.done():  # swap back and forth mid-generation
+            await asyncio.sleep(0.04)
+            version += 1
+            shared.publish(adapter_tensors(adapters[version % 2]), version)
         if task.done():
             task.result()
         gen.control.stop.set()
@@ -107,7 +114,7 @@ def test_generator_serves_each_published_adapter_and_agrees_with_the_trainer(bas
         from vllm import SamplingParams
         from vllm.lora.request import LoRARequest
 
-        folder = lora.save_adapter(adapter_tensors(trained), resolved, base_model, str(tmp_path / "peft"))
+        folder = lora.save_adapter(adapter_tensors(adapters[0]), resolved, base_model, str(tmp_path / "peft"))
         greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
         served = []
         for i, prompt in enumerate(PROMPTS):
@@ -128,25 +135,24 @@ def test_generator_serves_each_published_adapter_and_agrees_with_the_trainer(bas
             groups.append(gen.queue.get(timeout=1.0))
         except queue_lib.Empty:
             break
-    diffs, moved = {1: [], 2: []}, []
+    diffs, apart, mixed = [], [], 0
     for group in groups:
         for ids, lps, versions in zip(group.completion_ids, group.behaviour_logprobs, group.token_versions):
-            if not ids or len(set(versions)) != 1:
+            if not ids:
                 continue
-            version = versions[0]
-            inputs = torch.tensor([group.prompt_ids + ids])
-            targets = torch.tensor(ids)[:, None]
+            inputs, targets = torch.tensor([group.prompt_ids + ids]), torch.tensor(ids)[:, None]
             with torch.no_grad():
-                logp = {v: torch.log_softmax(m(input_ids=inputs).logits[0, len(group.prompt_ids) - 1:-1], -1)
-                        .gather(-1, targets)[:, 0] for v, m in ((1, initial), (2, trained))}
-            diffs[version] += (logp[version] - torch.tensor(lps)).abs().tolist()
-            if version == 2:
-                moved += (logp[2] - logp[1]).abs().tolist()
-    assert len(diffs[1]) > 20 and len(diffs[2]) > 20, {v: len(d) for v, d in diffs.items()}
-    assert max(diffs[1]) < 1e-4 and max(diffs[2]) < 1e-4  # vLLM's log-probs are the trainer's, per version
-    assert max(moved) > 0.1, "the synced adapter did not change the model's distribution"
-    assert gen.stats["loads"] >= 1
-    merged = trained.merge_and_unload()
+                logp = {parity: torch.log_softmax(m(input_ids=inputs).logits[0, len(group.prompt_ids) - 1:-1], -1)
+                        .gather(-1, targets)[:, 0] for parity, m in adapters.items()}
+            for t, (lp, v) in enumerate(zip(lps, versions)):
+                diffs.append(abs(float(logp[v % 2][t]) - lp))
+                apart.append(abs(float(logp[0][t] - logp[1][t])))
+            mixed += len(set(versions)) > 1
+    assert gen.stats["loads"] >= 10 and mixed > 0, (gen.stats["loads"], mixed)
+    assert len(diffs) > 200
+    assert max(diffs) < 1e-4  # each token's log-prob is the trainer's under the adapter of its tag
+    assert sum(a > 0.1 for a in apart) > 50, "the two adapters should give clearly different log-probs"
+    merged = adapters[0].merge_and_unload()
     with torch.no_grad():
         expected = [merged.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False, eos_token_id=None,
                                     pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS]
