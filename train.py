@@ -310,7 +310,7 @@ def trainer_main(cfg, rank, world_size, model_path, shared, rollout_queue, contr
     # Build the optimizer before any forward pass (FSDP2 pitfall: see shared notes). Only what trains has state.
     optimizer = torch.optim.AdamW([p for _, p in synced_parameters(model)], lr=cfg.lr, weight_decay=cfg.weight_decay)
     start_step = version = 0
-    if resume_dir:  # model_path already points at the checkpoint's model
+    if resume_dir:  # model_path points at the checkpoint's model (with LoRA: the base; the adapter is loaded)
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
         saved = checkpoint.load_state(resume_dir)
@@ -323,7 +323,7 @@ def trainer_main(cfg, rank, world_size, model_path, shared, rollout_queue, contr
     names = [name for name, _ in synced_parameters(model)]
     if names != [slot.name for slot in shared.layout]:
         raise RuntimeError("trainer parameters do not match the shared buffer's layout")
-    if cfg.lora_rank:  # the generator serves no adapter until this first publish (B = 0: the base model)
+    if cfg.lora_rank:  # the generator serves no adapter until this first publish (a new adapter is the base model)
         publish(model, shared, version, rank, world_size)
     ref_model = None
     if cfg.kl_coef > 0 and not cfg.lora_rank:
