@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import queue as queue_lib
 import random
 import sys
 import time
@@ -292,6 +293,7 @@ class Generator:
         self.sync_parts: list[dict] = []
         self.error: BaseException | None = None
         self.lora_request = None  # with LoRA: every request names the one adapter, which syncs replace in place
+        self.wake: asyncio.Event | None = None  # set when a group finishes: the loop may start the next at once
 
     def build_engine(self):
         if self.s.device == "cuda":
@@ -376,9 +378,12 @@ class Generator:
         group.gen_stats = dict(self.stats, sync_ms=self.sync_ms, sync_parts=self.sync_parts,
                                loaded_version=self.loaded_version)
         self.sync_ms, self.sync_parts = [], []
-        waited = await asyncio.to_thread(put_group, self.queue, group, self.control.stop.is_set,
-                                         self.s.queue_timeout_s)
-        self.stats["queue_wait_s"] += waited
+        try:  # usually there is room: no thread hop (mp.Queue.put only hands the group to its feeder thread)
+            self.queue.put_nowait(group)
+        except queue_lib.Full:  # a full queue: wait in a thread, never on this event loop
+            waited = await asyncio.to_thread(put_group, self.queue, group, self.control.stop.is_set,
+                                             self.s.queue_timeout_s)
+            self.stats["queue_wait_s"] += waited
 
     async def engine_call(self, awaitable, what: str):
         """Await an engine call, failing fast if vLLM's EngineCore dies (a dead engine never answers)."""
@@ -451,6 +456,7 @@ class Generator:
         self.running.discard(task)
         if not task.cancelled() and task.exception() is not None and self.error is None:
             self.error = task.exception()
+        self.wake.set()
 
     async def run(self):
         from concurrent.futures import ThreadPoolExecutor
@@ -467,6 +473,7 @@ class Generator:
         if self.s.lora_rank:
             await self.load_first_adapter()
         self.control.ready.set()
+        self.wake = asyncio.Event()
         start = time.perf_counter()
         self.idle_since = start
         while not self.control.stop.is_set():
@@ -484,7 +491,13 @@ class Generator:
                 self.running.add(task)
                 self.issued += 1
                 continue
-            await asyncio.sleep(0.002)
+            # Nothing to start: sleep until a group finishes (its slot frees at once), or 2 ms pass (new
+            # weights, the trainer's progress and the stop flag live in shared memory: they are polled).
+            self.wake.clear()
+            try:
+                await asyncio.wait_for(self.wake.wait(), timeout=0.002)
+            except asyncio.TimeoutError:
+                pass
             self.stats["elapsed_s"] = time.perf_counter() - start
         for task in list(self.running):
             task.cancel()

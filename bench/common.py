@@ -90,6 +90,7 @@ class LoadMonitor:
 
         self.psutil, self.interval = psutil, interval_s
         self.samples: list[float] = []
+        self.times: list[float] = []  # time.monotonic() at the end of each sample's interval
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self.load_start = os.getloadavg()
@@ -132,6 +133,7 @@ class LoadMonitor:
             elapsed = now - last_t
             if elapsed > 0:
                 self.samples.append(max(0.0, (busy - own) / elapsed))
+                self.times.append(now)
             last_total, last_own, last_t = total, seen, now
 
     def __enter__(self):
@@ -141,6 +143,12 @@ class LoadMonitor:
     def __exit__(self, *exc):
         self._stop.set()
         self._thread.join(timeout=5)
+
+    def foreign_cores(self, t0: float, t1: float) -> float | None:
+        """Mean cores other people's processes used between two `time.monotonic()` readings (None: no
+        sample ended in that window). Tells which part of a benchmark shared the machine."""
+        inside = [x for t, x in zip(self.times, self.samples) if t0 < t <= t1 + self.interval]
+        return round(statistics.fmean(inside), 2) if inside else None
 
     def summary(self) -> dict:
         s = sorted(self.samples)
@@ -263,6 +271,9 @@ class Bench:
         self._monitor.__enter__()
         self.work = self._scratch.__enter__()
         return self
+
+    def foreign_cores(self, t0: float, t1: float) -> float | None:
+        return self._monitor.foreign_cores(t0, t1)
 
     def __exit__(self, *exc):
         self._scratch.__exit__(*exc)

@@ -35,19 +35,22 @@ import common  # noqa: E402
 MODES = (("sync", 0), ("lag1", 1), ("lag2", 2), ("lag4", 4))
 
 
-def measure(args, work: Path, model: str, rep: int) -> dict:
+def measure(args, bench, model: str, rep: int) -> dict:
+    """One set of runs. Each records `foreign_cores`: the cores other processes used while it ran."""
     cfg = common.default_config(steps=args.steps, model=model, seed=args.seed)
+    work = bench.work
     out = {}
-    t = time.perf_counter()
+    t, t0 = time.perf_counter(), time.monotonic()
     gen = common.generate_alone(cfg, model, steps=args.steps, cpu_from_step=args.warmup)
     gen_steps = common.intervals(gen["step_end_s"], args.warmup)
     out["gen_alone"] = {"step_s_mean": statistics.fmean(gen_steps), "step_s_median": statistics.median(gen_steps),
                         "tokens_per_step": statistics.fmean(gen["tokens"][args.warmup:]),
                         "sync_ms_median": statistics.median(gen["sync_ms"]) if gen["sync_ms"] else None,
                         "engine_ready_wait_s": gen["ready_wait_s"], "process_s": time.perf_counter() - t,
-                        "cores_by_role": gen["cores_by_role"]}
-    print(f"[overlap] generation alone: {out['gen_alone']['step_s_mean'] * 1e3:.0f} ms/step", flush=True)
-    t = time.perf_counter()
+                        "cores_by_role": gen["cores_by_role"], "foreign_cores": bench.foreign_cores(t0, time.monotonic())}
+    print(f"[overlap] generation alone: {out['gen_alone']['step_s_mean'] * 1e3:.0f} ms/step (other processes: "
+          f"{out['gen_alone']['foreign_cores']} cores)", flush=True)
+    t, t0 = time.perf_counter(), time.monotonic()
     rows, train_cores = common.train_alone(cfg, model, gen["groups"], work / f"train_alone{rep}",
                                            cpu_from_step=args.warmup)
     train_steps = common.intervals([r["wall_s"] for r in rows], args.warmup)
@@ -55,9 +58,12 @@ def measure(args, work: Path, model: str, rep: int) -> dict:
                           "step_s_median": statistics.median(train_steps),
                           "train_s_mean": statistics.fmean(r["train_s"] for r in rows[args.warmup:]),
                           "tokens_per_step": statistics.fmean(r["tokens"] for r in rows[args.warmup:]),
-                          "process_s": time.perf_counter() - t, "cores_by_role": train_cores}
-    print(f"[overlap] training alone:   {out['train_alone']['step_s_mean'] * 1e3:.0f} ms/step", flush=True)
+                          "process_s": time.perf_counter() - t, "cores_by_role": train_cores,
+                          "foreign_cores": bench.foreign_cores(t0, time.monotonic())}
+    print(f"[overlap] training alone:   {out['train_alone']['step_s_mean'] * 1e3:.0f} ms/step (other processes: "
+          f"{out['train_alone']['foreign_cores']} cores)", flush=True)
     for mode, lag in MODES:
+        t0 = time.monotonic()
         run = common.run_train_cli(work / f"{mode}{rep}", ["--steps", str(args.steps), "--max-lag", str(lag),
                                                             "--model", model, "--seed", str(args.seed)],
                                    cpu_window=(args.warmup, args.steps))
@@ -66,10 +72,11 @@ def measure(args, work: Path, model: str, rep: int) -> dict:
         st["process_s"] = run["process_s"]
         st["max_token_lag"] = run["summary"].get("max_token_lag")
         st["dropped_stale"] = run["summary"].get("dropped_stale")
+        st["foreign_cores"] = bench.foreign_cores(t0, time.monotonic())
         out[mode] = st
         print(f"[overlap] {mode:5s} (--max-lag {lag}): {st['steps_per_s']:.2f} steps/s, trainer waits "
               f"{st['trainer_wait_frac']:.0%}, generator waits {st.get('generator_wait_frac') or 0:.0%} "
-              f"({run['process_s']:.0f} s with start-up)", flush=True)
+              f"({run['process_s']:.0f} s with start-up; other processes: {st['foreign_cores']} cores)", flush=True)
     return out
 
 
@@ -85,7 +92,7 @@ def main(argv=None) -> int:
     with common.Bench("overlap", args) as bench:
         model = common.build_model(bench.work / "init_model", seed=args.seed)
         for rep in range(args.repeats):
-            reps.append(measure(args, bench.work, model, rep))
+            reps.append(measure(args, bench, model, rep))
     info = bench.info
 
     def med(key, field):
@@ -128,14 +135,14 @@ def main(argv=None) -> int:
             "trainer_wait_frac": med(mode, "trainer_wait_frac"), "generator_wait_frac": med(mode, "generator_wait_frac"),
             "train_s_per_step": med(mode, "train_s_mean"), "gen_busy_s_per_step": med(mode, "gen_busy_s_per_step"),
             "sync_ms_median": med(mode, "sync_ms_median"), "lag_mean": med(mode, "lag_mean"),
-            "cores_by_role": reps[-1][mode]["cores_by_role"],
+            "cores_by_role": reps[-1][mode]["cores_by_role"], "foreign_cores": med(mode, "foreign_cores"),
         }
     path = bench.save(data, plot)
 
     rows = [[m, data[m]["max_lag"], data[m]["steps_per_s"], data[m]["speedup"], data[m]["share_of_bound"],
              data[m]["share_of_cpu_bound"],
              data[m]["trainer_wait_frac"], data[m]["generator_wait_frac"], data[m]["train_s_per_step"] * 1e3,
-             (data[m]["gen_busy_s_per_step"] or 0) * 1e3] for m, _ in MODES]
+             (data[m]["gen_busy_s_per_step"] or 0) * 1e3, data[m]["foreign_cores"]] for m, _ in MODES]
     print()
     print(f"t_gen {t_gen * 1e3:.0f} ms/step alone, t_train {t_train * 1e3:.0f} ms/step alone, bound "
           f"(t_gen + t_train) / max = {bound:.2f}x")
@@ -145,7 +152,7 @@ def main(argv=None) -> int:
     print(f"what the CPUs allow: generation alone keeps {gen_cores:.2f} cores busy, training alone {train_cores:.2f}; "
           f"{cpu_gen + cpu_train:.3f} CPU-s per step on {info['cores']} cores -> at most {cpu_bound:.2f}x")
     print(common.table(["mode", "max lag", "steps/s", "speedup", "share of bound", "share of CPU bound", "trainer wait",
-                        "generator wait", "train ms/step", "gen busy ms/step"], rows))
+                        "generator wait", "train ms/step", "gen busy ms/step", "other processes (cores)"], rows))
     roles = ["trainer", "generator", "engine_core", "vllm_worker", "parent", "helpers", "total"]
     cpu_rows = []
     if data["alone"]["gen"].get("cores_by_role"):
