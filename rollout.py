@@ -456,7 +456,8 @@ class Generator:
         self.running.discard(task)
         if not task.cancelled() and task.exception() is not None and self.error is None:
             self.error = task.exception()
-        self.wake.set()
+        if self.wake is not None:
+            self.wake.set()
 
     async def run(self):
         from concurrent.futures import ThreadPoolExecutor
