@@ -32,6 +32,12 @@ def engine_env(tmp_path_factory):
     yield {"path": path, "shared": shared, "engine": engine, "loop": loop, "ctx": ctx, "settings": settings}
     engine.shutdown()
     builder.engine = engine = None  # no second shutdown from AsyncLLM.__del__ at interpreter exit
+    # Let vLLM's output handler task finish its cancellation on the loop: left pending, its ZMQ socket is
+    # never closed and the interpreter hangs at exit in zmq's Context.term (seen with one test selected).
+    pending = asyncio.all_tasks(loop)
+    for task in pending:
+        task.cancel()
+    loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
     loop.close()
 
 
