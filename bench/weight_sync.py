@@ -323,7 +323,7 @@ def plot(data: dict, path: Path) -> None:
     parts = [("copy_ms", "copy into buffer (trainer)"), ("pause_ms", "pause"),
              ("load_ms", "load in engine (reload_weights)"), ("reset_ms", "prefix-cache reset"),
              ("resume_ms", "resume"), ("detect_ms", "notice the new version")]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.8))
     left = [0.0] * len(rows)
     for key, label in parts:
         share = [max(0.0, r[key]) / r["sync_ms"] for r in rows]
@@ -333,7 +333,7 @@ def plot(data: dict, path: Path) -> None:
     ax1.invert_yaxis()
     ax1.set_xlabel("share of publish -> serving time")
     ax1.set_title("where the time goes")
-    ax1.legend(fontsize=7, loc="lower right")
+    ax1.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=3)
     full = [r for r in rows if not r.get("lora_rank")]
     x = [r["params"] for r in full]
     ax2.plot(x, [r["sync_ms"] for r in full], "o-", label="publish -> serving (measured)")
