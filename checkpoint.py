@@ -16,8 +16,13 @@ Data contract
                             the run started from (what an adapter applies to), "config": {...}}
     `step` counts completed optimizer steps; a resumed run starts at that step with that version.
 
-May touch: files under the checkpoint root only. Imports torch, transformers; no processes.
+The trainer ranks call `save_trainer_state` (a checkpoint) and `save_final_model` (OUT/model, or with
+LoRA OUT/adapter and, with --merge-at-end, OUT/model): collectives that gather the trained weights, then
+rank 0 writes.
+
+May touch: files under the checkpoint root, OUT/model and OUT/adapter. Imports torch, transformers; no processes.
 """
+import dataclasses
 import json
 import os
 import random
@@ -109,6 +114,62 @@ def save(root: str, step: int, version: int, model_state: dict, optimizer_state:
         for old in list_checkpoints(root)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+# ----------------------------------------------------------------------------------------------------
+# What the trainer ranks save (collectives: every rank calls; rank 0 writes)
+# ----------------------------------------------------------------------------------------------------
+def save_trainer_state(model, optimizer, model_path, cfg, step, version, rank):
+    """Gather full model and optimizer state (collectives: every rank calls) and write them on rank 0."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_state = trained_state(model, get_model_state_dict(model, options=options))
+    optimizer_state = get_optimizer_state_dict(model, optimizer, options=options)
+    if rank != 0:
+        return None
+    return save(checkpoint_root(cfg.out), step, version, model_state, optimizer_state,
+                           model_path, dataclasses.asdict(cfg), cfg.keep_checkpoints,
+                           adapter_config=model.peft_config["default"] if cfg.lora_rank else None)
+
+
+def trained_state(model, full_state):
+    """What a checkpoint keeps of the model: everything, or with LoRA the adapter (PEFT file names)."""
+    if all(p.requires_grad for p in model.parameters()):
+        return full_state  # full fine-tuning (also holds tied weights, which named_parameters lists once)
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    import lora
+
+    return {lora.file_name(name): value for name, value in full_state.items() if name in trainable}
+
+
+def save_final_model(model, model_path, cfg, rank):
+    """Gather the trained weights (a collective) and save them on rank 0: OUT/model in Hugging Face format,
+    or with LoRA OUT/adapter in PEFT format (and OUT/model merged with --merge-at-end)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = trained_state(model, get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)))
+    if rank != 0:
+        return
+    import lora
+
+    def replace(out_dir, write):
+        tmp = out_dir + ".tmp"
+        write(tmp)
+        if os.path.exists(out_dir):
+            import shutil
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+
+    model_dir = os.path.join(cfg.out, "model")
+    if not cfg.lora_rank:
+        return replace(model_dir, lambda dst: save_model(state, model_path, dst))
+    adapter_dir = os.path.join(cfg.out, "adapter")
+    replace(adapter_dir, lambda dst: lora.save_adapter(state, model.peft_config["default"], model_path, dst))
+    if cfg.merge_at_end:
+        replace(model_dir, lambda dst: lora.merge(model_path, adapter_dir, dst))
 
 
 def restore_rng(path: str) -> None:

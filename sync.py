@@ -26,8 +26,11 @@ Data contract
       `to_bytes`) naming the GPU by UUID, since indices differ under CUDA_VISIBLE_DEVICES; it opens the
       handle on first use of `.buffer` (a process that only forwards it, like the generator's front end,
       never opens it: torch cannot re-share a CUDA tensor it received).
+    - The trainer's side: `synced_parameters(model)` names what crosses (every trainable parameter, or
+      the LoRA adapter); `publish_model` writes it from FSDP2 ranks (collective: every rank calls).
 
-May touch: torch tensors it is handed, and the vLLM worker it is installed into. Nothing else.
+May touch: torch tensors it is handed (the trainer's model: read only), and the vLLM worker it is installed
+into. Nothing else.
 Data flows one way: train -> sync -> rollout.
 """
 from __future__ import annotations
@@ -282,6 +285,57 @@ def fsdp_row_start(full_rows: int, rank: int, world_size: int) -> int:
     return min(rank * chunk, full_rows)
 
 
+# ----------------------------------------------------------------------------------------------------
+# The trainer's side: what it writes, and how FSDP2 ranks write it
+# ----------------------------------------------------------------------------------------------------
+def synced_parameters(model):
+    """(name in the shared buffer, parameter) for every trainable parameter: the whole model, or with
+    LoRA only the adapter (in PEFT's file naming)."""
+    import lora
+
+    return [(lora.file_name(name), p) for name, p in model.named_parameters() if p.requires_grad]
+
+
+def publish_model(model, shared, version, rank, world_size):
+    """Write the current weights into the packed buffer and publish `version`.
+
+    CPU: each rank writes its own FSDP2 rows straight into the shared-memory buffer, no gather.
+    GPU: the buffer is on rank 0's GPU and only rank 0 maps it: each parameter is gathered in turn
+    (DTensor.full_tensor, an all-gather over NCCL; one parameter's worth of memory at a time) and rank 0,
+    the only writer, copies it in; `end_write` waits for the device copies before bumping the version.
+    """
+    import torch.distributed as dist
+
+    if shared.device_type == "cuda":
+        with torch.no_grad():
+            if rank == 0:
+                shared.begin_write()
+            for slot, (_, param) in zip(shared.layout, synced_parameters(model)):
+                full = param.full_tensor() if hasattr(param, "full_tensor") else param
+                if rank == 0:
+                    shared.write_param(slot, full)
+                del full
+            if rank == 0:
+                shared.end_write(version)
+        return
+    if rank == 0:
+        shared.begin_write()
+    if world_size > 1:
+        dist.barrier()
+    with torch.no_grad():
+        for slot, (_, param) in zip(shared.layout, synced_parameters(model)):
+            local = param.to_local() if hasattr(param, "to_local") else param
+            shared.write_param(slot, local, fsdp_row_start(slot.shape[0], rank, world_size) if slot.shape else 0)
+    if world_size > 1:
+        dist.barrier()
+    if rank == 0:
+        shared.end_write(version)
+
+
+
+# ----------------------------------------------------------------------------------------------------
+# The generator's side: the vLLM worker extension
+# ----------------------------------------------------------------------------------------------------
 class WeightSyncWorker:
     """vLLM worker extension (`worker_extension_cls="sync.WeightSyncWorker"`).
 

@@ -39,6 +39,7 @@ import torch
 import torch.multiprocessing as mp
 
 from processes import make_control, run_children, wait_for
+from sync import publish_model, synced_parameters
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -206,14 +207,6 @@ def build_trainer_model(model_path, world_size, device="cpu", lora_config=None, 
     return model
 
 
-def synced_parameters(model):
-    """(name in the shared buffer, parameter) for every trainable parameter: the whole model, or with
-    LoRA only the adapter (in PEFT's file naming)."""
-    import lora
-
-    return [(lora.file_name(name), p) for name, p in model.named_parameters() if p.requires_grad]
-
-
 def target_logprobs(logits, batch, temperature, top_k=-1, top_p=1.0):
     """Log-probs of the batch's targets (0 off the mask) under the given sampling distribution."""
     from losses import token_logprobs
@@ -324,7 +317,7 @@ def trainer_main(cfg, rank, world_size, model_path, shared, rollout_queue, contr
     if names != [slot.name for slot in shared.layout]:
         raise RuntimeError("trainer parameters do not match the shared buffer's layout")
     if cfg.lora_rank:  # the generator serves no adapter until this first publish (a new adapter is the base model)
-        publish(model, shared, version, rank, world_size)
+        publish_model(model, shared, version, rank, world_size)
     ref_model = None
     if cfg.kl_coef > 0 and not cfg.lora_rank:
         from transformers import AutoModelForCausalLM
@@ -402,23 +395,23 @@ def trainer_main(cfg, rank, world_size, model_path, shared, rollout_queue, contr
             version += 1
         t_publish = time.perf_counter()
         if version % cfg.sync_every == 0 and not skipped:
-            publish(model, shared, version, rank, world_size)
+            publish_model(model, shared, version, rank, world_size)
         publish_ms = (time.perf_counter() - t_publish) * 1e3
         if rank == 0:
             log.step(step, version, taken, batch, metrics, loss=float(stats[0]), grad_norm=grad_norm,
                      logprob_diff=float(stats[1]) if stats[2] > 0 else None, wait_s=wait_s,
                      train_s=time.perf_counter() - t_step, publish_ms=publish_ms, skipped=skipped)
         if cfg.save_every and (step + 1) % cfg.save_every == 0:
-            save_checkpoint(model, optimizer, model_path, cfg, step + 1, version, rank)
+            checkpoint.save_trainer_state(model, optimizer, model_path, cfg, step + 1, version, rank)
     else:
         step = cfg.steps  # the loop ran to the end
     finished = step >= cfg.steps and not control.interrupted.is_set()
     if rank == 0:
         control.stop.set()  # the generator can stop now
     if finished:
-        save_final_model(model, model_path, cfg, rank)
+        checkpoint.save_final_model(model, model_path, cfg, rank)
     else:  # a signal, or another process failed: keep what was learned
-        where = save_checkpoint(model, optimizer, model_path, cfg, step, version, rank)
+        where = checkpoint.save_trainer_state(model, optimizer, model_path, cfg, step, version, rank)
         if rank == 0:
             print(f"stopped at step {step} (version {version}); checkpoint in {where}; continue with "
                   f"--resume latest --out {cfg.out}", flush=True)
@@ -426,98 +419,6 @@ def trainer_main(cfg, rank, world_size, model_path, shared, rollout_queue, contr
         log.finish(version)
     dist.barrier()
     dist.destroy_process_group()
-
-
-def save_checkpoint(model, optimizer, model_path, cfg, step, version, rank):
-    """Gather full model and optimizer state (collectives: every rank calls) and write them on rank 0."""
-    import checkpoint
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                         get_optimizer_state_dict)
-
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    model_state = trained_state(model, get_model_state_dict(model, options=options))
-    optimizer_state = get_optimizer_state_dict(model, optimizer, options=options)
-    if rank != 0:
-        return None
-    return checkpoint.save(checkpoint.checkpoint_root(cfg.out), step, version, model_state, optimizer_state,
-                           model_path, dataclasses.asdict(cfg), cfg.keep_checkpoints,
-                           adapter_config=model.peft_config["default"] if cfg.lora_rank else None)
-
-
-def trained_state(model, full_state):
-    """What a checkpoint keeps of the model: everything, or with LoRA the adapter (PEFT file names)."""
-    if all(p.requires_grad for p in model.parameters()):
-        return full_state  # full fine-tuning (also holds tied weights, which named_parameters lists once)
-    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
-    import lora
-
-    return {lora.file_name(name): value for name, value in full_state.items() if name in trainable}
-
-
-def publish(model, shared, version, rank, world_size):
-    """Write the current weights into the packed buffer and publish `version`.
-
-    CPU: each rank writes its own FSDP2 rows straight into the shared-memory buffer, no gather.
-    GPU: the buffer is on rank 0's GPU and only rank 0 maps it: each parameter is gathered in turn
-    (DTensor.full_tensor, an all-gather over NCCL; one parameter's worth of memory at a time) and rank 0,
-    the only writer, copies it in; `end_write` waits for the device copies before bumping the version.
-    """
-    import torch.distributed as dist
-    from sync import fsdp_row_start
-
-    if shared.device_type == "cuda":
-        with torch.no_grad():
-            if rank == 0:
-                shared.begin_write()
-            for slot, (_, param) in zip(shared.layout, synced_parameters(model)):
-                full = param.full_tensor() if hasattr(param, "full_tensor") else param
-                if rank == 0:
-                    shared.write_param(slot, full)
-                del full
-            if rank == 0:
-                shared.end_write(version)
-        return
-    if rank == 0:
-        shared.begin_write()
-    if world_size > 1:
-        dist.barrier()
-    with torch.no_grad():
-        for slot, (_, param) in zip(shared.layout, synced_parameters(model)):
-            local = param.to_local() if hasattr(param, "to_local") else param
-            shared.write_param(slot, local, fsdp_row_start(slot.shape[0], rank, world_size) if slot.shape else 0)
-    if world_size > 1:
-        dist.barrier()
-    if rank == 0:
-        shared.end_write(version)
-
-
-def save_final_model(model, model_path, cfg, rank):
-    """Gather the trained weights (a collective) and save them on rank 0: OUT/model in Hugging Face format,
-    or with LoRA OUT/adapter in PEFT format (and OUT/model merged with --merge-at-end)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    state = trained_state(model, get_model_state_dict(
-        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)))
-    if rank != 0:
-        return
-    import checkpoint
-    import lora
-
-    def replace(out_dir, write):
-        tmp = out_dir + ".tmp"
-        write(tmp)
-        if os.path.exists(out_dir):
-            import shutil
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-
-    model_dir = os.path.join(cfg.out, "model")
-    if not cfg.lora_rank:
-        return replace(model_dir, lambda dst: checkpoint.save_model(state, model_path, dst))
-    adapter_dir = os.path.join(cfg.out, "adapter")
-    replace(adapter_dir, lambda dst: lora.save_adapter(state, model.peft_config["default"], model_path, dst))
-    if cfg.merge_at_end:
-        replace(model_dir, lambda dst: lora.merge(model_path, adapter_dir, dst))
 
 
 # ----------------------------------------------------------------------------------------------------

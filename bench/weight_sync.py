@@ -5,7 +5,7 @@
 For models of about 1M, 10M, 100M and 300M parameters (Qwen2 built from configs by the project's
 `rollout.build_tiny_model`, random weights), each in its own process:
 - the trainer side is the project's: an FSDP2 model (`train.build_trainer_model`, one rank) publishing into
-  the packed shared buffer with `train.publish` (no gather: each rank writes its own rows);
+  the packed shared buffer with `sync.publish_model` (no gather: each rank writes its own rows);
 - the generator side is the project's `rollout.Generator` with its real vLLM engine, running its own loop
   (`Generator.run`); it notices the new version, pauses, loads (`sync.WeightSyncWorker`), resets the prefix
   cache and resumes, and reports each part (`sync_parts`) and the publish-to-serving time (`sync_ms`).
@@ -81,7 +81,7 @@ async def tmpfs_route(gen, model, config, base_model: str, versions, gap_s: floa
     import torch
 
     import lora
-    import train
+    import sync
     from rollout import LORA_ID
     from vllm.lora.request import LoRARequest
 
@@ -91,10 +91,10 @@ async def tmpfs_route(gen, model, config, base_model: str, versions, gap_s: floa
         for version in versions:
             await asyncio.sleep(gap_s)
             with torch.no_grad():
-                for _, p in train.synced_parameters(model):
+                for _, p in sync.synced_parameters(model):
                     p.add_(1e-4)
             t0 = time.perf_counter()
-            state = {name: p.full_tensor() for name, p in train.synced_parameters(model)}
+            state = {name: p.full_tensor() for name, p in sync.synced_parameters(model)}
             folder, tmp = os.path.join(root, f"v{version}"), os.path.join(root, f".tmp-v{version}")
             lora.save_adapter(state, config, base_model, tmp)
             os.rename(tmp, folder)
@@ -128,6 +128,7 @@ def measure_size(name: str, shape: tuple, work: str, syncs: int, seed: int, gap_
     import torch.distributed as dist
     import torch.multiprocessing as mp
 
+    import sync
     import train
     from rollout import Generator
 
@@ -152,10 +153,10 @@ def measure_size(name: str, shape: tuple, work: str, syncs: int, seed: int, gap_
         shapes, resolved = lora.adapter_shapes(path, lora_config)
         lora_dir = lora.write_config(resolved, path, str(Path(work) / f"adapter_config_{name}_r{lora_rank}"))
         shared = SharedWeights.allocate(shapes)
-        train.publish(model, shared, 0, 0, 1)
+        sync.publish_model(model, shared, 0, 0, 1)
     else:
         shared = train.allocate_shared_weights(path)
-    synced = [p for _, p in train.synced_parameters(model)]
+    synced = [p for _, p in sync.synced_parameters(model)]
     base_params = sum(p.numel() for p in model.parameters()) - (sum(p.numel() for p in synced) if lora_rank else 0)
     params = sum(p.numel() for p in synced)
     nbytes = shared.buffer.numel() * shared.buffer.element_size()
@@ -191,7 +192,7 @@ def measure_size(name: str, shape: tuple, work: str, syncs: int, seed: int, gap_
                 for p in synced:
                     p.add_(1e-4)  # new values every version
             t0 = time.perf_counter()
-            train.publish(model, shared, version, 0, 1)
+            sync.publish_model(model, shared, version, 0, 1)
             t1 = time.perf_counter()
             while gen.loaded_version < version and not task.done():
                 await asyncio.sleep(0.0005)

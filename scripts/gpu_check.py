@@ -3,8 +3,8 @@
 Role
     Checks, on a GPU machine (one GPU is enough), what `python train.py --gen-devices G --train-devices T`
     relies on, without vLLM's CUDA build:
-    1. FSDP2 training steps on the GPU through train.py's own functions (build_trainer_model,
-       loss_on_batch, publish) in a process group with the GPU layout's backend (devices.GPU_BACKEND).
+    1. FSDP2 training steps on the GPU through the project's own functions (train.build_trainer_model,
+       train.loss_on_batch, sync.publish_model) in a process group with the GPU layout's backend (devices.GPU_BACKEND).
     2. The CUDA IPC packed sync between two processes. This process is the trainer's rank 0 and owns the
        packed device buffer (sync.SharedWeights.allocate on its GPU); a second process plays the generator's
        worker: it opens the IPC handle once (SharedWeights.from_bytes), copies seqlock-consistent snapshots
@@ -208,6 +208,7 @@ def check_size(size, args, device, receiver_device, receiver_visible, peer_here,
     import torch
     import torch.multiprocessing as mp
 
+    import sync
     import train
 
     result = {"size": size}
@@ -266,7 +267,7 @@ def check_size(size, args, device, receiver_device, receiver_visible, peer_here,
 
             published_ns = time.time_ns()
             t0 = time.perf_counter()
-            train.publish(model, shared, step + 1, 0, 1)
+            sync.publish_model(model, shared, step + 1, 0, 1)
             publish_ms.append((time.perf_counter() - t0) * 1e3)
             with torch.no_grad():
                 mine = train.target_logprobs(train.next_token_logits(model, eval_dev), eval_dev, cfg.temperature, cfg.top_k, cfg.top_p).cpu()

@@ -5,7 +5,7 @@
 - sync.py's protocol with CPU tensors: handles as bytes across a spawned process with a version bump after
   it mapped the buffer; the CUDA IPC handle's lazy opening, forwarding without re-sharing, and the GPU
   found by UUID (a stand-in for torch's rebuild function); the device waits in the seqlock's order.
-- train.publish's GPU branch (gather each parameter, rank 0 the only writer) at world size 2 on gloo.
+- sync.publish_model's GPU branch (gather each parameter, rank 0 the only writer) at world size 2 on gloo.
 scripts/gpu_check.py is tested in tests/test_gpu_check.py.
 """
 import pickle
@@ -228,7 +228,7 @@ def test_cpu_buffers_still_cross_as_shared_memory():
 
 
 # ----------------------------------------------------------------------------------------------------
-# train.publish's GPU branch at world size 2 (gloo stands in for NCCL)
+# sync.publish_model's GPU branch at world size 2 (gloo stands in for NCCL)
 # ----------------------------------------------------------------------------------------------------
 def _small_model():
     torch.manual_seed(0)  # 5 and 3 rows: uneven FSDP2 shards over 2 ranks
@@ -263,7 +263,7 @@ def _gather_rank(rank, world, init_file, shared, results):
         for layer in (model[0], model[2], model):
             fully_shard(layer, mesh=mesh)
         assert all(hasattr(p, "full_tensor") for p in model.parameters())  # sharded DTensors
-        train.publish(model, mine, 7, rank, world)
+        sync.publish_model(model, mine, 7, rank, world)
         results.put((rank, len(writes), waits))
         dist.barrier()
     finally:

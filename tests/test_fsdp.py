@@ -3,7 +3,7 @@
 - World size 1 and 2 give the same loss and the same updated weights on the same batch: each rank's
   `loss_on_batch` term is scaled so that the ranks' terms add up to the whole batch's loss, and FSDP2's
   gradient averaging is undone by the world-size factor.
-- `train.publish` at world size > 1: every rank writes only its own FSDP2 rows into the packed shared
+- `sync.publish_model` at world size > 1: every rank writes only its own FSDP2 rows into the packed shared
   buffer, and the result is exactly the full (gathered) state dict, with the version in the header.
 
 Every distributed run is a set of spawned processes (torch.multiprocessing, start method "spawn");
@@ -73,7 +73,7 @@ def _worker(rank, world, model_path, init_file, agg, shared, version, results):
             dist.all_reduce(total)
 
         if shared is not None:
-            train.publish(model, shared, version, rank, world)
+            sync.publish_model(model, shared, version, rank, world)
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if rank == 0:
             results.put({

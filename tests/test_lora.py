@@ -16,6 +16,7 @@ import torch.multiprocessing as mp
 
 import checkpoint
 import lora
+import sync
 import train
 from rollout import Generator, GeneratorSettings, build_tiny_model
 from sync import SharedWeights
@@ -58,7 +59,7 @@ def test_only_the_adapter_trains_and_matches_the_buffer_layout(base_model):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=0, world_size=1)
     try:
         model = train.build_trainer_model(base_model, 1, lora_config=lora.peft_config(**CONFIG), seed=0)
-        synced = train.synced_parameters(model)
+        synced = sync.synced_parameters(model)
         shapes, _ = lora.adapter_shapes(base_model, lora.peft_config(**CONFIG))
         # the parent sizes the shared buffer from a meta skeleton: same names, same order, same shapes
         assert [(n, tuple(p.shape)) for n, p in synced] == shapes
