@@ -443,6 +443,7 @@ class Generator:
                 raise TimeoutError(f"the trainer published no adapter within {self.s.queue_timeout_s:.0f} s")
             await asyncio.sleep(0.01)
         self.loaded_version = min(await self.engine_call(self.load_rpc(self.s.initial_version), "the first load"))
+        await self.engine.update_weight_version(str(self.loaded_version))  # the tag of the tokens it samples
         self.control.loaded_version.value = self.loaded_version
 
     def may_start_group(self) -> bool:
