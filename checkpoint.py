@@ -13,7 +13,9 @@ Data contract
         optimizer.pt        the full (unsharded) optimizer state dict, keyed by parameter name
         rng.pt              RNG states of the trainer's rank 0 (torch, python, numpy)
         trainer_state.json  {"step": steps completed, "version": model version, "base_model": the model
-                            the run started from (what an adapter applies to), "config": {...}}
+                            the run first started from, carried unchanged through every resume (the
+                            tokenizer, the saved model's skeleton, the KL reference, the LoRA base: never
+                            a checkpoint, which rotation may delete), "config": {...}}
     `step` counts completed optimizer steps; a resumed run starts at that step with that version.
 
 The trainer ranks call `save_trainer_state` (a checkpoint) and `save_final_model` (OUT/model, or with

@@ -267,7 +267,11 @@ def loss_on_batch(model, ref_model, local, cfg, world_size):
     return loss * share * world_size, loss * share, logp.detach(), metrics, local
 
 
-def trainer_main(cfg, rank, world_size, model_path, shared, rollout_queue, control, init_file, resume_dir=""):
+def trainer_main(cfg, rank, world_size, model_path, shared, rollout_queue, control, init_file, resume_dir="",
+                 base_model=""):
+    """One FSDP2 rank. `model_path`: the weights to start from (the original model, or a checkpoint's model on a
+    resume); `base_model`: the model the run first started from (default `model_path`), the one source of the
+    tokenizer, the saved model's skeleton, the KL reference and the LoRA base: checkpoints rotate away, it stays."""
     import torch.distributed as dist
     from datetime import timedelta
 
@@ -278,6 +282,7 @@ def trainer_main(cfg, rank, world_size, model_path, shared, rollout_queue, contr
 
     import devices
 
+    base_model = base_model or model_path
     torch.set_num_threads(cfg.train_threads)
     torch.manual_seed(cfg.seed + rank)
     layout = devices.layout_for(cfg)  # CPU: gloo, as before; GPU: this rank's GPU, NCCL for CUDA tensors
@@ -321,10 +326,10 @@ def trainer_main(cfg, rank, world_size, model_path, shared, rollout_queue, contr
     ref_model = None
     if cfg.kl_coef > 0 and not cfg.lora_rank:
         from transformers import AutoModelForCausalLM
-        ref_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device).eval()
+        ref_model = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32).to(device).eval()
         ref_model.requires_grad_(False)
     from transformers import AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer = AutoTokenizer.from_pretrained(base_model)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     ready = True
@@ -402,16 +407,16 @@ def trainer_main(cfg, rank, world_size, model_path, shared, rollout_queue, contr
                      logprob_diff=float(stats[1]) if stats[2] > 0 else None, wait_s=wait_s,
                      train_s=time.perf_counter() - t_step, publish_ms=publish_ms, skipped=skipped)
         if cfg.save_every and (step + 1) % cfg.save_every == 0:
-            checkpoint.save_trainer_state(model, optimizer, model_path, cfg, step + 1, version, rank)
+            checkpoint.save_trainer_state(model, optimizer, base_model, cfg, step + 1, version, rank)
     else:
         step = cfg.steps  # the loop ran to the end
     finished = step >= cfg.steps and not control.interrupted.is_set()
     if rank == 0:
         control.stop.set()  # the generator can stop now
     if finished:
-        checkpoint.save_final_model(model, model_path, cfg, rank)
+        checkpoint.save_final_model(model, base_model, cfg, rank)
     else:  # a signal, or another process failed: keep what was learned
-        where = checkpoint.save_trainer_state(model, optimizer, model_path, cfg, step, version, rank)
+        where = checkpoint.save_trainer_state(model, optimizer, base_model, cfg, step, version, rank)
         if rank == 0:
             print(f"stopped at step {step} (version {version}); checkpoint in {where}; continue with "
                   f"--resume latest --out {cfg.out}", flush=True)
@@ -512,12 +517,15 @@ def run(cfg: Config) -> int:
         for line in checkpoint.config_differences(saved["config"], dataclasses.asdict(cfg)):
             print(f"warning: config differs from the checkpoint's: {line}", file=sys.stderr)
         print(f"resuming from {resume_dir}: step {start_step}, version {start_version}", flush=True)
-        # LoRA checkpoints hold the adapter only: the base model is the one the run started from
-        model_path = saved.get("base_model", "") if cfg.lora_rank else os.path.join(resume_dir, "model")
-        if cfg.lora_rank and not os.path.isdir(model_path):
-            raise SystemExit(f"error: the base model of {resume_dir} ({model_path or 'not recorded'}) is gone")
+        # The model the run first started from, carried through every resume: checkpoints rotate away.
+        base_model = saved.get("base_model", "")
+        if not os.path.isdir(base_model):
+            raise SystemExit(f"error: the model {resume_dir} was trained from ({base_model or 'not recorded'}) is "
+                             "gone: it holds the tokenizer (and the LoRA base / KL reference)")
+        # The weights to start from: the checkpoint's (LoRA checkpoints hold the adapter only: the base's)
+        model_path = base_model if cfg.lora_rank else os.path.join(resume_dir, "model")
     else:
-        model_path = prepare_model(cfg)
+        model_path = base_model = prepare_model(cfg)
     check_tokenizer(model_path)
     import devices
 
@@ -549,7 +557,7 @@ def run(cfg: Config) -> int:
     children = {"generator": (_generator_entry, (settings, shared, rollout_queue, control), True)}
     for rank in range(cfg.train_ranks):
         children[f"trainer{rank}"] = (trainer_main, (cfg, rank, cfg.train_ranks, model_path, shared, rollout_queue,
-                                                     control, init_file, resume_dir), False)
+                                                     control, init_file, resume_dir, base_model), False)
     try:
         return run_children(ctx, children, errors, control)
     finally:

@@ -47,13 +47,19 @@ def wait_rows(out, n, proc, timeout=180):
         time.sleep(0.2)
 
 
-def test_sigint_checkpoints_and_resume_continues_like_an_uninterrupted_run(tmp_path):
+def test_sigint_then_two_resumes_survive_rotation_and_continue_like_an_uninterrupted_run(tmp_path):
+    """Ctrl-C, resume, save and rotate well past the checkpoint resumed from (--keep-checkpoints 1), resume
+    again, finish: every step equals the uninterrupted run's, the final model loads, and with --kl-coef the
+    reference stays the original model (were it the checkpoint, kl_ref would restart at 0 after each resume)."""
+    from transformers import AutoModelForCausalLM
+
+    steps, kl = 16, ["--kl-coef", "0.05", "--save-every", "2", "--keep-checkpoints", "1"]
     full, cut = str(tmp_path / "full"), str(tmp_path / "cut")
-    proc, _ = start(full, "--steps", "8")
-    assert finish(proc, 300) == 0
+    proc, log = start(full, "--steps", str(steps), *kl)
+    assert finish(proc, 300) == 0, open(log).read()[-3000:]
     reference = {r["step"]: r for r in rows(full)}
 
-    proc, log = start(cut, "--steps", "8")
+    proc, log = start(cut, "--steps", str(steps), *kl)
     wait_rows(cut, 3, proc)
     os.kill(proc.pid, signal.SIGINT)
     t0 = time.monotonic()
@@ -62,22 +68,36 @@ def test_sigint_checkpoints_and_resume_continues_like_an_uninterrupted_run(tmp_p
     text = open(log).read()
     assert "SIGINT" in text and "--resume latest" in text
     saved = checkpoint.list_checkpoints(checkpoint.checkpoint_root(cut))
-    assert saved, "no checkpoint written on SIGINT"
+    assert len(saved) == 1, "no checkpoint written on SIGINT (or rotation kept more than one)"
     state = checkpoint.load_state(saved[-1])
-    stopped_at = state["step"]
-    assert 3 <= stopped_at < 8 and state["version"] == stopped_at  # max-lag 0: one version per step
+    first_stop = state["step"]
+    assert 3 <= first_stop <= steps - 8 and state["version"] == first_stop  # max-lag 0: one version per step
+    assert state["base_model"] == os.path.abspath(os.path.join(cut, "init_model"))
 
-    proc, log = start(cut, "--steps", "8", "--resume", "latest")
+    # First resume: several saves after the checkpoint it resumed from, which rotation deletes.
+    proc, log = start(cut, "--steps", str(first_stop + 5), "--resume", "latest", *kl)
+    assert finish(proc, 300) == 0, open(log).read()[-3000:]
+    assert not os.path.exists(saved[-1])
+    second = checkpoint.list_checkpoints(checkpoint.checkpoint_root(cut))
+    assert len(second) == 1 and checkpoint.load_state(second[0])["step"] > first_stop + 2
+    assert checkpoint.load_state(second[0])["base_model"] == state["base_model"]  # carried, not the checkpoint
+    second_stop = checkpoint.load_state(second[0])["step"]
+
+    # Second resume, to the end.
+    proc, log = start(cut, "--steps", str(steps), "--resume", "latest", *kl)
     assert finish(proc, 300) == 0, open(log).read()[-3000:]
     resumed = rows(cut)
-    assert [r["step"] for r in resumed] == list(range(8))
-    assert resumed[-1]["version"] == reference[7]["version"] == 8
-    first_new = resumed[stopped_at]
-    # Same weights, optimizer state and (seeded) rollouts: the next loss is the uninterrupted run's.
-    assert first_new["reward"] == pytest.approx(reference[stopped_at]["reward"], abs=1e-6)
-    assert first_new["loss"] == pytest.approx(reference[stopped_at]["loss"], rel=1e-3, abs=1e-5)
+    assert [r["step"] for r in resumed] == list(range(steps))
+    assert resumed[-1]["version"] == reference[steps - 1]["version"] == steps
+    for step in (first_stop, second_stop, steps - 1):  # the first step of each resume, and the last
+        # Same weights, optimizer state, (seeded) rollouts and reference model: the uninterrupted run's step.
+        assert resumed[step]["reward"] == pytest.approx(reference[step]["reward"], abs=1e-6)
+        assert resumed[step]["loss"] == pytest.approx(reference[step]["loss"], rel=1e-3, abs=1e-5)
+        assert reference[step]["kl_ref"] > 1e-5
+        assert resumed[step]["kl_ref"] == pytest.approx(reference[step]["kl_ref"], rel=1e-2, abs=1e-7)
     summary = json.load(open(os.path.join(cut, "summary.json")))
-    assert summary["steps"] == 8
+    assert summary["steps"] == steps
+    AutoModelForCausalLM.from_pretrained(os.path.join(cut, "model"))
 
 
 def test_sigterm_stops_with_a_checkpoint_and_nothing_left(tmp_path):
