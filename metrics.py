@@ -31,6 +31,24 @@ import buffer
 import data
 
 
+def configure_terminal(log_level: str) -> None:
+    """What the run's terminal shows. "warning" (the default): the progress lines, warnings and errors;
+    vLLM's own INFO log (six lines per weight sync) and the libraries' progress bars are left out.
+    "info" / "debug": vLLM logs at that level, bars included. Called in the parent before any child starts:
+    children, vLLM's EngineCore and workers inherit the environment. The per-sync reload warnings that are
+    expected are dropped at their source, in the vLLM worker (sync.ExpectedReloadWarnings)."""
+    os.environ["VLLM_LOGGING_LEVEL"] = log_level.upper()
+    if log_level != "warning":
+        return
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"  # transformers' and the hub's bars, in every process
+    import transformers.utils.logging
+
+    transformers.utils.logging.disable_progress_bar()  # this process may have imported transformers already
+    # vLLM's start-up scan of every module touches a deprecated torch alias (not our code, not actionable).
+    expected = "ignore:`torch.distributed.reduce_op` is deprecated:FutureWarning"
+    os.environ["PYTHONWARNINGS"] = ",".join(w for w in (os.environ.get("PYTHONWARNINGS"), expected) if w)
+
+
 class RunLog:
     """Rank 0's metrics: one JSON row per step, a progress line, wandb, and the summary at the end."""
 
@@ -40,6 +58,7 @@ class RunLog:
         self.max_token_lag, self.logprob_diff, self.sync_ms, self.gen = 0, None, [], {}
         self.sync_mb = None  # set by the trainer: the size of the packed shared buffer
         self.bad_steps = 0
+        self.first_step_end = None  # when this process's first step ended (the ETA counts from there)
         path = os.path.join(cfg.out, "metrics.jsonl")
         if start_step and os.path.exists(path):  # a resume: keep the rows of the steps already done
             with open(path) as f:
@@ -57,6 +76,7 @@ class RunLog:
                     self.logprob_diff = max(self.logprob_diff or 0.0, r["logprob_diff_on_policy"])
                 if r.get("sync_ms") is not None:
                     self.sync_ms.append(r["sync_ms"])
+        self.resumed_rows = len(self.rows)
         self.file = open(path, "w")
         for r in self.rows:
             self.file.write(json.dumps(r) + "\n")
@@ -100,16 +120,32 @@ class RunLog:
                    completion_len_max=int(lengths.max()), unscored=sum(g.unscored for g in taken.groups),
                    gen_reward_s=gen.get("reward_s"), **{f"lag_hist/{k}": int(n) for k, n in enumerate(lags)})
         self.rows.append(row)
+        if self.first_step_end is None:
+            self.first_step_end = time.perf_counter()
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
         if self.wandb is not None:
             self.wandb.log(row, step=step)
         if step % self.cfg.log_every == 0 or step == self.cfg.steps - 1:
-            recent = self.rows[-self.cfg.log_every:]
-            print(f"step {step:5d}  v{version:<5d} reward {sum(r['reward'] for r in recent) / len(recent):.3f}  "
-                  f"lag {row['lag_mean']:.2f} (max {row['lag_max']})  dropped {int(self.dropped)}  "
-                  f"wait {wait_s * 1e3:6.0f} ms  train {train_s * 1e3:5.0f} ms  "
-                  f"{self.tokens_trained / (time.perf_counter() - self.start):7.0f} tok/s", flush=True)
+            print(self.progress_line(step, version, wait_s, train_s), flush=True)
+
+    def progress_line(self, step, version, wait_s, train_s) -> str:
+        """One line a person can follow: where the run is, how it learns, how stale, how fast, how long."""
+        recent = self.rows[-self.cfg.log_every:]
+        now = time.perf_counter()
+        done_here = len(self.rows) - self.resumed_rows
+        if done_here <= 1:  # the first step waited for the engine: time the rest from its end
+            eta = "-"
+        else:
+            left = int((now - self.first_step_end) / (done_here - 1) * (self.cfg.steps - step - 1))
+            eta = f"{left // 60}m{left % 60:02d}s"
+        row = self.rows[-1]
+        width = len(str(self.cfg.steps))
+        return (f"step {step + 1:>{width}}/{self.cfg.steps}  v{version:<5d} "
+                f"reward {sum(r['reward'] for r in recent) / len(recent):.3f}  "
+                f"lag {row['lag_mean']:.2f} (max {row['lag_max']})  dropped {int(self.dropped)}  "
+                f"wait {wait_s * 1e3:4.0f} ms  train {train_s * 1e3:4.0f} ms  "
+                f"{self.tokens_trained / (now - self.start):6.0f} tok/s  ETA {eta}")
 
     def finish(self, version):
         n = len(self.rows)

@@ -255,11 +255,26 @@ class GeneratorSettings:
     # LoRA (lora.py): serve `model` with the adapter the trainer publishes; the buffer holds only the adapter
     lora_rank: int = 0  # 0: full weights
     lora_dir: str = ""  # holds the adapter's adapter_config.json (rank, alpha, targets)
+    log_level: str = "warning"  # "warning": no load progress bars (vLLM's own level is set by the parent)
     # GPU path only (train.py fills these from devices.py; the defaults are the CPU path)
     device: str = "cpu"  # "cpu" or "cuda"
     cuda_visible_devices: str = ""  # this process's GPUs: the generator's first, then the weight buffer's
     gpu_memory_utilization: float = 0.9  # vLLM's share of each of its GPUs (bounded on a shared GPU)
     tensor_parallel_size: int = 1  # = number of generator GPUs
+
+
+async def load_same_version(load, max_tries: int = 20) -> int:
+    """Call `load()` (every vLLM worker loads the buffer's newest weights and reports their version) until all
+    workers report the same version, and return it. With tensor parallelism each worker reads the buffer on its
+    own, so a publish that lands between two reads leaves them on different versions; tokens sampled then would
+    mix two models under one tag. Loading again converges as soon as no publish lands during a load."""
+    versions = []
+    for _ in range(max_tries):
+        versions = list(await load())
+        if len(set(versions)) == 1:
+            return versions[0]
+    raise RuntimeError(f"the generator's workers loaded different weight versions {max_tries} times in a row "
+                       f"(last: {versions}): the trainer publishes faster than they load; raise --sync-every")
 
 
 def tag_versions(weight_versions, num_tokens: int) -> list[int]:
@@ -321,7 +336,7 @@ class Generator:
             model=self.s.model, tokenizer=self.s.model, dtype="float32", seed=self.s.seed,
             enforce_eager=True, logprobs_mode="processed_logprobs",
             worker_extension_cls="sync.WeightSyncWorker", **memory,
-            enable_prefix_caching=True, disable_log_stats=True,
+            enable_prefix_caching=True, disable_log_stats=True, use_tqdm_on_load=self.s.log_level != "warning",
         )
         self.engine = AsyncLLM.from_engine_args(args)
         return self.engine
@@ -411,8 +426,8 @@ class Generator:
         await self.engine_call(self.engine.engine_core.pause_scheduler_async(mode=mode, clear_cache=False),
                                "the pause")
         t1 = time.perf_counter()
-        loaded = await self.engine_call(self.load_rpc(version), "the weight load")
-        version = min(loaded)  # the buffer may already hold a newer version than we were told
+        # The buffer may already hold a newer version than we were told: the workers report what they loaded.
+        version = await load_same_version(lambda: self.engine_call(self.load_rpc(version), "the weight load"))
         t2 = time.perf_counter()
         # Cached blocks hold keys/values of the old weights; in-flight requests are re-prefilled.
         if not await self.engine_call(self.engine.reset_prefix_cache(reset_running_requests=True), "the reset"):
@@ -442,7 +457,8 @@ class Generator:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the trainer published no adapter within {self.s.queue_timeout_s:.0f} s")
             await asyncio.sleep(0.01)
-        self.loaded_version = min(await self.engine_call(self.load_rpc(self.s.initial_version), "the first load"))
+        self.loaded_version = await load_same_version(
+            lambda: self.engine_call(self.load_rpc(self.s.initial_version), "the first load"))
         await self.engine.update_weight_version(str(self.loaded_version))  # the tag of the tokens it samples
         self.control.loaded_version.value = self.loaded_version
 

@@ -36,6 +36,7 @@ Data flows one way: train -> sync -> rollout.
 from __future__ import annotations
 
 import io
+import logging
 import math
 import os
 import time
@@ -336,6 +337,27 @@ def publish_model(model, shared, version, rank, world_size):
 # ----------------------------------------------------------------------------------------------------
 # The generator's side: the vLLM worker extension
 # ----------------------------------------------------------------------------------------------------
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"  # vLLM 0.32's layer-wise reload
+
+
+class ExpectedReloadWarnings(logging.Filter):
+    """Drops the two "X: Failed to load weights" warnings vLLM's layer-wise reload logs at every sync, both
+    expected: a rotary embedding has no weights to load (its cos/sin cache is computed), and with tied
+    embeddings the buffer holds the embedding once, so the LM head gets nothing (`_refresh_tied_lm_head`
+    re-ties it after each load). The same warning for any other layer is a real failure and still shows."""
+
+    def __init__(self, tied_embeddings: bool):
+        super().__init__()
+        self.tied_embeddings = tied_embeddings
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg != "%s: Failed to load weights" or not record.args:
+            return True
+        layer = str(record.args[0])
+        expected = layer.endswith("RotaryEmbedding") or (self.tied_embeddings and layer == "ParallelLMHead")
+        return not expected
+
+
 class WeightSyncWorker:
     """vLLM worker extension (`worker_extension_cls="sync.WeightSyncWorker"`).
 
@@ -346,6 +368,8 @@ class WeightSyncWorker:
 
     def attach_shared_weights(self, handles: bytes) -> int:
         self._shared = SharedWeights.from_bytes(handles)
+        tied = getattr(self.model_runner.model_config.hf_config, "tie_word_embeddings", False)
+        logging.getLogger(RELOAD_LOGGER).addFilter(ExpectedReloadWarnings(tied))
         # On a GPU worker `.buffer` opens the CUDA IPC handle here, once (on the buffer's own GPU, which must be
         # visible to this process), and every load goes through a private snapshot on this worker's GPU (a
         # device-to-device or peer-to-peer copy). On CPU the load reads the shared buffer in place; the

@@ -25,12 +25,15 @@ rollout -> buffer -> train (losses) -> sync -> rollout.
 """
 import argparse
 import dataclasses
+import inspect
+import io
 import json
 import math
 import os
 import sys
 import tempfile
 import time
+import tokenize
 import typing
 from dataclasses import dataclass
 from typing import Optional
@@ -46,93 +49,137 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 @dataclass
 class Config:
-    steps: int = 300  # optimizer steps
-    seed: int = 0
-    model: str = ""  # Hugging Face model directory; "" builds the tiny default model into OUT/init_model
-    out: str = "runs/latest"
+    """Every field is a `--flag` (underscores become dashes). The comment after a field is its `--help` text
+    and a comment line on its own starts a group of flags: this class is the one source of both."""
+    # run
+    steps: int = 300  # optimizer steps to train for (a resumed run counts from the checkpoint's step)
+    seed: int = 0  # seeds the tiny model, the prompts drawn and the sampling
+    model: str = ""  # Hugging Face model directory or hub id; "" builds the tiny default model into OUT/init_model
+    out: str = "runs/latest"  # output folder: metrics.jsonl, summary.json, plots.png, model/, checkpoints/
     # asynchrony
     max_lag: int = 2  # train only on samples whose oldest token is <= this many versions old (0: on-policy)
     queue_size: int = 64  # rollout groups waiting in the queue, at most
     sync_every: int = 1  # publish weights every N optimizer steps
-    update_mode: str = "inflight"  # "inflight": swap with requests kept running; "drain": let them finish
-    max_inflight_groups: int = 0  # groups generating at once; 0 = prompts_per_step
+    update_mode: str = "inflight"  # inflight: swap weights with requests kept running; drain: let them finish
+    max_inflight_groups: int = 0  # groups generating at once; 0 = --prompts-per-step
     # sizes
-    train_ranks: int = 1
+    train_ranks: int = 1  # FSDP2 trainer ranks (processes; on GPUs one per --train-devices GPU)
     group_size: int = 8  # G completions per prompt
-    prompts_per_step: int = 32
-    max_new_tokens: int = 5
+    prompts_per_step: int = 32  # prompts (groups) per optimizer step
+    max_new_tokens: int = 5  # longest completion, in tokens
     # data and reward (data.py; the defaults are the built-in copy task)
-    task: str = "auto"  # auto ("dataset" with --dataset, else "copy") | copy | dataset | gsm8k (a preset)
+    task: str = "auto"  # auto (dataset with --dataset, else copy) | copy | dataset | gsm8k (a preset)
     dataset: str = ""  # a .jsonl/.json/.parquet file, or a Hugging Face dataset NAME[:CONFIG]
     split: str = "train"  # the split of a Hugging Face dataset
     prompt_column: str = "prompt"  # text, or a list of chat messages (rendered with the chat template)
     answer_column: str = "answer"  # also passed to reward functions as `answer`
     reward: str = ""  # comma-separated module:function | path/file.py:function | math (TRL's convention)
-    reward_weights: str = ""  # comma-separated, one per --reward function (default: all 1)
+    reward_weights: str = ""  # comma-separated, one per --reward function; "": all 1
     system_prompt: str = ""  # added as a system message (chat template) or a prefix (plain text)
     reward_workers: int = 0  # 0: rewards run in a thread of the generator; N: a pool of N processes
     # sampling (the trainer scores tokens with the same temperature/top-k/top-p)
-    temperature: float = 1.0
-    top_k: int = -1  # -1: off
-    top_p: float = 1.0
+    temperature: float = 1.0  # sampling temperature (> 0)
+    top_k: int = -1  # keep the k most likely tokens; -1: off
+    top_p: float = 1.0  # nucleus sampling: keep the smallest set of tokens with this much mass; 1: off
     # optimisation and loss (see losses.py)
-    lr: float = 3e-4
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    loss: str = "grpo"  # grpo | dapo | dr_grpo | gspo | cispo
-    adv_scale: str = "group"  # group | batch | none
-    agg: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm
-    eps_low: float = 0.2
-    eps_high: Optional[float] = None  # None: eps_low (dapo: 0.28)
-    dual_clip: Optional[float] = None
-    kl_coef: float = 0.0  # > 0 loads a frozen reference model
-    kl_kind: str = "k3"
-    is_level: str = "token"  # behaviour-policy correction: token | sequence
-    is_mode: str = "truncate"  # truncate (TIS) | mask (MIS) | off (ratio taken against the generator)
-    is_low: Optional[float] = None
-    is_high: float = 2.0
+    lr: float = 3e-4  # AdamW learning rate
+    weight_decay: float = 0.0  # AdamW weight decay
+    grad_clip: float = 1.0  # clip the gradient's global norm to this
+    loss: str = "grpo"  # the policy loss: grpo | dapo | dr_grpo | gspo | cispo
+    adv_scale: str = "group"  # divide advantages by the reward std of the group | batch | none (Dr. GRPO)
+    agg: str = "token-mean"  # how token losses are averaged over the batch (see losses.AGGS)
+    eps_low: float = 0.2  # lower clip of the ratio: 1 - eps_low
+    eps_high: Optional[float] = None  # upper clip of the ratio: 1 + eps_high; none: eps_low (dapo: 0.28)
+    dual_clip: Optional[float] = None  # dual-clip constant c > 1 for negative advantages; none: off
+    kl_coef: float = 0.0  # weight of the KL penalty to the original model (> 0 keeps a frozen reference)
+    kl_kind: str = "k3"  # KL estimator: k1 | k2 | k3 (Schulman's)
+    is_level: str = "token"  # behaviour-policy importance weights per token or per sequence
+    is_mode: str = "truncate"  # truncate (TIS) | mask (MIS) | off (the ratio is taken against the generator)
+    is_low: Optional[float] = None  # with --is-mode mask: weights below this are masked; none: no lower bound
+    is_high: float = 2.0  # importance weights above this are truncated (or masked)
     # machinery
-    gen_threads: int = 0  # 0: half the cores
-    train_threads: int = 0  # per rank; 0: the rest of the cores, split between ranks
-    kv_cache_mb: int = 256
-    # LoRA (lora.py): train an adapter on the frozen base model and sync only the adapter
-    lora_rank: int = 0  # > 0: LoRA of this rank (0: full fine-tuning)
-    lora_alpha: int = 16  # the adapter's scale is alpha / rank
-    lora_dropout: float = 0.0
-    lora_targets: str = "all-linear"  # or comma-separated module names, e.g. "q_proj,v_proj"
-    merge_at_end: bool = False  # with --lora-rank: also write OUT/model, the base model with the adapter merged in
+    gen_threads: int = 0  # CPU threads of the generator; 0: half the cores
+    train_threads: int = 0  # CPU threads per trainer rank; 0: the rest of the cores, split between ranks
+    kv_cache_mb: int = 256  # vLLM's KV cache on CPU, in MiB
     timeout_s: float = 300.0  # longest wait for any other process before the run fails
     gen_devices: str = ""  # generator GPUs, e.g. "0" ("" or "cpu": the CPU path); see devices.py
     train_devices: str = ""  # trainer GPUs, one FSDP2 rank each, e.g. "1,2,3"; "0" with --gen-devices 0 shares it
+    # LoRA (lora.py): train an adapter on the frozen base model and sync only the adapter
+    lora_rank: int = 0  # > 0: LoRA of this rank (0: full fine-tuning)
+    lora_alpha: int = 16  # the adapter's scale is alpha / rank
+    lora_dropout: float = 0.0  # dropout on the adapter's input
+    lora_targets: str = "all-linear"  # the modules the adapter wraps: all-linear, or names such as q_proj,v_proj
+    merge_at_end: bool = False  # with --lora-rank: also write OUT/model, the base model with the adapter merged in
     # checkpoints and faults
     save_every: int = 0  # write a checkpoint every N steps (0: only when interrupted)
     keep_checkpoints: int = 2  # newest checkpoints kept (0: all)
     resume: str = ""  # a checkpoint folder, or "latest" (the newest under OUT/checkpoints)
     max_bad_steps: int = 10  # steps skipped for NaN/inf loss or gradients before the run stops
-    log_every: int = 10
-    wandb: str = "off"  # online | offline | off
-    wandb_project: str = "asyncgrpo"
+    # logging
+    log_every: int = 10  # print a progress line every N steps
+    log_level: str = "warning"  # warning: progress lines, warnings, errors; info / debug: also vLLM's own log
+    wandb: str = "off"  # log to Weights & Biases: online | offline | off
+    wandb_project: str = "asyncgrpo"  # the wandb project
 
 
 CHOICES = {"update_mode": ("inflight", "drain"), "loss": ("grpo", "dapo", "dr_grpo", "gspo", "cispo"),
            "adv_scale": ("group", "batch", "none"), "wandb": ("online", "offline", "off"),
            "agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"),
            "kl_kind": ("k1", "k2", "k3"), "is_level": ("token", "sequence"),
-           "is_mode": ("truncate", "mask", "off")}
+           "is_mode": ("truncate", "mask", "off"), "log_level": ("debug", "info", "warning")}
+
+
+def field_help(cls) -> dict[str, tuple[str, str]]:
+    """{field: (group, help)} read from the class's source: a field's trailing comment is its help, and a
+    comment line on its own names the group of the fields below it (CleanRL's arguments dataclass, without a
+    second list to keep in step)."""
+    lines: dict[int, list] = {}  # line number -> its tokens (the docstring spans lines: tokenize it whole)
+    for token in tokenize.generate_tokens(io.StringIO(inspect.getsource(cls)).readline):
+        if token.type not in (tokenize.INDENT, tokenize.DEDENT, tokenize.NEWLINE, tokenize.NL, tokenize.ENDMARKER):
+            lines.setdefault(token.start[0], []).append(token)
+    group, found = "", {}
+    for tokens in lines.values():
+        if len(tokens) == 1 and tokens[0].type == tokenize.COMMENT:
+            group = tokens[0].string.lstrip("# ").strip()
+        elif len(tokens) > 2 and tokens[0].type == tokenize.NAME and tokens[1].string == ":":
+            comment = tokens[-1].string.lstrip("# ").strip() if tokens[-1].type == tokenize.COMMENT else ""
+            found[tokens[0].string] = (group, comment)
+    return found
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    def _get_help_string(self, action):
+        if action.default in ("", None) and action.help:  # say what an empty default is, not "(default: )"
+            return action.help + (' (default: "")' if action.default == "" else " (default: none)")
+        return super()._get_help_string(action)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        usage="%(prog)s [--flag VALUE ...]", formatter_class=HelpFormatter,
+        description="Asynchronous GRPO: a vLLM generator and FSDP2 trainer ranks joined by a bounded rollout queue, "
+                    "with weights pushed to the running generator. No flags: the built-in task on a tiny model.")
+    metavars = {int: "N", float: "X", str: "S"}
+    docs, groups = field_help(Config), {}
+    for f in dataclasses.fields(Config):
+        group_name, help_text = docs[f.name]
+        if group_name not in groups:
+            groups[group_name] = parser.add_argument_group(group_name)
+        group = groups[group_name]
+        flag = "--" + f.name.replace("_", "-")
+        if f.type is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+        elif typing.get_origin(f.type) is typing.Union:  # Optional[float]: "none" means None
+            group.add_argument(flag, type=lambda s: None if s.lower() == "none" else float(s), default=f.default,
+                               help=help_text, metavar="X")
+        else:
+            group.add_argument(flag, type=f.type, default=f.default, choices=CHOICES.get(f.name), help=help_text,
+                               metavar=None if f.name in CHOICES else metavars[f.type])
+    return parser
 
 
 def parse_args(argv=None) -> Config:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    for f in dataclasses.fields(Config):
-        flag = "--" + f.name.replace("_", "-")
-        if f.type is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
-        elif typing.get_origin(f.type) is typing.Union:  # Optional[float]: "none" means None
-            parser.add_argument(flag, type=lambda s: None if s.lower() == "none" else float(s), default=f.default)
-        else:
-            parser.add_argument(flag, type=f.type, default=f.default, choices=CHOICES.get(f.name))
-    cfg = Config(**vars(parser.parse_args(argv)))
+    cfg = Config(**vars(build_parser().parse_args(argv)))
     validate(cfg)
     return cfg
 
@@ -501,13 +548,16 @@ def generator_settings(cfg: Config, model_path: str, gen_threads: int, start_ste
         task=cfg.task, dataset=cfg.dataset, split=cfg.split, prompt_column=cfg.prompt_column,
         answer_column=cfg.answer_column, reward=cfg.reward, reward_weights=cfg.reward_weights,
         system_prompt=cfg.system_prompt, reward_workers=cfg.reward_workers, lora_rank=cfg.lora_rank,
+        log_level=cfg.log_level,
         lora_dir=lora_dir, **(layout.generator_settings() if layout is not None else {}))
 
 
 def run(cfg: Config) -> int:
     """Start the generator and trainer ranks, wait for them, and return the run's exit code."""
     import checkpoint
+    import metrics
 
+    metrics.configure_terminal(cfg.log_level)
     os.makedirs(cfg.out, exist_ok=True)
     resume_dir, start_step, start_version = "", 0, 0
     if cfg.resume:
@@ -534,6 +584,9 @@ def run(cfg: Config) -> int:
         print(layout.notice, file=sys.stderr, flush=True)
     cfg.train_ranks = layout.world_size  # on GPUs: one rank per --train-devices GPU
     gen_threads, cfg.train_threads = split_threads(cfg)
+    print(f"starting the vLLM generator and {cfg.train_ranks} FSDP2 trainer rank(s); writing to {cfg.out}/"
+          + ("" if layout.on_gpu else "\n(on CPU, vLLM's start-up warnings about Triton, torch.compile and "
+                                       "LD_PRELOAD are expected)"), flush=True)
     with open(os.path.join(cfg.out, "config.json"), "w") as f:
         json.dump(dataclasses.asdict(cfg), f, indent=2)
     # On GPUs this process owns the packed buffer (on the first trainer GPU) and outlives every reader.
