@@ -14,8 +14,9 @@ Data contract
       each sampled token: the behaviour policy), `token_versions[j]` (the version of the weights that
       sampled each token), `rewards[j]` (a float; a sample no reward function scored gets its group's
       mean, so zero advantage, and is counted in `unscored`).
-    - A sample's lag = trainer version - the version of its *oldest* token. A sample is trained on only if
-      lag <= max_lag; otherwise it is dropped and counted (`dropped_stale`), never silently.
+    - A sample's lag = trainer version - the version of its *oldest* token. A group is trained whole or not
+      at all: only if every sample's lag <= max_lag; otherwise it is dropped and counted (`dropped_stale`),
+      never silently. Advantages are computed over exactly the samples trained.
     - `Batch` tensors have shape (num_samples, seq_len - 1), aligned with targets `input_ids[:, 1:]`;
       `mask` is True on completion tokens only.
 
@@ -44,6 +45,7 @@ class RolloutGroup:
     gen_stats: dict = field(default_factory=dict)  # generator counters when this group was enqueued
     reward_stats: dict = field(default_factory=dict)  # per reward function: counters (data.call_reward)
     unscored: int = 0  # samples no reward function scored (given the group's mean reward: zero advantage)
+    finish_reasons: list[str] = field(default_factory=list)  # per completion: "stop" (eos or a stop string) | "length"
 
 
 @dataclass
@@ -99,9 +101,10 @@ def sample_lag(trainer_version: int, token_versions: list[int]) -> int:
 class TakeResult:
     groups: list[RolloutGroup]
     samples_kept: int
-    samples_dropped: int
-    groups_dropped: int  # groups whose every sample was stale
+    samples_dropped: int  # samples of stale groups
+    groups_dropped: int  # groups dropped as stale (a group with any stale sample)
     wait_s: float
+    groups_filtered: int = 0  # --filter-groups: groups whose rewards were all equal (no learning signal)
 
 
 class Stopped(Exception):
@@ -109,13 +112,19 @@ class Stopped(Exception):
 
 
 def take_groups(q, num_groups: int, trainer_version: int, max_lag: int, timeout_s: float,
-                should_stop=lambda: False) -> TakeResult:
-    """Take groups until `num_groups` of them have at least one fresh sample; stale samples are dropped.
+                should_stop=lambda: False, filter_groups: bool = False, max_groups_per_step: int = 0) -> TakeResult:
+    """Take groups from the queue until `num_groups` of them are kept.
 
-    Returns the groups with stale samples already removed. Raises TimeoutError if no group arrives for
-    `timeout_s` seconds, or `Stopped` if `should_stop()` turns True meanwhile.
+    A group is trained whole or not at all: one with any sample older than `max_lag` is dropped (its samples
+    counted as stale), so a group's advantages are always computed over exactly the samples trained, and the
+    logged reward is the reward of what was trained. With `filter_groups` (DAPO's dynamic sampling) a group
+    whose rewards are all equal is dropped too (its advantages would all be 0). Both are replaced by the
+    generator. Raises TimeoutError if no group arrives for `timeout_s` seconds, `Stopped` if `should_stop()`
+    turns True meanwhile, and RuntimeError if `max_groups_per_step` groups (default 20 x `num_groups`)
+    arrive without enough informative ones (every prompt solved, or none ever).
     """
-    kept_groups, kept, dropped, groups_dropped, wait = [], 0, 0, 0, 0.0
+    kept_groups, kept, dropped, groups_dropped, filtered, wait = [], 0, 0, 0, 0, 0.0
+    max_groups_per_step = max_groups_per_step or 20 * num_groups
     while len(kept_groups) < num_groups:
         start = time.monotonic()
         while True:
@@ -128,25 +137,26 @@ def take_groups(q, num_groups: int, trainer_version: int, max_lag: int, timeout_
                 if time.monotonic() - start > timeout_s:
                     raise TimeoutError(f"no rollout group arrived for {timeout_s:.0f} s: is the generator alive?")
         wait += time.monotonic() - start
-        fresh = [j for j, v in enumerate(group.token_versions) if sample_lag(trainer_version, v) <= max_lag]
-        dropped += len(group.token_versions) - len(fresh)
-        if not fresh:
+        if any(sample_lag(trainer_version, v) > max_lag for v in group.token_versions):
+            dropped += len(group.token_versions)
             groups_dropped += 1
-            continue
-        kept_groups.append(group)
-        group._fresh = fresh  # indices of samples to train on; advantages still use the whole group
-        kept += len(fresh)
-    return TakeResult(kept_groups, kept, dropped, groups_dropped, wait)
+        elif filter_groups and max(group.rewards) == min(group.rewards):
+            filtered += 1
+            if filtered + groups_dropped + len(kept_groups) >= max_groups_per_step:
+                raise RuntimeError(f"--filter-groups: {filtered} of the last {max_groups_per_step} groups had "
+                                   f"equal rewards (all solved or all failed), too few to fill a step of "
+                                   f"{num_groups}: the task is too easy or too hard for this model")
+        else:
+            kept_groups.append(group)
+            kept += len(group.token_versions)
+    return TakeResult(kept_groups, kept, dropped, groups_dropped, wait, filtered)
 
 
 def to_samples(groups: list[RolloutGroup], advantages: torch.Tensor) -> list[Sample]:
-    """Flatten groups into fresh samples; `advantages[g, j]` was computed over each whole group."""
-    samples = []
-    for g, group in enumerate(groups):
-        for j in getattr(group, "_fresh", range(len(group.completion_ids))):
-            samples.append(Sample(group.prompt_ids, group.completion_ids[j], group.behaviour_logprobs[j],
-                                  group.token_versions[j], group.rewards[j], float(advantages[g, j])))
-    return samples
+    """Flatten groups into samples; `advantages[g, j]` is sample j's of group g."""
+    return [Sample(group.prompt_ids, group.completion_ids[j], group.behaviour_logprobs[j], group.token_versions[j],
+                   group.rewards[j], float(advantages[g, j]))
+            for g, group in enumerate(groups) for j in range(len(group.completion_ids))]
 
 
 def collate(samples: list[Sample], pad_id: int) -> Batch:

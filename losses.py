@@ -74,6 +74,22 @@ def group_advantages(rewards, scale="group", eps=1e-6):
     return centered / (std + eps)
 
 
+def overlong_penalty(lengths, max_len: int, cache: int):
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), added to the reward of each completion.
+
+    lengths: completion lengths (any shape). With L_max = max_len and L_cache = cache:
+        0                                   if |y| <= L_max - L_cache
+        ((L_max - L_cache) - |y|) / L_cache if L_max - L_cache < |y| <= L_max   (from 0 down to -1)
+        -1                                  if |y| > L_max
+    """
+    if not 0 < cache <= max_len:
+        raise ValueError(f"the overlong cache must be in (0, max_len], got {cache} (max_len {max_len})")
+    lengths = lengths.float()
+    soft = ((max_len - cache) - lengths) / cache
+    return torch.where(lengths <= max_len - cache, torch.zeros_like(lengths),
+                       torch.where(lengths <= max_len, soft, -torch.ones_like(lengths)))
+
+
 # ---------------------------------------------------------------------------
 # Policy losses
 # ---------------------------------------------------------------------------

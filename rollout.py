@@ -389,7 +389,8 @@ class Generator:
         self.stats["unscored"] = self.stats.get("unscored", 0) + unscored
         self.stats["groups"] += 1
         group = RolloutGroup(group_id, prompt.prompt_ids, completions, logprobs, versions, rewards, prompt.answer,
-                             reward_stats=reward_stats, unscored=unscored)
+                             reward_stats=reward_stats, unscored=unscored,
+                             finish_reasons=[c.finish_reason for c in sorted(final.outputs, key=lambda c: c.index)])
         group.gen_stats = dict(self.stats, sync_ms=self.sync_ms, sync_parts=self.sync_parts,
                                loaded_version=self.loaded_version)
         self.sync_ms, self.sync_parts = [], []

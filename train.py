@@ -97,6 +97,13 @@ class Config:
     is_mode: str = "truncate"  # truncate (TIS) | mask (MIS) | off (the ratio is taken against the generator)
     is_low: Optional[float] = None  # with --is-mode mask: weights below this are masked; none: no lower bound
     is_high: float = 2.0  # importance weights above this are truncated (or masked)
+    lr_schedule: str = "constant"  # after warmup: constant | linear | cosine (decay to --min-lr at the last step)
+    lr_warmup_steps: int = 0  # steps of linear warmup from lr / N to --lr
+    min_lr: float = 0.0  # the learning rate at the last step, with --lr-schedule linear or cosine
+    # GRPO recipes (DAPO)
+    filter_groups: bool = False  # dynamic sampling: skip groups whose rewards are all equal; the step waits for others
+    overlong_filter: bool = False  # leave completions cut at --max-new-tokens out of the loss
+    overlong_penalty: int = 0  # L > 0: DAPO's soft overlong penalty over the last L tokens before --max-new-tokens
     # machinery
     gen_threads: int = 0  # CPU threads of the generator; 0: half the cores
     train_threads: int = 0  # CPU threads per trainer rank; 0: the rest of the cores, split between ranks
@@ -126,7 +133,8 @@ CHOICES = {"update_mode": ("inflight", "drain"), "loss": ("grpo", "dapo", "dr_gr
            "adv_scale": ("group", "batch", "none"), "wandb": ("online", "offline", "off"),
            "agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"),
            "kl_kind": ("k1", "k2", "k3"), "is_level": ("token", "sequence"),
-           "is_mode": ("truncate", "mask", "off"), "log_level": ("debug", "info", "warning")}
+           "is_mode": ("truncate", "mask", "off"), "log_level": ("debug", "info", "warning"),
+           "lr_schedule": ("constant", "linear", "cosine")}
 
 
 def field_help(cls) -> dict[str, tuple[str, str]]:
@@ -209,6 +217,11 @@ def validate(cfg: Config) -> None:
         problems.append(f"--top-p must be in (0, 1] (got {cfg.top_p})")
     if cfg.lr <= 0:
         problems.append(f"--lr must be > 0 (got {cfg.lr})")
+    if cfg.lr_warmup_steps < 0 or not 0 <= cfg.min_lr <= cfg.lr:
+        problems.append(f"--lr-warmup-steps must be >= 0 and --min-lr in [0, --lr] (got {cfg.lr_warmup_steps}, "
+                        f"{cfg.min_lr})")
+    if not 0 <= cfg.overlong_penalty < cfg.max_new_tokens:
+        problems.append(f"--overlong-penalty must be in [0, --max-new-tokens) (got {cfg.overlong_penalty})")
     if not 0 <= cfg.lora_rank <= 512:
         problems.append(f"--lora-rank must be in 0..512 (got {cfg.lora_rank})")
     if cfg.lora_rank and cfg.lora_alpha <= 0:
@@ -229,6 +242,18 @@ def validate(cfg: Config) -> None:
     problems += devices.problems(cfg)  # --gen-devices/--train-devices: parse, GPUs exist, one rank per GPU
     if problems:
         raise SystemExit("error: " + "\nerror: ".join(problems))
+
+
+def inactive_flags(cfg: Config) -> list[str]:
+    """Flags that cannot change this run's gradient: one optimizer step per rollout batch makes the ratio to
+    the proximal policy exactly 1, so with an importance correction the ratio clips never act."""
+    if cfg.is_mode == "off":  # the ratio is taken against the generator: the clips act on the lag
+        return []
+    set_by_user = [f"--{name.replace('_', '-')}" for name in ("eps_low", "eps_high", "dual_clip")
+                   if getattr(cfg, name) != getattr(Config, name)]
+    if cfg.loss in ("dapo", "gspo", "cispo"):
+        set_by_user.insert(0, f"--loss {cfg.loss}")
+    return set_by_user
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -252,6 +277,32 @@ def build_trainer_model(model_path, world_size, device="cpu", lora_config=None, 
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
+
+
+def learning_rate(step: int, cfg: Config) -> float:
+    """The learning rate of step `step` (0-based): linear warmup to --lr over --lr-warmup-steps, then constant,
+    or decayed to --min-lr at the last step (--lr-schedule linear | cosine)."""
+    if step < cfg.lr_warmup_steps:
+        return cfg.lr * (step + 1) / cfg.lr_warmup_steps
+    if cfg.lr_schedule == "constant":
+        return cfg.lr
+    progress = min(1.0, (step - cfg.lr_warmup_steps) / max(1, cfg.steps - 1 - cfg.lr_warmup_steps))
+    decay = 1 - progress if cfg.lr_schedule == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
+    return cfg.min_lr + (cfg.lr - cfg.min_lr) * decay
+
+
+def shaped_rewards(groups, cfg: Config):
+    """(num_groups, group_size) rewards the advantages are computed from: the task's, plus DAPO's soft overlong
+    penalty with --overlong-penalty; and which samples were cut at --max-new-tokens."""
+    from losses import overlong_penalty
+
+    rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)
+    lengths = torch.tensor([[len(c) for c in g.completion_ids] for g in groups], dtype=torch.float32)
+    truncated = torch.tensor([[reason == "length" for reason in g.finish_reasons or ["stop"] * len(g.rewards)]
+                              for g in groups])
+    if cfg.overlong_penalty:
+        rewards = rewards + overlong_penalty(lengths, cfg.max_new_tokens, cfg.overlong_penalty)
+    return rewards, truncated
 
 
 def target_logprobs(logits, batch, temperature, top_k=-1, top_p=1.0):
@@ -400,8 +451,9 @@ def trainer_main(cfg, rank, world_size, model_path, shared, rollout_queue, contr
         if rank == 0 and not control.stop.is_set():
             try:
                 taken = buffer.take_groups(rollout_queue, cfg.prompts_per_step, version, cfg.max_lag,
-                                           cfg.timeout_s, should_stop=control.stop.is_set)
-                control.groups_dropped.value += taken.groups_dropped
+                                           cfg.timeout_s, should_stop=control.stop.is_set,
+                                           filter_groups=cfg.filter_groups)
+                control.groups_dropped.value += taken.groups_dropped + taken.groups_filtered  # replaced
             except buffer.Stopped:
                 taken = None
         if world_size > 1:
@@ -413,9 +465,14 @@ def trainer_main(cfg, rank, world_size, model_path, shared, rollout_queue, contr
         wait_s = time.perf_counter() - t_wait
         t_step = time.perf_counter()
 
-        rewards = torch.tensor([g.rewards for g in taken.groups], dtype=torch.float32)
+        rewards, truncated = shaped_rewards(taken.groups, cfg)
         advantages = group_advantages(rewards, scale=cfg.adv_scale)
         batch = buffer.collate(buffer.to_samples(taken.groups, advantages), pad_id)
+        if cfg.overlong_filter:  # cut completions add no loss (and no tokens to the normalisation)
+            batch.mask &= ~truncated.flatten()[:, None]
+        lr = learning_rate(step, cfg)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
         local = batch.select(buffer.rows_for_rank(len(batch), rank, world_size))
         if device.type == "cuda":
             local = dataclasses.replace(local, **{f.name: getattr(local, f.name).to(device)
@@ -450,6 +507,8 @@ def trainer_main(cfg, rank, world_size, model_path, shared, rollout_queue, contr
             publish_model(model, shared, version, rank, world_size)
         publish_ms = (time.perf_counter() - t_publish) * 1e3
         if rank == 0:
+            metrics.update(lr=lr, truncated_frac=float(truncated.float().mean()), groups_filtered=taken.groups_filtered,
+                           overlong_penalty=float((rewards - torch.tensor([g.rewards for g in taken.groups])).mean()))
             log.step(step, version, taken, batch, metrics, loss=float(stats[0]), grad_norm=grad_norm,
                      logprob_diff=float(stats[1]) if stats[2] > 0 else None, wait_s=wait_s,
                      train_s=time.perf_counter() - t_step, publish_ms=publish_ms, skipped=skipped)
@@ -558,6 +617,10 @@ def run(cfg: Config) -> int:
     import metrics
 
     metrics.configure_terminal(cfg.log_level)
+    inactive = inactive_flags(cfg)
+    if inactive:
+        print(f"warning: {', '.join(inactive)} cannot act in this run: one optimizer step per batch keeps the ratio "
+              "to the proximal policy at 1 (the clips act with --is-mode off)", file=sys.stderr, flush=True)
     os.makedirs(cfg.out, exist_ok=True)
     resume_dir, start_step, start_version = "", 0, 0
     if cfg.resume:

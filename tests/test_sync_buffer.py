@@ -121,26 +121,46 @@ def group(gid, versions, rewards=None):
                                [[-0.5] * len(v) for v in versions], versions, rewards or [float(j) for j in range(n)])
 
 
-def test_stale_samples_are_dropped_and_counted():
+def test_a_group_with_a_stale_sample_is_dropped_whole_and_counted():
     q = queue_lib.Queue()
-    q.put(group(0, [[5, 5], [3, 4]]))  # lag 0 and lag 2 at trainer version 5
+    q.put(group(0, [[5, 5], [3, 4]]))  # lag 0 and lag 2 at trainer version 5: the whole group goes
     q.put(group(1, [[2, 3], [1, 1]]))  # entirely stale
     q.put(group(2, [[4, 5], [5]]))
+    q.put(group(3, [[5], []]))  # an empty completion is never stale
     taken = buffer.take_groups(q, 2, trainer_version=5, max_lag=1, timeout_s=1)
-    assert [g.group_id for g in taken.groups] == [0, 2]
-    assert (taken.samples_kept, taken.samples_dropped, taken.groups_dropped) == (3, 3, 1)
-    advantages = torch.zeros(2, 2)
-    samples = buffer.to_samples(taken.groups, advantages)
-    assert all(5 - min(s.token_versions) <= 1 for s in samples)
+    assert [g.group_id for g in taken.groups] == [2, 3]
+    assert (taken.samples_kept, taken.samples_dropped, taken.groups_dropped) == (4, 4, 2)
+    samples = buffer.to_samples(taken.groups, torch.tensor([[0.5, -0.5], [1.0, -1.0]]))
+    assert [s.advantage for s in samples] == [0.5, -0.5, 1.0, -1.0]  # over exactly the samples trained
+    assert all(5 - min(s.token_versions) <= 1 for s in samples if s.token_versions)
     with pytest.raises(TimeoutError):
         buffer.take_groups(q, 1, trainer_version=5, max_lag=1, timeout_s=0.3)
 
 
-def test_max_lag_zero_keeps_only_current_version_tokens():
+def test_max_lag_zero_keeps_only_current_version_groups():
     q = queue_lib.Queue()
     q.put(group(0, [[7, 7, 7], [6, 7]]))
+    q.put(group(1, [[7, 7], [7]]))
     taken = buffer.take_groups(q, 1, trainer_version=7, max_lag=0, timeout_s=1)
-    assert taken.samples_kept == 1 and taken.samples_dropped == 1
+    assert [g.group_id for g in taken.groups] == [1] and taken.samples_dropped == 2
+
+
+def test_dynamic_sampling_never_keeps_a_group_with_equal_rewards():
+    q = queue_lib.Queue()
+    for gid, rewards in enumerate([[1.0, 1.0], [0.0, 1.0], [0.0, 0.0], [0.5, 0.5], [0.2, 0.1]]):
+        q.put(group(gid, [[5], [5]], rewards))
+    taken = buffer.take_groups(q, 2, trainer_version=5, max_lag=1, timeout_s=1, filter_groups=True)
+    assert [g.group_id for g in taken.groups] == [1, 4] and taken.groups_filtered == 3
+    assert all(max(g.rewards) > min(g.rewards) for g in taken.groups)
+    q.put(group(9, [[5], [5]], [1.0, 1.0]))
+    q.put(group(10, [[5], [5]], [0.0, 1.0]))
+    unfiltered = buffer.take_groups(q, 1, trainer_version=5, max_lag=1, timeout_s=1)
+    assert [g.group_id for g in unfiltered.groups] == [9] and unfiltered.groups_filtered == 0
+    q.get()
+    for gid in range(6):  # nothing but solved prompts: a clear error, not a step that never fills
+        q.put(group(gid, [[5], [5]], [1.0, 1.0]))
+    with pytest.raises(RuntimeError, match="equal rewards"):
+        buffer.take_groups(q, 2, trainer_version=5, max_lag=1, timeout_s=1, filter_groups=True, max_groups_per_step=5)
 
 
 def test_collate_aligns_completion_targets():
