@@ -112,14 +112,16 @@ class Stopped(Exception):
 
 
 def take_groups(q, num_groups: int, trainer_version: int, max_lag: int, timeout_s: float,
-                should_stop=lambda: False, filter_groups: bool = False, max_groups_per_step: int = 0) -> TakeResult:
+                should_stop=lambda: False, filter_groups: bool = False, max_groups_per_step: int = 0,
+                on_drop=lambda: None) -> TakeResult:
     """Take groups from the queue until `num_groups` of them are kept.
 
     A group is trained whole or not at all: one with any sample older than `max_lag` is dropped (its samples
     counted as stale), so a group's advantages are always computed over exactly the samples trained, and the
     logged reward is the reward of what was trained. With `filter_groups` (DAPO's dynamic sampling) a group
     whose rewards are all equal is dropped too (its advantages would all be 0). Both are replaced by the
-    generator. Raises TimeoutError if no group arrives for `timeout_s` seconds, `Stopped` if `should_stop()`
+    generator, which must learn of each one at once (`on_drop()`): its staleness gate counts the groups the
+    trainer still needs, and waiting for this step's end would deadlock both. Raises TimeoutError if no group arrives for `timeout_s` seconds, `Stopped` if `should_stop()`
     turns True meanwhile, and RuntimeError if `max_groups_per_step` groups (default 20 x `num_groups`)
     arrive without enough informative ones (every prompt solved, or none ever).
     """
@@ -140,8 +142,10 @@ def take_groups(q, num_groups: int, trainer_version: int, max_lag: int, timeout_
         if any(sample_lag(trainer_version, v) > max_lag for v in group.token_versions):
             dropped += len(group.token_versions)
             groups_dropped += 1
+            on_drop()
         elif filter_groups and max(group.rewards) == min(group.rewards):
             filtered += 1
+            on_drop()
             if filtered + groups_dropped + len(kept_groups) >= max_groups_per_step:
                 raise RuntimeError(f"--filter-groups: {filtered} of the last {max_groups_per_step} groups had "
                                    f"equal rewards (all solved or all failed), too few to fill a step of "

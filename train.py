@@ -444,6 +444,11 @@ def trainer_main(cfg, rank, world_size, model_path, shared, rollout_queue, contr
     if log is not None:
         log.sync_mb = sum(slot.numel for slot in shared.layout) * 4 / 2**20  # float32
     bad_steps = 0
+
+    def count_dropped_group():  # the generator replaces it (its staleness gate counts the groups still needed)
+        with control.groups_dropped.get_lock():
+            control.groups_dropped.value += 1
+
     step = start_step
     for step in range(start_step, cfg.steps):
         t_wait = time.perf_counter()
@@ -452,8 +457,7 @@ def trainer_main(cfg, rank, world_size, model_path, shared, rollout_queue, contr
             try:
                 taken = buffer.take_groups(rollout_queue, cfg.prompts_per_step, version, cfg.max_lag,
                                            cfg.timeout_s, should_stop=control.stop.is_set,
-                                           filter_groups=cfg.filter_groups)
-                control.groups_dropped.value += taken.groups_dropped + taken.groups_filtered  # replaced
+                                           filter_groups=cfg.filter_groups, on_drop=count_dropped_group)
             except buffer.Stopped:
                 taken = None
         if world_size > 1:

@@ -149,8 +149,10 @@ def test_dynamic_sampling_never_keeps_a_group_with_equal_rewards():
     q = queue_lib.Queue()
     for gid, rewards in enumerate([[1.0, 1.0], [0.0, 1.0], [0.0, 0.0], [0.5, 0.5], [0.2, 0.1]]):
         q.put(group(gid, [[5], [5]], rewards))
-    taken = buffer.take_groups(q, 2, trainer_version=5, max_lag=1, timeout_s=1, filter_groups=True)
-    assert [g.group_id for g in taken.groups] == [1, 4] and taken.groups_filtered == 3
+    replaced = []
+    taken = buffer.take_groups(q, 2, trainer_version=5, max_lag=1, timeout_s=1, filter_groups=True,
+                               on_drop=lambda: replaced.append(1))
+    assert [g.group_id for g in taken.groups] == [1, 4] and taken.groups_filtered == 3 and len(replaced) == 3
     assert all(max(g.rewards) > min(g.rewards) for g in taken.groups)
     q.put(group(9, [[5], [5]], [1.0, 1.0]))
     q.put(group(10, [[5], [5]], [0.0, 1.0]))
