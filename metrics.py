@@ -44,9 +44,12 @@ def configure_terminal(log_level: str) -> None:
     import transformers.utils.logging
 
     transformers.utils.logging.disable_progress_bar()  # this process may have imported transformers already
-    # vLLM's start-up scan of every module touches a deprecated torch alias (not our code, not actionable).
-    expected = "ignore:`torch.distributed.reduce_op` is deprecated:FutureWarning"
-    os.environ["PYTHONWARNINGS"] = ",".join(w for w in (os.environ.get("PYTHONWARNINGS"), expected) if w)
+    # vLLM's start-up scan of every module touches a deprecated torch alias (not our code, not actionable);
+    # the shared-memory queues of vLLM's worker, force-killed at shutdown (rollout.quiet_requested_shutdown),
+    # are reclaimed by the resource tracker, which says so.
+    expected = ("ignore:`torch.distributed.reduce_op` is deprecated:FutureWarning",
+                "ignore:resource_tracker:UserWarning")
+    os.environ["PYTHONWARNINGS"] = ",".join(w for w in (os.environ.get("PYTHONWARNINGS"), *expected) if w)
 
 
 class RunLog:

@@ -535,5 +535,21 @@ def generator_main(settings: GeneratorSettings, shared, rollout_queue, control) 
     try:
         asyncio.run(gen.run())
     finally:
+        if settings.log_level == "warning":
+            quiet_requested_shutdown()
         engine.shutdown()
         gen.engine = engine = None  # no second shutdown from __del__ at interpreter exit
+
+
+def quiet_requested_shutdown() -> None:
+    """vLLM 0.32's CPU worker lingers after it acknowledges the shutdown, so at every end of a run vLLM force-
+    kills it after 5 s and logs three "[shutdown] ... force killing" warnings. We asked for this shutdown and
+    nothing is lost: those lines are left out (with --log-level info they show)."""
+    import logging
+
+    class RequestedShutdown(logging.Filter):
+        def filter(self, record):
+            return not record.getMessage().startswith("[shutdown]")
+
+    for name in ("vllm.v1.utils", "vllm.utils.system_utils"):
+        logging.getLogger(name).addFilter(RequestedShutdown())
