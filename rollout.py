@@ -46,7 +46,6 @@ VLLM_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 # vLLM 0.32's CPU attention (CPUAttentionBackend.get_supported_head_sizes): another head size starts the
 # engine and then fails at the first forward pass, inside the worker.
 CPU_ATTENTION_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
-CPU_KV_BLOCK_TOKENS = 128  # vLLM's KV-cache block on CPU (platforms/cpu.py)
 
 
 def engine_problems(model_path: str, on_gpu: bool, max_model_len: int, max_new_tokens: int, kv_cache_mb: int,
@@ -65,7 +64,9 @@ def engine_problems(model_path: str, on_gpu: bool, max_model_len: int, max_new_t
                         f"one vLLM's CPU backend runs ({', '.join(map(str, CPU_ATTENTION_HEAD_SIZES))}); use "
                         "such a model, or GPUs (--gen-devices/--train-devices)")
     positions = getattr(text, "max_position_embeddings", None)
-    if max_model_len and positions and max_model_len > positions and not getattr(text, "rope_scaling", None):
+    scaling = getattr(text, "rope_scaling", None) or {}  # a scaled RoPE (YaRN...) lets vLLM go past positions
+    scaled = isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type", "default")) != "default"
+    if max_model_len and positions and max_model_len > positions and not scaled:
         problems.append(f"--max-model-len {max_model_len} is longer than {model_path} was built for "
                         f"(max_position_embeddings {positions})")
     context = max_model_len or positions
@@ -75,13 +76,13 @@ def engine_problems(model_path: str, on_gpu: bool, max_model_len: int, max_new_t
     layers = getattr(text, "num_hidden_layers", None)
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     if not on_gpu and context and layers and kv_heads and head_dim:
+        # A lower bound (vLLM also rounds up to 128-token blocks and holds one back): refuse only the sure cases.
         per_token = 2 * layers * kv_heads * head_dim * (2 if dtype == "bf16" else 4)  # keys and values
-        blocks = -(-context // CPU_KV_BLOCK_TOKENS) + 1  # vLLM also holds one null block back
-        needed_mb = blocks * CPU_KV_BLOCK_TOKENS * per_token / 2**20
+        needed_mb = context * per_token / 2**20
         if needed_mb > kv_cache_mb:
             problems.append(f"one sequence of {context} tokens (--max-model-len, or the model's "
-                            f"max_position_embeddings) needs {needed_mb:.0f} MB of KV cache, more than --kv-cache-mb "
-                            f"{kv_cache_mb}: raise --kv-cache-mb or lower --max-model-len")
+                            f"max_position_embeddings) needs at least {needed_mb:.0f} MB of KV cache, more than "
+                            f"--kv-cache-mb {kv_cache_mb}: raise --kv-cache-mb or lower --max-model-len")
     return problems
 
 # ----------------------------------------------------------------------------------------------------
