@@ -313,6 +313,7 @@ def trainer_main(cfg, rank, world_size, model_path, shared, rollout_queue, contr
     torch.manual_seed(cfg.seed + rank)
     layout = devices.layout_for(cfg)  # CPU: gloo, as before; GPU: this rank's GPU, NCCL for CUDA tensors
     device = torch.device(layout.train_device(rank))
+    serving_dtype = devices.torch_dtype(devices.resolve_dtype(cfg.dtype, layout))  # run() resolved "auto" already
     if layout.on_gpu:
         # vLLM measures a GPU's free memory while it starts: on a shared GPU, keep off it until vLLM is up.
         if layout.shared_gpus and not wait_for(control.ready, control.stop, cfg.timeout_s,
@@ -329,7 +330,7 @@ def trainer_main(cfg, rank, world_size, model_path, shared, rollout_queue, contr
         lora_config = lora.peft_config(cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets)
     model = build_trainer_model(model_path, world_size, device, lora_config,
                                 os.path.join(resume_dir, "adapter") if resume_dir and cfg.lora_rank else "", cfg.seed,
-                                compute_dtype=devices.torch_dtype(cfg.dtype))
+                                compute_dtype=serving_dtype)
     if cfg.lora_dropout > 0:
         model.train()  # dropout on the adapter's input (the base models we load have no other dropout active)
     # Build the optimizer before any forward pass (FSDP2 pitfall: see shared notes). Only what trains has state.
@@ -352,7 +353,7 @@ def trainer_main(cfg, rank, world_size, model_path, shared, rollout_queue, contr
         publish_model(model, shared, version, rank, world_size)
     ref_model = None
     if cfg.kl_coef > 0 and not cfg.lora_rank:
-        ref_model = build_reference_model(model_path, world_size, device, devices.torch_dtype(cfg.dtype))
+        ref_model = build_reference_model(model_path, world_size, device, serving_dtype)
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -527,8 +528,10 @@ def generator_settings(cfg: Config, model_path: str, gen_threads: int, start_ste
     with, and what the benchmarks start it with. A resumed run passes its checkpoint's step and version;
     `layout` (devices.layout_for) adds the GPU placement, None is the CPU path; `lora_dir` holds the
     adapter's config with --lora-rank."""
+    import devices
     from rollout import GeneratorSettings
 
+    dtype = devices.resolve_dtype(cfg.dtype, layout if layout is not None else devices.plan("", ""))
     return GeneratorSettings(
         model=model_path, seed=cfg.seed, group_size=cfg.group_size, prompts_per_step=cfg.prompts_per_step,
         max_new_tokens=cfg.max_new_tokens, max_lag=cfg.max_lag, update_mode=cfg.update_mode,
@@ -539,7 +542,7 @@ def generator_settings(cfg: Config, model_path: str, gen_threads: int, start_ste
         task=cfg.task, dataset=cfg.dataset, split=cfg.split, prompt_column=cfg.prompt_column,
         answer_column=cfg.answer_column, reward=cfg.reward, reward_weights=cfg.reward_weights,
         system_prompt=cfg.system_prompt, reward_workers=cfg.reward_workers, lora_rank=cfg.lora_rank,
-        lora_dir=lora_dir, dtype=cfg.dtype, max_model_len=cfg.max_model_len,
+        lora_dir=lora_dir, dtype=dtype, max_model_len=cfg.max_model_len,
         **(layout.generator_settings() if layout is not None else {}))
 
 

@@ -13,6 +13,10 @@ can be long), in alternating order fp32, bf16, fp32, bf16 (drift on a shared mac
   tokens, each completed to `--gen-tokens` tokens (ignore_eos); tokens/s of the second of two identical calls.
 Each measurement runs in a fresh child process with the thread count the default run gives each side.
 ratio = bf16 tokens/s / fp32 tokens/s (> 1: bf16 faster).
+Then the default run made strictly on-policy, so that every step measures the agreement,
+`python train.py --steps N --max-lag 0 --dtype fp32|bf16` (N = --run-steps; fp32, bf16, fp32, bf16):
+steps/s after its first 10 steps, the reward reached, the log-prob difference between the trainer and the
+generator on on-policy tokens, and the bytes of one sync.
 """
 from __future__ import annotations
 
@@ -25,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 # name -> build_tiny_model sizes (alphabet "ascii": 100 tokens, 1024 positions)
-SIZES = {"tiny": {}, "4M": {"hidden": 256, "layers": 4, "heads": 4}, "25M": {"hidden": 512, "layers": 8, "heads": 8}}
+SIZES = {"tiny": {}, "4M": {"hidden": 256, "layers": 4, "heads": 4}}
 DTYPES = ("fp32", "bf16")
 
 
@@ -98,12 +102,13 @@ def generate_rate(model_path: str, dtype: str, threads: int, prompts: int, token
 
 def main(argv=None) -> int:
     p = common.parser(__doc__, sizes=SIZES)
-    p.add_argument("--train-batch", type=int, default=32, help="sequences per trainer step")
+    p.add_argument("--train-batch", type=int, default=16, help="sequences per trainer step")
     p.add_argument("--train-len", type=int, default=128, help="tokens per sequence in a trainer step")
     p.add_argument("--steps", type=int, default=6, help="trainer steps measured, after --warmup")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--gen-prompts", type=int, default=64)
     p.add_argument("--gen-tokens", type=int, default=128)
+    p.add_argument("--run-steps", type=int, default=60, help="steps of each whole default run (0: none)")
     args = common.parse_args(p, argv, sizes=SIZES)
     rows = []
     with common.Bench("dtype", args) as bench:
@@ -133,18 +138,43 @@ def main(argv=None) -> int:
             print(f"[dtype] {name}: trainer fp32 {row['train_fp32']:.0f} / bf16 {row['train_bf16']:.0f} tok/s "
                   f"(x{row['train_ratio']:.2f}); vLLM fp32 {row['generate_fp32']:.0f} / bf16 "
                   f"{row['generate_bf16']:.0f} tok/s (x{row['generate_ratio']:.2f})", flush=True)
-    data = {"settings": {"sizes": args.sizes, "train_batch": args.train_batch, "train_len": args.train_len,
+        runs = whole_runs(bench.work, args.run_steps) if args.run_steps else []
+    data = {"settings": {"sizes": args.sizes, "run_steps": args.run_steps, "train_batch": args.train_batch, "train_len": args.train_len,
                          "steps": args.steps, "warmup": args.warmup, "gen_prompts": args.gen_prompts,
                          "gen_tokens": args.gen_tokens, "gen_threads": gen_threads, "train_threads": train_threads,
-                         "seed": args.seed}, "rows": rows}
+                         "seed": args.seed}, "rows": rows, "runs": runs}
     path = bench.save(data, plot)
     print()
     print(common.table(["model", "params", "trainer fp32 tok/s", "trainer bf16 tok/s", "bf16/fp32",
                         "vLLM fp32 tok/s", "vLLM bf16 tok/s", "bf16/fp32"],
                        [[r["name"], f"{r['params'] / 1e6:.2f}M", r["train_fp32"], r["train_bf16"], r["train_ratio"],
                          r["generate_fp32"], r["generate_bf16"], r["generate_ratio"]] for r in rows]))
+    if runs:
+        print()
+        print(common.table(["default run", "steps/s", "bf16/fp32", "reward last 20%", "logprob diff max",
+                            "logprob diff mean", "MB per sync"],
+                           [[r["dtype"], r["steps_per_s"], r["steps_per_s"] / runs[0]["steps_per_s"], r["reward_last20"],
+                             r["logprob_diff_max"], r["logprob_diff_mean"], r["sync_mb"]] for r in runs]))
     print(bench.closing_line(path))
     return 0
+
+
+def whole_runs(work: Path, steps: int) -> list[dict]:
+    """The default run in each dtype, twice, alternating; one row per dtype (rates averaged)."""
+    measured = {d: [] for d in DTYPES}
+    for i in range(2):
+        for d in DTYPES:
+            got = common.run_train_cli(work / f"run_{d}_{i}", ["--steps", str(steps), "--dtype", d, "--max-lag", "0",
+                                                                "--log-every", str(steps)])
+            rows = got["rows"]
+            diffs = [r["logprob_diff_on_policy"] for r in rows if r["logprob_diff_on_policy"] is not None]
+            means = [r["logprob_diff_mean"] for r in rows if r.get("logprob_diff_mean") is not None]
+            measured[d].append({"steps_per_s": common.steady(rows, 10)["steps_per_s"],
+                                "reward_last20": got["summary"]["reward_last20"], "logprob_diff_max": max(diffs),
+                                "logprob_diff_mean": statistics.fmean(means), "sync_mb": got["summary"]["sync_mb"]})
+            print(f"[dtype] default run {d}: {measured[d][-1]}", flush=True)
+    return [{"dtype": d, **{k: statistics.fmean(m[k] for m in measured[d]) for k in measured[d][0]},
+             "runs": measured[d]} for d in DTYPES]
 
 
 def plot(data: dict, path: Path) -> None:
