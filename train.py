@@ -12,6 +12,9 @@ Role
 
 Data contract
     - Every `Config` field is a `--flag` (underscores become dashes).
+    - `--dtype bf16|fp32|auto` is one precision for the run: the trainer's compute (FSDP2 mixed precision;
+      master weights, gradient reduction and optimizer state stay fp32), vLLM, the packed weight buffer
+      (cast on publish) and the `--kl-coef` reference. Checkpoints and the final model are fp32.
     - Trainer version = optimizer steps taken. Weights are published every `--sync-every` steps; the
       generator tags each sampled token with the version that produced it. A sample is trained on only
       if trainer version - its oldest token's version <= `--max-lag` (`--max-lag 0`: strictly on-policy).

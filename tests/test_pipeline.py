@@ -249,13 +249,14 @@ def test_child_that_raises_ends_the_run_with_its_traceback(start_run, tmp_path):
     assert not (run.out / "summary.json").exists()
 
 
-# The trainer/generator log-prob difference on on-policy tokens in bf16. Measured on this model with these
-# settings: max 0.0072, mean 0.001 (fp32: < 1e-6); NOTES-13b.md. bf16 keeps 8 significant bits (a relative
-# rounding of 2^-9 per operation), and the two sides round in different orders (vLLM's CPU kernels against
-# torch's), so logits of magnitude a few units differ by ~1e-2 at most. 0.05 leaves a margin of ~7x over the
-# measurement and is still 14x inside the importance correction's window (|log rho| <= log 2 = 0.69 for the
-# default --is-high 2): no on-policy token is masked (--is-mode mask) or truncated (truncate) for bf16 noise.
-BF16_LOGPROB_DIFF_BOUND = 0.05
+# The trainer/generator log-prob difference on on-policy tokens in bf16. Measured on the default model
+# (python bench/dtype.py, 2 x 60 on-policy steps): max 0.022, mean 0.0010 (fp32: max 1.4e-6); NOTES-13b.md.
+# bf16 keeps 8 significant bits (a relative rounding of 2^-9 per operation) and the two sides round in
+# different orders (vLLM's CPU kernels against torch's), so logits of a few units differ by ~1e-2. 0.1 leaves
+# 4.5x over the largest difference measured and is still 7x inside the importance correction's window
+# (|log rho| <= log 2 = 0.69 for the default --is-high 2): no on-policy token is masked (--is-mode mask) or
+# truncated (truncate) for bf16 noise.
+BF16_LOGPROB_DIFF_BOUND = 0.1
 
 
 def test_bf16_run_agrees_within_the_correction_syncs_half_the_bytes_and_skips_long_prompts(start_run, tmp_path):
@@ -279,7 +280,7 @@ def test_bf16_run_agrees_within_the_correction_syncs_half_the_bytes_and_skips_lo
     assert summary["config"]["dtype"] == "bf16"
     diffs = [r["logprob_diff_on_policy"] for r in rows]
     assert all(d is not None and d < BF16_LOGPROB_DIFF_BOUND for d in diffs), diffs
-    assert all(r["logprob_diff_mean"] < BF16_LOGPROB_DIFF_BOUND / 5 for r in rows)
+    assert all(r["logprob_diff_mean"] < BF16_LOGPROB_DIFF_BOUND / 5 for r in rows)  # measured: 0.001
     assert max(diffs) > 1e-6, "bf16 should not agree to fp32 precision: did the run really use bf16?"
     assert all(r["is_weight_mean"] == 1.0 for r in rows), "on-policy tokens were masked for bf16 noise"
     assert all(abs(r["kl_ref"]) < 0.01 for r in rows[:1])  # the reference starts as the policy
