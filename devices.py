@@ -1,4 +1,5 @@
-"""devices.py — which devices each process of a run uses (`--gen-devices`, `--train-devices`).
+"""devices.py — which devices each process of a run uses (`--gen-devices`, `--train-devices`), and in what
+precision (`--dtype auto`).
 
 Role
     Turns the two flags into a `DeviceLayout`: either the CPU path (the default, and the fallback on a
@@ -19,11 +20,13 @@ Data contract
     - The generator process gets CUDA_VISIBLE_DEVICES = its GPUs, then the buffer's GPU if it is not one
       of them: vLLM uses the first `tensor_parallel_size` visible GPUs, and its worker must see the
       buffer's GPU to open the IPC handle and copy peer-to-peer. Trainer processes keep the launcher's view.
-    - A GPU used by both sides is *shared* (async on one GPU): vLLM gets gpu_memory_utilization =
-      SHARED_GEN_FRACTION of it, the trainer rank on it a per-process cap of SHARED_TRAIN_FRACTION (the
-      rest is CUDA contexts, the packed buffer and the worker's snapshot), and trainer ranks touch no GPU
-      until vLLM has started (vLLM measures the GPU's free memory while it starts). A GPU of the generator's
-      alone gets DEDICATED_GEN_FRACTION (vLLM's default).
+    - vLLM's share of each of its GPUs is `--gpu-memory-utilization` (0: the defaults below). A GPU used by
+      both sides is *shared* (async on one GPU): vLLM gets that share (default SHARED_GEN_FRACTION), the
+      trainer rank on it a per-process cap of the rest of SHARED_BUDGET (default SHARED_TRAIN_FRACTION; at
+      least MIN_SHARED_TRAIN_FRACTION, or the flag is refused; the remaining 0.15 is CUDA contexts and the
+      packed buffer), and trainer ranks touch no GPU until vLLM has started (vLLM measures the GPU's free
+      memory while it starts). A GPU of the generator's alone gets DEDICATED_GEN_FRACTION (vLLM's default).
+    - `--dtype auto` resolves here (`resolve_dtype`): bf16 on GPUs, CPU_DEFAULT_DTYPE on the CPU path.
     - Errors: `DeviceError` (a ValueError) with one line that names the flag.
 
 May touch: nothing (reads torch.cuda's device count and the environment). Used by train.py, which applies
@@ -34,9 +37,16 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-SHARED_GEN_FRACTION = 0.3  # vLLM's share of a GPU it shares with a trainer rank
-SHARED_TRAIN_FRACTION = 0.55  # the trainer rank's cap on that GPU; 0.15 left for contexts, buffer, snapshot
+SHARED_GEN_FRACTION = 0.3  # vLLM's share of a GPU it shares with a trainer rank (--gpu-memory-utilization 0)
+SHARED_BUDGET = 0.85  # vLLM's share + the trainer rank's cap on a shared GPU; 0.15 left for contexts and the buffer
+MIN_SHARED_TRAIN_FRACTION = 0.2  # the least a trainer rank gets on a shared GPU, whatever --gpu-memory-utilization
+SHARED_TRAIN_FRACTION = SHARED_BUDGET - SHARED_GEN_FRACTION  # the trainer rank's cap there, by default (0.55)
 DEDICATED_GEN_FRACTION = 0.9  # vLLM's default, on a GPU of its own
+# --dtype auto: bf16 where the hardware runs it fast (GPUs); on CPU what measured faster here (NOTES-13b.md:
+# bench/dtype.py on the 2-core AMD EPYC with avx512_bf16)
+GPU_DEFAULT_DTYPE = "bf16"
+CPU_DEFAULT_DTYPE = "fp32"
+DTYPES = ("bf16", "fp32")
 GPU_BACKEND = "cpu:gloo,cuda:nccl"
 CPU_BACKEND = "gloo"
 
@@ -118,9 +128,15 @@ def visible_tokens(count: int, env: str | None) -> list[str]:
 
 
 def plan(gen_devices: str, train_devices: str, train_ranks: int = 1, cuda_count: int | None = None,
-         visible_env: str | None = None) -> DeviceLayout:
+         visible_env: str | None = None, gpu_memory_utilization: float = 0.0) -> DeviceLayout:
     """Decide the layout. `cuda_count` None: ask torch (only when a GPU is asked for).
-    `visible_env`: the launcher's CUDA_VISIBLE_DEVICES (None: read it from the environment)."""
+    `visible_env`: the launcher's CUDA_VISIBLE_DEVICES (None: read it from the environment).
+    `gpu_memory_utilization`: vLLM's share of each of its GPUs (0: DEDICATED_GEN_FRACTION, or on a GPU shared
+    with a trainer rank SHARED_GEN_FRACTION); on a shared GPU the trainer rank is capped at the rest of
+    SHARED_BUDGET."""
+    if not 0 <= gpu_memory_utilization < 1:
+        raise DeviceError(f"--gpu-memory-utilization must be in (0, 1), or 0 for the default "
+                          f"(got {gpu_memory_utilization})")
     gen = parse_devices(gen_devices, "--gen-devices")
     train = parse_devices(train_devices, "--train-devices")
     if not gen and not train:
@@ -146,17 +162,43 @@ def plan(gen_devices: str, train_devices: str, train_ranks: int = 1, cuda_count:
     names = visible_tokens(cuda_count, os.environ.get("CUDA_VISIBLE_DEVICES") if visible_env is None else visible_env)
     buffer_gpu = train[0]
     gen_visible = list(gen) + ([buffer_gpu] if buffer_gpu not in gen else [])
+    gen_fraction = gpu_memory_utilization or (SHARED_GEN_FRACTION if shared else DEDICATED_GEN_FRACTION)
+    train_fraction = None
+    if shared:  # both sides on one GPU: vLLM gets its share, the trainer rank the rest of the budget
+        train_fraction = round(SHARED_BUDGET - gen_fraction, 4)
+        if train_fraction < MIN_SHARED_TRAIN_FRACTION:
+            raise DeviceError(
+                f"--gpu-memory-utilization {gen_fraction} on GPU {shared[0]}, which a trainer rank shares, leaves "
+                f"the trainer {train_fraction:.0%} of it: give at most {SHARED_BUDGET - MIN_SHARED_TRAIN_FRACTION:.2f} "
+                f"there (0: {SHARED_GEN_FRACTION})")
     return DeviceLayout(
         "cuda", world_size=len(train), gen_devices=gen, train_devices=train, shared_gpus=shared,
         backend=GPU_BACKEND, buffer_device=f"cuda:{buffer_gpu}",
         gen_visible_devices=",".join(names[d] for d in gen_visible),
-        gpu_memory_utilization=SHARED_GEN_FRACTION if any(d in shared for d in gen) else DEDICATED_GEN_FRACTION,
-        train_memory_fraction=SHARED_TRAIN_FRACTION if shared else None)
+        gpu_memory_utilization=gen_fraction, train_memory_fraction=train_fraction)
 
 
 def layout_for(cfg) -> DeviceLayout:
-    """The layout of a train.Config (reads cfg.gen_devices, cfg.train_devices, cfg.train_ranks)."""
-    return plan(getattr(cfg, "gen_devices", ""), getattr(cfg, "train_devices", ""), cfg.train_ranks)
+    """The layout of a train.Config (reads cfg.gen_devices, cfg.train_devices, cfg.train_ranks,
+    cfg.gpu_memory_utilization)."""
+    return plan(getattr(cfg, "gen_devices", ""), getattr(cfg, "train_devices", ""), cfg.train_ranks,
+                gpu_memory_utilization=getattr(cfg, "gpu_memory_utilization", 0.0))
+
+
+def resolve_dtype(choice: str, layout: DeviceLayout) -> str:
+    """--dtype: "bf16" or "fp32" as given; "auto" is GPU_DEFAULT_DTYPE on GPUs, CPU_DEFAULT_DTYPE on the CPU."""
+    if choice == "auto":
+        return GPU_DEFAULT_DTYPE if layout.on_gpu else CPU_DEFAULT_DTYPE
+    if choice not in DTYPES:
+        raise DeviceError(f"--dtype {choice!r}: choose bf16, fp32 or auto")
+    return choice
+
+
+def torch_dtype(name: str):
+    """"bf16" -> torch.bfloat16, "fp32" -> torch.float32."""
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp32": torch.float32}[name]
 
 
 def problems(cfg) -> list[str]:

@@ -10,7 +10,9 @@ Data contract
     - A row: step, version, reward, loss and the loss family's diagnostics (clip fractions, ratio, approx
       KL, IS weight), grad norm, zero-variance groups, completion lengths, per-token lag (mean, max,
       histogram), dropped stale samples, trainer wait / train / publish times, generator counters, sync
-      latency, and per-reward-function statistics.
+      latency, prompts skipped so far as too long for --max-model-len (prompts_too_long), the trainer's
+      agreement with the generator on on-policy tokens (logprob_diff_on_policy: max; logprob_diff_mean),
+      and per-reward-function statistics.
     - The summary: steps, wall_s, reward_first10 (mean reward over the first 10% of steps), reward_last20,
       tokens_trained, max_token_lag, dropped_stale, trainer_wait_frac, generator_wait_frac, sync_ms_median,
       gen_tokens_per_s, train_tokens_per_s, logprob_diff_after_sync, bad_steps, sync_mb, config.
@@ -114,6 +116,7 @@ class RunLog:
                "publish_ms": publish_ms, "logprob_diff_on_policy": logprob_diff, "skipped": skipped,
                "gen_tokens": gen.get("tokens"), "gen_idle_s": gen.get("idle_s"),
                "gen_elapsed_s": gen.get("elapsed_s"), "gen_loaded_version": gen.get("loaded_version"),
+               "prompts_too_long": gen.get("prompts_too_long", 0),
                "sync_ms": (self.sync_ms[-1] if self.sync_ms else None), "wall_s": time.perf_counter() - self.start,
                **metrics}
         # per reward function: mean/std/none_frac/errors/time_s; lengths; tokens per lag

@@ -4,7 +4,8 @@ Role
     train.py decides what each child runs; this file owns how the run's processes live and die. Children
     start from the spawn context. A child that raises sends its traceback to the parent and exits 1; the
     parent then prints `error: NAME died (...)` with that traceback, kills the rest and returns 1, within
-    seconds: never a hang. Ctrl-C or SIGTERM ask the run to stop after the current step with a checkpoint
+    seconds: never a hang. A child killed by a SIGKILL the run did not send (the kernel's out-of-memory
+    killer, most likely) gets one more line saying so and naming the flag that lowers its memory. Ctrl-C or SIGTERM ask the run to stop after the current step with a checkpoint
     (exit 130 or 143); a second Ctrl-C stops at once. The generator runs in its own process group, so
     killing it also kills what vLLM started (its EngineCore); nothing of the run is left behind.
 
@@ -154,6 +155,25 @@ def failure_report(name, exitcode, errors) -> str:
                 break
     how = f"signal {signal.Signals(-exitcode).name}" if exitcode < 0 else f"exit code {exitcode}"
     text = [f"error: {name} died ({how}); stopping the run"]
+    if exitcode == -signal.SIGKILL:
+        text.append(killed_by_kernel_hint(name))
     for who, tb in reports:
         text.append(f"--- traceback from {who} ---\n{tb}")
     return "\n".join(text)
+
+
+# What lowers the memory of each kind of child, for the hint below.
+MEMORY_FLAGS = {
+    "trainer": "--micro-batch-tokens (fewer tokens per forward/backward; or fewer --prompts-per-step x "
+               "--group-size, or a shorter --max-new-tokens)",
+    "generator": "--kv-cache-mb on CPU, --gpu-memory-utilization on GPUs, or --max-model-len",
+}
+
+
+def killed_by_kernel_hint(name: str) -> str:
+    """The line after a child's SIGKILL. The run itself sends SIGKILL only while it ends (kill_tree, after
+    supervise has reported), so this one came from outside: almost always the kernel's out-of-memory killer."""
+    flags = MEMORY_FLAGS["trainer" if name.startswith("trainer") else "generator"]
+    return (f"error: the run did not send that SIGKILL: most likely the kernel killed {name} for lack of memory "
+            f"(the run needed more than the machine has). Lower its memory with {flags}")
+

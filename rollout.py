@@ -42,6 +42,48 @@ from buffer import RolloutGroup, put_group
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LORA_ID = 1  # vLLM's id of the one adapter the generator serves with --lora-rank (ids start at 1)
+VLLM_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+# vLLM 0.32's CPU attention (CPUAttentionBackend.get_supported_head_sizes): another head size starts the
+# engine and then fails at the first forward pass, inside the worker.
+CPU_ATTENTION_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def engine_problems(model_path: str, on_gpu: bool, max_model_len: int, max_new_tokens: int, kv_cache_mb: int,
+                    dtype: str) -> list[str]:
+    """What would stop vLLM from serving `model_path` with these settings, found from its config.json before
+    anything starts (vLLM itself finds it inside its worker, as a stack trace): one line each."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_path)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(text, "num_attention_heads", None)
+    head_dim = getattr(text, "head_dim", None) or (text.hidden_size // heads if heads else None)
+    problems = []
+    if not on_gpu and head_dim is not None and head_dim not in CPU_ATTENTION_HEAD_SIZES:
+        problems.append(f"{model_path}: attention head size {head_dim} (hidden_size / num_attention_heads) is not "
+                        f"one vLLM's CPU backend runs ({', '.join(map(str, CPU_ATTENTION_HEAD_SIZES))}); use "
+                        "such a model, or GPUs (--gen-devices/--train-devices)")
+    positions = getattr(text, "max_position_embeddings", None)
+    scaling = getattr(text, "rope_scaling", None) or {}  # a scaled RoPE (YaRN...) lets vLLM go past positions
+    scaled = isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type", "default")) != "default"
+    if max_model_len and positions and max_model_len > positions and not scaled:
+        problems.append(f"--max-model-len {max_model_len} is longer than {model_path} was built for "
+                        f"(max_position_embeddings {positions})")
+    context = max_model_len or positions
+    if context and context <= max_new_tokens:
+        problems.append(f"--max-new-tokens {max_new_tokens} fills the whole context ({context} tokens) of "
+                        f"{model_path}: lower it (or raise --max-model-len)")
+    layers = getattr(text, "num_hidden_layers", None)
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    if not on_gpu and context and layers and kv_heads and head_dim:
+        # A lower bound (vLLM also rounds up to 128-token blocks and holds one back): refuse only the sure cases.
+        per_token = 2 * layers * kv_heads * head_dim * (2 if dtype == "bf16" else 4)  # keys and values
+        needed_mb = context * per_token / 2**20
+        if needed_mb > kv_cache_mb:
+            problems.append(f"one sequence of {context} tokens (--max-model-len, or the model's "
+                            f"max_position_embeddings) needs at least {needed_mb:.0f} MB of KV cache, more than "
+                            f"--kv-cache-mb {kv_cache_mb}: raise --kv-cache-mb or lower --max-model-len")
+    return problems
 
 # ----------------------------------------------------------------------------------------------------
 # Tasks and the tiny model
@@ -261,6 +303,8 @@ class GeneratorSettings:
     cuda_visible_devices: str = ""  # this process's GPUs: the generator's first, then the weight buffer's
     gpu_memory_utilization: float = 0.9  # vLLM's share of each of its GPUs (bounded on a shared GPU)
     tensor_parallel_size: int = 1  # = number of generator GPUs
+    dtype: str = "fp32"  # "bf16" | "fp32": what vLLM computes in, and the shared buffer's dtype
+    max_model_len: int = 0  # vLLM's context (prompt + completion); 0: the model's own
 
 
 async def load_same_version(load, max_tries: int = 20) -> int:
@@ -332,9 +376,13 @@ class Generator:
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.s.model)
+        if self.s.max_model_len:
+            memory.update(max_model_len=self.s.max_model_len)
         args = AsyncEngineArgs(
-            model=self.s.model, tokenizer=self.s.model, dtype="float32", seed=self.s.seed,
-            enforce_eager=True, logprobs_mode="processed_logprobs",
+            model=self.s.model, tokenizer=self.s.model, dtype=VLLM_DTYPES[self.s.dtype], seed=self.s.seed,
+            # CUDA graphs on GPUs (weight reloads copy into the same storage, so captured graphs stay valid);
+            # on CPU eager starts fastest (torch.compile adds ~20 s).
+            enforce_eager=self.s.device != "cuda", logprobs_mode="processed_logprobs",
             worker_extension_cls="sync.WeightSyncWorker", **memory,
             enable_prefix_caching=True, disable_log_stats=True, use_tqdm_on_load=self.s.log_level != "warning",
         )
@@ -386,6 +434,7 @@ class Generator:
         rewards, reward_stats, unscored = await asyncio.get_running_loop().run_in_executor(
             self.reward_threads, self.task.score, prompt, texts, completions, self.loaded_version)
         self.stats["reward_s"] = self.stats.get("reward_s", 0.0) + sum(s["time_s"] for s in reward_stats.values())
+        self.stats["prompts_too_long"] = getattr(self.task, "too_long", 0)  # skipped: over --max-model-len
         self.stats["unscored"] = self.stats.get("unscored", 0) + unscored
         self.stats["groups"] += 1
         group = RolloutGroup(group_id, prompt.prompt_ids, completions, logprobs, versions, rewards, prompt.answer,

@@ -12,17 +12,19 @@ Role
 Data contract
     - `Layout`: (name, shape, offset, numel) for each parameter, in `model.named_parameters()` order,
       with Hugging Face checkpoint names (what vLLM's `load_weights` expects); with LoRA, PEFT's adapter
-      file names (what vLLM's LoRA loader expects). One dtype for all.
+      file names (what vLLM's LoRA loader expects). One dtype for all: the serving dtype (`--dtype`), so
+      in bf16 a sync moves half the bytes; `publish_model` casts the trainer's fp32 weights on the way in.
     - header = [seq, version, publish_time_ns]. `seq` is odd while a writer is inside the buffer.
       `version` = the trainer's optimizer-step count of the weights in the buffer.
     - Writers: `begin_write` / `write_param` / `end_write` (one trainer process, or FSDP2 ranks each
       writing their own rows between barriers). Readers: `read_snapshot`, which retries until it copies
       a snapshot no writer touched, then returns it with its version; or `read_in_place`, which runs a
-      repeatable read (the engine's reload) on the buffer itself under the same check (CPU).
+      repeatable read (the engine's reload) on the buffer itself under the same check (what the vLLM
+      worker does, on CPU and GPU; a GPU worker never allocates a copy of the whole buffer).
     - CUDA: the buffer is allocated once by the launching process on the first trainer GPU and lives
       until every other process has ended; the header stays in CPU shared memory. `end_write` waits for
-      the device writes before it publishes the version; `read_snapshot` waits for its device copy before
-      it re-checks `seq`. Another process receives a `CudaIpcHandle` (pickled with the object, or
+      the device writes before it publishes the version; `read_snapshot` and `read_in_place` wait for their
+      device copies before they re-check `seq`. Another process receives a `CudaIpcHandle` (pickled with the object, or
       `to_bytes`) naming the GPU by UUID, since indices differ under CUDA_VISIBLE_DEVICES; it opens the
       handle on first use of `.buffer` (a process that only forwards it, like the generator's front end,
       never opens it: torch cannot re-share a CUDA tensor it received).
@@ -48,6 +50,8 @@ from multiprocessing.reduction import ForkingPickler
 
 SEQ, VERSION, PUBLISH_NS = 0, 1, 2
 VIEW_TRIES = 3  # torn in-place reloads before the worker falls back to a snapshot copy (CPU)
+GPU_VIEW_TRIES = 20  # torn in-place reloads before a GPU worker gives up (it has no snapshot to fall back to)
+GPU_MAX_WAITS = 240_000  # x 0.5 ms: how long a GPU worker waits for a publish (a gather over NCCL) to finish
 
 # Share CPU tensors by file name, from the start: a storage first shared by file descriptor and later
 # pickled by name is silently *moved* to a new segment, and the two sides would stop seeing each other.
@@ -121,11 +125,13 @@ class SharedWeights:
     """The packed buffer, its header and its layout. Picklable across `torch.multiprocessing` spawn."""
 
     def __init__(self, buffer: torch.Tensor | None, header: torch.Tensor, layout: list[Slot],
-                 ipc_handle: CudaIpcHandle | None = None):
+                 ipc_handle: CudaIpcHandle | None = None, dtype: torch.dtype | None = None):
         self._buffer = buffer  # flat, one dtype: CPU shared memory, or CUDA memory (None: not opened yet)
         self.header = header  # int64 [seq, version, publish_time_ns], always in CPU shared memory
         self.layout = layout
         self._ipc = ipc_handle  # set in processes that received a CUDA buffer
+        # The serving dtype, known without opening a received CUDA buffer (FSDP2 ranks cast to it before gathering).
+        self.dtype = buffer.dtype if buffer is not None else (dtype or torch.float32)
 
     @property
     def buffer(self) -> torch.Tensor:
@@ -134,17 +140,22 @@ class SharedWeights:
         return self._buffer
 
     @property
+    def nbytes(self) -> int:
+        """What one sync moves: every slot, in the buffer's dtype."""
+        return sum(slot.numel for slot in self.layout) * self.dtype.itemsize
+
+    @property
     def device_type(self) -> str:
         """"cpu" or "cuda", without opening a received CUDA buffer."""
         return "cuda" if self._ipc is not None else self._buffer.device.type
 
     def _shareable(self) -> tuple:
-        """(buffer or handle, header, layout): what crosses to another process."""
+        """(buffer or handle, header, layout, dtype): what crosses to another process."""
         if self._ipc is not None:  # received: forward the owner's handle (a received CUDA tensor cannot be re-shared)
-            return self._ipc, self.header, self.layout
+            return self._ipc, self.header, self.layout, self.dtype
         if self._buffer.device.type == "cuda":
-            return CudaIpcHandle.of(self._buffer), self.header, self.layout
-        return self._buffer, self.header, self.layout
+            return CudaIpcHandle.of(self._buffer), self.header, self.layout, self.dtype
+        return self._buffer, self.header, self.layout, self.dtype
 
     def __reduce__(self):
         return _rebuild_shared, self._shareable()
@@ -243,12 +254,16 @@ class SharedWeights:
                 seq_before = int(self.header[SEQ])
             version = int(self.header[VERSION])
             read(self.buffer)
+            if self.device_type == "cuda":
+                self._wait_for_device_copy(None)  # the reads are done before seq is re-read
             if int(self.header[SEQ]) == seq_before:
                 return version
         return None
 
-    def _wait_for_device_copy(self, out: torch.Tensor) -> None:
-        _synchronize(out.device, self.buffer.device)  # a peer copy runs on the source GPU's stream
+    def _wait_for_device_copy(self, out: torch.Tensor | None) -> None:
+        """Wait for copies out of the buffer: into `out`, or (None) into this process's current GPU."""
+        dst = out.device if out is not None else torch.device("cuda", torch.cuda.current_device())
+        _synchronize(dst, self.buffer.device)  # a peer copy runs on the source GPU's stream
 
     # ---- handing the buffer to another process as bytes (vLLM RPC arguments must be bytes) ----
     def to_bytes(self) -> bytes:
@@ -264,9 +279,9 @@ class SharedWeights:
         return _rebuild_shared(*pickle.loads(data))
 
 
-def _rebuild_shared(buffer_or_handle, header, layout) -> SharedWeights:
+def _rebuild_shared(buffer_or_handle, header, layout, dtype=torch.float32) -> SharedWeights:
     if isinstance(buffer_or_handle, CudaIpcHandle):
-        return SharedWeights(None, header, layout, ipc_handle=buffer_or_handle)  # opened on first use
+        return SharedWeights(None, header, layout, ipc_handle=buffer_or_handle, dtype=dtype)  # opened on first use
     return SharedWeights(buffer_or_handle, header, layout)
 
 
@@ -312,7 +327,8 @@ def publish_model(model, shared, version, rank, world_size):
             if rank == 0:
                 shared.begin_write()
             for slot, (_, param) in zip(shared.layout, synced_parameters(model)):
-                full = param.full_tensor() if hasattr(param, "full_tensor") else param
+                full = param.detach().to(shared.dtype)  # cast first: in bf16 the gather moves half the bytes
+                full = full.full_tensor() if hasattr(full, "full_tensor") else full
                 if rank == 0:
                     shared.write_param(slot, full)
                 del full
@@ -371,50 +387,59 @@ class WeightSyncWorker:
         tied = getattr(self.model_runner.model_config.hf_config, "tie_word_embeddings", False)
         logging.getLogger(RELOAD_LOGGER).addFilter(ExpectedReloadWarnings(tied))
         # On a GPU worker `.buffer` opens the CUDA IPC handle here, once (on the buffer's own GPU, which must be
-        # visible to this process), and every load goes through a private snapshot on this worker's GPU (a
-        # device-to-device or peer-to-peer copy). On CPU the load reads the shared buffer in place; the
-        # snapshot is allocated only if that ever has to fall back to it (see load_shared_weights).
+        # visible to this process). No snapshot on a GPU: vLLM has already sized its KV cache to fill its share.
+        # On CPU a snapshot is allocated only if an in-place load ever has to fall back to it.
         self._snapshot = None
-        if self._shared.device_type != "cpu":
-            self._snapshot = torch.empty_like(self._shared.buffer, device=self._snapshot_device())
         return self._shared.buffer.numel()
 
-    def _snapshot_device(self):
+    def _load_device(self) -> torch.device:
         try:
-            return self.device  # GPU worker: copy peer-to-peer into our own GPU
+            return torch.device(self.device)  # a GPU worker's own GPU
         except AttributeError:
             return torch.device("cpu")
 
     def load_shared_weights(self, min_version: int = -1) -> int:
         """Reload the newest consistent weights into the engine; returns the version loaded.
 
-        CPU: straight from views of the shared buffer, with no private copy first. `reload_weights` copies
-        every tensor into the engine's own (re-packed) weights, so the engine never aliases the buffer. The
-        seqlock guards the reload: if the trainer wrote meanwhile, the engine holds a torn mix, and we reload
-        again. Generation is paused during the whole load, so a torn state is never sampled from. After
-        `VIEW_TRIES` torn reloads (a writer publishing faster than we reload) we fall back to the snapshot.
-        GPU: a snapshot copy on this worker's GPU first (the buffer is another process's device memory).
+        Straight from views of the shared buffer, with no private copy of it. `reload_weights` copies every
+        tensor into the engine's own parameters (the same storage: CUDA graphs stay valid; on CPU re-packed
+        for its kernels), so the engine never aliases the buffer. The seqlock guards the reload: if the
+        trainer wrote meanwhile, the engine holds a torn mix, and we reload again. Generation is paused during
+        the whole load, so a torn state is never sampled from.
+        CPU: after `VIEW_TRIES` torn reloads (a writer publishing faster than we reload) we fall back to a
+        snapshot copy. GPU: the copies run device to device (peer to peer when the buffer is on another
+        GPU, one tensor in flight at a time); a publish there gathers every parameter over NCCL while `seq`
+        is odd, so the load waits longer, and never allocates a full-size snapshot.
         """
         shared = self._shared
-        version = None
-        if shared.device_type == "cpu":
+        if shared.device_type == "cuda":
+            version = shared.read_in_place(self._reload_from, max_tries=GPU_VIEW_TRIES, max_waits=GPU_MAX_WAITS)
+            if version is None:
+                raise RuntimeError(f"load_shared_weights: no untorn reload in {GPU_VIEW_TRIES} tries within "
+                                   f"{GPU_MAX_WAITS * 0.0005:.0f} s (is the trainer publishing back to back?)")
+        else:
             version = shared.read_in_place(self._reload_from, max_tries=VIEW_TRIES)
-        if version is None:
-            if self._snapshot is None:
-                self._snapshot = torch.empty_like(shared.buffer, device=self._snapshot_device())
-            # On GPUs a publish gathers every parameter over NCCL while `seq` is odd: allow it longer (~1 min).
-            version = shared.read_snapshot(self._snapshot,
-                                           max_tries=1000 if shared.device_type == "cpu" else 100_000)
-            self._reload_from(self._snapshot)
+            if version is None:
+                if self._snapshot is None:
+                    self._snapshot = torch.empty_like(shared.buffer)
+                version = shared.read_snapshot(self._snapshot)
+                self._reload_from(self._snapshot)
         if version < min_version:
             raise RuntimeError(f"load_shared_weights: buffer holds version {version} < wanted {min_version}")
         self._refresh_tied_lm_head()
         return version
 
     def _reload_from(self, buffer: torch.Tensor) -> None:
-        """vLLM's layer-wise reload from views of `buffer` (the shared buffer itself, or our snapshot)."""
-        shared = self._shared
-        self.model_runner.reload_weights(weights_iterator=[(s.name, shared.view(s, buffer)) for s in shared.layout])
+        """vLLM's layer-wise reload from views of `buffer` (the shared buffer itself, or our snapshot). A view
+        on another GPU than the worker's is moved over one tensor at a time, as the loader asks for it."""
+        shared, device = self._shared, self._load_device()
+
+        def weights():
+            for slot in shared.layout:
+                view = shared.view(slot, buffer)
+                yield slot.name, view if view.device == device else view.to(device, non_blocking=True)
+
+        self.model_runner.reload_weights(weights_iterator=weights())
 
     def _refresh_tied_lm_head(self) -> None:
         """With tied embeddings the checkpoint has no `lm_head.weight`, so the layer-wise reload never

@@ -12,6 +12,9 @@ Role
 
 Data contract
     - Every `Config` field is a `--flag` (underscores become dashes).
+    - `--dtype bf16|fp32|auto` is one precision for the run: the trainer's compute (FSDP2 mixed precision;
+      master weights, gradient reduction and optimizer state stay fp32), vLLM, the packed weight buffer
+      (cast on publish) and the `--kl-coef` reference. Checkpoints and the final model are fp32.
     - Trainer version = optimizer steps taken. Weights are published every `--sync-every` steps; the
       generator tags each sampled token with the version that produced it. A sample is trained on only
       if trainer version - its oldest token's version <= `--max-lag` (`--max-lag 0`: strictly on-policy).
@@ -108,6 +111,9 @@ class Config:
     gen_threads: int = 0  # CPU threads of the generator; 0: half the cores
     train_threads: int = 0  # CPU threads per trainer rank; 0: the rest of the cores, split between ranks
     kv_cache_mb: int = 256  # vLLM's KV cache on CPU, in MiB
+    dtype: str = "auto"  # bf16 | fp32 | auto (bf16 on GPUs, fp32 on CPU): trainer compute (fp32 master weights), vLLM, weight syncs
+    max_model_len: int = 0  # vLLM's context, prompt + completion (longer prompts are skipped and counted); 0: the model's own
+    gpu_memory_utilization: float = 0.0  # vLLM's share of each generator GPU; 0: 0.9 alone, 0.3 on a GPU shared with a trainer rank
     timeout_s: float = 300.0  # longest wait for any other process before the run fails
     gen_devices: str = ""  # generator GPUs, e.g. "0" ("" or "cpu": the CPU path); see devices.py
     train_devices: str = ""  # trainer GPUs, one FSDP2 rank each, e.g. "1,2,3"; "0" with --gen-devices 0 shares it
@@ -134,7 +140,7 @@ CHOICES = {"update_mode": ("inflight", "drain"), "loss": ("grpo", "dapo", "dr_gr
            "agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"),
            "kl_kind": ("k1", "k2", "k3"), "is_level": ("token", "sequence"),
            "is_mode": ("truncate", "mask", "off"), "log_level": ("debug", "info", "warning"),
-           "lr_schedule": ("constant", "linear", "cosine")}
+           "lr_schedule": ("constant", "linear", "cosine"), "dtype": ("auto", "bf16", "fp32")}
 
 
 def field_help(cls) -> dict[str, tuple[str, str]]:
@@ -201,6 +207,11 @@ def validate(cfg: Config) -> None:
             problems.append(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(cfg, name)})")
     if cfg.save_every < 0 or cfg.keep_checkpoints < 0 or cfg.max_bad_steps < 0:
         problems.append("--save-every, --keep-checkpoints and --max-bad-steps must be >= 0")
+    if cfg.max_model_len < 0:
+        problems.append(f"--max-model-len must be >= 0 (got {cfg.max_model_len})")
+    elif cfg.max_model_len and cfg.max_model_len <= cfg.max_new_tokens:
+        problems.append(f"--max-model-len {cfg.max_model_len} leaves no room for a prompt before "
+                        f"--max-new-tokens {cfg.max_new_tokens}: give more than {cfg.max_new_tokens}")
     if cfg.max_lag < 0:
         problems.append(f"--max-lag must be >= 0 (got {cfg.max_lag})")
     elif cfg.max_lag < cfg.sync_every - 1:
@@ -259,23 +270,34 @@ def inactive_flags(cfg: Config) -> list[str]:
 # ----------------------------------------------------------------------------------------------------
 # The trainer (one process per rank)
 # ----------------------------------------------------------------------------------------------------
-def build_trainer_model(model_path, world_size, device="cpu", lora_config=None, adapter_dir="", seed=0):
+def build_trainer_model(model_path, world_size, device="cpu", lora_config=None, adapter_dir="", seed=0,
+                        compute_dtype=torch.float32):
     """The model under FSDP2; with a LoRA config, wrapped in a trainable adapter first (from `adapter_dir`
-    on a resume) and the base weights frozen."""
+    on a resume) and the base weights frozen. The parameters (master weights), their gradients and the
+    optimizer state stay fp32; with `compute_dtype` bf16, FSDP2's mixed precision gathers the parameters
+    in bf16 for forward and backward and reduces gradients in fp32 (verl's recipe)."""
     import lora
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy
     from transformers import AutoModelForCausalLM
 
     device = torch.device(device)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device)
     if lora_config is not None:
         model = lora.wrap(model, lora_config, seed, adapter_dir)
+    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    return shard_layers_and_root(model, lora.base_model_of(model).model.layers, world_size, device, mp_policy=policy)
+
+
+def shard_layers_and_root(model, layers, world_size, device, **options):
+    """fully_shard each decoder layer, then the root (FSDP2's usual wrapping)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
     # An explicit mesh: with a CUDA build of torch, fully_shard's default mesh is on the GPU even on the CPU path.
-    mesh = init_device_mesh(device.type, (world_size,))
-    for layer in lora.base_model_of(model).model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    mesh = init_device_mesh(torch.device(device).type, (world_size,))
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, **options)
+    fully_shard(model, mesh=mesh, **options)
     return model
 
 
@@ -303,6 +325,18 @@ def shaped_rewards(groups, cfg: Config):
     if cfg.overlong_penalty:
         rewards = rewards + overlong_penalty(lengths, cfg.max_new_tokens, cfg.overlong_penalty)
     return rewards, truncated
+
+
+def build_reference_model(model_path, world_size, device="cpu", dtype=torch.float32):
+    """The frozen reference of `--kl-coef` (full fine-tuning): the original weights, in the serving dtype,
+    sharded under FSDP2 like the policy, so each rank holds 1/world_size of it. The root reshards after
+    each forward too (FSDP2 keeps a root's parameters gathered for the backward that a no-grad reference
+    never runs: the embedding and output head, the largest tensors, would stay whole on every rank)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
+    model.requires_grad_(False)
+    return shard_layers_and_root(model, model.model.layers, world_size, device, reshard_after_forward=True)
 
 
 def target_logprobs(logits, batch, temperature, top_k=-1, top_p=1.0):
@@ -385,6 +419,7 @@ def trainer_main(cfg, rank, world_size, model_path, shared, rollout_queue, contr
     torch.manual_seed(cfg.seed + rank)
     layout = devices.layout_for(cfg)  # CPU: gloo, as before; GPU: this rank's GPU, NCCL for CUDA tensors
     device = torch.device(layout.train_device(rank))
+    serving_dtype = devices.torch_dtype(devices.resolve_dtype(cfg.dtype, layout))  # run() resolved "auto" already
     if layout.on_gpu:
         # vLLM measures a GPU's free memory while it starts: on a shared GPU, keep off it until vLLM is up.
         if layout.shared_gpus and not wait_for(control.ready, control.stop, cfg.timeout_s,
@@ -400,7 +435,8 @@ def trainer_main(cfg, rank, world_size, model_path, shared, rollout_queue, contr
         import lora
         lora_config = lora.peft_config(cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets)
     model = build_trainer_model(model_path, world_size, device, lora_config,
-                                os.path.join(resume_dir, "adapter") if resume_dir and cfg.lora_rank else "", cfg.seed)
+                                os.path.join(resume_dir, "adapter") if resume_dir and cfg.lora_rank else "", cfg.seed,
+                                compute_dtype=serving_dtype)
     if cfg.lora_dropout > 0:
         model.train()  # dropout on the adapter's input (the base models we load have no other dropout active)
     # Build the optimizer before any forward pass (FSDP2 pitfall: see shared notes). Only what trains has state.
@@ -423,9 +459,7 @@ def trainer_main(cfg, rank, world_size, model_path, shared, rollout_queue, contr
         publish_model(model, shared, version, rank, world_size)
     ref_model = None
     if cfg.kl_coef > 0 and not cfg.lora_rank:
-        from transformers import AutoModelForCausalLM
-        ref_model = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32).to(device).eval()
-        ref_model.requires_grad_(False)
+        ref_model = build_reference_model(base_model, world_size, device, serving_dtype)
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(base_model)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -442,7 +476,7 @@ def trainer_main(cfg, rank, world_size, model_path, shared, rollout_queue, contr
         return
     log = metrics.RunLog(cfg, world_size, start_step) if rank == 0 else None
     if log is not None:
-        log.sync_mb = sum(slot.numel for slot in shared.layout) * 4 / 2**20  # float32
+        log.sync_mb = shared.nbytes / 2**20  # in the serving dtype
     bad_steps = 0
 
     def count_dropped_group():  # the generator replaces it (its staleness gate counts the groups still needed)
@@ -490,11 +524,13 @@ def trainer_main(cfg, rank, world_size, model_path, shared, rollout_queue, contr
         on_policy_rows = ((local.token_versions == version) | ~local.mask).all(dim=1) & local.mask.any(dim=1)
         diff = (logp - local.behaviour_logp).abs()[local.mask & on_policy_rows[:, None]]
         stats = torch.tensor([float(loss_share.detach()), diff.max().item() if diff.numel() else -1.0,
-                              float(on_policy_rows.sum())])
+                              float(on_policy_rows.sum()), float(diff.sum()), float(diff.numel())])
         if world_size > 1:
             dist.all_reduce(stats[:1])
             dist.all_reduce(stats[1:2], op=dist.ReduceOp.MAX)
             dist.all_reduce(stats[2:])
+        if stats[4] > 0:  # bf16 makes the max a tail; the mean says how far the two sides typically disagree
+            metrics["logprob_diff_mean"] = float(stats[3] / stats[4])
         skipped = not math.isfinite(grad_norm) or not math.isfinite(float(stats[0]))
         if skipped:  # NaN/inf loss or gradients: skip the step, count it, stop after too many
             optimizer.zero_grad(set_to_none=True)
@@ -576,14 +612,25 @@ def check_tokenizer(model_path) -> None:
                          "never stop; set eos_token in its tokenizer_config.json")
 
 
-def allocate_shared_weights(model_path, device="cpu"):
+def check_engine(model_path, cfg, layout) -> None:
+    """A model or context vLLM cannot serve here (e.g. a head size its CPU backend lacks): one line, now."""
+    from rollout import engine_problems
+
+    problems = engine_problems(model_path, layout.on_gpu, cfg.max_model_len, cfg.max_new_tokens, cfg.kv_cache_mb,
+                               cfg.dtype)
+    if problems:
+        raise SystemExit("error: " + "\nerror: ".join(problems))
+
+
+def allocate_shared_weights(model_path, device="cpu", dtype=torch.float32):
+    """The packed buffer for the full weights, in the serving dtype (the trainer casts into it on publish)."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from sync import SharedWeights, named_shapes_of
 
     config = AutoConfig.from_pretrained(model_path)
     with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    return SharedWeights.allocate(named_shapes_of(skeleton), dtype=torch.float32, device=device)
+        skeleton = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return SharedWeights.allocate(named_shapes_of(skeleton), dtype=dtype, device=device)
 
 
 def split_threads(cfg):
@@ -599,8 +646,10 @@ def generator_settings(cfg: Config, model_path: str, gen_threads: int, start_ste
     with, and what the benchmarks start it with. A resumed run passes its checkpoint's step and version;
     `layout` (devices.layout_for) adds the GPU placement, None is the CPU path; `lora_dir` holds the
     adapter's config with --lora-rank."""
+    import devices
     from rollout import GeneratorSettings
 
+    dtype = devices.resolve_dtype(cfg.dtype, layout if layout is not None else devices.plan("", ""))
     return GeneratorSettings(
         model=model_path, seed=cfg.seed, group_size=cfg.group_size, prompts_per_step=cfg.prompts_per_step,
         max_new_tokens=cfg.max_new_tokens, max_lag=cfg.max_lag, update_mode=cfg.update_mode,
@@ -611,8 +660,8 @@ def generator_settings(cfg: Config, model_path: str, gen_threads: int, start_ste
         task=cfg.task, dataset=cfg.dataset, split=cfg.split, prompt_column=cfg.prompt_column,
         answer_column=cfg.answer_column, reward=cfg.reward, reward_weights=cfg.reward_weights,
         system_prompt=cfg.system_prompt, reward_workers=cfg.reward_workers, lora_rank=cfg.lora_rank,
-        log_level=cfg.log_level,
-        lora_dir=lora_dir, **(layout.generator_settings() if layout is not None else {}))
+        log_level=cfg.log_level, lora_dir=lora_dir, dtype=dtype, max_model_len=cfg.max_model_len,
+        **(layout.generator_settings() if layout is not None else {}))
 
 
 def run(cfg: Config) -> int:
@@ -625,6 +674,9 @@ def run(cfg: Config) -> int:
     if inactive:
         print(f"warning: {', '.join(inactive)} cannot act in this run: one optimizer step per batch keeps the ratio "
               "to the proximal policy at 1 (the clips act with --is-mode off)", file=sys.stderr, flush=True)
+    import devices
+
+    cfg.dtype = devices.resolve_dtype(cfg.dtype, devices.layout_for(cfg))  # "auto" -> bf16 | fp32, before any save
     os.makedirs(cfg.out, exist_ok=True)
     resume_dir, start_step, start_version = "", 0, 0
     if cfg.resume:
@@ -644,9 +696,8 @@ def run(cfg: Config) -> int:
     else:
         model_path = base_model = prepare_model(cfg)
     check_tokenizer(model_path)
-    import devices
-
     layout = devices.layout_for(cfg)
+    check_engine(model_path, cfg, layout)
     if layout.notice:
         print(layout.notice, file=sys.stderr, flush=True)
     cfg.train_ranks = layout.world_size  # on GPUs: one rank per --train-devices GPU
@@ -665,9 +716,9 @@ def run(cfg: Config) -> int:
         shapes, resolved = lora.adapter_shapes(model_path, lora.peft_config(
             cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets))
         lora_dir = lora.write_config(resolved, model_path, os.path.join(cfg.out, "adapter_config"))
-        shared = SharedWeights.allocate(shapes, dtype=torch.float32, device=layout.buffer_device)
+        shared = SharedWeights.allocate(shapes, dtype=devices.torch_dtype(cfg.dtype), device=layout.buffer_device)
     else:
-        shared = allocate_shared_weights(model_path, device=layout.buffer_device)
+        shared = allocate_shared_weights(model_path, layout.buffer_device, devices.torch_dtype(cfg.dtype))
     ctx = mp.get_context("spawn")
     rollout_queue = ctx.Queue(maxsize=cfg.queue_size)
     errors = ctx.Queue()

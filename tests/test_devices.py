@@ -5,7 +5,10 @@
 - sync.py's protocol with CPU tensors: handles as bytes across a spawned process with a version bump after
   it mapped the buffer; the CUDA IPC handle's lazy opening, forwarding without re-sharing, and the GPU
   found by UUID (a stand-in for torch's rebuild function); the device waits in the seqlock's order.
-- sync.publish_model's GPU branch (gather each parameter, rank 0 the only writer) at world size 2 on gloo.
+- sync.publish_model's GPU branch (cast to the buffer's dtype, gather each parameter, rank 0 the only writer)
+  at world size 2 on gloo.
+- --gpu-memory-utilization and --dtype auto in the layout; the vLLM worker's GPU load (in place from the
+  IPC buffer under the seqlock, never a full-size snapshot), with a recording stand-in for vLLM's runner.
 scripts/gpu_check.py is tested in tests/test_gpu_check.py.
 """
 import pickle
@@ -257,7 +260,7 @@ def _gather_rank(rank, world, init_file, shared, results):
                 waits.append(int(self.header[sync.SEQ]) % 2)
 
         # rank 1 gets no buffer at all: touching it would fail
-        mine = OnGpu(shared.buffer if rank == 0 else None, shared.header, shared.layout)
+        mine = OnGpu(shared.buffer if rank == 0 else None, shared.header, shared.layout, dtype=shared.dtype)
         model = _small_model()
         mesh = init_device_mesh("cpu", (world,))
         for layer in (model[0], model[2], model):
@@ -271,8 +274,9 @@ def _gather_rank(rank, world, init_file, shared, results):
 
 
 def test_gpu_publish_gathers_and_rank0_alone_writes_the_full_weights(tmp_path):
+    """In bf16: every rank casts its shard to the buffer's dtype before the gather (half the bytes)."""
     reference = dict(_small_model().named_parameters())
-    shared = sync.SharedWeights.allocate(sync.named_shapes_of(_small_model()))
+    shared = sync.SharedWeights.allocate(sync.named_shapes_of(_small_model()), dtype=torch.bfloat16)
     results = mp.get_context("spawn").Queue()
     context = mp.start_processes(_gather_rank, args=(2, str(tmp_path / "init"), shared, results),
                                  nprocs=2, join=False, start_method="spawn")
@@ -283,4 +287,98 @@ def test_gpu_publish_gathers_and_rank0_alone_writes_the_full_weights(tmp_path):
     assert got[0] == (len(shared.layout), [1]) and got[1] == (0, [])  # rank 0 waits once, while seq is odd
     assert shared.version() == 7 and int(shared.header[sync.SEQ]) == 2
     for slot in shared.layout:
-        assert torch.equal(shared.view(slot), reference[slot.name].detach()), slot.name
+        assert torch.equal(shared.view(slot), reference[slot.name].detach().bfloat16()), slot.name
+
+
+# ----------------------------------------------------------------------------------------------------
+# --gpu-memory-utilization and --dtype auto
+# ----------------------------------------------------------------------------------------------------
+def test_gpu_memory_utilization_flag_is_vllms_share_and_bounds_a_shared_trainer():
+    alone = devices.plan("0", "1", cuda_count=2, visible_env="", gpu_memory_utilization=0.7)
+    assert alone.gpu_memory_utilization == 0.7 and alone.train_memory_fraction is None
+    assert alone.generator_settings()["gpu_memory_utilization"] == 0.7
+    shared = devices.plan("0", "0", cuda_count=1, visible_env="", gpu_memory_utilization=0.5)
+    assert shared.gpu_memory_utilization == 0.5
+    assert shared.train_memory_fraction == pytest.approx(devices.SHARED_BUDGET - 0.5)  # the rest of the budget
+    with pytest.raises(devices.DeviceError) as err:  # vLLM would leave the trainer rank too little
+        devices.plan("0", "0", cuda_count=1, visible_env="", gpu_memory_utilization=0.8)
+    assert "--gpu-memory-utilization 0.8" in str(err.value) and "\n" not in str(err.value)
+    for bad in ("1.5", "-0.1", "1"):
+        with pytest.raises(SystemExit, match="--gpu-memory-utilization must be in"):
+            train.parse_args(["--gpu-memory-utilization", bad])
+    # 0 keeps the defaults; on the CPU path the flag changes nothing
+    assert devices.plan("0", "0", cuda_count=1, visible_env="").gpu_memory_utilization == devices.SHARED_GEN_FRACTION
+    assert devices.plan("", "", gpu_memory_utilization=0.5) == devices.DeviceLayout("cpu", world_size=1)
+
+
+def test_dtype_auto_is_bf16_on_gpus_and_the_measured_choice_on_cpu():
+    gpu = devices.plan("0", "1", cuda_count=2, visible_env="")
+    cpu = devices.plan("", "")
+    assert devices.resolve_dtype("auto", gpu) == "bf16"
+    assert devices.resolve_dtype("auto", cpu) == devices.CPU_DEFAULT_DTYPE
+    assert devices.resolve_dtype("fp32", gpu) == "fp32" and devices.resolve_dtype("bf16", cpu) == "bf16"
+    assert devices.torch_dtype("bf16") is torch.bfloat16 and devices.torch_dtype("fp32") is torch.float32
+    assert train.parse_args([]).dtype == "auto" and train.parse_args(["--dtype", "bf16"]).dtype == "bf16"
+    with pytest.raises(SystemExit):
+        train.parse_args(["--dtype", "fp16"])
+
+
+# ----------------------------------------------------------------------------------------------------
+# The vLLM worker's load on a GPU: straight from the IPC buffer, no snapshot (CPU tensors underneath)
+# ----------------------------------------------------------------------------------------------------
+class RecordingRunner:
+    """Stands in for vLLM's model runner: records what each reload received (names and values)."""
+
+    def __init__(self, on_reload=None):
+        from types import SimpleNamespace
+
+        self.reloads, self.on_reload = [], on_reload
+        self.model_config = SimpleNamespace(hf_config=SimpleNamespace(tie_word_embeddings=False))
+
+    def reload_weights(self, weights_iterator):
+        self.reloads.append({name: t.clone() for name, t in weights_iterator})
+        if self.on_reload:
+            self.on_reload(len(self.reloads))
+
+    def get_model(self):
+        return None
+
+
+def gpu_worker(shared, runner):
+    events = []
+
+    class OnGpu(sync.SharedWeights):
+        device_type = "cuda"
+
+        def _wait_for_device_copy(self, out):
+            events.append(("wait", out, len(runner.reloads)))
+
+    worker = sync.WeightSyncWorker()
+    worker.model_runner, worker.device = runner, torch.device("cpu")
+    worker.attach_shared_weights(OnGpu(shared.buffer, shared.header, shared.layout).to_bytes())
+    worker._shared = OnGpu(shared.buffer, shared.header, shared.layout)  # from_bytes rebuilt a plain one
+    return worker, events
+
+
+def test_gpu_worker_loads_in_place_without_a_snapshot_and_retries_a_torn_load():
+    shared = sync.SharedWeights.allocate(SHAPES, dtype=torch.bfloat16)
+    first = {name: torch.full(shape, 1.5) for name, shape in SHAPES}
+    shared.publish(first, version=3)
+
+    def writer_interrupts(n):  # a publish lands in the middle of the first reload: that one is torn
+        if n == 1:
+            shared.publish({name: torch.full(shape, 2.5) for name, shape in SHAPES}, version=4)
+
+    runner = RecordingRunner(writer_interrupts)
+    worker, events = gpu_worker(shared, runner)
+    assert worker._snapshot is None  # attaching allocated nothing
+    assert worker.load_shared_weights(min_version=3) == 4
+    assert worker._snapshot is None, "a GPU worker must never allocate a copy of the whole buffer"
+    assert len(runner.reloads) == 2  # the torn reload was repeated
+    # each reload waited for its device copies before seq was re-checked
+    assert events == [("wait", None, 1), ("wait", None, 2)]
+    last = runner.reloads[-1]
+    assert list(last) == [name for name, _ in SHAPES]
+    assert all(t.dtype == torch.bfloat16 and torch.equal(t, torch.full_like(t, 2.5)) for t in last.values())
+    with pytest.raises(RuntimeError, match="< wanted 9"):
+        worker.load_shared_weights(min_version=9)

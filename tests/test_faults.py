@@ -204,3 +204,70 @@ def test_inf_loss_steps_are_skipped_counted_then_stop_the_run(tmp_path):
     logged = rows(out)
     assert len(logged) == 2 and all(r["skipped"] for r in logged)
     assert all(r["version"] == 0 for r in logged)  # no optimizer step was taken, nothing was published
+
+
+def test_a_model_vllms_cpu_backend_cannot_run_is_refused_before_anything_starts(tmp_path, capsys):
+    """Head size 16 (hidden 64, 4 heads): vLLM's CPU attention would start and then fail at the first
+    forward, inside its worker. The parent refuses it first, in one line; nothing is spawned."""
+    import rollout
+    import train
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    assert tuple(CPUAttentionBackend.get_supported_head_sizes()) == rollout.CPU_ATTENTION_HEAD_SIZES
+    model = rollout.build_tiny_model(str(tmp_path / "head16"), hidden=64, heads=4)
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as err:
+        train.main(["--model", model, "--out", str(out), "--steps", "1"])
+    message = str(err.value)
+    assert message.startswith("error: ") and "head size 16" in message and "\n" not in message
+    assert not (out / "metrics.jsonl").exists() and not (out / "config.json").exists()
+    # the other limits found from config.json: a context the model was not built for, a KV cache too small
+    # for one sequence (the default tiny model: 64 positions, 2 layers x 4 heads x 32 dims)
+    tiny = rollout.build_tiny_model(str(tmp_path / "tiny"))
+    assert rollout.engine_problems(tiny, False, 0, 5, 256, "fp32") == []
+    [long] = rollout.engine_problems(tiny, False, 100, 5, 256, "fp32")
+    assert "--max-model-len 100" in long and "max_position_embeddings 64" in long
+    [full] = rollout.engine_problems(tiny, False, 0, 64, 256, "fp32")
+    assert "--max-new-tokens 64" in full
+    deep = rollout.build_tiny_model(str(tmp_path / "deep"), layers=64)  # 64 x 1 KB per token x 64 tokens = 4 MB
+    [kv] = rollout.engine_problems(deep, False, 0, 5, 3, "fp32")
+    assert "--kv-cache-mb 3" in kv and "at least 4 MB" in kv
+    assert rollout.engine_problems(deep, False, 0, 5, 3, "bf16") == []  # bf16 halves the KV cache
+    assert rollout.engine_problems(model, True, 0, 5, 256, "bf16") == []  # GPUs run head size 16
+
+
+def _kill_myself():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _raise():
+    raise ValueError("not a memory problem")
+
+
+def _idle():
+    time.sleep(120)
+
+
+@pytest.mark.parametrize("victim,how,flag", [("trainer0", "sigkill", "--micro-batch-tokens"),
+                                             ("generator", "sigkill", "--kv-cache-mb"),
+                                             ("trainer0", "raise", None)])
+def test_a_child_killed_by_the_kernel_is_reported_as_memory_with_the_flag_that_lowers_it(victim, how, flag, capsys):
+    """A SIGKILL the run did not send (here the child sends it to itself, as the OOM killer would) gets a
+    line naming memory and the flag; an ordinary failure does not."""
+    import processes
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    fail = _kill_myself if how == "sigkill" else _raise
+    children = {"generator": (fail if victim == "generator" else _idle, (), True),
+                "trainer0": (fail if victim == "trainer0" else _idle, (), False)}
+    t0 = time.monotonic()
+    code = processes.run_children(ctx, children, ctx.Queue(), processes.make_control(ctx))
+    err = capsys.readouterr().err
+    assert code == 1 and time.monotonic() - t0 < 60
+    if how == "sigkill":
+        assert f"error: {victim} died (signal SIGKILL)" in err
+        assert "memory" in err and flag in err, err
+    else:
+        assert "error: trainer0 died (exit code 1)" in err and "not a memory problem" in err
+        assert "memory" not in err.replace("not a memory problem", "")

@@ -174,9 +174,10 @@ def _skeleton_shapes(model_path):
     return sync.named_shapes_of(skeleton)
 
 
-@pytest.mark.parametrize("world", [2, 3])  # 3: uneven FSDP2 shards (26 vocab rows -> 9/9/8, 128 -> 43/43/42)
-def test_publish_writes_the_full_state_dict(world, model_path, initial_state, tmp_path):
-    shared = sync.SharedWeights.allocate(_skeleton_shapes(model_path))
+# 3: uneven FSDP2 shards (26 vocab rows -> 9/9/8, 128 -> 43/43/42); there in bf16: each rank casts its rows
+@pytest.mark.parametrize("world,dtype", [(2, torch.float32), (3, torch.bfloat16)])
+def test_publish_writes_the_full_state_dict(world, dtype, model_path, initial_state, tmp_path):
+    shared = sync.SharedWeights.allocate(_skeleton_shapes(model_path), dtype=dtype)
     assert shared.buffer.abs().sum() == 0 and shared.version() == 0
 
     got = run_world(world, model_path, tmp_path, shared=shared, version=7)
@@ -188,9 +189,80 @@ def test_publish_writes_the_full_state_dict(world, model_path, initial_state, tm
     state = got["state"]
     for slot in shared.layout:
         published = shared.view(slot)
-        assert torch.equal(published, state[slot.name]), f"{slot.name}: published != gathered state"
+        assert torch.equal(published, state[slot.name].to(dtype)), f"{slot.name}: published != gathered state"
     # the buffer holds the trained weights, not the checkpoint's
-    assert any(not torch.equal(shared.view(s), initial_state[s.name]) for s in shared.layout)
+    assert any(not torch.equal(shared.view(s), initial_state[s.name].to(dtype)) for s in shared.layout)
     # a reader gets a consistent snapshot with the published version
     out = torch.empty_like(shared.buffer)
     assert shared.read_snapshot(out) == 7 and torch.equal(out, shared.buffer)
+
+
+# ----------------------------------------------------------------------------------------------------
+# bf16: the policy under FSDP2 mixed precision, and the sharded reference model
+# ----------------------------------------------------------------------------------------------------
+def _bf16_worker(rank, world, model_path, init_file, results):
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        policy = train.build_trainer_model(model_path, world, compute_dtype=torch.bfloat16)
+        optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
+        reference = train.build_reference_model(model_path, world, dtype=torch.bfloat16)
+        batch = make_batch()
+        ref_logits = reference(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        embed = reference.model.embed_tokens.weight
+        # sharded, bf16, and the root resharded after a no-grad forward (it would stay whole otherwise)
+        ref_sharded = all(isinstance(p, DTensor) and p.dtype == torch.bfloat16 and not p.requires_grad
+                          for p in reference.parameters())
+        ref_rows = embed.to_local().shape[0] if isinstance(embed, DTensor) else None
+        logits = policy(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        logits.float().logsumexp(-1).mean().backward()
+        optimizer.step()
+        results.put({"rank": rank, "ref_logits": ref_logits.float().numpy(), "ref_dtype": str(ref_logits.dtype),
+                     "policy_logits": logits.detach().float().numpy(), "policy_dtype": str(logits.dtype),
+                     "ref_sharded": ref_sharded, "ref_rows": ref_rows,
+                     "masters": sorted({str(p.dtype) for p in policy.parameters()}),
+                     "grads": sorted({str(p.grad.dtype) for p in policy.parameters()}),
+                     "optimizer_state": sorted({str(v.dtype) for st in optimizer.state.values()
+                                                for k, v in st.items() if k != "step"})})
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_bf16_policy_keeps_fp32_masters_and_the_reference_is_the_original_model_sharded(model_path, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    world = 2
+    results = mp.get_context("spawn").Queue()
+    context = mp.start_processes(_bf16_worker, args=(world, model_path, str(tmp_path / "init"), results),
+                                 nprocs=world, join=False, start_method="spawn")
+    got = {}
+    deadline = time.monotonic() + SPAWN_TIMEOUT_S
+    while len(got) < world:
+        try:
+            r = results.get(timeout=0.5)
+            got[r["rank"]] = r
+        except queue_lib.Empty:
+            assert not context.join(timeout=0), "the ranks exited without their results"
+            assert time.monotonic() < deadline, "no results from the ranks"
+    while not context.join(timeout=1):
+        assert time.monotonic() < deadline
+    vocab = 26  # rows of the embedding: 13 per rank at world size 2
+    batch = make_batch()
+    plain = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        expected = plain(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits.float()
+    for rank in range(world):
+        r = got[rank]
+        assert r["ref_sharded"] and r["ref_rows"] == vocab // world
+        assert r["ref_dtype"] == "torch.bfloat16" and r["policy_dtype"] == "torch.bfloat16"
+        # the reference is the original weights in bf16: the same logits as an unsharded bf16 copy
+        torch.testing.assert_close(torch.from_numpy(r["ref_logits"]), expected, rtol=0, atol=1e-2)
+        # and the policy, before its first step, computes the same bf16 forward as the reference (KL 0)
+        torch.testing.assert_close(torch.from_numpy(r["policy_logits"]), torch.from_numpy(r["ref_logits"]),
+                                   rtol=0, atol=1e-2)
+        assert r["masters"] == r["grads"] == r["optimizer_state"] == ["torch.float32"]
+

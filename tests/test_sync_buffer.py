@@ -33,6 +33,22 @@ def test_publish_then_snapshot_round_trips_every_parameter():
         shared.publish({"a.weight": values["a.weight"]}, version=8)
 
 
+def test_a_bf16_buffer_holds_the_cast_weights_in_half_the_bytes_and_keeps_its_dtype_across_processes():
+    shapes = [("a.weight", (3, 4)), ("b.bias", (5,)), ("c.weight", (2, 2))]
+    fp32, bf16 = sync.SharedWeights.allocate(shapes), sync.SharedWeights.allocate(shapes, dtype=torch.bfloat16)
+    assert fp32.nbytes == 21 * 4 and bf16.nbytes == 21 * 2 == fp32.nbytes // 2  # what summary.json's sync_mb says
+    values = {name: torch.randn(shape) for name, shape in shapes}  # the trainer's fp32 master weights
+    bf16.publish(values, version=3)  # cast on the way in
+    for slot in bf16.layout:
+        assert bf16.view(slot).dtype == torch.bfloat16
+        assert torch.equal(bf16.view(slot), values[slot.name].bfloat16())
+    back = sync.SharedWeights.from_bytes(bf16.to_bytes())
+    assert back.dtype == torch.bfloat16 and back.version() == 3 and torch.equal(back.buffer, bf16.buffer)
+    # a received CUDA buffer is not opened to learn its dtype: the dtype travels with the handle
+    handle = sync.SharedWeights(None, bf16.header, bf16.layout, ipc_handle=object(), dtype=torch.bfloat16)
+    assert handle.dtype == torch.bfloat16 and handle._shareable()[3] == torch.bfloat16
+
+
 def test_fsdp_rows_of_all_ranks_tile_the_parameter():
     for rows in (1, 3, 26, 128):
         for world in (1, 2, 3):
