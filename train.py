@@ -71,10 +71,19 @@ class Config:
     reward_weights: str = ""  # comma-separated, one per --reward function (default: all 1)
     system_prompt: str = ""  # added as a system message (chat template) or a prefix (plain text)
     reward_workers: int = 0  # 0: rewards run in a thread of the generator; N: a pool of N processes
+    max_prompt_tokens: int = 0  # drop longer prompts before training starts (counted); 0: only the context limits them
     # sampling (the trainer scores tokens with the same temperature/top-k/top-p)
     temperature: float = 1.0
     top_k: int = -1  # -1: off
     top_p: float = 1.0
+    stop: tuple = ()  # stop strings, one or more (\n, \t, \\ are unescaped): the reward sees the text before the stop
+    # evaluation on held-out prompts (evaluation.py), on the generator's engine beside training
+    eval_every: int = 50  # evaluate every N steps, and at step 0 and the end (0: never)
+    eval_dataset: str = ""  # held-out prompts: a file or Hugging Face dataset ("": --dataset's test split, if any)
+    eval_split: str = ""  # the split of the held-out set ("": test)
+    eval_prompts: int = 256  # held-out prompts per evaluation, at most (the same fixed subset each time)
+    eval_samples: int = 4  # sampled completions per held-out prompt (mean reward, pass@k for k <= this); 0: greedy only
+    eval_pass_reward: float = 1.0  # a completion passes (pass@k, greedy pass@1) when its reward is >= this
     # optimisation and loss (see losses.py)
     lr: float = 3e-4
     weight_decay: float = 0.0
@@ -128,6 +137,8 @@ def parse_args(argv=None) -> Config:
         flag = "--" + f.name.replace("_", "-")
         if f.type is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+        elif f.type is tuple:  # one or more strings
+            parser.add_argument(flag, nargs="+", default=f.default)
         elif typing.get_origin(f.type) is typing.Union:  # Optional[float]: "none" means None
             parser.add_argument(flag, type=lambda s: None if s.lower() == "none" else float(s), default=f.default)
         else:
@@ -146,6 +157,12 @@ def validate(cfg: Config) -> None:
             problems.append(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(cfg, name)})")
     if cfg.save_every < 0 or cfg.keep_checkpoints < 0 or cfg.max_bad_steps < 0:
         problems.append("--save-every, --keep-checkpoints and --max-bad-steps must be >= 0")
+    if cfg.eval_every < 0 or cfg.eval_samples < 0 or cfg.max_prompt_tokens < 0:
+        problems.append("--eval-every, --eval-samples and --max-prompt-tokens must be >= 0")
+    if cfg.eval_prompts < 1:
+        problems.append(f"--eval-prompts must be >= 1 (got {cfg.eval_prompts})")
+    if any(s == "" for s in cfg.stop):
+        problems.append("--stop: an empty stop string would end every completion at once")
     if cfg.max_lag < 0:
         problems.append(f"--max-lag must be >= 0 (got {cfg.max_lag})")
     elif cfg.max_lag < cfg.sync_every - 1:
@@ -273,6 +290,7 @@ def trainer_main(cfg, rank, world_size, model_path, shared, rollout_queue, contr
 
     import buffer
     import checkpoint
+    import evaluation
     import metrics
     from losses import group_advantages
 
@@ -340,6 +358,10 @@ def trainer_main(cfg, rank, world_size, model_path, shared, rollout_queue, contr
     log = metrics.RunLog(cfg, world_size, start_step) if rank == 0 else None
     if log is not None:
         log.sync_mb = sum(slot.numel for slot in shared.layout) * 4 / 2**20  # float32
+    published = version  # what the generator holds or will load next: what an evaluation asked for now sees
+    evaluating = rank == 0 and cfg.eval_every > 0
+    if evaluating and start_step == 0:
+        evaluation.request(control, 0, version)
     bad_steps = 0
     step = start_step
     for step in range(start_step, cfg.steps):
@@ -394,15 +416,24 @@ def trainer_main(cfg, rank, world_size, model_path, shared, rollout_queue, contr
             optimizer.zero_grad(set_to_none=True)
             version += 1
         t_publish = time.perf_counter()
-        if version % cfg.sync_every == 0 and not skipped:
+        last = step + 1 == cfg.steps  # the final evaluation must see the final weights: publish them
+        if (version % cfg.sync_every == 0 or (last and cfg.eval_every > 0)) and not skipped:
             publish_model(model, shared, version, rank, world_size)
+            published = version
         publish_ms = (time.perf_counter() - t_publish) * 1e3
+        train_s = time.perf_counter() - t_step
+        evals = []
+        if evaluating:  # answers are picked up between steps; only the final one is waited for
+            if (step + 1) % cfg.eval_every == 0 or last:
+                evaluation.request(control, step + 1, published)
+            evals = evaluation.collect(control, cfg.steps if last else None, cfg.timeout_s, control.stop.is_set)
         if rank == 0:
             log.step(step, version, taken, batch, metrics, loss=float(stats[0]), grad_norm=grad_norm,
                      logprob_diff=float(stats[1]) if stats[2] > 0 else None, wait_s=wait_s,
-                     train_s=time.perf_counter() - t_step, publish_ms=publish_ms, skipped=skipped)
+                     train_s=train_s, publish_ms=publish_ms, skipped=skipped, evals=evals)
         if cfg.save_every and (step + 1) % cfg.save_every == 0:
-            checkpoint.save_trainer_state(model, optimizer, model_path, cfg, step + 1, version, rank)
+            checkpoint.save_trainer_state(model, optimizer, model_path, cfg, step + 1, version, rank,
+                                          groups_dropped=control.groups_dropped.value)
     else:
         step = cfg.steps  # the loop ran to the end
     finished = step >= cfg.steps and not control.interrupted.is_set()
@@ -411,7 +442,8 @@ def trainer_main(cfg, rank, world_size, model_path, shared, rollout_queue, contr
     if finished:
         checkpoint.save_final_model(model, model_path, cfg, rank)
     else:  # a signal, or another process failed: keep what was learned
-        where = checkpoint.save_trainer_state(model, optimizer, model_path, cfg, step, version, rank)
+        where = checkpoint.save_trainer_state(model, optimizer, model_path, cfg, step, version, rank,
+                                              groups_dropped=control.groups_dropped.value)
         if rank == 0:
             print(f"stopped at step {step} (version {version}); checkpoint in {where}; continue with "
                   f"--resume latest --out {cfg.out}", flush=True)
@@ -479,11 +511,13 @@ def split_threads(cfg):
 
 
 def generator_settings(cfg: Config, model_path: str, gen_threads: int, start_step: int = 0,
-                       start_version: int = 0, layout=None, lora_dir: str = ""):
+                       start_version: int = 0, layout=None, lora_dir: str = "", groups_dropped: int = 0):
     """The generator's settings (`rollout.GeneratorSettings`) for this config: what `run` starts the generator
-    with, and what the benchmarks start it with. A resumed run passes its checkpoint's step and version;
-    `layout` (devices.layout_for) adds the GPU placement, None is the CPU path; `lora_dir` holds the
-    adapter's config with --lora-rank."""
+    with, and what the benchmarks start it with. A resumed run passes its checkpoint's step, version and
+    groups dropped so far (the walk of prompts continues after the last group id consumed); `layout`
+    (devices.layout_for) adds the GPU placement, None is the CPU path; `lora_dir` holds the adapter's config
+    with --lora-rank."""
+    import data
     from rollout import GeneratorSettings
 
     return GeneratorSettings(
@@ -492,10 +526,12 @@ def generator_settings(cfg: Config, model_path: str, gen_threads: int, start_ste
         temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
         max_inflight_groups=cfg.max_inflight_groups, kv_cache_mb=cfg.kv_cache_mb, threads=gen_threads,
         queue_timeout_s=cfg.timeout_s, initial_version=start_version,
-        first_group_id=start_step * cfg.prompts_per_step,
+        first_group_id=start_step * cfg.prompts_per_step + groups_dropped,
         task=cfg.task, dataset=cfg.dataset, split=cfg.split, prompt_column=cfg.prompt_column,
         answer_column=cfg.answer_column, reward=cfg.reward, reward_weights=cfg.reward_weights,
-        system_prompt=cfg.system_prompt, reward_workers=cfg.reward_workers, lora_rank=cfg.lora_rank,
+        system_prompt=cfg.system_prompt, reward_workers=cfg.reward_workers, max_prompt_tokens=cfg.max_prompt_tokens,
+        stop=data.stop_strings(cfg.stop), eval_dataset=cfg.eval_dataset, eval_split=cfg.eval_split,
+        eval_prompts=cfg.eval_prompts, eval_samples=cfg.eval_samples, lora_rank=cfg.lora_rank,
         lora_dir=lora_dir, **(layout.generator_settings() if layout is not None else {}))
 
 
@@ -503,12 +539,19 @@ def run(cfg: Config) -> int:
     """Start the generator and trainer ranks, wait for them, and return the run's exit code."""
     import checkpoint
 
+    import data
+
     os.makedirs(cfg.out, exist_ok=True)
-    resume_dir, start_step, start_version = "", 0, 0
+    if cfg.eval_every and not data.has_eval_set(cfg):
+        print("note: no held-out prompts (a dataset file has no test split): no evaluation; give --eval-dataset "
+              "FILE or a Hugging Face dataset with a test split (or --eval-split)", file=sys.stderr, flush=True)
+        cfg.eval_every = 0
+    resume_dir, start_step, start_version, groups_dropped = "", 0, 0, 0
     if cfg.resume:
         resume_dir = checkpoint.resolve(cfg.resume, cfg.out)
         saved = checkpoint.load_state(resume_dir)
         start_step, start_version = saved["step"], saved["version"]
+        groups_dropped = saved.get("groups_dropped", 0)
         for line in checkpoint.config_differences(saved["config"], dataclasses.asdict(cfg)):
             print(f"warning: config differs from the checkpoint's: {line}", file=sys.stderr)
         print(f"resuming from {resume_dir}: step {start_step}, version {start_version}", flush=True)
@@ -544,7 +587,10 @@ def run(cfg: Config) -> int:
     rollout_queue = ctx.Queue(maxsize=cfg.queue_size)
     errors = ctx.Queue()
     control = make_control(ctx)
-    settings = generator_settings(cfg, model_path, gen_threads, start_step, start_version, layout, lora_dir)
+    control.groups_dropped.value = groups_dropped  # so the generator's landing step, (group id - dropped) //
+    # prompts_per_step, starts at start_step with first_group_id = start_step * prompts_per_step + dropped
+    settings = generator_settings(cfg, model_path, gen_threads, start_step, start_version, layout, lora_dir,
+                                  groups_dropped)
     init_file = tempfile.mktemp(prefix="asyncgrpo-dist-")
     children = {"generator": (_generator_entry, (settings, shared, rollout_queue, control), True)}
     for rank in range(cfg.train_ranks):
@@ -561,6 +607,7 @@ def _generator_entry(settings, shared, rollout_queue, control):
     from rollout import generator_main
 
     rollout_queue.cancel_join_thread()  # exiting must not wait for a full queue to drain
+    control.eval_results.cancel_join_thread()  # nor for evaluation answers nobody will read
     generator_main(settings, shared, rollout_queue, control)
 
 

@@ -241,18 +241,16 @@ def test_saved_model_directory_and_dataset_task(ascii_model, tokenizer, tmp_path
     settings = rollout.GeneratorSettings(model=ascii_model, seed=0, group_size=2, prompts_per_step=2,
                                          max_new_tokens=8, max_lag=1, update_mode="inflight", task=cfg.task)
     task = rollout.make_task(settings, tokenizer, max_len=1024)
-    import random
-
-    prompt = task.sample(random.Random("0-0"))
-    assert task.sample(random.Random("0-0")) == prompt  # a function of (seed, group id)
+    assert len(task.prompts) == len(data.load_rows(data.GSM8K["dataset"])) and task.held_out == []  # a file: no test split
+    prompt = task.prompts[data.walk(0, len(task.prompts), seed=0)[1]]
     text = tokenizer.decode(prompt.prompt_ids)
     assert text.startswith("<|system|>\n" + data.GSM8K_SYSTEM_PROMPT) and prompt.prompt in text
     assert float(prompt.answer.split("####")[1]) == float(prompt.columns["answer"].split("####")[1])
     rewards, stats, _ = task.score(prompt, ["#### " + prompt.answer.split("####")[1].strip(), "hm"], [[5], [6]])
     assert rewards == [1.0, 0.0] and set(stats) == {"math_reward"}
     # a context too small for any prompt is reported, not a hang
-    with pytest.raises(RuntimeError, match="too long"):
-        rollout.make_task(settings, tokenizer, max_len=40).sample(random.Random(0))
+    with pytest.raises(RuntimeError, match="longer than 32 tokens"):
+        rollout.make_task(settings, tokenizer, max_len=40)
     copy_task = rollout.make_task(rollout.GeneratorSettings(
         model=ascii_model, seed=0, group_size=2, prompts_per_step=2, max_new_tokens=8, max_lag=1,
         update_mode="inflight"), tokenizer)
@@ -262,15 +260,13 @@ def test_saved_model_directory_and_dataset_task(ascii_model, tokenizer, tmp_path
 
 
 def test_a_chat_dataset_with_a_solution_column(ascii_model, tokenizer):
-    import random
-
     cfg = train.parse_args(["--model", ascii_model, "--dataset", "examples/chat_prompts.jsonl",
                             "--answer-column", "solution", "--reward", "math"])
     settings = rollout.GeneratorSettings(model=ascii_model, seed=0, group_size=2, prompts_per_step=2,
                                          max_new_tokens=8, max_lag=1, update_mode="inflight", task=cfg.task,
                                          dataset=cfg.dataset, answer_column=cfg.answer_column, reward=cfg.reward)
     task = rollout.make_task(settings, tokenizer, max_len=1024)
-    prompt = task.sample(random.Random(1))
+    prompt = task.prompts[1]
     assert tokenizer.decode(prompt.prompt_ids).startswith("<|system|>\nAnswer with the number only.\n<|user|>\n")
     assert prompt.columns["solution"] == prompt.columns["answer"] == prompt.answer
     rewards, _, _ = task.score(prompt, [prompt.answer, "0.5"], [[7], [8]])
