@@ -304,6 +304,8 @@ def hub_unreachable() -> bool:
     processes it starts (and in `huggingface_hub` and `datasets` if they are imported already)."""
     if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
         return True
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return False  # behind a proxy the hub's name need not resolve here
     from urllib.parse import urlparse
 
     host = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co").hostname or "huggingface.co"

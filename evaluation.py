@@ -1,9 +1,10 @@
 """evaluation.py — held-out evaluation: what the trainer asks for, what the generator answers, what it means.
 
 Role
-    The trainer's rank 0 asks for an evaluation at step 0, every `--eval-every` steps and at the end
-    (`request`). The generator (rollout.Generator.run_eval) runs it on its own engine with the weights it
-    holds, beside the training requests, and answers with an `EvalResult` on a queue of its own: evaluation
+    The generator evaluates the initial weights (step 0) before training starts, with the engine to itself;
+    then the trainer's rank 0 asks for an evaluation every `--eval-every` steps and at the end (`request`).
+    The generator (rollout.Generator.run_eval) runs it on its own engine with the weights it holds, beside
+    the training requests, and answers with an `EvalResult` on a queue of its own: evaluation
     outputs never reach the rollout queue, so they are never trained on. The trainer picks answers up
     between steps without waiting (`collect`); it waits, bounded, only for the final one. `summarize` turns an
     answer into the `eval/...` keys of metrics.jsonl.

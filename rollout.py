@@ -21,7 +21,8 @@ prompt once per epoch, in an order shuffled per epoch from the seed. A group dro
 its samples too stale) is replaced by the next group id, so the next prompt of the walk: its own prompt
 counts as walked in that epoch. Held-out prompts (`task.held_out`) are only ever evaluated (`run_eval`):
 on request (evaluation.py), with the weights held at that moment (no weight load until it is done), beside
-the training requests; the answer goes to `control.eval_results`, never to the rollout queue.
+the training requests, and with `eval_at_start` once before training starts (the initial weights, step 0);
+the answer goes to `control.eval_results`, never to the rollout queue.
 Stop strings (`--stop`, vLLM's `SamplingParams.stop`): generation ends when the text contains one; the
 reward sees the text before it (vLLM's default, include_stop_str_in_output=False); the trainer trains the
 token ids vLLM returns, which end with the tokens that completed the stop string (as with `<eos>`, the
@@ -291,6 +292,7 @@ class GeneratorSettings:
     eval_split: str = ""
     eval_prompts: int = 256
     eval_samples: int = 4
+    eval_at_start: bool = False  # evaluate the initial weights (step 0) before training starts, engine to itself
     initial_version: int = 0  # the version of the weights in `model` (a resumed run's checkpoint version)
     first_group_id: int = 0  # a resumed run continues the sequence of group ids (and so the walk of prompts)
     # LoRA (lora.py): serve `model` with the adapter the trainer publishes; the buffer holds only the adapter
@@ -587,6 +589,9 @@ class Generator:
         await self.engine.collective_rpc("attach_shared_weights", args=(self.shared.to_bytes(),))
         if self.s.lora_rank:
             await self.load_first_adapter()
+        if self.s.eval_at_start:  # alone on the engine it takes a fraction of what it takes beside the first steps
+            self.last_eval_step = 0
+            await self.run_eval(0)
         self.control.ready.set()
         self.wake = asyncio.Event()
         start = time.perf_counter()

@@ -359,9 +359,7 @@ def trainer_main(cfg, rank, world_size, model_path, shared, rollout_queue, contr
     if log is not None:
         log.sync_mb = sum(slot.numel for slot in shared.layout) * 4 / 2**20  # float32
     published = version  # what the generator holds or will load next: what an evaluation asked for now sees
-    evaluating = rank == 0 and cfg.eval_every > 0
-    if evaluating and start_step == 0:
-        evaluation.request(control, 0, version)
+    evaluating = rank == 0 and cfg.eval_every > 0  # (the generator evaluated step 0 before it was ready)
     bad_steps = 0
     step = start_step
     for step in range(start_step, cfg.steps):
@@ -531,7 +529,8 @@ def generator_settings(cfg: Config, model_path: str, gen_threads: int, start_ste
         answer_column=cfg.answer_column, reward=cfg.reward, reward_weights=cfg.reward_weights,
         system_prompt=cfg.system_prompt, reward_workers=cfg.reward_workers, max_prompt_tokens=cfg.max_prompt_tokens,
         stop=data.stop_strings(cfg.stop), eval_dataset=cfg.eval_dataset, eval_split=cfg.eval_split,
-        eval_prompts=cfg.eval_prompts, eval_samples=cfg.eval_samples, lora_rank=cfg.lora_rank,
+        eval_prompts=cfg.eval_prompts, eval_samples=cfg.eval_samples,
+        eval_at_start=cfg.eval_every > 0 and start_step == 0, lora_rank=cfg.lora_rank,
         lora_dir=lora_dir, **(layout.generator_settings() if layout is not None else {}))
 
 

@@ -284,7 +284,10 @@ def test_a_hub_id_that_cannot_be_fetched_fails_with_one_clear_line():
 def test_plot_from_metrics(tmp_path):
     rows = [{"step": i, "reward": i / 10, "reward/math_reward/mean": i / 10, "completion_len": 4 + i % 2,
              "completion_len_min": 2, "completion_len_max": 6, "lag_hist/0": 10, "lag_hist/1": i,
-             "sync_ms": 30.0 + i} for i in range(10)]
+             "sync_ms": 30.0 + i, "epoch": i // 4} for i in range(10)]
+    for i, evaluated in ((1, 0), (6, 5), (9, 10)):  # evaluations land in the row of the step they arrived in
+        rows[i].update({"eval/step": evaluated, "eval/greedy_pass@1": evaluated / 10, "eval/reward": 0.5,
+                        "eval/pass@4": 0.6})
     write_jsonl(tmp_path / "metrics.jsonl", rows)
     assert plots.plot_run(str(tmp_path)) == str(tmp_path / "plots.png")
     assert (tmp_path / "plots.png").stat().st_size > 10_000

@@ -72,6 +72,8 @@ def test_sigint_checkpoints_and_resume_continues_like_an_uninterrupted_run(tmp_p
     resumed = rows(cut)
     assert [r["step"] for r in resumed] == list(range(8))
     assert resumed[-1]["version"] == reference[7]["version"] == 8
+    # the walk of prompts continued where it stopped: same epochs (and, below, the same rewards)
+    assert [r["epoch"] for r in resumed] == [reference[s]["epoch"] for s in range(8)]
     first_new = resumed[stopped_at]
     # Same weights, optimizer state and (seeded) rollouts: the next loss is the uninterrupted run's.
     assert first_new["reward"] == pytest.approx(reference[stopped_at]["reward"], abs=1e-6)
