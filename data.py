@@ -177,7 +177,8 @@ def check_flags(cfg) -> list[str]:
     except DataError as e:
         return [str(e)]
     if spec is None:
-        return ["--stop: the copy task ends its answers with <eos>; stop strings are for dataset tasks"] if cfg.stop else []
+        refused = "--stop: the copy task ends its answers with <eos>; stop strings are for dataset tasks"
+        return [refused] if cfg.stop else []
     problems = []
     sources = [("--dataset", spec.dataset, spec.split)]
     try:
@@ -227,6 +228,9 @@ def eval_source(spec: DataSpec) -> tuple[str, str] | None:
     asked for does not exist. A file has no splits: it is held out only when given as --eval-dataset."""
     dataset = spec.eval_dataset or spec.dataset
     if is_file(dataset):
+        if spec.eval_split and not spec.eval_dataset:
+            raise DataError(f"--eval-split {spec.eval_split}: {dataset} is a file, it has no splits; give the "
+                            "held-out prompts with --eval-dataset")
         return (dataset, "") if spec.eval_dataset else None
     split = spec.eval_split or "test"
     splits = load_splits(dataset)

@@ -89,6 +89,8 @@ def test_rows_missing_a_field_are_reported_with_their_line(tmp_path):
     (["--reward", "math"], "the copy task has its own data and reward"),
     (["--task", "nope"], "--task must be one of"),
     (["--task", "gsm8k", "--reward", "no_such_module_xyz:f"], "cannot import no_such_module_xyz"),
+    (["--task", "gsm8k", "--eval-split", "test"], "is a file, it has no splits; give the held-out prompts with"),
+    (["--eval-every", "-1"], "--eval-every, --eval-samples and --max-prompt-tokens must be >= 0"),
 ])
 def test_bad_data_flags_give_a_clear_line(argv, needle):
     with pytest.raises(SystemExit) as err:

@@ -67,8 +67,8 @@ def test_eval_summary_keys():
     assert evaluation.ks_for(0) == [] and evaluation.ks_for(1) == [1]
     assert evaluation.ks_for(4) == [1, 2, 4] and evaluation.ks_for(6) == [1, 2, 4, 6]
     # 3 prompts: greedy rewards 1, 0.5, 0; 4 samples each
-    result = evaluation.EvalResult(step=50, version=49, rewards=[[1.0, 1, 0, 0, 1], [0.5, 0, 0, 0, 0], [0.0, 1, 1, 1, 1]],
-                                   time_s=0.5, tokens=60)
+    rewards = [[1.0, 1, 0, 0, 1], [0.5, 0, 0, 0, 0], [0.0, 1, 1, 1, 1]]
+    result = evaluation.EvalResult(step=50, version=49, rewards=rewards, time_s=0.5, tokens=60)
     keys = evaluation.summarize(result, pass_reward=1.0)
     assert (keys["eval/step"], keys["eval/version"], keys["eval/prompts"]) == (50, 49, 3)
     assert keys["eval/greedy_pass@1"] == pytest.approx(1 / 3)  # only the first greedy completion passes
@@ -167,8 +167,9 @@ def test_datasets_written_by_datasets_load_with_their_test_split(saved_datasets,
         task = rollout.make_task(train.generator_settings(cfg, ascii_model, gen_threads=1), tokenizer, max_len=1024)
         assert sorted(p.prompt for p in task.prompts) == sorted(r["question"] for r in train_rows)
         assert sorted(p.prompt for p in task.held_out) == sorted(r["question"] for r in test_rows)
-        # an explicit held-out split, and a file as the held-out set
-        assert data.eval_source(data.spec_of(train.parse_args(argv + ["--eval-split", "train"]))) == (paths[kind], "train")
+        # an explicit held-out split
+        explicit = data.spec_of(train.parse_args(argv + ["--eval-split", "train"]))
+        assert data.eval_source(explicit) == (paths[kind], "train")
     single = train.parse_args(["--dataset", paths["single"], "--prompt-column", "question", "--reward", "math"])
     assert not data.has_eval_set(single)  # one saved split: training only, no held-out set unless given
     assert data.load_rows(paths["single"], "train")[0][1] == train_rows[0]
