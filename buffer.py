@@ -1,7 +1,8 @@
 """buffer.py — the bounded rollout queue and what crosses it.
 
 Role
-    The only path from the generator to the trainer. Owns the record that crosses the queue
+    The only path of training data from the generator to the trainer (evaluation answers take a queue of
+    their own: evaluation.py, so they are never trained on). Owns the record that crosses the queue
     (`RolloutGroup`: one prompt and its G completions, every token tagged with the model version that
     sampled it), the rule that rejects stale samples (`--max-lag`), the accounting of staleness, and the
     assembly of training batches (padded tensors aligned on next-token targets).
@@ -46,6 +47,7 @@ class RolloutGroup:
     reward_stats: dict = field(default_factory=dict)  # per reward function: counters (data.call_reward)
     unscored: int = 0  # samples no reward function scored (given the group's mean reward: zero advantage)
     finish_reasons: list[str] = field(default_factory=list)  # per completion: "stop" (eos or a stop string) | "length"
+    epoch: int = 0  # the pass over the training prompts this group's prompt was taken in (data.walk)
 
 
 @dataclass

@@ -15,8 +15,10 @@ Data contract
         trainer_state.json  {"step": steps completed, "version": model version, "base_model": the model
                             the run first started from, carried unchanged through every resume (the
                             tokenizer, the saved model's skeleton, the KL reference, the LoRA base: never
-                            a checkpoint, which rotation may delete), "config": {...}}
-    `step` counts completed optimizer steps; a resumed run starts at that step with that version.
+                            a checkpoint, which rotation may delete), "groups_dropped": groups the trainer
+                            rejected (stale, or filtered by --filter-groups) so far, "config": {...}}
+    `step` counts completed optimizer steps; a resumed run starts at that step with that version, and its
+    generator at group id step * prompts_per_step + groups_dropped: the next prompt of the walk (data.walk).
 
 The trainer ranks call `save_trainer_state` (a checkpoint) and `save_final_model` (OUT/model, or with
 LoRA OUT/adapter and, with --merge-at-end, OUT/model): collectives that gather the trained weights, then
@@ -84,7 +86,7 @@ def save_model(full_state: dict, base_model: str, dst: str) -> None:
 
 
 def save(root: str, step: int, version: int, model_state: dict, optimizer_state: dict, base_model: str,
-         config: dict, keep: int, adapter_config=None) -> str:
+         config: dict, keep: int, adapter_config=None, groups_dropped: int = 0) -> str:
     """Write a checkpoint atomically; keep the newest `keep` (0 keeps all). Returns its folder.
     With `adapter_config` (a peft LoraConfig), `model_state` is the adapter's tensors (PEFT file names)."""
     os.makedirs(root, exist_ok=True)
@@ -101,8 +103,8 @@ def save(root: str, step: int, version: int, model_state: dict, optimizer_state:
     torch.save({"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
                os.path.join(tmp, "rng.pt"))
     with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-        json.dump({"step": step, "version": version, "base_model": os.path.abspath(base_model), "config": config},
-                  f, indent=2)
+        json.dump({"step": step, "version": version, "base_model": os.path.abspath(base_model),
+                   "groups_dropped": groups_dropped, "config": config}, f, indent=2)
     for folder, _, files in os.walk(tmp):  # on disk before the rename makes it visible
         for name in files:
             with open(os.path.join(folder, name), "rb") as f:
@@ -121,7 +123,7 @@ def save(root: str, step: int, version: int, model_state: dict, optimizer_state:
 # ----------------------------------------------------------------------------------------------------
 # What the trainer ranks save (collectives: every rank calls; rank 0 writes)
 # ----------------------------------------------------------------------------------------------------
-def save_trainer_state(model, optimizer, model_path, cfg, step, version, rank):
+def save_trainer_state(model, optimizer, model_path, cfg, step, version, rank, groups_dropped=0):
     """Gather full model and optimizer state (collectives: every rank calls) and write them on rank 0."""
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          get_optimizer_state_dict)
@@ -133,7 +135,8 @@ def save_trainer_state(model, optimizer, model_path, cfg, step, version, rank):
         return None
     return save(checkpoint_root(cfg.out), step, version, model_state, optimizer_state,
                            model_path, dataclasses.asdict(cfg), cfg.keep_checkpoints,
-                           adapter_config=model.peft_config["default"] if cfg.lora_rank else None)
+                           adapter_config=model.peft_config["default"] if cfg.lora_rank else None,
+                           groups_dropped=groups_dropped)
 
 
 def trained_state(model, full_state):

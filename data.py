@@ -3,9 +3,12 @@
 Role
     Everything between "a researcher's files" and "token ids plus a reward per completion", with no engine
     and no trainer in sight (importable without vLLM or torch):
-    - `load_rows`: a JSONL / JSON / Parquet file, or a Hugging Face dataset `NAME[:CONFIG]` with a split
-      (through `datasets`, when installed). `check_rows` reports every row that lacks the prompt or the
-      answer column, by file line (JSONL) or row number.
+    - `load_rows`: a JSONL / JSON / Parquet file, or a Hugging Face dataset with a split through `datasets`:
+      a hub name `NAME[:CONFIG]`, or a local folder (written by `save_to_disk`, or data files `datasets`
+      reads). `check_rows` reports every row that lacks the prompt or the answer column, by file line
+      (JSONL) or row number. `eval_source`: where the held-out prompts come from (`--eval-dataset`, or the
+      dataset's `test` split when it has one).
+    - `walk`: the order prompts are used in: without replacement, one shuffle per epoch from the seed.
     - `encode_prompt`: a prompt given as a list of chat messages goes through the tokenizer's chat template
       (with the generation prompt); a plain-text prompt is used as it is. `--system-prompt S` adds a
       system message to chat prompts; on a plain-text prompt it wraps the prompt as [system, user] when the
@@ -26,6 +29,9 @@ Data contract
       prompt column is passed under its own name, and the answer column is also passed as `answer` when
       the row has no column of that name. Keyword arguments the function does not accept are left out
       (so `def f(completions, answer)` works too). It returns one `float | None` per completion.
+    - Prompts are walked in epochs: group g gets row `walk(g, n, seed)`: epoch g // n, position g % n of
+      that epoch's order (a shuffle seeded by the seed and the epoch). A pure function of the group id, so a
+      resumed run that continues the group ids continues the same epoch at the same position.
     - Per-sample fault rules (never fatal, always counted):
         None                      the function does not apply to that sample (TRL's meaning): left out of
                                   that sample's weighted sum; counted in `none`.
@@ -45,6 +51,7 @@ May touch: the files and the modules it is pointed at. Nothing of the engine, th
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -52,6 +59,9 @@ import json
 import math
 import numbers
 import os
+import random
+import re
+import socket
 import sys
 import threading
 import time
@@ -89,6 +99,8 @@ class DataSpec:
     weights: tuple = ()  # one float per spec
     system_prompt: str = ""
     reward_workers: int = 0
+    eval_dataset: str = ""  # "": the held-out prompts are `dataset`'s test split, when it has one
+    eval_split: str = ""  # "": "test"
 
 
 def split_list(text: str) -> list[str]:
@@ -96,16 +108,16 @@ def split_list(text: str) -> list[str]:
 
 
 def resolve(task="auto", dataset="", split="train", prompt_column="prompt", answer_column="answer", reward="",
-            reward_weights="", system_prompt="", reward_workers=0) -> DataSpec | None:
+            reward_weights="", system_prompt="", reward_workers=0, eval_dataset="", eval_split="") -> DataSpec | None:
     """The task's data settings from the flags; None for the built-in copy task. Raises DataError."""
     if task not in TASKS:
         raise DataError(f"--task must be one of {', '.join(TASKS)} (got {task!r})")
     if task == "auto":
         task = "dataset" if dataset else "copy"
     if task == "copy":
-        if dataset or reward:
-            raise DataError("the copy task has its own data and reward: --dataset/--reward need --task auto, "
-                            "dataset or gsm8k")
+        if dataset or reward or eval_dataset or eval_split:
+            raise DataError("the copy task has its own data and reward (and held-out set): --dataset, --reward, "
+                            "--eval-dataset and --eval-split need --task auto, dataset or gsm8k")
         return None
     if task == "gsm8k":  # preset values for whatever was left at its default
         dataset = dataset or GSM8K["dataset"]
@@ -137,38 +149,120 @@ def resolve(task="auto", dataset="", split="train", prompt_column="prompt", answ
     if reward_workers < 0:
         raise DataError(f"--reward-workers must be >= 0 (got {reward_workers})")
     return DataSpec(dataset, split, prompt_column, answer_column, tuple(specs), tuple(weights), system_prompt,
-                    reward_workers)
+                    reward_workers, eval_dataset, eval_split)
+
+
+def spec_of(settings) -> DataSpec | None:
+    """`resolve` for an object with the flags as attributes (train.Config, rollout.GeneratorSettings)."""
+    return resolve(settings.task, settings.dataset, settings.split, settings.prompt_column, settings.answer_column,
+                   settings.reward, settings.reward_weights, settings.system_prompt, settings.reward_workers,
+                   settings.eval_dataset, settings.eval_split)
 
 
 def is_local(dataset: str) -> bool:
     return dataset.endswith(LOCAL_SUFFIXES) or os.path.exists(dataset) or dataset.startswith((".", "/", "~"))
 
 
+def is_file(dataset: str) -> bool:
+    """A dataset given as one file (JSONL, JSON, Parquet): it has no splits."""
+    return is_local(dataset) and not os.path.isdir(os.path.expanduser(dataset))
+
+
 def check_flags(cfg) -> list[str]:
-    """train.py's validate(): one line per problem with the data/reward flags. Reads local dataset files
-    and imports reward modules, so mistakes show before the engine starts (not hub datasets: no network)."""
+    """train.py's validate(): one line per problem with the data/reward flags, before any process starts.
+    Loads the training rows and the held-out rows (files, or Hugging Face datasets: downloaded into the
+    cache here, so the generator reads them from there) and imports the reward modules."""
     try:
-        spec = resolve(cfg.task, cfg.dataset, cfg.split, cfg.prompt_column, cfg.answer_column, cfg.reward,
-                       cfg.reward_weights, cfg.system_prompt, cfg.reward_workers)
+        spec = spec_of(cfg)
     except DataError as e:
         return [str(e)]
     if spec is None:
-        return []
+        refused = "--stop: the copy task ends its answers with <eos>; stop strings are for dataset tasks"
+        return [refused] if cfg.stop else []
     problems = []
-    if is_local(spec.dataset):
-        if not os.path.exists(os.path.expanduser(spec.dataset)):
-            problems.append(f"--dataset {spec.dataset}: no such file")
-        elif os.path.isfile(os.path.expanduser(spec.dataset)):
-            try:
-                check_rows(load_rows(spec.dataset, spec.split), spec.prompt_column, spec.answer_column)
-            except DataError as e:
-                problems.append(str(e).replace("\n", "\n  "))
+    sources = [("--dataset", spec.dataset, spec.split)]
+    try:
+        held_out = eval_source(spec)
+        if held_out is not None and held_out != (spec.dataset, spec.split):
+            sources.append(("--eval-dataset", *held_out))
+    except DataError as e:
+        problems.append(flagged("--eval-dataset" if spec.eval_dataset else "--dataset", e))
+    for flag, dataset, split in sources:
+        try:
+            rows = load_rows(dataset, split)
+        except DataError as e:
+            problems.append(flagged(flag, e))
+            continue
+        try:
+            check_rows(rows, spec.prompt_column, spec.answer_column)
+        except DataError as e:
+            problems.append(str(e).replace("\n", "\n  "))
     for s in spec.rewards:
         try:
             load_reward(s)
         except DataError as e:
             problems.append(str(e))
-    return problems
+    return list(dict.fromkeys(problems))  # the training set and the held-out set may share a problem
+
+
+def stop_strings(values) -> tuple[str, ...]:
+    """--stop values with `\\n`, `\\t` and `\\\\` unescaped (`--stop '\\n\\n'` is two newlines)."""
+    escapes = {"n": "\n", "t": "\t", "\\": "\\"}
+    return tuple(re.sub(r"\\([nt\\])", lambda m: escapes[m.group(1)], v) for v in values)
+
+
+def flagged(flag: str, error: DataError) -> str:
+    """A loading error ("NAME: why") named by the flag that gave the dataset."""
+    return str(error) if str(error).startswith("--") else f"{flag} {error}"
+
+
+def has_eval_set(cfg) -> bool:
+    """Whether the run has held-out prompts: the copy task always; a dataset task with --eval-dataset, or
+    with a Hugging Face dataset that has a test split (or the --eval-split asked for)."""
+    spec = spec_of(cfg)
+    return spec is None or eval_source(spec) is not None
+
+
+def eval_source(spec: DataSpec) -> tuple[str, str] | None:
+    """(dataset, split) of the held-out prompts; None when there are none. Raises DataError when the split
+    asked for does not exist. A file has no splits: it is held out only when given as --eval-dataset."""
+    dataset = spec.eval_dataset or spec.dataset
+    if is_file(dataset):
+        if spec.eval_split and not spec.eval_dataset:
+            raise DataError(f"--eval-split {spec.eval_split}: {dataset} is a file, it has no splits; give the "
+                            "held-out prompts with --eval-dataset")
+        return (dataset, "") if spec.eval_dataset else None
+    split = spec.eval_split or "test"
+    splits = load_splits(dataset)
+    if split in splits:
+        return dataset, split
+    if spec.eval_split:
+        raise DataError(f"--eval-split {split}: {dataset} has no such split (splits: {', '.join(splits)})")
+    return None
+
+
+# ----------------------------------------------------------------------------------------------------
+# The order prompts are used in
+# ----------------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=4)
+def epoch_order(n: int, seed: int, epoch: int) -> tuple[int, ...]:
+    """The rows of one epoch in the order they are used: a shuffle seeded by (seed, epoch)."""
+    order = list(range(n))
+    random.Random(f"{seed}-epoch-{epoch}").shuffle(order)
+    return tuple(order)
+
+
+def walk(group_id: int, n: int, seed: int) -> tuple[int, int]:
+    """(epoch, row) of group `group_id`: every row once per epoch, in an order shuffled per epoch."""
+    epoch, position = divmod(group_id, n)
+    return epoch, epoch_order(n, seed, epoch)[position]
+
+
+def held_out_order(n: int) -> list[int]:
+    """The fixed order of a held-out set (the same for every seed): --eval-prompts K takes the first K."""
+    order = list(range(n))
+    random.Random("held-out").shuffle(order)
+    return order
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -198,17 +292,84 @@ def load_rows(dataset: str, split: str = "train") -> list[tuple[str, dict]]:
             except json.JSONDecodeError as e:
                 raise DataError(f"{dataset} line {n}: not valid JSON ({e.msg}, column {e.colno})") from None
         return rows
-    if is_local(dataset) and not os.path.isdir(path):
+    if is_file(dataset):
         what = "not a .jsonl, .json or .parquet file" if os.path.exists(path) else "no such file"
-        raise DataError(f"--dataset {dataset}: {what}")
+        raise DataError(f"{dataset}: {what}")
+    splits = load_splits(dataset)
+    if split not in splits:
+        raise DataError(f"{dataset}: no split {split!r} (splits: {', '.join(splits)}); choose one with --split "
+                        "or --eval-split")
+    return [(f"{dataset}[{split}] row {i + 1}", row) for i, row in enumerate(splits[split])]
+
+
+def hub_unreachable() -> bool:
+    """True when the Hugging Face hub's host does not even resolve (no network): loading then goes offline
+    at once (the cache only) instead of retrying for ~25 s. Sets HF_HUB_OFFLINE for this process and the
+    processes it starts (and in `huggingface_hub` and `datasets` if they are imported already)."""
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        return True
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return False  # behind a proxy the hub's name need not resolve here
+    from urllib.parse import urlparse
+
+    host = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co").hostname or "huggingface.co"
+    try:
+        socket.getaddrinfo(host, 443)
+        return False
+    except OSError:
+        os.environ["HF_HUB_OFFLINE"] = "1"
+        for module, name in (("huggingface_hub.constants", "HF_HUB_OFFLINE"), ("datasets.config", "HF_HUB_OFFLINE")):
+            if module in sys.modules:  # they read the variable when imported
+                setattr(sys.modules[module], name, True)
+        return True
+
+
+@functools.lru_cache(maxsize=8)
+def load_splits(dataset: str) -> dict:
+    """{split: rows} of a Hugging Face dataset: a hub name `NAME[:CONFIG]` (downloaded once into the
+    Hugging Face cache), or a local folder written by `save_to_disk` or holding data files. A saved single
+    split (a `Dataset`, not a `DatasetDict`) is the split "train". Raises DataError in one line."""
+    path = os.path.expanduser(dataset)
+    local = os.path.isdir(path)
+    offline = False if local else hub_unreachable()
     try:
         import datasets
     except ImportError:
-        raise DataError(f"--dataset {dataset}: a Hugging Face dataset name needs `pip install datasets` "
-                        "(or give a .jsonl/.parquet file)") from None
-    name, _, config = dataset.partition(":")
-    rows = datasets.load_dataset(name, config or None, split=split)
-    return [(f"{dataset}[{split}] row {i + 1}", row) for i, row in enumerate(rows)]
+        raise DataError(f"{dataset}: a Hugging Face dataset needs `pip install datasets` "
+                        "(it is in requirements.txt; or give a .jsonl/.parquet file)") from None
+    import logging
+
+    # The hub client logs each retry of a failed request; the one line we raise says it all.
+    logging.getLogger("huggingface_hub").setLevel(logging.ERROR)
+    datasets.logging.set_verbosity_error()
+    try:
+        saved = local and any(os.path.exists(os.path.join(path, f)) for f in ("dataset_dict.json", "state.json"))
+        if saved:  # written by Dataset(Dict).save_to_disk
+            loaded = datasets.load_from_disk(path)
+        elif local:
+            loaded = datasets.load_dataset(path)
+        else:
+            name, _, config = dataset.partition(":")
+            loaded = datasets.load_dataset(name, config or None)
+    except Exception as e:
+        raise DataError(f"{dataset}: {load_failure(e, offline)}") from None
+    if isinstance(loaded, datasets.Dataset):
+        return {"train": loaded}
+    return dict(loaded)
+
+
+def load_failure(error: Exception, offline: bool) -> str:
+    """Why a Hugging Face dataset did not load, in one line."""
+    name = type(error).__name__
+    text = (str(error).strip().splitlines() or [""])[0]
+    if name == "DatasetNotFoundError" or "doesn't exist on the Hub" in text:
+        return ("no such dataset on the Hugging Face hub (or it is gated or private: accept its terms and log "
+                "in with `hf auth login`)")
+    if offline:
+        return "the Hugging Face hub cannot be reached (offline) and the dataset is not in the local cache"
+    if isinstance(error, ConnectionError):
+        return f"cannot reach the Hugging Face hub and the dataset is not in the local cache ({name}: {text})"
+    return f"cannot load it ({name}: {text})"
 
 
 def is_conversation(prompt) -> bool:

@@ -12,10 +12,15 @@ Data contract
       histogram), dropped stale samples, trainer wait / train / publish times, generator counters, sync
       latency, prompts skipped so far as too long for --max-model-len (prompts_too_long), the trainer's
       agreement with the generator on on-policy tokens (logprob_diff_on_policy: max; logprob_diff_mean),
-      and per-reward-function statistics.
+      per-reward-function statistics, and `epoch` (the pass over the training prompts of the
+      step's newest group). The row of the step during which an evaluation's answer arrived also holds its
+      `eval/...` keys (evaluation.summarize; `eval/step` says which step's weights it evaluated); the final
+      evaluation is waited for and lands in the last step's row.
     - The summary: steps, wall_s, reward_first10 (mean reward over the first 10% of steps), reward_last20,
       tokens_trained, max_token_lag, dropped_stale, trainer_wait_frac, generator_wait_frac, sync_ms_median,
-      gen_tokens_per_s, train_tokens_per_s, logprob_diff_after_sync, bad_steps, sync_mb, config.
+      gen_tokens_per_s, train_tokens_per_s, logprob_diff_after_sync, bad_steps, sync_mb, eval_first and
+      eval_last (held-out greedy pass@1 of the first and the last evaluation), eval_last_step, eval_s (the
+      generator's time spent evaluating), train_prompts, prompts_dropped_long, config.
     - On a resume, the rows of the steps already done are kept and the totals continue from them.
 
 May touch: files under `--out` only.
@@ -31,6 +36,7 @@ import torch
 
 import buffer
 import data
+import evaluation
 
 
 def configure_terminal(log_level: str) -> None:
@@ -64,6 +70,7 @@ class RunLog:
         self.sync_mb = None  # set by the trainer: the size of the packed shared buffer
         self.bad_steps = 0
         self.first_step_end = None  # when this process's first step ended (the ETA counts from there)
+        self.evals: list[dict] = []  # the eval/... keys of every evaluation, in order
         path = os.path.join(cfg.out, "metrics.jsonl")
         if start_step and os.path.exists(path):  # a resume: keep the rows of the steps already done
             with open(path) as f:
@@ -81,6 +88,8 @@ class RunLog:
                     self.logprob_diff = max(self.logprob_diff or 0.0, r["logprob_diff_on_policy"])
                 if r.get("sync_ms") is not None:
                     self.sync_ms.append(r["sync_ms"])
+                if "eval/step" in r:
+                    self.evals.append({k: v for k, v in r.items() if k.startswith("eval/")})
         self.resumed_rows = len(self.rows)
         self.file = open(path, "w")
         for r in self.rows:
@@ -90,9 +99,10 @@ class RunLog:
             os.environ["WANDB_MODE"] = cfg.wandb
             import wandb
             self.wandb = wandb.init(project=cfg.wandb_project, config=dataclasses.asdict(cfg), dir=cfg.out)
+            self.wandb.define_metric("eval/*", step_metric="eval/step")  # plotted against the step evaluated
 
     def step(self, step, version, taken, batch, metrics, *, loss, grad_norm, logprob_diff, wait_s, train_s,
-             publish_ms, skipped):
+             publish_ms, skipped, evals=()):
         rewards = [r for g in taken.groups for r in g.rewards]
         zero_var = sum(1 for g in taken.groups if max(g.rewards) == min(g.rewards)) / len(taken.groups)
         lag = buffer.staleness_stats(batch, version - (0 if skipped else 1))
@@ -124,7 +134,11 @@ class RunLog:
         lags = torch.bincount((version - (0 if skipped else 1) - batch.token_versions[batch.mask]).clamp(min=0))
         row.update(data.summarize([g.reward_stats for g in taken.groups]), completion_len_min=int(lengths.min()),
                    completion_len_max=int(lengths.max()), unscored=sum(g.unscored for g in taken.groups),
-                   gen_reward_s=gen.get("reward_s"), **{f"lag_hist/{k}": int(n) for k, n in enumerate(lags)})
+                   gen_reward_s=gen.get("reward_s"), **{f"lag_hist/{k}": int(n) for k, n in enumerate(lags)},
+                   epoch=max(g.epoch for g in taken.groups))
+        for result in evals:  # usually none; two answers in one step: the row keeps the newer
+            self.evals.append(evaluation.summarize(result, self.cfg.eval_pass_reward))
+            row.update(self.evals[-1])
         self.rows.append(row)
         if self.first_step_end is None:
             self.first_step_end = time.perf_counter()
@@ -173,6 +187,11 @@ class RunLog:
             "train_tokens_per_s": self.tokens_trained / self.train_s if self.train_s else None,
             "logprob_diff_after_sync": self.logprob_diff,
             "sync_mb": self.sync_mb,  # what each weight sync moves (with --lora-rank: the adapter only)
+            "eval_first": self.evals[0]["eval/greedy_pass@1"] if self.evals else None,
+            "eval_last": self.evals[-1]["eval/greedy_pass@1"] if self.evals else None,
+            "eval_last_step": self.evals[-1]["eval/step"] if self.evals else None,
+            "eval_s": sum(e["eval/time_s"] for e in self.evals) if self.evals else None,
+            "train_prompts": gen.get("train_prompts"), "prompts_dropped_long": gen.get("prompts_dropped_long"),
             "config": dataclasses.asdict(self.cfg),
         }
         with open(os.path.join(self.cfg.out, "summary.json"), "w") as f:

@@ -7,9 +7,11 @@ Role
 
 Data contract
     Reads the rows train.py writes, one per step: `step`, `reward`, `reward/<name>/mean` (per reward
-    function), `completion_len` (+ `_min`, `_max`), `lag_hist/<k>` (trained tokens that were k versions old;
-    older runs without it fall back to `lag_max` per step), `sync_ms` (publish -> serving). Missing keys
-    leave their panel empty. Four panels: reward, completion length, staleness histogram, sync latency.
+    function), `eval/...` (held-out evaluations, in the rows they arrived in, plotted at `eval/step`),
+    `completion_len` (+ `_min`, `_max`), `lag_hist/<k>` (trained tokens that were k versions old; older runs
+    without it fall back to `lag_max` per step), `sync_ms` (publish -> serving), `epoch`. Missing keys leave
+    their panel empty. Six panels: reward, held-out evaluation, completion length, staleness histogram,
+    sync latency, epochs.
 
 May touch: OUT/plots.png only.
 """
@@ -51,8 +53,8 @@ def plot_run(out_dir: str) -> str | None:
         return None
     steps = [r["step"] for r in rows]
     window = max(1, len(rows) // 20)
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
-    (ax_reward, ax_len), (ax_lag, ax_sync) = axes
+    fig, axes = plt.subplots(2, 3, figsize=(15, 7.5))
+    (ax_reward, ax_eval, ax_len), (ax_lag, ax_sync, ax_epoch) = axes
 
     rewards = [r["reward"] for r in rows]
     ax_reward.plot(steps, rewards, color="tab:blue", alpha=0.3, lw=1)
@@ -66,6 +68,23 @@ def plot_run(out_dir: str) -> str | None:
                 ax_reward.plot(xs, smooth(list(ys), window), lw=1.2, ls="--", label=name)
     ax_reward.set(title="reward", xlabel="step")
     ax_reward.legend(fontsize=8)
+
+    evals = sorted((r for r in rows if r.get("eval/step") is not None), key=lambda r: r["eval/step"])
+    pass_keys = sorted((k for k in (evals[-1] if evals else {}) if k.startswith("eval/pass@")),
+                       key=lambda k: int(k.split("@")[1]))
+    lines = [("eval/greedy_pass@1", "o-", "greedy pass@1"), ("eval/reward", "s--", "mean reward (sampled)")]
+    lines += [(pass_keys[-1], "^:", pass_keys[-1][len("eval/"):])] if pass_keys else []
+    for key, style, label in lines:
+        pts = [(r["eval/step"], r[key]) for r in evals if r.get(key) is not None]
+        if pts:
+            xs, ys = zip(*pts)
+            ax_eval.plot(xs, ys, style, ms=4, lw=1.5, label=label)
+    ax_eval.set(title="held-out evaluation", xlabel="step evaluated")
+    if evals:
+        ax_eval.legend(fontsize=8)
+    else:
+        ax_eval.text(0.5, 0.5, "no evaluation (--eval-every 0)", ha="center", va="center",
+                     transform=ax_eval.transAxes, color="gray")
 
     lengths = [r.get("completion_len") for r in rows]
     ax_len.plot(steps, lengths, color="tab:green", lw=1.5, label="mean")
@@ -97,9 +116,15 @@ def plot_run(out_dir: str) -> str | None:
         ax_sync.legend(fontsize=8)
     ax_sync.set(title="sync latency (publish -> serving)", xlabel="step", ylabel="ms")
 
+    epochs = [(r["step"], r["epoch"]) for r in rows if r.get("epoch") is not None]
+    if epochs:
+        xs, ys = zip(*epochs)
+        ax_epoch.step(xs, ys, where="post", color="tab:brown")
+    ax_epoch.set(title="epoch (passes over the training prompts)", xlabel="step")
+
     from matplotlib.ticker import MaxNLocator
 
-    for ax in (ax_reward, ax_len, ax_lag, ax_sync):
+    for ax in (ax_reward, ax_eval, ax_len, ax_lag, ax_sync, ax_epoch):
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.suptitle(os.path.abspath(out_dir), fontsize=9)
     fig.tight_layout()

@@ -11,7 +11,7 @@ Role
 
 Data contract
     - `Control`: the flags and counters every child shares (stop, ready, groups_dropped, loaded_version,
-      interrupted).
+      interrupted), and the evaluation request and answers (evaluation.py).
     - `run_children(ctx, children, errors, control)`: `children` maps a name to (function, args,
       own_process_group); names starting with "trainer" are the ranks whose success ends the run, and
       "generator" is the one that may be given no grace after a failure. Returns the run's exit code.
@@ -36,10 +36,13 @@ class Control:
     groups_dropped: object  # Value: groups the trainer rejected entirely (the generator replaces them)
     loaded_version: object  # Value: the version the generator serves now
     interrupted: object  # Event: a signal asked the run to stop (the trainer checkpoints)
+    eval_request: object  # Array [step, version]: the newest evaluation the trainer asked for (step -1: none)
+    eval_results: object  # Queue: evaluation.EvalResult from the generator to the trainer's rank 0
 
 
 def make_control(ctx) -> Control:
-    return Control(ctx.Event(), ctx.Event(), ctx.Value("q", 0), ctx.Value("q", 0), ctx.Event())
+    return Control(ctx.Event(), ctx.Event(), ctx.Value("q", 0), ctx.Value("q", 0), ctx.Event(),
+                   ctx.Array("q", [-1, 0]), ctx.Queue())
 
 
 def child_entry(name, fn, args, errors, own_process_group):

@@ -16,9 +16,23 @@ Data contract
       behind the trainer step that will consume the group, so `--max-lag 0` is strictly on-policy.
     - Log-probs are vLLM's *processed* log-probs (after temperature, top-k, top-p): the behaviour policy.
 
+Prompts are walked in epochs (data.walk): group g trains on training prompt `walk(g, n, seed)`, every
+prompt once per epoch, in an order shuffled per epoch from the seed. A group dropped by the trainer (all
+its samples too stale) is replaced by the next group id, so the next prompt of the walk: its own prompt
+counts as walked in that epoch. Held-out prompts (`task.held_out`) are only ever evaluated (`run_eval`):
+on request (evaluation.py), with the weights held at that moment (no weight load until it is done), beside
+the training requests, and with `eval_at_start` once before training starts (the initial weights, step 0);
+the answer goes to `control.eval_results`, never to the rollout queue.
+Stop strings (`--stop`, vLLM's `SamplingParams.stop`): generation ends when the text contains one; the
+reward sees the text before it (vLLM's default, include_stop_str_in_output=False); the trainer trains the
+token ids vLLM returns, which end with the tokens that completed the stop string (as with `<eos>`, the
+policy learns to write its stop).
+
 The built-in task ("copy"): the prompt is `<bos>` + 3 letters from a..j + `=`, the answer is the same
 letters then `<eos>`. Reward = matching positions / max(len(prediction), len(answer)) in [0, 1], the
-prediction being the tokens before the first `<eos>` (partial credit; never stopping does not pay).
+prediction being the tokens before the first `<eos>` (partial credit; never stopping does not pay). Its
+1000 triples are split once, by a hash of the triple alone (`is_held_out`): ~10% are held out for
+evaluation and never used as training prompts.
 `build_tiny_model` makes the default model for it: a 0.4M-parameter Qwen2 with random weights and a
 26-symbol character tokenizer, built locally (no download); `alphabet="ascii"` makes one for real text.
 With `--dataset` (or `--task gsm8k`) the task is a dataset task instead: prompts from the user's rows,
@@ -31,9 +45,10 @@ Data flows one way: rollout -> buffer -> train (losses) -> sync -> rollout.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import itertools
 import os
 import queue as queue_lib
-import random
 import sys
 import time
 from dataclasses import dataclass, field
@@ -89,11 +104,13 @@ def engine_problems(model_path: str, on_gpu: bool, max_model_len: int, max_new_t
 # Tasks and the tiny model
 #
 # The generator sees one interface: `make_task(settings, tokenizer, max_len)` returns an object with
-#     sample(rng) -> Prompt                                       (called on the event loop: cheap)
+#     prompts: list[Prompt]    the training prompts, encoded, too-long ones dropped (walked in epochs)
+#     held_out: list[Prompt]   the held-out prompts, in a fixed order (evaluation takes the first K)
 #     score(prompt, completion_texts, completion_ids, step) -> (rewards, {name: stats}, unscored)
 #                                                                 (called in a worker thread)
 #     close()
 #     needs_text: bool   False: `score` reads only token ids, so vLLM skips detokenizing (the texts are "")
+#     dropped_long: int        prompts dropped as too long (training and held-out)
 # `rewards` has one float per completion (never None/NaN: see data.py's fault rules); the stats are
 # data.call_reward's per-function counters, summed by the trainer into reward/<name>/... metrics.
 # ----------------------------------------------------------------------------------------------------
@@ -156,21 +173,53 @@ class Prompt:
     prompt: object = None  # the prompt as the dataset gives it (text or messages): what rewards see
 
 
+def is_held_out(letters: str) -> bool:
+    """The copy task's fixed held-out split: ~1 triple in 10, chosen by a hash of the triple alone."""
+    return int.from_bytes(hashlib.sha256(letters.encode()).digest()[:8], "big") % 10 == 0
+
+
+def prompt_limit(max_prompt_tokens: int = 0, max_len: int | None = None, max_new_tokens: int = 0) -> int | None:
+    """The longest prompt kept: --max-prompt-tokens, and room for --max-new-tokens within the context."""
+    limits = ([max_prompt_tokens] if max_prompt_tokens else []) + ([max_len - max_new_tokens] if max_len else [])
+    return min(limits) if limits else None
+
+
+def drop_long(prompts: list[Prompt], limit: int | None, what: str) -> tuple[list[Prompt], int]:
+    """The prompts of at most `limit` tokens, and how many were dropped (reported once, here)."""
+    if limit is None:
+        return prompts, 0
+    kept = [p for p in prompts if len(p.prompt_ids) <= limit]
+    dropped = len(prompts) - len(kept)
+    if dropped:
+        print(f"[data] {dropped} of {len(prompts)} {what} prompts are longer than {limit} tokens: dropped before "
+              "training (--max-prompt-tokens, or too long to leave room for --max-new-tokens in the model's "
+              "context)", file=sys.stderr, flush=True)
+    return kept, dropped
+
+
 class CopyTask:
-    """Copy 3 letters: `<bos>abc=` -> `abc<eos>`."""
+    """Copy 3 letters: `<bos>abc=` -> `abc<eos>`. Training prompts: the triples not held out."""
 
     names = ["copy"]
     needs_text = False  # scored by token ids: vLLM need not detokenize
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, limit: int | None = None):
+        import data
+
         self.tokenizer = tokenizer
         self.eos_id = tokenizer.eos_token_id
         self.id_to_token = {i: t for t, i in tokenizer.get_vocab().items()}
+        triples = ["".join(t) for t in itertools.product(LETTERS, repeat=COPY_LENGTH)]
+        held = [t for t in triples if is_held_out(t)]
+        self.prompts, dropped = drop_long([self.encode(t) for t in triples if not is_held_out(t)], limit, "training")
+        self.held_out, dropped_held = drop_long([self.encode(held[i]) for i in data.held_out_order(len(held))],
+                                                limit, "held-out")
+        self.dropped_long = dropped + dropped_held
+        if not self.prompts:
+            raise RuntimeError(f"every copy prompt is longer than {limit} tokens")
 
-    def sample(self, rng: random.Random) -> Prompt:
-        letters = "".join(rng.choice(LETTERS) for _ in range(COPY_LENGTH))
-        ids = self.tokenizer(f"<bos>{letters}=", add_special_tokens=False)["input_ids"]
-        return Prompt(ids, letters)
+    def encode(self, letters: str) -> Prompt:
+        return Prompt(self.tokenizer(f"<bos>{letters}=", add_special_tokens=False)["input_ids"], letters)
 
     def reward(self, completion_ids: list[int], answer: str) -> float:
         prediction = []
@@ -196,52 +245,38 @@ class CopyTask:
 class DatasetTask:
     """Prompts from a dataset (data.py loads and checks it), scored by TRL-convention reward functions.
 
-    Each group's prompt is a row drawn uniformly with the rng it is handed (a function of the seed and the
-    group id, so a resumed run draws the same prompts). A prompt too long to leave room for
-    `max_new_tokens` within the model's context is skipped and counted (reported once)."""
+    Every row is encoded when the task is built (before training starts), so prompts longer than `limit`
+    tokens are dropped up front, counted and reported once. Held-out prompts come from data.eval_source."""
 
     needs_text = True  # reward functions get completion texts (TRL's convention)
 
-    def __init__(self, spec, tokenizer, max_new_tokens: int, max_len: int | None = None):
+    def __init__(self, spec, tokenizer, limit: int | None = None):
         import data
 
         self.spec, self.tokenizer = spec, tokenizer
-        self.rows = data.load_rows(spec.dataset, spec.split)
-        data.check_rows(self.rows, spec.prompt_column, spec.answer_column)
+        rows = data.load_rows(spec.dataset, spec.split)
+        data.check_rows(rows, spec.prompt_column, spec.answer_column)
         self.scorer = data.Scorer(spec.rewards, spec.weights, workers=spec.reward_workers)
         self.names = self.scorer.names
-        self.max_prompt = (max_len - max_new_tokens) if max_len else None
-        self.ids: dict[int, list[int] | None] = {}  # row -> prompt ids (None: too long)
-        self.too_long = 0
+        self.prompts, dropped = drop_long([self.encode(row) for _, row in rows], limit, "training")
+        if not self.prompts:
+            raise RuntimeError(f"every prompt of {spec.dataset} is longer than {limit} tokens (--max-prompt-tokens, "
+                               "or the model's context minus --max-new-tokens)")
+        held_out, source = [], data.eval_source(spec)
+        if source is not None:
+            held_rows = data.load_rows(*source)
+            data.check_rows(held_rows, spec.prompt_column, spec.answer_column)
+            held_out = [self.encode(held_rows[i][1]) for i in data.held_out_order(len(held_rows))]
+        self.held_out, dropped_held = drop_long(held_out, limit, "held-out")
+        self.dropped_long = dropped + dropped_held
 
-    def encode(self, i: int) -> list[int] | None:
+    def encode(self, row: dict) -> Prompt:
         import data
 
-        if i not in self.ids:
-            where, row = self.rows[i]
-            ids = data.encode_prompt(self.tokenizer, row[self.spec.prompt_column], self.spec.system_prompt)
-            if self.max_prompt is not None and len(ids) > self.max_prompt:
-                self.too_long += 1
-                if self.too_long == 1:
-                    print(f"[data] {where}: a prompt of {len(ids)} tokens leaves no room for the completion "
-                          f"(context - max-new-tokens = {self.max_prompt}): skipped (such rows are skipped, "
-                          "reported once)", file=sys.stderr, flush=True)
-                ids = None
-            self.ids[i] = ids
-        return self.ids[i]
-
-    def sample(self, rng: random.Random) -> Prompt:
-        import data
-
-        while self.too_long < len(self.rows):
-            i = rng.randrange(len(self.rows))
-            ids = self.encode(i)
-            if ids is not None:
-                row = self.rows[i][1]
-                columns = data.row_columns(row, self.spec.prompt_column, self.spec.answer_column)
-                return Prompt(ids, str(row[self.spec.answer_column]), columns, row[self.spec.prompt_column])
-        raise RuntimeError(f"every prompt of {self.spec.dataset} is too long for the model's context "
-                           f"({self.max_prompt} tokens + max-new-tokens)")
+        column = self.spec.prompt_column
+        ids = data.encode_prompt(self.tokenizer, row[column], self.spec.system_prompt)
+        columns = data.row_columns(row, column, self.spec.answer_column)
+        return Prompt(ids, str(row[self.spec.answer_column]), columns, row[column])
 
     def score(self, prompt: Prompt, completion_texts, completion_ids, step: int = 0):
         return self.scorer.score(prompt.prompt, completion_texts, completion_ids, prompt.columns, step)
@@ -254,12 +289,11 @@ def make_task(settings, tokenizer, max_len: int | None = None):
     """The task the run's flags ask for: the copy task (default) or a dataset task (--dataset / --task)."""
     import data
 
-    spec = data.resolve(settings.task, settings.dataset, settings.split, settings.prompt_column,
-                        settings.answer_column, settings.reward, settings.reward_weights, settings.system_prompt,
-                        settings.reward_workers)
+    spec = data.spec_of(settings)
+    limit = prompt_limit(settings.max_prompt_tokens, max_len, settings.max_new_tokens)
     if spec is None:
-        return CopyTask(tokenizer)
-    return DatasetTask(spec, tokenizer, settings.max_new_tokens, max_len)
+        return CopyTask(tokenizer, limit)
+    return DatasetTask(spec, tokenizer, limit)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -292,8 +326,17 @@ class GeneratorSettings:
     reward_weights: str = ""
     system_prompt: str = ""
     reward_workers: int = 0
+    max_prompt_tokens: int = 0  # 0: only the context bounds a prompt
+    stop: tuple = ()  # stop strings (vLLM's SamplingParams.stop)
+    # held-out evaluation (evaluation.py): on request, the first eval_prompts held-out prompts, each with one
+    # greedy completion and eval_samples sampled ones
+    eval_dataset: str = ""
+    eval_split: str = ""
+    eval_prompts: int = 256
+    eval_samples: int = 4
+    eval_at_start: bool = False  # evaluate the initial weights (step 0) before training starts, engine to itself
     initial_version: int = 0  # the version of the weights in `model` (a resumed run's checkpoint version)
-    first_group_id: int = 0  # a resumed run continues the sequence of group ids (and so of prompts)
+    first_group_id: int = 0  # a resumed run continues the sequence of group ids (and so the walk of prompts)
     # LoRA (lora.py): serve `model` with the adapter the trainer publishes; the buffer holds only the adapter
     lora_rank: int = 0  # 0: full weights
     lora_dir: str = ""  # holds the adapter's adapter_config.json (rank, alpha, targets)
@@ -353,6 +396,8 @@ class Generator:
         self.error: BaseException | None = None
         self.lora_request = None  # with LoRA: every request names the one adapter, which syncs replace in place
         self.wake: asyncio.Event | None = None  # set when a group finishes: the loop may start the next at once
+        self.eval_task: asyncio.Task | None = None  # the evaluation in flight: no weight load until it is done
+        self.last_eval_step = -1  # the newest evaluation request started
 
     def build_engine(self):
         if self.s.device == "cuda":
@@ -397,11 +442,24 @@ class Generator:
         # run regenerates the same rollouts. Only when no request is ever preempted by a weight swap:
         # vLLM's CPU sampler cannot re-seed a preempted request ("CPU Generator does not use offset").
         reproducible = self.s.max_lag == 0 or self.s.update_mode == "drain"
-        # Detokenizing every token costs the front end CPU time; a task scored by token ids skips it.
+        # Detokenizing every token costs the front end CPU time; a task scored by token ids skips it (stop
+        # strings are matched in the text: they need it).
         return SamplingParams(n=self.s.group_size, max_tokens=self.s.max_new_tokens,
                               temperature=self.s.temperature, top_k=self.s.top_k, top_p=self.s.top_p,
                               logprobs=0, seed=self.s.seed * 1_000_003 + group_id if reproducible else None,
-                              output_kind=RequestOutputKind.FINAL_ONLY, detokenize=self.task.needs_text)
+                              output_kind=RequestOutputKind.FINAL_ONLY, stop=list(self.s.stop) or None,
+                              detokenize=self.task.needs_text or bool(self.s.stop))
+
+    def eval_params(self, greedy: bool):
+        """An evaluation request: one greedy completion, or S samples with the run's sampling settings; no
+        log-probs, no seed (a seeded request re-prefilled after a chunked prefill fails on vLLM's CPU sampler)."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        sampling = dict(n=1, temperature=0.0) if greedy else dict(
+            n=self.s.eval_samples, temperature=self.s.temperature, top_k=self.s.top_k, top_p=self.s.top_p)
+        return SamplingParams(**sampling, max_tokens=self.s.max_new_tokens, output_kind=RequestOutputKind.FINAL_ONLY,
+                              stop=list(self.s.stop) or None, detokenize=self.task.needs_text or bool(self.s.stop))
 
     def _count_generating(self, delta: int) -> None:
         now = time.perf_counter()
@@ -412,7 +470,60 @@ class Generator:
         if self.generating == 0:
             self.idle_since = now
 
-    async def run_group(self, group_id: int, prompt: Prompt):
+    async def run_eval(self, step: int):
+        """Evaluate the weights held now on the first `eval_prompts` held-out prompts; answer on
+        control.eval_results (never the rollout queue). The loop loads no weights while this runs."""
+        from evaluation import EvalResult
+
+        t0, version = time.perf_counter(), self.loaded_version
+        prompts = self.task.held_out[: self.s.eval_prompts]
+        rewards = await asyncio.gather(*(self.eval_prompt(step, i, p, version) for i, p in enumerate(prompts)))
+        tokens = sum(n for _, n in rewards)
+        self.stats["eval_tokens"] = self.stats.get("eval_tokens", 0) + tokens
+        self.control.eval_results.put(EvalResult(step, version, [r for r, _ in rewards],
+                                                 time.perf_counter() - t0, tokens))
+
+    async def eval_prompt(self, step: int, i: int, prompt: Prompt, version: int) -> tuple[list[float], int]:
+        """[reward of the greedy completion, rewards of the samples] for one held-out prompt, and its tokens."""
+        async def generate(greedy: bool):
+            final = None
+            async for out in self.engine.generate({"prompt_token_ids": prompt.prompt_ids}, self.eval_params(greedy),
+                                                  request_id=f"eval-{step}-{i}-{'greedy' if greedy else 'sampled'}",
+                                                  lora_request=self.lora_request):
+                final = out
+            return sorted(final.outputs, key=lambda c: c.index)
+
+        self._count_generating(+1)
+        try:
+            outputs = await asyncio.gather(generate(True), *([generate(False)] if self.s.eval_samples else []))
+        finally:
+            self._count_generating(-1)
+        completions = [c for group in outputs for c in group]
+        ids = [list(c.token_ids) for c in completions]
+        if any(v != version for c, t in zip(completions, ids) for v in tag_versions(c.weight_versions, len(t))):
+            raise RuntimeError(f"evaluation of version {version} sampled tokens under other weights")
+        rewards, _, _ = await asyncio.get_running_loop().run_in_executor(
+            self.reward_threads, self.task.score, prompt, [c.text or "" for c in completions], ids, version)
+        return list(rewards), sum(map(len, ids))
+
+    def maybe_start_eval(self) -> None:
+        """Start the newest requested evaluation once the weights it asks for (or newer) are loaded."""
+        from evaluation import requested
+
+        step, version = requested(self.control)
+        if step > self.last_eval_step and self.loaded_version >= version:
+            self.last_eval_step = step
+            self.eval_task = asyncio.create_task(self.run_eval(step))
+            self.eval_task.add_done_callback(self._eval_done)
+
+    def _eval_done(self, task: asyncio.Task):
+        self.eval_task = None
+        if not task.cancelled() and task.exception() is not None and self.error is None:
+            self.error = task.exception()
+        if self.wake is not None:
+            self.wake.set()
+
+    async def run_group(self, group_id: int, prompt: Prompt, epoch: int = 0):
         final = None
         self._count_generating(+1)
         try:
@@ -438,7 +549,7 @@ class Generator:
         self.stats["unscored"] = self.stats.get("unscored", 0) + unscored
         self.stats["groups"] += 1
         group = RolloutGroup(group_id, prompt.prompt_ids, completions, logprobs, versions, rewards, prompt.answer,
-                             reward_stats=reward_stats, unscored=unscored,
+                             reward_stats=reward_stats, unscored=unscored, epoch=epoch,
                              finish_reasons=[c.finish_reason for c in sorted(final.outputs, key=lambda c: c.index)])
         group.gen_stats = dict(self.stats, sync_ms=self.sync_ms, sync_parts=self.sync_parts,
                                loaded_version=self.loaded_version)
@@ -531,8 +642,12 @@ class Generator:
 
         from transformers import AutoTokenizer
 
+        import data
+
         max_len = getattr(getattr(self.engine, "model_config", None), "max_model_len", None)
         self.task = make_task(self.s, AutoTokenizer.from_pretrained(self.s.model), max_len)
+        self.stats.update(train_prompts=len(self.task.prompts), held_out_prompts=len(self.task.held_out),
+                          prompts_dropped_long=self.task.dropped_long)
         # One scoring thread (user reward functions need not be thread-safe); with a process pool, one
         # thread per worker process, to keep them all busy.
         self.reward_threads = ThreadPoolExecutor(max(1, self.s.reward_workers), thread_name_prefix="reward")
@@ -540,6 +655,9 @@ class Generator:
         await self.engine.collective_rpc("attach_shared_weights", args=(self.shared.to_bytes(),))
         if self.s.lora_rank:
             await self.load_first_adapter()
+        if self.s.eval_at_start:  # alone on the engine it takes a fraction of what it takes beside the first steps
+            self.last_eval_step = 0
+            await self.run_eval(0)
         self.control.ready.set()
         self.wake = asyncio.Event()
         start = time.perf_counter()
@@ -550,11 +668,13 @@ class Generator:
             if self.engine.errored:  # vLLM's EngineCore died (it is not our child: we must look)
                 raise RuntimeError("vLLM's engine died") from self.engine.dead_error
             published = self.shared.version()
-            if published > self.loaded_version:
+            if published > self.loaded_version and self.eval_task is None:  # an evaluation keeps its weights
                 await self.swap_weights(published)
+            if self.eval_task is None:
+                self.maybe_start_eval()
             if self.may_start_group():
-                prompt = self.task.sample(random.Random(f"{self.s.seed}-{self.issued}"))  # a function of the id
-                task = asyncio.create_task(self.run_group(self.issued, prompt))
+                epoch, row = data.walk(self.issued, len(self.task.prompts), self.s.seed)  # a function of the id
+                task = asyncio.create_task(self.run_group(self.issued, self.task.prompts[row], epoch))
                 task.add_done_callback(self._done)
                 self.running.add(task)
                 self.issued += 1
@@ -567,9 +687,10 @@ class Generator:
             except asyncio.TimeoutError:
                 pass
             self.stats["elapsed_s"] = time.perf_counter() - start
-        for task in list(self.running):
+        pending = list(self.running) + ([self.eval_task] if self.eval_task is not None else [])
+        for task in pending:
             task.cancel()
-        await asyncio.gather(*self.running, return_exceptions=True)
+        await asyncio.gather(*pending, return_exceptions=True)
         self.reward_threads.shutdown(wait=False, cancel_futures=True)
         self.task.close()
 

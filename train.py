@@ -80,10 +80,19 @@ class Config:
     reward_weights: str = ""  # comma-separated, one per --reward function; "": all 1
     system_prompt: str = ""  # added as a system message (chat template) or a prefix (plain text)
     reward_workers: int = 0  # 0: rewards run in a thread of the generator; N: a pool of N processes
+    max_prompt_tokens: int = 0  # drop longer prompts before training starts (counted); 0: only the context limits them
     # sampling (the trainer scores tokens with the same temperature/top-k/top-p)
     temperature: float = 1.0  # sampling temperature (> 0)
     top_k: int = -1  # keep the k most likely tokens; -1: off
     top_p: float = 1.0  # nucleus sampling: keep the smallest set of tokens with this much mass; 1: off
+    stop: tuple = ()  # stop strings, one or more (\n, \t, \\ are unescaped): the reward sees the text before the stop
+    # evaluation on held-out prompts (evaluation.py), on the generator's engine beside training
+    eval_every: int = 50  # evaluate every N steps, and at step 0 and the end (0: never)
+    eval_dataset: str = ""  # held-out prompts: a file or Hugging Face dataset ("": --dataset's test split, if any)
+    eval_split: str = ""  # the split of the held-out set ("": test)
+    eval_prompts: int = 256  # held-out prompts per evaluation, at most (the same fixed subset each time)
+    eval_samples: int = 4  # sampled completions per held-out prompt (mean reward, pass@k for k <= this); 0: greedy only
+    eval_pass_reward: float = 1.0  # a completion passes (pass@k, greedy pass@1) when its reward is >= this
     # optimisation and loss (see losses.py)
     lr: float = 3e-4  # AdamW learning rate
     weight_decay: float = 0.0  # AdamW weight decay
@@ -163,7 +172,7 @@ def field_help(cls) -> dict[str, tuple[str, str]]:
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     def _get_help_string(self, action):
-        if action.default in ("", None) and action.help:  # say what an empty default is, not "(default: )"
+        if action.default in ("", None, ()) and action.help:  # say what an empty default is, not "(default: )"
             return action.help + (' (default: "")' if action.default == "" else " (default: none)")
         return super()._get_help_string(action)
 
@@ -183,6 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
         flag = "--" + f.name.replace("_", "-")
         if f.type is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+        elif f.type is tuple:  # one or more strings
+            group.add_argument(flag, nargs="+", default=f.default, help=help_text, metavar="S")
         elif typing.get_origin(f.type) is typing.Union:  # Optional[float]: "none" means None
             group.add_argument(flag, type=lambda s: None if s.lower() == "none" else float(s), default=f.default,
                                help=help_text, metavar="X")
@@ -212,6 +223,12 @@ def validate(cfg: Config) -> None:
     elif cfg.max_model_len and cfg.max_model_len <= cfg.max_new_tokens:
         problems.append(f"--max-model-len {cfg.max_model_len} leaves no room for a prompt before "
                         f"--max-new-tokens {cfg.max_new_tokens}: give more than {cfg.max_new_tokens}")
+    if cfg.eval_every < 0 or cfg.eval_samples < 0 or cfg.max_prompt_tokens < 0:
+        problems.append("--eval-every, --eval-samples and --max-prompt-tokens must be >= 0")
+    if cfg.eval_prompts < 1:
+        problems.append(f"--eval-prompts must be >= 1 (got {cfg.eval_prompts})")
+    if any(s == "" for s in cfg.stop):
+        problems.append("--stop: an empty stop string would end every completion at once")
     if cfg.max_lag < 0:
         problems.append(f"--max-lag must be >= 0 (got {cfg.max_lag})")
     elif cfg.max_lag < cfg.sync_every - 1:
@@ -409,6 +426,7 @@ def trainer_main(cfg, rank, world_size, model_path, shared, rollout_queue, contr
 
     import buffer
     import checkpoint
+    import evaluation
     import metrics
     from losses import group_advantages
 
@@ -477,6 +495,8 @@ def trainer_main(cfg, rank, world_size, model_path, shared, rollout_queue, contr
     log = metrics.RunLog(cfg, world_size, start_step) if rank == 0 else None
     if log is not None:
         log.sync_mb = shared.nbytes / 2**20  # in the serving dtype
+    published = version  # what the generator holds or will load next: what an evaluation asked for now sees
+    evaluating = rank == 0 and cfg.eval_every > 0  # (the generator evaluated step 0 before it was ready)
     bad_steps = 0
 
     def count_dropped_group():  # the generator replaces it (its staleness gate counts the groups still needed)
@@ -543,17 +563,26 @@ def trainer_main(cfg, rank, world_size, model_path, shared, rollout_queue, contr
             optimizer.zero_grad(set_to_none=True)
             version += 1
         t_publish = time.perf_counter()
-        if version % cfg.sync_every == 0 and not skipped:
+        last = step + 1 == cfg.steps  # the final evaluation must see the final weights: publish them
+        if (version % cfg.sync_every == 0 or (last and cfg.eval_every > 0)) and not skipped:
             publish_model(model, shared, version, rank, world_size)
+            published = version
         publish_ms = (time.perf_counter() - t_publish) * 1e3
+        train_s = time.perf_counter() - t_step
+        evals = []
+        if evaluating:  # answers are picked up between steps; only the final one is waited for
+            if (step + 1) % cfg.eval_every == 0 or last:
+                evaluation.request(control, step + 1, published)
+            evals = evaluation.collect(control, cfg.steps if last else None, cfg.timeout_s, control.stop.is_set)
         if rank == 0:
             metrics.update(lr=lr, truncated_frac=float(truncated.float().mean()), groups_filtered=taken.groups_filtered,
                            overlong_penalty=float((rewards - torch.tensor([g.rewards for g in taken.groups])).mean()))
             log.step(step, version, taken, batch, metrics, loss=float(stats[0]), grad_norm=grad_norm,
                      logprob_diff=float(stats[1]) if stats[2] > 0 else None, wait_s=wait_s,
-                     train_s=time.perf_counter() - t_step, publish_ms=publish_ms, skipped=skipped)
+                     train_s=train_s, publish_ms=publish_ms, skipped=skipped, evals=evals)
         if cfg.save_every and (step + 1) % cfg.save_every == 0:
-            checkpoint.save_trainer_state(model, optimizer, base_model, cfg, step + 1, version, rank)
+            checkpoint.save_trainer_state(model, optimizer, base_model, cfg, step + 1, version, rank,
+                                          groups_dropped=control.groups_dropped.value)
     else:
         step = cfg.steps  # the loop ran to the end
     finished = step >= cfg.steps and not control.interrupted.is_set()
@@ -562,7 +591,8 @@ def trainer_main(cfg, rank, world_size, model_path, shared, rollout_queue, contr
     if finished:
         checkpoint.save_final_model(model, base_model, cfg, rank)
     else:  # a signal, or another process failed: keep what was learned
-        where = checkpoint.save_trainer_state(model, optimizer, base_model, cfg, step, version, rank)
+        where = checkpoint.save_trainer_state(model, optimizer, base_model, cfg, step, version, rank,
+                                              groups_dropped=control.groups_dropped.value)
         if rank == 0:
             print(f"stopped at step {step} (version {version}); checkpoint in {where}; continue with "
                   f"--resume latest --out {cfg.out}", flush=True)
@@ -641,11 +671,13 @@ def split_threads(cfg):
 
 
 def generator_settings(cfg: Config, model_path: str, gen_threads: int, start_step: int = 0,
-                       start_version: int = 0, layout=None, lora_dir: str = ""):
+                       start_version: int = 0, layout=None, lora_dir: str = "", groups_dropped: int = 0):
     """The generator's settings (`rollout.GeneratorSettings`) for this config: what `run` starts the generator
-    with, and what the benchmarks start it with. A resumed run passes its checkpoint's step and version;
-    `layout` (devices.layout_for) adds the GPU placement, None is the CPU path; `lora_dir` holds the
-    adapter's config with --lora-rank."""
+    with, and what the benchmarks start it with. A resumed run passes its checkpoint's step, version and
+    groups dropped so far (the walk of prompts continues after the last group id consumed); `layout`
+    (devices.layout_for) adds the GPU placement, None is the CPU path; `lora_dir` holds the adapter's config
+    with --lora-rank."""
+    import data
     import devices
     from rollout import GeneratorSettings
 
@@ -656,10 +688,13 @@ def generator_settings(cfg: Config, model_path: str, gen_threads: int, start_ste
         temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
         max_inflight_groups=cfg.max_inflight_groups, kv_cache_mb=cfg.kv_cache_mb, threads=gen_threads,
         queue_timeout_s=cfg.timeout_s, initial_version=start_version,
-        first_group_id=start_step * cfg.prompts_per_step,
+        first_group_id=start_step * cfg.prompts_per_step + groups_dropped,
         task=cfg.task, dataset=cfg.dataset, split=cfg.split, prompt_column=cfg.prompt_column,
         answer_column=cfg.answer_column, reward=cfg.reward, reward_weights=cfg.reward_weights,
-        system_prompt=cfg.system_prompt, reward_workers=cfg.reward_workers, lora_rank=cfg.lora_rank,
+        system_prompt=cfg.system_prompt, reward_workers=cfg.reward_workers, max_prompt_tokens=cfg.max_prompt_tokens,
+        stop=data.stop_strings(cfg.stop), eval_dataset=cfg.eval_dataset, eval_split=cfg.eval_split,
+        eval_prompts=cfg.eval_prompts, eval_samples=cfg.eval_samples,
+        eval_at_start=cfg.eval_every > 0 and start_step == 0, lora_rank=cfg.lora_rank,
         log_level=cfg.log_level, lora_dir=lora_dir, dtype=dtype, max_model_len=cfg.max_model_len,
         **(layout.generator_settings() if layout is not None else {}))
 
@@ -677,12 +712,19 @@ def run(cfg: Config) -> int:
     import devices
 
     cfg.dtype = devices.resolve_dtype(cfg.dtype, devices.layout_for(cfg))  # "auto" -> bf16 | fp32, before any save
+    import data
+
     os.makedirs(cfg.out, exist_ok=True)
-    resume_dir, start_step, start_version = "", 0, 0
+    if cfg.eval_every and not data.has_eval_set(cfg):
+        print("note: no held-out prompts (a dataset file has no test split): no evaluation; give --eval-dataset "
+              "FILE or a Hugging Face dataset with a test split (or --eval-split)", file=sys.stderr, flush=True)
+        cfg.eval_every = 0
+    resume_dir, start_step, start_version, groups_dropped = "", 0, 0, 0
     if cfg.resume:
         resume_dir = checkpoint.resolve(cfg.resume, cfg.out)
         saved = checkpoint.load_state(resume_dir)
         start_step, start_version = saved["step"], saved["version"]
+        groups_dropped = saved.get("groups_dropped", 0)
         for line in checkpoint.config_differences(saved["config"], dataclasses.asdict(cfg)):
             print(f"warning: config differs from the checkpoint's: {line}", file=sys.stderr)
         print(f"resuming from {resume_dir}: step {start_step}, version {start_version}", flush=True)
@@ -723,7 +765,10 @@ def run(cfg: Config) -> int:
     rollout_queue = ctx.Queue(maxsize=cfg.queue_size)
     errors = ctx.Queue()
     control = make_control(ctx)
-    settings = generator_settings(cfg, model_path, gen_threads, start_step, start_version, layout, lora_dir)
+    control.groups_dropped.value = groups_dropped  # so the generator's landing step, (group id - dropped) //
+    # prompts_per_step, starts at start_step with first_group_id = start_step * prompts_per_step + dropped
+    settings = generator_settings(cfg, model_path, gen_threads, start_step, start_version, layout, lora_dir,
+                                  groups_dropped)
     init_file = tempfile.mktemp(prefix="asyncgrpo-dist-")
     children = {"generator": (_generator_entry, (settings, shared, rollout_queue, control), True)}
     for rank in range(cfg.train_ranks):
@@ -740,6 +785,7 @@ def _generator_entry(settings, shared, rollout_queue, control):
     from rollout import generator_main
 
     rollout_queue.cancel_join_thread()  # exiting must not wait for a full queue to drain
+    control.eval_results.cancel_join_thread()  # nor for evaluation answers nobody will read
     generator_main(settings, shared, rollout_queue, control)
 
 

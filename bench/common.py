@@ -534,7 +534,8 @@ def run_ahead_settings(cfg, model_path: str):
     import train
 
     gen_threads, _ = train.split_threads(cfg)
-    return train.generator_settings(dataclasses.replace(cfg, max_lag=10**6), model_path, gen_threads)
+    # (and no held-out evaluation: bench/eval_cost.py measures that apart)
+    return train.generator_settings(dataclasses.replace(cfg, max_lag=10**6, eval_every=0), model_path, gen_threads)
 
 
 def build_model(path: Path, seed: int = 0, **sizes) -> str:

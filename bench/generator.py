@@ -46,10 +46,10 @@ def measure(model_path: str, plan: list[dict], rounds: int, seed: int) -> dict:
     """In a child process: one engine; for each round, each workload, each phase."""
     import asyncio
     import dataclasses
-    import random
 
     import torch.multiprocessing as mp
 
+    import data
     import rollout
     import train
     from rollout import Generator
@@ -85,7 +85,7 @@ def measure(model_path: str, plan: list[dict], rounds: int, seed: int) -> dict:
             done.append(time.perf_counter() - start)
             toks.append(sum(len(c.token_ids) for c in final.outputs))
 
-        prompts = [task.sample(random.Random(f"{seed}-{i}")) for i in range(n_groups)]  # as Generator.run draws them
+        prompts = [task.prompts[data.walk(i, len(task.prompts), seed)[1]] for i in range(n_groups)]  # as Generator.run
         tasks = []
         for i in range(n_groups):
             await slots.acquire()

@@ -89,6 +89,8 @@ def test_rows_missing_a_field_are_reported_with_their_line(tmp_path):
     (["--reward", "math"], "the copy task has its own data and reward"),
     (["--task", "nope"], "--task must be one of"),
     (["--task", "gsm8k", "--reward", "no_such_module_xyz:f"], "cannot import no_such_module_xyz"),
+    (["--task", "gsm8k", "--eval-split", "test"], "is a file, it has no splits; give the held-out prompts with"),
+    (["--eval-every", "-1"], "--eval-every, --eval-samples and --max-prompt-tokens must be >= 0"),
 ])
 def test_bad_data_flags_give_a_clear_line(argv, needle):
     with pytest.raises(SystemExit) as err:
@@ -241,18 +243,16 @@ def test_saved_model_directory_and_dataset_task(ascii_model, tokenizer, tmp_path
     settings = rollout.GeneratorSettings(model=ascii_model, seed=0, group_size=2, prompts_per_step=2,
                                          max_new_tokens=8, max_lag=1, update_mode="inflight", task=cfg.task)
     task = rollout.make_task(settings, tokenizer, max_len=1024)
-    import random
-
-    prompt = task.sample(random.Random("0-0"))
-    assert task.sample(random.Random("0-0")) == prompt  # a function of (seed, group id)
+    assert len(task.prompts) == len(data.load_rows(data.GSM8K["dataset"])) and task.held_out == []  # a file: no test split
+    prompt = task.prompts[data.walk(0, len(task.prompts), seed=0)[1]]
     text = tokenizer.decode(prompt.prompt_ids)
     assert text.startswith("<|system|>\n" + data.GSM8K_SYSTEM_PROMPT) and prompt.prompt in text
     assert float(prompt.answer.split("####")[1]) == float(prompt.columns["answer"].split("####")[1])
     rewards, stats, _ = task.score(prompt, ["#### " + prompt.answer.split("####")[1].strip(), "hm"], [[5], [6]])
     assert rewards == [1.0, 0.0] and set(stats) == {"math_reward"}
     # a context too small for any prompt is reported, not a hang
-    with pytest.raises(RuntimeError, match="too long"):
-        rollout.make_task(settings, tokenizer, max_len=40).sample(random.Random(0))
+    with pytest.raises(RuntimeError, match="longer than 32 tokens"):
+        rollout.make_task(settings, tokenizer, max_len=40)
     copy_task = rollout.make_task(rollout.GeneratorSettings(
         model=ascii_model, seed=0, group_size=2, prompts_per_step=2, max_new_tokens=8, max_lag=1,
         update_mode="inflight"), tokenizer)
@@ -262,15 +262,13 @@ def test_saved_model_directory_and_dataset_task(ascii_model, tokenizer, tmp_path
 
 
 def test_a_chat_dataset_with_a_solution_column(ascii_model, tokenizer):
-    import random
-
     cfg = train.parse_args(["--model", ascii_model, "--dataset", "examples/chat_prompts.jsonl",
                             "--answer-column", "solution", "--reward", "math"])
     settings = rollout.GeneratorSettings(model=ascii_model, seed=0, group_size=2, prompts_per_step=2,
                                          max_new_tokens=8, max_lag=1, update_mode="inflight", task=cfg.task,
                                          dataset=cfg.dataset, answer_column=cfg.answer_column, reward=cfg.reward)
     task = rollout.make_task(settings, tokenizer, max_len=1024)
-    prompt = task.sample(random.Random(1))
+    prompt = task.prompts[1]
     assert tokenizer.decode(prompt.prompt_ids).startswith("<|system|>\nAnswer with the number only.\n<|user|>\n")
     assert prompt.columns["solution"] == prompt.columns["answer"] == prompt.answer
     rewards, _, _ = task.score(prompt, [prompt.answer, "0.5"], [[7], [8]])
@@ -288,7 +286,10 @@ def test_a_hub_id_that_cannot_be_fetched_fails_with_one_clear_line():
 def test_plot_from_metrics(tmp_path):
     rows = [{"step": i, "reward": i / 10, "reward/math_reward/mean": i / 10, "completion_len": 4 + i % 2,
              "completion_len_min": 2, "completion_len_max": 6, "lag_hist/0": 10, "lag_hist/1": i,
-             "sync_ms": 30.0 + i} for i in range(10)]
+             "sync_ms": 30.0 + i, "epoch": i // 4} for i in range(10)]
+    for i, evaluated in ((1, 0), (6, 5), (9, 10)):  # evaluations land in the row of the step they arrived in
+        rows[i].update({"eval/step": evaluated, "eval/greedy_pass@1": evaluated / 10, "eval/reward": 0.5,
+                        "eval/pass@4": 0.6})
     write_jsonl(tmp_path / "metrics.jsonl", rows)
     assert plots.plot_run(str(tmp_path)) == str(tmp_path / "plots.png")
     assert (tmp_path / "plots.png").stat().st_size > 10_000

@@ -89,6 +89,8 @@ def test_sigint_then_two_resumes_survive_rotation_and_continue_like_an_uninterru
     resumed = rows(cut)
     assert [r["step"] for r in resumed] == list(range(steps))
     assert resumed[-1]["version"] == reference[steps - 1]["version"] == steps
+    # the walk of prompts continued where it stopped: same epochs (and, below, the same rewards)
+    assert [r["epoch"] for r in resumed] == [reference[s]["epoch"] for s in range(steps)]
     for step in (first_stop, second_stop, steps - 1):  # the first step of each resume, and the last
         # Same weights, optimizer state, (seeded) rollouts and reference model: the uninterrupted run's step.
         assert resumed[step]["reward"] == pytest.approx(reference[step]["reward"], abs=1e-6)

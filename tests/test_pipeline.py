@@ -26,7 +26,8 @@ SMALL = ["--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "5"
 RUN_TIMEOUT_S = 240  # a whole small run; a healthy one takes ~30 s on 2 busy cores
 SUMMARY_FIELDS = ("steps", "wall_s", "reward_first10", "reward_last20", "tokens_trained", "max_token_lag",
                   "dropped_stale", "trainer_wait_frac", "generator_wait_frac", "sync_ms_median",
-                  "gen_tokens_per_s", "train_tokens_per_s", "logprob_diff_after_sync", "config")
+                  "gen_tokens_per_s", "train_tokens_per_s", "logprob_diff_after_sync", "eval_first", "eval_last",
+                  "config")
 
 
 def _is_engine_core(name: str) -> bool:
@@ -174,8 +175,16 @@ def test_max_lag_0_is_on_policy_and_saves_a_usable_model(start_run):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     steps = 6
-    run = start_run("--steps", str(steps), "--max-lag", "0", *SMALL)
+    run = start_run("--steps", str(steps), "--max-lag", "0", "--eval-every", "3", "--eval-samples", "2", *SMALL)
     rows, summary = finish_ok(run, steps)
+
+    # held-out evaluations at step 0, 3 and the end; the last one waited for, in the last row
+    evals = [r for r in rows if "eval/step" in r]
+    assert [r["eval/step"] for r in evals] == [0, 3, 6] and rows[-1]["eval/step"] == 6
+    assert all(r["eval/version"] == r["eval/step"] for r in evals)  # on-policy: version = steps done
+    assert all(r["eval/prompts"] > 50 and 0 <= r["eval/greedy_pass@1"] <= r["eval/pass@2"] <= 1 for r in evals)
+    assert (summary["eval_first"], summary["eval_last"]) == (evals[0]["eval/greedy_pass@1"], evals[-1]["eval/greedy_pass@1"])
+    assert [r["epoch"] for r in rows] == [0] * steps and summary["train_prompts"] > 800
 
     for field in SUMMARY_FIELDS:
         assert field in summary, f"summary.json lacks {field}"

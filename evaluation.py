@@ -1,0 +1,113 @@
+"""evaluation.py — held-out evaluation: what the trainer asks for, what the generator answers, what it means.
+
+Role
+    The generator evaluates the initial weights (step 0) before training starts, with the engine to itself;
+    then the trainer's rank 0 asks for an evaluation every `--eval-every` steps and at the end (`request`).
+    The generator (rollout.Generator.run_eval) runs it on its own engine with the weights it holds, beside
+    the training requests, and answers with an `EvalResult` on a queue of its own: evaluation
+    outputs never reach the rollout queue, so they are never trained on. The trainer picks answers up
+    between steps without waiting (`collect`); it waits, bounded, only for the final one. `summarize` turns an
+    answer into the `eval/...` keys of metrics.jsonl.
+
+Data contract
+    - The request is `control.eval_request`, a shared int64 pair [step, version]: evaluate, as the weights
+      after `step` steps, the weights of `version` (what the trainer had published) or newer. Only the
+      newest request counts: requests made while an evaluation runs are merged into the next one.
+    - `EvalResult`: the step asked for, the version of the weights evaluated (the generator loads no new
+      weights while an evaluation is in flight, so every token of it comes from that one version), and per
+      held-out prompt the reward of its greedy completion (temperature 0) followed by the rewards of S
+      sampled completions (the run's temperature, top-k and top-p; not seeded).
+    - Keys (`summarize`): eval/step, eval/version, eval/prompts, eval/greedy_pass@1 (the fraction of prompts
+      whose greedy completion passes: reward >= --eval-pass-reward), eval/greedy_reward (mean reward of the
+      greedy completions), eval/reward (mean reward of the sampled ones), eval/pass@k for k = 1, 2, 4, ... up
+      to S and S itself (the unbiased estimator of Chen et al. 2021 over the S samples), eval/time_s (the
+      generator's wall time for it), eval/tokens (tokens it generated).
+
+May touch: the two eval fields of `processes.Control`. No engine, no model; imports nothing heavy.
+"""
+from __future__ import annotations
+
+import math
+import queue as queue_lib
+import sys
+import time
+from dataclasses import dataclass
+
+
+@dataclass
+class EvalResult:
+    step: int  # steps done when it was asked for (0: the initial weights)
+    version: int  # the version of the weights evaluated
+    rewards: list[list[float]]  # per held-out prompt: [greedy completion's reward, then the S samples' rewards]
+    time_s: float = 0.0
+    tokens: int = 0
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The probability that at least one of k completions drawn without replacement from n, of which c pass,
+    passes: 1 - C(n - c, k) / C(n, k) (the unbiased estimator of Chen et al. 2021, "Evaluating Large Language
+    Models Trained on Code")."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n (got n={n}, c={c}, k={k})")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def ks_for(samples: int) -> list[int]:
+    """The k reported for S samples: 1, 2, 4, ... up to S, and S."""
+    ks = [k for k in (2 ** i for i in range(samples.bit_length())) if k <= samples]
+    return sorted(set(ks + [samples])) if samples else []
+
+
+def summarize(result: EvalResult, pass_reward: float = 1.0) -> dict:
+    """The eval/... keys of one evaluation (None where it had no prompts or no samples)."""
+    prompts = [r for r in result.rewards if r]
+    n = len(prompts)
+    samples = min((len(r) - 1 for r in prompts), default=0)
+    out = {"eval/step": result.step, "eval/version": result.version, "eval/prompts": n,
+           "eval/greedy_pass@1": sum(r[0] >= pass_reward for r in prompts) / n if n else None,
+           "eval/greedy_reward": sum(r[0] for r in prompts) / n if n else None,
+           "eval/reward": sum(sum(r[1:samples + 1]) for r in prompts) / (n * samples) if n and samples else None}
+    for k in ks_for(samples):
+        out[f"eval/pass@{k}"] = sum(pass_at_k(samples, sum(x >= pass_reward for x in r[1:samples + 1]), k)
+                                    for r in prompts) / n
+    out["eval/time_s"] = result.time_s
+    out["eval/tokens"] = result.tokens
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# Crossing processes (processes.Control holds `eval_request` and `eval_results`)
+# ----------------------------------------------------------------------------------------------------
+def request(control, step: int, version: int) -> None:
+    """The trainer asks for an evaluation of the weights after `step` steps (published as `version`)."""
+    with control.eval_request.get_lock():
+        control.eval_request[0], control.eval_request[1] = step, version
+
+
+def requested(control) -> tuple[int, int]:
+    """(step, version) of the newest request; step -1 before the first."""
+    with control.eval_request.get_lock():
+        return control.eval_request[0], control.eval_request[1]
+
+
+def collect(control, wait_for_step: int | None = None, timeout_s: float = 0.0,
+            should_stop=lambda: False) -> list[EvalResult]:
+    """The answers that have arrived, without waiting; with `wait_for_step`, wait (at most `timeout_s`, and
+    not once `should_stop()`) until the answer for that step is among them."""
+    results: list[EvalResult] = []
+    deadline = time.monotonic() + timeout_s
+    while True:
+        waiting = wait_for_step is not None and not any(r.step >= wait_for_step for r in results)
+        try:
+            results.append(control.eval_results.get(timeout=0.2) if waiting else control.eval_results.get_nowait())
+        except queue_lib.Empty:
+            if not waiting:
+                return results
+            if should_stop():
+                return results
+            if time.monotonic() > deadline:
+                print(f"warning: the generator sent no evaluation for step {wait_for_step} within {timeout_s:.0f} s "
+                      "(--timeout-s): the run ends without it", file=sys.stderr, flush=True)
+                return results
