@@ -246,14 +246,20 @@ def completion_logprobs(model, batch, temperature, top_k=-1, top_p=1.0, untrunca
     import lora
     from losses import chunked_logprobs
 
-    # logits_to_keep=[] : the model computes no logits. Under FSDP2 its root keeps the LM head's weight
-    # gathered from this forward to the end of the backward, so the head can be applied after the call.
-    no_logits = torch.zeros(0, dtype=torch.long, device=batch.input_ids.device)
-    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False,
-                output_hidden_states=True, logits_to_keep=no_logits)
-    hidden = out.hidden_states[-1][:, :-1][batch.mask]  # the positions that predict completion tokens
+    # The whole model runs (under FSDP2 only its call gathers the weights), with logits_to_keep=[]: no logits;
+    # the decoder's output is caught on the way. FSDP2's root keeps the LM head's weight gathered from its
+    # forward to the end of the backward, so the head can be applied after the call.
+    base = lora.base_model_of(model)
+    caught = []
+    hook = base.get_decoder().register_forward_hook(lambda _, __, out: caught.append(out.last_hidden_state))
+    try:
+        model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False,
+              logits_to_keep=torch.zeros(0, dtype=torch.long, device=batch.input_ids.device))
+    finally:
+        hook.remove()
+    hidden = caught[0][:, :-1][batch.mask]  # final hidden states where completion tokens are predicted
     targets = batch.targets[batch.mask]
-    head = lora.base_model_of(model).get_output_embeddings()
+    head = base.get_output_embeddings()
 
     def scored(values):  # (N,) -> (B, T), 0 off the mask
         return values.new_zeros(batch.mask.shape).masked_scatter(batch.mask, values)
