@@ -398,9 +398,9 @@ def sampling_logits(logits, temperature=1.0, top_k=-1, top_p=1.0):
 # Log-probs straight from hidden states, a chunk of tokens at a time
 # ---------------------------------------------------------------------------
 
-# Logits held at once by `chunked_logprobs`: 2**24 float32 values are 64 MiB (~110 tokens of a 151,936-token
-# vocabulary); its forward and backward hold about three such arrays. Larger chunks are not measurably faster
-# on a CPU (bench/memory.py); this bound is what keeps the LM head's memory flat in the batch size.
+# Logits held at once by `chunked_logprobs`: 2**24 float32 values, 64 MiB (110 tokens of a 151,936-token
+# vocabulary); its forward and backward hold two or three such arrays. This bound, not the batch, sets the
+# LM head's memory. Chunks of 2**23 to 2**25 logits cost the same per token on a CPU; smaller ones cost more.
 LOGIT_CHUNK_ELEMENTS = 2**24
 
 
@@ -423,16 +423,23 @@ def chunked_logprobs(hidden, weight, bias, tokens, temperature=1.0, top_k=-1, to
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
+    """Each chunk's logits are made, used in place and dropped within its iteration (autograd records
+    nothing inside a Function's forward and backward)."""
+
     @staticmethod
     def forward(ctx, hidden, weight, bias, tokens, sampling, chunk):
         logp, entropy, lse = [], [], []
         for h, t in zip(hidden.split(chunk), tokens.split(chunk)):
             x = sampling_logits(torch.nn.functional.linear(h, weight, bias), *sampling)
-            norm = torch.logsumexp(x, dim=-1)
-            logp.append(x.gather(-1, t[:, None]).squeeze(-1) - norm)
-            p = torch.exp(x - norm[:, None])  # 0 outside the kept set
-            entropy.append(norm - torch.where(p > 0, p * x, torch.zeros_like(p)).sum(-1))
-            lse.append(norm)
+            top = x.max(dim=-1, keepdim=True).values
+            e = (x - top).exp_()
+            total = e.sum(dim=-1, keepdim=True)
+            norm = top + total.log()  # logsumexp
+            logp.append((x.gather(-1, t[:, None]) - norm).squeeze(-1))
+            # H = norm - sum_v p_v x_v over the kept set (p = e / total; -inf outside it, where p = 0)
+            x.clamp_(min=torch.finfo(x.dtype).min)
+            entropy.append((norm - torch.bmm(e[:, None, :], x[:, :, None]).squeeze(-1) / total).squeeze(-1))
+            lse.append(norm.squeeze(-1))
         empty = hidden.new_zeros(0, dtype=torch.float32)
         lse = torch.cat(lse) if lse else empty
         ctx.save_for_backward(hidden, weight, bias, tokens, lse)
@@ -453,11 +460,10 @@ class _ChunkedLogprobs(torch.autograd.Function):
         for h, t, norm, g in zip(hidden.split(ctx.chunk), tokens.split(ctx.chunk), lse.split(ctx.chunk),
                                  grad_logp.split(ctx.chunk)):
             x = sampling_logits(torch.nn.functional.linear(h, weight, bias), *ctx.sampling)
-            # d logp / d logits = (onehot(t) - p) / temperature, scaled by the incoming gradient
-            grad_x = torch.exp(x - norm[:, None]).mul_(-g[:, None])
-            grad_x.scatter_add_(-1, t[:, None], g[:, None])
-            if temperature != 1.0:
-                grad_x.div_(temperature)
+            # d logp / d logits = (onehot(t) - p) / temperature, times the incoming gradient g
+            g = (g / temperature)[:, None]
+            grad_x = x.sub_(norm[:, None]).exp_().mul_(-g)  # p, in place of the recomputed logits
+            grad_x.scatter_add_(-1, t[:, None], g)
             if need_hidden:
                 grad_hidden[start:start + len(h)] = grad_x.to(weight.dtype) @ weight
             if need_weight:

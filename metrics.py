@@ -8,7 +8,9 @@ Role
 
 Data contract
     - A row: step, version, reward, loss and the loss family's diagnostics (clip fractions, ratio, approx
-      KL, IS weight), grad norm, zero-variance groups, completion lengths, per-token lag (mean, max,
+      KL, IS weight, entropy of the sampling distribution; means over the step's completion tokens, every
+      micro-batch and rank), micro-batches per rank and the share of their positions that is padding
+      (pad_frac), grad norm, zero-variance groups, completion lengths, per-token lag (mean, max,
       histogram), dropped stale samples, trainer wait / train / publish times, generator counters, sync
       latency, and per-reward-function statistics.
     - The summary: steps, wall_s, reward_first10 (mean reward over the first 10% of steps), reward_last20,

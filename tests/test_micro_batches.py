@@ -71,6 +71,14 @@ def test_every_rank_gets_as_many_micro_batches_and_its_own_rows(world, max_token
                 assert mb.attention_mask.numel() <= max_tokens
 
 
+def test_bad_flags_are_refused_before_anything_starts():
+    with pytest.raises(SystemExit, match="error: --micro-batch-tokens must be >= 0"):
+        train.parse_args(["--micro-batch-tokens", "-1"])
+    with pytest.raises(SystemExit, match="error: --lora-targets lm_head"):
+        train.parse_args(["--lora-rank", "4", "--lora-targets", "q_proj,lm_head"])
+    assert train.parse_args(["--micro-batch-tokens", "0", "--grad-checkpointing"]).grad_checkpointing
+
+
 # ----------------------------------------------------------------------------------------------------
 # No (tokens x vocabulary) tensor is kept for the backward pass
 # ----------------------------------------------------------------------------------------------------
