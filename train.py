@@ -61,7 +61,7 @@ class Config:
     group_size: int = 8  # G completions per prompt
     prompts_per_step: int = 32
     max_new_tokens: int = 5
-    micro_batch_tokens: int = 16384  # each rank's forward/backward takes at most this many padded tokens at once (0: all its rows)
+    micro_batch_tokens: int = 4096  # each rank's forward/backward takes at most this many padded tokens at once (0: all its rows)
     # data and reward (data.py; the defaults are the built-in copy task)
     task: str = "auto"  # auto ("dataset" with --dataset, else "copy") | copy | dataset | gsm8k (a preset)
     dataset: str = ""  # a .jsonl/.json/.parquet file, or a Hugging Face dataset NAME[:CONFIG]

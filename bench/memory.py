@@ -122,9 +122,9 @@ def main(argv=None) -> int:
     p.add_argument("--micro-batch-tokens", type=int, default=None, help="default: the trainer's default")
     p.add_argument("--max-micro-batches", type=int, default=1,
                    help="run at most this many micro-batches of a micro-batched step (0: all)")
-    p.add_argument("--whole-max-tokens", type=int, default=8192,
+    p.add_argument("--whole-max-tokens", type=int, default=10240,
                    help="run the whole-batch step where its padded tokens are at most this")
-    p.add_argument("--repeats", type=int, default=2, help="full steps per tokens/s measurement")
+    p.add_argument("--repeats", type=int, default=1, help="full steps of each mode per tokens/s measurement")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
     p.add_argument("--grad-checkpointing", action="store_true", help="as the trainer's flag, in every measurement")
     args = p.parse_args(argv)
