@@ -20,12 +20,16 @@ Data contract
       never silently. Advantages are computed over exactly the samples trained.
     - `Batch` tensors have shape (num_samples, seq_len - 1), aligned with targets `input_ids[:, 1:]`;
       `mask` is True on completion tokens only.
+    - A trainer rank trains on its rows (`rows_for_rank`) in micro-batches (`rank_micro_batches`) of at most
+      `--micro-batch-tokens` padded tokens, rows of similar length together; every rank gets the same
+      number of micro-batches.
 
 May touch: the queue it is handed. Reads nothing from the trainer's model or the engine.
 Data flows one way: rollout -> buffer -> train.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import queue as queue_lib
 import time
@@ -78,6 +82,17 @@ class Batch:
         return Batch(*(t[rows] for t in (self.input_ids, self.attention_mask, self.targets, self.mask,
                                          self.behaviour_logp, self.token_versions, self.advantages,
                                          self.rewards)))
+
+    def trimmed(self) -> "Batch":
+        """The same rows without the trailing columns that are padding in every row."""
+        length = int(self.attention_mask.sum(1).max()) if len(self) else self.input_ids.shape[1]
+        return dataclasses.replace(self, input_ids=self.input_ids[:, :length],
+                                   attention_mask=self.attention_mask[:, :length],
+                                   **{name: getattr(self, name)[:, :length - 1] for name in
+                                      ("targets", "mask", "behaviour_logp", "token_versions")})
+
+    def to(self, device) -> "Batch":
+        return Batch(*(getattr(self, f.name).to(device) for f in dataclasses.fields(self)))
 
 
 def put_group(q, group: RolloutGroup, should_stop, timeout_s: float) -> float:
@@ -201,3 +216,44 @@ def rows_for_rank(num_rows: int, rank: int, world_size: int) -> slice:
     """Contiguous share of a batch's rows for one data-parallel rank."""
     per = math.ceil(num_rows / world_size)
     return slice(min(rank * per, num_rows), min((rank + 1) * per, num_rows))
+
+
+def plan_micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Rows (indices into `lengths`, each row's prompt + completion length) grouped into micro-batches of
+    at most `max_tokens` padded tokens (rows x the longest row), shortest rows first, so that rows of
+    similar length share a micro-batch and padding stays small. A row longer than `max_tokens` gets a
+    micro-batch of its own. `max_tokens` 0: one micro-batch."""
+    plan, current = [], []
+    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+        if current and max_tokens and (len(current) + 1) * lengths[i] > max_tokens:
+            plan.append(current)
+            current = []
+        current.append(i)
+    return plan + [current] if current else plan
+
+
+def rank_micro_batches(batch: Batch, rank: int, world_size: int, max_tokens: int) -> list[Batch]:
+    """This rank's rows of `batch` (`rows_for_rank`) in micro-batches (`plan_micro_batches`), each trimmed
+    to its longest row.
+
+    Every rank gets as many micro-batches as the rank that needs the most (each forward and backward runs
+    FSDP2 collectives): a rank that needs fewer halves its largest ones, and one short of rows even then
+    gets fillers, a row of the batch with its mask cleared (it runs through the model, adds no loss and no
+    gradient). Every rank holds the whole batch, so each works out every rank's plan without communicating.
+    """
+    lengths = batch.attention_mask.sum(1).tolist()
+    plans = []
+    for r in range(world_size):
+        rows = rows_for_rank(len(batch), r, world_size)
+        plans.append([[rows.start + i for i in mb] for mb in plan_micro_batches(lengths[rows], max_tokens)])
+    count = max(len(plan) for plan in plans)
+    plan = plans[rank]
+    while len(plan) < count and any(len(mb) > 1 for mb in plan):
+        k = max(range(len(plan)), key=lambda k: len(plan[k]))
+        half = len(plan[k]) // 2
+        plan = plan[:k] + [plan[k][:half], plan[k][half:]] + plan[k + 1:]
+    micro = [batch.select(rows).trimmed() for rows in plan]
+    if len(micro) < count:
+        filler = batch.select([0]).trimmed()
+        micro += [dataclasses.replace(filler, mask=torch.zeros_like(filler.mask))] * (count - len(micro))
+    return micro

@@ -101,7 +101,7 @@ def _masked_mean(x, m_bool):
     return float(x[m_bool].sum() / n) if n > 0 else 0.0
 
 
-def aggregate(loss_tok, mask, agg="token-mean", max_len=None):
+def aggregate(loss_tok, mask, agg="token-mean", max_len=None, units=None):
     """Reduce a per-token loss (B, T) to a scalar.
 
     token-mean              sum over all masked tokens / number of masked tokens
@@ -114,13 +114,17 @@ def aggregate(loss_tok, mask, agg="token-mean", max_len=None):
                             instead of the length |y_i|)
     Fully masked sequences are left out of sequence means. An all-masked batch
     gives 0 with the graph attached (no NaN).
+    units: the count to divide by, masked tokens (token-mean) or non-empty
+    sequences (the others); default: this mask's. A micro-batch passes the
+    count of its whole step (every micro-batch, every rank), so that the
+    micro-batches' losses add up to the loss of the whole batch.
     """
     if agg not in AGGS:
         raise ValueError(f"unknown agg {agg!r}; expected one of {AGGS}")
     m_bool = mask.bool()
     loss_tok = torch.where(m_bool, loss_tok, torch.zeros_like(loss_tok))
     if agg == "token-mean":
-        return loss_tok.sum() / m_bool.sum().clamp(min=1)
+        return loss_tok.sum() / (m_bool.sum().clamp(min=1) if units is None else max(units, 1))
     seq_len = m_bool.sum(dim=-1)
     valid = seq_len > 0
     seq_sum = loss_tok.sum(dim=-1)
@@ -128,7 +132,7 @@ def aggregate(loss_tok, mask, agg="token-mean", max_len=None):
         per_seq = seq_sum / seq_len.clamp(min=1)
     else:
         per_seq = seq_sum
-    loss = (per_seq * valid).sum() / valid.sum().clamp(min=1)
+    loss = (per_seq * valid).sum() / (valid.sum().clamp(min=1) if units is None else max(units, 1))
     if agg == "seq-mean-token-sum-norm":
         loss = loss / (mask.shape[-1] if max_len is None else max_len)
     return loss
@@ -146,6 +150,7 @@ def policy_loss(
     agg="token-mean",
     max_len=None,
     weights=None,
+    units=None,
 ):
     """Policy-gradient loss of the GRPO family. Returns (loss, metrics).
 
@@ -182,7 +187,7 @@ def policy_loss(
 
     advantages: (B,) per sequence or (B, T) per token. weights: optional
     (B, T) detached per-token weights (e.g. behaviour_weights) multiplied
-    into l_t. agg/max_len: see `aggregate`.
+    into l_t. agg/max_len/units: see `aggregate`.
 
     metrics (python floats, over masked tokens):
       clip_frac_high  share of tokens where the upper clip is active:
@@ -236,7 +241,7 @@ def policy_loss(
 
     if weights is not None:
         loss_tok = loss_tok * weights.detach()
-    loss = aggregate(loss_tok, m_bool, agg=agg, max_len=max_len)
+    loss = aggregate(loss_tok, m_bool, agg=agg, max_len=max_len, units=units)
 
     with torch.no_grad():
         r = ratio.detach()
@@ -366,9 +371,14 @@ def token_logprobs(logits, tokens, temperature=1.0, top_k=-1, top_p=1.0):
     With triton on GPU vLLM uses a pivot-search kernel (topk_topp_triton.py)
     which keeps exactly k tokens among top-k ties; the value semantics are
     otherwise the same.
-
-    Fast path (no top_k, no top_p): log_softmax(logits / T).gather(tokens).
     """
+    x = sampling_logits(logits, temperature, top_k, top_p)
+    return torch.log_softmax(x, dim=-1).gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
+
+
+def sampling_logits(logits, temperature=1.0, top_k=-1, top_p=1.0):
+    """The float32 logits (..., V) vLLM samples from: divided by the temperature, -inf outside the
+    top-k/top-p set (the rules are in `token_logprobs`). Differentiable on the kept set."""
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0 (greedy decoding has no log-probs to train on), got {temperature}")
     if not 0.0 < top_p <= 1.0:
@@ -376,15 +386,11 @@ def token_logprobs(logits, tokens, temperature=1.0, top_k=-1, top_p=1.0):
     vocab = logits.shape[-1]
     use_top_k = 0 < top_k < vocab
     use_top_p = top_p < 1.0
-    if temperature == 1.0:
-        x = logits
-    else:  # like vLLM: float32, true division by a (non-scalar) temperature tensor
-        x = logits.float() / torch.tensor([temperature], dtype=torch.float32, device=logits.device)
-    tokens = tokens.long().unsqueeze(-1)
+    x = logits.float()
+    if temperature != 1.0:  # like vLLM: true division by a (non-scalar) float32 temperature tensor
+        x = x / torch.tensor([temperature], dtype=torch.float32, device=logits.device)
     if not (use_top_k or use_top_p):
-        return torch.log_softmax(x, dim=-1, dtype=torch.float32).gather(-1, tokens).squeeze(-1)
-
-    x = x.float()
+        return x
     with torch.no_grad():
         flat = x.detach().reshape(-1, vocab)
         if not use_top_p:  # vLLM apply_top_k_only: no full sort
@@ -401,8 +407,91 @@ def token_logprobs(logits, tokens, temperature=1.0, top_k=-1, top_p=1.0):
             removed_sorted[:, -1] = False  # at least one token
             keep = torch.ones_like(removed_sorted).scatter_(-1, logits_idx, ~removed_sorted)
         keep = keep.reshape(x.shape)
-    x = x.masked_fill(~keep, -float("inf"))
-    return torch.log_softmax(x, dim=-1).gather(-1, tokens).squeeze(-1)
+    return x.masked_fill(~keep, -float("inf"))
+
+
+# ---------------------------------------------------------------------------
+# Log-probs straight from hidden states, a chunk of tokens at a time
+# ---------------------------------------------------------------------------
+
+# Logits held at once by `chunked_logprobs`: 2**24 float32 values, 64 MiB (110 tokens of a 151,936-token
+# vocabulary); its forward and backward hold two or three such arrays. This bound, not the batch, sets the
+# LM head's memory. Chunks of 2**23 to 2**25 logits cost the same per token on a CPU; smaller ones cost more.
+LOGIT_CHUNK_ELEMENTS = 2**24
+
+
+def chunked_logprobs(hidden, weight, bias, tokens, temperature=1.0, top_k=-1, top_p=1.0,
+                     chunk_elements=LOGIT_CHUNK_ELEMENTS):
+    """`token_logprobs(hidden @ weight.T + bias, tokens, ...)` and the entropy of the same distribution,
+    without ever holding more than ~`chunk_elements` logits.
+
+    hidden (N, H) final hidden states at the positions to score, weight (V, H) and bias (V,) or None the
+    LM head, tokens (N,) long -> (logp (N,) float32 with a gradient to hidden, weight and bias; entropy
+    (N,) float32, detached: H = -sum_v p_v log p_v of the sampling distribution, 0 outside its support).
+
+    Tokens are processed in chunks of max(1, chunk_elements // V); the logits are upcast to float32 as
+    vLLM's sampler does. The backward recomputes each chunk's logits (one extra matmul) and applies the
+    gradient of log-softmax in closed form, d logp_t / d x = onehot(t) - p (p: the kept-set softmax,
+    0 elsewhere), times 1/temperature: no chunk's logits outlive its iteration.
+    """
+    chunk = max(1, chunk_elements // weight.shape[0])
+    return _ChunkedLogprobs.apply(hidden, weight, bias, tokens, (temperature, top_k, top_p), chunk)
+
+
+class _ChunkedLogprobs(torch.autograd.Function):
+    """Each chunk's logits are made, used in place and dropped within its iteration (autograd records
+    nothing inside a Function's forward and backward)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, tokens, sampling, chunk):
+        logp, entropy, lse = [], [], []
+        for h, t in zip(hidden.split(chunk), tokens.split(chunk)):
+            x = sampling_logits(torch.nn.functional.linear(h, weight, bias), *sampling)
+            top = x.max(dim=-1, keepdim=True).values
+            e = (x - top).exp_()
+            total = e.sum(dim=-1, keepdim=True)
+            norm = top + total.log()  # logsumexp
+            logp.append((x.gather(-1, t[:, None]) - norm).squeeze(-1))
+            # H = norm - sum_v p_v x_v over the kept set (p = e / total; -inf outside it, where p = 0)
+            x.clamp_(min=torch.finfo(x.dtype).min)
+            entropy.append((norm - torch.bmm(e[:, None, :], x[:, :, None]).squeeze(-1) / total).squeeze(-1))
+            lse.append(norm.squeeze(-1))
+        empty = hidden.new_zeros(0, dtype=torch.float32)
+        lse = torch.cat(lse) if lse else empty
+        ctx.save_for_backward(hidden, weight, bias, tokens, lse)
+        ctx.sampling, ctx.chunk = sampling, chunk
+        entropy = torch.cat(entropy) if entropy else empty
+        ctx.mark_non_differentiable(entropy)
+        return (torch.cat(logp) if logp else empty), entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, _grad_entropy):
+        hidden, weight, bias, tokens, lse = ctx.saved_tensors
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        grad_hidden = torch.zeros_like(hidden) if need_hidden else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if need_weight else None
+        grad_bias = torch.zeros_like(bias, dtype=torch.float32) if need_bias else None
+        temperature = ctx.sampling[0]
+        start = 0
+        for h, t, norm, g in zip(hidden.split(ctx.chunk), tokens.split(ctx.chunk), lse.split(ctx.chunk),
+                                 grad_logp.split(ctx.chunk)):
+            x = sampling_logits(torch.nn.functional.linear(h, weight, bias), *ctx.sampling)
+            # d logp / d logits = (onehot(t) - p) / temperature, times the incoming gradient g
+            g = (g / temperature)[:, None]
+            grad_x = x.sub_(norm[:, None]).exp_().mul_(-g)  # p, in place of the recomputed logits
+            grad_x.scatter_add_(-1, t[:, None], g)
+            if need_hidden:
+                grad_hidden[start:start + len(h)] = grad_x.to(weight.dtype) @ weight
+            if need_weight:
+                grad_weight.addmm_(grad_x.T, h.float())
+            if need_bias:
+                grad_bias += grad_x.sum(0)
+            start += len(h)
+        if need_weight:
+            grad_weight = grad_weight.to(weight.dtype)
+        if need_bias:
+            grad_bias = grad_bias.to(bias.dtype)
+        return grad_hidden, grad_weight, grad_bias, None, None, None
 
 
 def entropy_from_logits(logits, temperature=1.0):

@@ -8,7 +8,9 @@ Role
 
 Data contract
     - A row: step, version, reward, loss and the loss family's diagnostics (clip fractions, ratio, approx
-      KL, IS weight), grad norm, zero-variance groups, completion lengths, per-token lag (mean, max,
+      KL, IS weight, entropy of the sampling distribution; means over the step's completion tokens, every
+      micro-batch and rank), micro-batches per rank and the share of their positions that is padding
+      (pad_frac), grad norm, zero-variance groups, completion lengths, per-token lag (mean, max,
       histogram), dropped stale samples, trainer wait / train / publish times, generator counters, sync
       latency, prompts skipped so far as too long for --max-model-len (prompts_too_long), the trainer's
       agreement with the generator on on-policy tokens (logprob_diff_on_policy: max; logprob_diff_mean),

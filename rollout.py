@@ -125,7 +125,7 @@ TINY_CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content
 
 
 def build_tiny_model(path: str, seed: int = 0, hidden: int = 128, layers: int = 2, heads: int = 4,
-                     alphabet: str = "copy") -> str:
+                     alphabet: str = "copy", vocab_size: int = 0) -> str:
     """Write a random-init Qwen2 model and its character tokenizer to `path` (Hugging Face format).
 
     alphabet="copy": the default 26 symbols (the copy task's), 64 positions.
@@ -133,7 +133,9 @@ def build_tiny_model(path: str, seed: int = 0, hidden: int = 128, layers: int = 
     specials), 1024 positions and a small chat template: for trying datasets, prompts and rewards on real
     text (it is random-init: it writes garbage, but the whole path runs). Llama architecture, not Qwen2:
     transformers 5 loads any tokenizer saved next to a Qwen2 config as `Qwen2Tokenizer`, whose byte-level
-    pre-tokenizer would drop every space and newline of a character vocabulary."""
+    pre-tokenizer would drop every space and newline of a character vocabulary.
+    vocab_size > the alphabet's: the vocabulary is filled up to that size with tokens `<|N|>` that text
+    never encodes to but the model can sample (the LM head and softmax of a real model, e.g. 151,936)."""
     import torch
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import (LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config,
@@ -143,6 +145,7 @@ def build_tiny_model(path: str, seed: int = 0, hidden: int = 128, layers: int = 
         raise ValueError(f"alphabet must be 'copy' or 'ascii' (got {alphabet!r})")
     ascii_ = alphabet == "ascii"
     vocab = {tok: i for i, tok in enumerate(SPECIALS + (ASCII if ascii_ else SYMBOLS))}
+    vocab.update({f"<|{i}|>": i for i in range(len(vocab), vocab_size)})
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
     pattern = r"<pad>|<bos>|<eos>|[\s\S]" if ascii_ else "<[a-z]+>|."
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(pattern), behavior="isolated")

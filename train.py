@@ -70,6 +70,7 @@ class Config:
     group_size: int = 8  # G completions per prompt
     prompts_per_step: int = 32  # prompts (groups) per optimizer step
     max_new_tokens: int = 5  # longest completion, in tokens
+    micro_batch_tokens: int = 4096  # each rank's forward/backward takes at most this many padded tokens at once (0: all its rows)
     # data and reward (data.py; the defaults are the built-in copy task)
     task: str = "auto"  # auto (dataset with --dataset, else copy) | copy | dataset | gsm8k (a preset)
     dataset: str = ""  # a .jsonl/.json/.parquet file, or a Hugging Face dataset NAME[:CONFIG]
@@ -123,6 +124,7 @@ class Config:
     dtype: str = "auto"  # bf16 | fp32 | auto (bf16 on GPUs, fp32 on CPU): trainer compute (fp32 master weights), vLLM, weight syncs
     max_model_len: int = 0  # vLLM's context, prompt + completion (longer prompts are skipped and counted); 0: the model's own
     gpu_memory_utilization: float = 0.0  # vLLM's share of each generator GPU; 0: 0.9 alone, 0.3 on a GPU shared with a trainer rank
+    grad_checkpointing: bool = False  # recompute each decoder layer's activations in the backward pass: less memory, ~1/3 more compute
     timeout_s: float = 300.0  # longest wait for any other process before the run fails
     gen_devices: str = ""  # generator GPUs, e.g. "0" ("" or "cpu": the CPU path); see devices.py
     train_devices: str = ""  # trainer GPUs, one FSDP2 rank each, e.g. "1,2,3"; "0" with --gen-devices 0 shares it
@@ -216,6 +218,8 @@ def validate(cfg: Config) -> None:
                  "train_ranks", "kv_cache_mb"):
         if getattr(cfg, name) < 1:
             problems.append(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(cfg, name)})")
+    if cfg.micro_batch_tokens < 0:
+        problems.append(f"--micro-batch-tokens must be >= 0 (0: each rank's whole share at once; got {cfg.micro_batch_tokens})")
     if cfg.save_every < 0 or cfg.keep_checkpoints < 0 or cfg.max_bad_steps < 0:
         problems.append("--save-every, --keep-checkpoints and --max-bad-steps must be >= 0")
     if cfg.max_model_len < 0:
@@ -256,6 +260,9 @@ def validate(cfg: Config) -> None:
         problems.append(f"--lora-alpha must be > 0 (got {cfg.lora_alpha})")
     if not 0 <= cfg.lora_dropout < 1:
         problems.append(f"--lora-dropout must be in [0, 1) (got {cfg.lora_dropout})")
+    if cfg.lora_rank and "lm_head" in cfg.lora_targets.replace(" ", "").split(","):
+        problems.append("--lora-targets lm_head: the LM head cannot take an adapter here (the trainer applies "
+                        "its weight directly, a chunk of tokens at a time); adapt the other layers")
     if cfg.lora_rank and not cfg.lora_targets.strip(" ,"):
         problems.append("--lora-targets is empty: give all-linear or module names such as q_proj,v_proj")
     if cfg.merge_at_end and not cfg.lora_rank:
@@ -356,64 +363,185 @@ def build_reference_model(model_path, world_size, device="cpu", dtype=torch.floa
     return shard_layers_and_root(model, model.model.layers, world_size, device, reshard_after_forward=True)
 
 
-def target_logprobs(logits, batch, temperature, top_k=-1, top_p=1.0):
-    """Log-probs of the batch's targets (0 off the mask) under the given sampling distribution."""
-    from losses import token_logprobs
+def checkpoint_layers(model) -> None:
+    """Activation checkpointing (`--grad-checkpointing`): each decoder layer keeps only its input for the
+    backward pass and recomputes the rest there, trading about one more forward for the activations of
+    every layer. Applied inside FSDP2's hooks (they run around the layer's call; the recompute runs after
+    the layer's pre-backward hook has gathered its weights), so it composes with sharding and with LoRA."""
+    import functools
 
-    logp = token_logprobs(logits, batch.targets, temperature, top_k, top_p)
-    return torch.where(batch.mask, logp, torch.zeros_like(logp))
+    import lora
+    from torch.utils.checkpoint import checkpoint
+
+    for layer in lora.base_model_of(model).model.layers:
+        layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
 
 
-def next_token_logits(model, batch):
-    return model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1].float()
+@dataclass
+class TokenScores:
+    """What `completion_logprobs` returns: (B, T) float32, 0 off the batch's mask."""
+    logp: torch.Tensor  # log-probs of the targets under the sampling distribution (temperature, top-k, top-p)
+    entropy: torch.Tensor  # entropy of that distribution at each position (detached)
+    logp_untruncated: Optional[torch.Tensor] = None  # under the temperature alone (the KL term's), if asked for
 
 
-def loss_on_batch(model, ref_model, local, cfg, world_size):
-    """The loss of this rank's rows, scaled so that summing over ranks gives the whole batch's loss."""
-    import torch.distributed as dist
+def completion_logprobs(model, batch, temperature, top_k=-1, top_p=1.0, untruncated=False) -> TokenScores:
+    """Score a (micro-)batch's completion tokens with the generator's sampling distribution.
+
+    The model runs without its LM head; the head is applied to the final hidden states at completion
+    positions only, a chunk of tokens at a time (`losses.chunked_logprobs`), so no (B, T, V) logits exist
+    in the forward or the backward. Works with gradients, or under `torch.no_grad()` for a reference or
+    proximal policy; `model` is a causal LM or a PEFT wrapper of one, under FSDP2 or plain."""
+    import lora
+    from losses import chunked_logprobs
+
+    # The whole model runs (under FSDP2 only its call gathers the weights), with logits_to_keep=[]: no logits;
+    # the decoder's output is caught on the way. FSDP2's root keeps the LM head's weight gathered from its
+    # forward to the end of the backward, so the head can be applied after the call.
+    base = lora.base_model_of(model)
+    caught = []
+    hook = base.get_decoder().register_forward_hook(lambda _, __, out: caught.append(out.last_hidden_state))
+    try:
+        model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False,
+              logits_to_keep=torch.zeros(0, dtype=torch.long, device=batch.input_ids.device))
+    finally:
+        hook.remove()
+    hidden = caught[0][:, :-1][batch.mask]  # final hidden states where completion tokens are predicted
+    targets = batch.targets[batch.mask]
+    head = base.get_output_embeddings()
+
+    def scored(values):  # (N,) -> (B, T), 0 off the mask
+        return values.new_zeros(batch.mask.shape).masked_scatter(batch.mask, values)
+
+    logp, entropy = chunked_logprobs(hidden, head.weight, head.bias, targets, temperature, top_k, top_p)
+    scores = TokenScores(scored(logp), scored(entropy))
+    if untruncated:
+        truncated = 0 < top_k < head.weight.shape[0] or top_p < 1
+        scores.logp_untruncated = scores.logp if not truncated else scored(
+            chunked_logprobs(hidden, head.weight, head.bias, targets, temperature)[0])
+    return scores
+
+
+def reference_logprobs(model, ref_model, batch, temperature):
+    """Log-probs (B, T) of the reference policy (untruncated, at the sampling temperature), no gradient:
+    `ref_model`, or with LoRA (`ref_model` None) the same model with its adapter switched off."""
+    with torch.no_grad():
+        if ref_model is not None:
+            return completion_logprobs(ref_model, batch, temperature).logp
+        with model.disable_adapter():
+            return completion_logprobs(model, batch, temperature).logp
+
+
+class StepStats:
+    """One step's metrics, added up over its micro-batches and then over ranks: means (a total over a
+    count), sums and maxima. Every rank adds the same names, in any order."""
+
+    def __init__(self):
+        self.means, self.sums, self.maxima = {}, {}, {}
+
+    def mean(self, name, total, count):
+        s, n = self.means.get(name, (0.0, 0))
+        self.means[name] = (s + total, n + count)
+
+    def add(self, name, value):
+        self.sums[name] = self.sums.get(name, 0.0) + value
+
+    def max(self, name, value):
+        self.maxima[name] = max(self.maxima.get(name, -math.inf), value)
+
+    def reduced(self, world_size) -> dict:
+        """The step's values (the same on every rank: a collective, every rank calls it)."""
+        import torch.distributed as dist
+
+        means, sums, maxima = sorted(self.means), sorted(self.sums), sorted(self.maxima)
+        totals = torch.tensor([self.means[n][0] for n in means] + [self.means[n][1] for n in means]
+                              + [self.sums[n] for n in sums], dtype=torch.float64)
+        highest = torch.tensor([self.maxima[n] for n in maxima], dtype=torch.float64)
+        if world_size > 1:
+            dist.all_reduce(totals)
+            dist.all_reduce(highest, op=dist.ReduceOp.MAX)
+        k = len(means)
+        out = {n: float(totals[i] / totals[k + i]) if totals[k + i] > 0 else 0.0 for i, n in enumerate(means)}
+        out.update(zip(sums, totals[2 * k:].tolist()))
+        out.update(zip(maxima, highest.tolist()))
+        return out
+
+
+def micro_batch_loss(model, ref_model, mb, cfg, units, tokens, version, stats: StepStats):
+    """One micro-batch's term of the step's loss: its share of the whole batch's loss (normalised by the
+    step's `units`, and its KL term by the step's completion `tokens`). Its metrics go into `stats`."""
     from losses import behaviour_weights, kl_penalty, policy_loss
 
-    logits = next_token_logits(model, local)
-    # Score with the generator's distribution: temperature, and the same top-k/top-p truncation.
-    logp = target_logprobs(logits, local, cfg.temperature, cfg.top_k, cfg.top_p)
+    scores = completion_logprobs(model, mb, cfg.temperature, cfg.top_k, cfg.top_p, untruncated=cfg.kl_coef > 0)
     # A stale token can lie outside the current policy's top-k/top-p set (log-prob -inf): leave it out.
-    outside = local.mask & ~torch.isfinite(logp)
-    if outside.any():
-        local = dataclasses.replace(local, mask=local.mask & ~outside)
-        logp = torch.where(local.mask, logp, torch.zeros_like(logp))
+    outside = mb.mask & ~torch.isfinite(scores.logp)
+    mask = mb.mask & ~outside
+    logp = torch.where(mask, scores.logp, torch.zeros_like(scores.logp))
     if cfg.is_mode == "off":
-        old_logp, weights = local.behaviour_logp, None  # ratio against the generator (PipelineRL style)
+        old_logp, weights = mb.behaviour_logp, None  # ratio against the generator (PipelineRL style)
     else:
         old_logp = logp.detach()  # one step per batch: the proximal policy is the current one (AReaL)
-        weights = behaviour_weights(old_logp, local.behaviour_logp, local.mask, level=cfg.is_level,
+        weights = behaviour_weights(old_logp, mb.behaviour_logp, mask, level=cfg.is_level,
                                     mode=cfg.is_mode, low=cfg.is_low, high=cfg.is_high)
-    loss, metrics = policy_loss(logp, old_logp, local.advantages, local.mask, variant=cfg.loss,
+    loss, metrics = policy_loss(logp, old_logp, mb.advantages, mask, variant=cfg.loss,
                                 eps_low=cfg.eps_low, eps_high=cfg.eps_high, dual_clip=cfg.dual_clip,
-                                agg=cfg.agg, max_len=cfg.max_new_tokens, weights=weights)
+                                agg=cfg.agg, max_len=cfg.max_new_tokens, weights=weights, units=units)
+    n = int(mask.sum())
     if cfg.kl_coef > 0:  # between the untruncated distributions
-        with torch.no_grad():
-            if ref_model is not None:
-                ref_logits = next_token_logits(ref_model, local)
-            else:  # LoRA: the reference is the base model, the same weights with the adapter switched off
-                with model.disable_adapter():
-                    ref_logits = next_token_logits(model, local)
-            ref_logp = target_logprobs(ref_logits, local, cfg.temperature)
-        full_logp = target_logprobs(logits, local, cfg.temperature)
-        kl = (kl_penalty(full_logp, ref_logp, cfg.kl_kind) * local.mask).sum() / local.mask.sum().clamp(min=1)
-        loss = loss + cfg.kl_coef * kl
-        metrics["kl_ref"] = float(kl)
-    metrics["outside_support_tokens"] = int(outside.sum())
+        ref_logp = reference_logprobs(model, ref_model, mb, cfg.temperature)
+        kl = torch.where(mask, kl_penalty(scores.logp_untruncated, ref_logp, cfg.kl_kind), 0.0).sum()
+        loss = loss + cfg.kl_coef * kl / max(tokens, 1)
+        stats.mean("kl_ref", float(kl), n)
     if weights is not None:
-        metrics["is_weight_mean"] = float(weights[local.mask].mean()) if local.mask.any() else 1.0
-    # Aggregations are means over tokens (token-mean) or over non-empty sequences: weight each rank's
-    # mean by its share of those units; FSDP averages gradients over ranks, hence the world_size factor.
-    units = local.mask.sum() if cfg.agg == "token-mean" else (local.mask.sum(1) > 0).sum()
-    units = units.float()
-    total_units = units.clone()
-    if world_size > 1:
-        dist.all_reduce(total_units)
-    share = units / total_units.clamp(min=1)
-    return loss * share * world_size, loss * share, logp.detach(), metrics, local
+        stats.mean("is_weight_mean", float(weights[mask].sum()), n)
+    for name, value in metrics.items():  # policy_loss's are means over the masked tokens, but ratio_max
+        stats.max(name, value) if name == "ratio_max" else stats.mean(name, value * n, n)
+    stats.mean("entropy", float(scores.entropy[mb.mask].sum()), int(mb.mask.sum()))
+    stats.add("outside_support_tokens", int(outside.sum()))
+    stats.add("loss", float(loss.detach()))
+    stats.add("positions", mb.attention_mask.numel())
+    stats.add("padding", int((mb.attention_mask == 0).sum()))
+    # Agreement with the generator, on completions sampled entirely by the weights we hold now.
+    on_policy_rows = ((mb.token_versions == version) | ~mask).all(dim=1) & mask.any(dim=1)
+    diff = (logp.detach() - mb.behaviour_logp).abs()[mask & on_policy_rows[:, None]]
+    stats.max("logprob_diff_on_policy", float(diff.max()) if diff.numel() else -1.0)
+    # bf16 makes the max a tail; the mean says how far the two sides typically disagree
+    stats.mean("logprob_diff_mean", float(diff.sum()), diff.numel())
+    stats.add("on_policy_rows", int(on_policy_rows.sum()))
+    return loss
+
+
+@dataclass
+class StepResult:
+    loss: float  # the whole batch's loss (every micro-batch, every rank)
+    logprob_diff: Optional[float]  # max |trainer - generator| log-prob on fully on-policy rows (None: none)
+    metrics: dict  # the per-step row's loss diagnostics, entropy, pad_frac, micro_batches
+
+
+def train_on_batch(model, ref_model, batch, cfg, rank, world_size, version, device="cpu") -> StepResult:
+    """Forward and backward over this rank's rows of the step's `batch`, one micro-batch at a time
+    (`--micro-batch-tokens`): gradients accumulate, and the caller clips and steps once. Every term is
+    normalised by the whole step's count (tokens for token-mean, non-empty sequences for the sequence
+    means, over every micro-batch and rank), so the gradient is the whole batch's however it is split.
+    Returns the step's loss and metrics, reduced over ranks (the same on every rank)."""
+    import buffer
+
+    micro_batches = buffer.rank_micro_batches(batch, rank, world_size, cfg.micro_batch_tokens)
+    tokens = int(batch.mask.sum())  # every rank holds the whole batch: the step's counts need no collective
+    units = tokens if cfg.agg == "token-mean" else int((batch.mask.sum(1) > 0).sum())
+    stats = StepStats()
+    for mb in micro_batches:
+        loss = micro_batch_loss(model, ref_model, mb.to(device), cfg, units, tokens, version, stats)
+        (loss * world_size).backward()  # FSDP2 averages gradients over ranks: the factor makes it their sum
+    step = stats.reduced(world_size)
+    on_policy = step.pop("on_policy_rows") > 0
+    diff = step.pop("logprob_diff_on_policy")
+    if not on_policy:
+        step.pop("logprob_diff_mean")
+    positions, padding = step.pop("positions"), step.pop("padding")
+    step.update(outside_support_tokens=int(step["outside_support_tokens"]), pad_frac=padding / positions,
+                micro_batches=len(micro_batches))
+    return StepResult(step.pop("loss"), diff if on_policy else None, step)
 
 
 def trainer_main(cfg, rank, world_size, model_path, shared, rollout_queue, control, init_file, resume_dir="",
@@ -455,6 +583,8 @@ def trainer_main(cfg, rank, world_size, model_path, shared, rollout_queue, contr
     model = build_trainer_model(model_path, world_size, device, lora_config,
                                 os.path.join(resume_dir, "adapter") if resume_dir and cfg.lora_rank else "", cfg.seed,
                                 compute_dtype=serving_dtype)
+    if cfg.grad_checkpointing:
+        checkpoint_layers(model)
     if cfg.lora_dropout > 0:
         model.train()  # dropout on the adapter's input (the base models we load have no other dropout active)
     # Build the optimizer before any forward pass (FSDP2 pitfall: see shared notes). Only what trains has state.
@@ -531,27 +661,10 @@ def trainer_main(cfg, rank, world_size, model_path, shared, rollout_queue, contr
         lr = learning_rate(step, cfg)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        local = batch.select(buffer.rows_for_rank(len(batch), rank, world_size))
-        if device.type == "cuda":
-            local = dataclasses.replace(local, **{f.name: getattr(local, f.name).to(device)
-                                                  for f in dataclasses.fields(local)})
-
-        scaled_loss, loss_share, logp, metrics, local = loss_on_batch(model, ref_model, local, cfg, world_size)
-        scaled_loss.backward()
+        result = train_on_batch(model, ref_model, batch, cfg, rank, world_size, version, device)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-        # Agreement with the generator, on completions sampled entirely by the weights we hold now.
-        on_policy_rows = ((local.token_versions == version) | ~local.mask).all(dim=1) & local.mask.any(dim=1)
-        diff = (logp - local.behaviour_logp).abs()[local.mask & on_policy_rows[:, None]]
-        stats = torch.tensor([float(loss_share.detach()), diff.max().item() if diff.numel() else -1.0,
-                              float(on_policy_rows.sum()), float(diff.sum()), float(diff.numel())])
-        if world_size > 1:
-            dist.all_reduce(stats[:1])
-            dist.all_reduce(stats[1:2], op=dist.ReduceOp.MAX)
-            dist.all_reduce(stats[2:])
-        if stats[4] > 0:  # bf16 makes the max a tail; the mean says how far the two sides typically disagree
-            metrics["logprob_diff_mean"] = float(stats[3] / stats[4])
-        skipped = not math.isfinite(grad_norm) or not math.isfinite(float(stats[0]))
+        skipped = not math.isfinite(grad_norm) or not math.isfinite(result.loss)
         if skipped:  # NaN/inf loss or gradients: skip the step, count it, stop after too many
             optimizer.zero_grad(set_to_none=True)
             bad_steps += 1
@@ -575,10 +688,11 @@ def trainer_main(cfg, rank, world_size, model_path, shared, rollout_queue, contr
                 evaluation.request(control, step + 1, published)
             evals = evaluation.collect(control, cfg.steps if last else None, cfg.timeout_s, control.stop.is_set)
         if rank == 0:
-            metrics.update(lr=lr, truncated_frac=float(truncated.float().mean()), groups_filtered=taken.groups_filtered,
-                           overlong_penalty=float((rewards - torch.tensor([g.rewards for g in taken.groups])).mean()))
-            log.step(step, version, taken, batch, metrics, loss=float(stats[0]), grad_norm=grad_norm,
-                     logprob_diff=float(stats[1]) if stats[2] > 0 else None, wait_s=wait_s,
+            result.metrics.update(lr=lr, truncated_frac=float(truncated.float().mean()),
+                                  groups_filtered=taken.groups_filtered,
+                                  overlong_penalty=float((rewards - torch.tensor([g.rewards for g in taken.groups])).mean()))
+            log.step(step, version, taken, batch, result.metrics, loss=result.loss, grad_norm=grad_norm,
+                     logprob_diff=result.logprob_diff, wait_s=wait_s,
                      train_s=train_s, publish_ms=publish_ms, skipped=skipped, evals=evals)
         if cfg.save_every and (step + 1) % cfg.save_every == 0:
             checkpoint.save_trainer_state(model, optimizer, base_model, cfg, step + 1, version, rank,

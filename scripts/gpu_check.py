@@ -4,7 +4,7 @@ Role
     Checks, on a GPU machine (one GPU is enough), what `python train.py --gen-devices G --train-devices T`
     relies on, without vLLM's CUDA build:
     1. FSDP2 training steps on the GPU through the project's own functions (train.build_trainer_model,
-       train.loss_on_batch, sync.publish_model) in a process group with the GPU layout's backend (devices.GPU_BACKEND).
+       train.train_on_batch, sync.publish_model) in a process group with the GPU layout's backend (devices.GPU_BACKEND).
     2. The CUDA IPC packed sync between two processes. This process is the trainer's rank 0 and owns the
        packed device buffer (sync.SharedWeights.allocate on its GPU); a second process plays the generator's
        worker: it opens the IPC handle once (SharedWeights.from_bytes), copies seqlock-consistent snapshots
@@ -171,7 +171,7 @@ def receiver_main(handle_bytes, model_dir, device, visible, cmd_q, res_q, thread
                     synchronize(device)
                     load_ms = (time.perf_counter() - t1) * 1e3
                     b = argparse.Namespace(**{k: torch.tensor(v).to(device) for k, v in batch.items()})
-                    logp = train.target_logprobs(train.next_token_logits(model, b), b, cfg.temperature, cfg.top_k, cfg.top_p)
+                    logp = train.completion_logprobs(model, b, cfg.temperature, cfg.top_k, cfg.top_p).logp
                 res_q.put(("load", {"version": version, "wanted": want, "snapshot_ms": snapshot_ms,
                                     "load_ms": load_ms, "done_ns": done_ns, "logp": logp.cpu().tolist()}))
         del model, params, snapshot, buf, shared  # release the mapping before the owner frees anything
@@ -252,17 +252,16 @@ def check_size(size, args, device, receiver_device, receiver_visible, peer_here,
         steps, losses, diffs, versions_ok = [], [], [], True
         publish_ms, snapshot_ms, load_ms, e2e_ms = [], [], [], []
         for step in range(args.steps):
-            local = to_device(synthetic_batch(seed=step), device)
+            batch = synthetic_batch(seed=step)  # train_on_batch moves each micro-batch to the device
             synchronize(device)
             t0 = time.perf_counter()
-            scaled_loss, loss_share, _, _, _ = train.loss_on_batch(model, None, local, cfg, 1)
-            scaled_loss.backward()
+            stepped = train.train_on_batch(model, None, batch, cfg, 0, 1, version=step, device=device)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             synchronize(device)
             steps.append((time.perf_counter() - t0) * 1e3)
-            losses.append(float(loss_share.detach()))
+            losses.append(stepped.loss)
             float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
 
             published_ns = time.time_ns()
@@ -270,7 +269,7 @@ def check_size(size, args, device, receiver_device, receiver_visible, peer_here,
             sync.publish_model(model, shared, step + 1, 0, 1)
             publish_ms.append((time.perf_counter() - t0) * 1e3)
             with torch.no_grad():
-                mine = train.target_logprobs(train.next_token_logits(model, eval_dev), eval_dev, cfg.temperature, cfg.top_k, cfg.top_p).cpu()
+                mine = train.completion_logprobs(model, eval_dev, cfg.temperature, cfg.top_k, cfg.top_p).logp.cpu()
             if hasattr(model, "reshard"):
                 model.reshard()  # after a no-grad forward (FSDP2 pitfall: see shared notes)
             cmd_q.put(("load", (step + 1, eval_lists)))

@@ -1,8 +1,8 @@
 """FSDP2 data parallelism of the trainer (real FSDP2 over gloo on CPU, no vLLM).
 
 - World size 1 and 2 give the same loss and the same updated weights on the same batch: each rank's
-  `loss_on_batch` term is scaled so that the ranks' terms add up to the whole batch's loss, and FSDP2's
-  gradient averaging is undone by the world-size factor.
+  `train_on_batch` terms are normalised by the whole step's count, so that the ranks' terms add up to the
+  whole batch's loss, and FSDP2's gradient averaging is undone by the world-size factor.
 - `sync.publish_model` at world size > 1: every rank writes only its own FSDP2 rows into the packed shared
   buffer, and the result is exactly the full (gathered) state dict, with the version in the header.
 
@@ -42,7 +42,7 @@ def make_batch(seed=0):
     return buffer.collate(samples, PAD_ID)
 
 
-def _worker(rank, world, model_path, init_file, agg, shared, version, results):
+def _worker(rank, world, init_file, model_path, agg, shared, version, results):
     """One trainer rank: build, one loss + backward + clip + AdamW step, optionally publish."""
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -57,10 +57,7 @@ def _worker(rank, world, model_path, init_file, agg, shared, version, results):
         model = train.build_trainer_model(model_path, world)
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)  # before forward
 
-        batch = make_batch()
-        local = batch.select(buffer.rows_for_rank(len(batch), rank, world))
-        scaled, loss_share, logp, _, _ = train.loss_on_batch(model, None, local, cfg, world)
-        scaled.backward()
+        result = train.train_on_batch(model, None, make_batch(), cfg, rank, world, version=0)
         grads = {name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().clone()
                  for name, p in model.named_parameters()}  # before clipping (which would hide a scale error)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -68,16 +65,12 @@ def _worker(rank, world, model_path, init_file, agg, shared, version, results):
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-        total = loss_share.detach().clone().reshape(1)
-        if world > 1:
-            dist.all_reduce(total)
-
         if shared is not None:
             sync.publish_model(model, shared, version, rank, world)
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if rank == 0:
             results.put({
-                "loss": float(total[0]),
+                "loss": result.loss,
                 "grad_norm": grad_norm,
                 "grads": {k: v.numpy() for k, v in grads.items()},
                 "state": {k: v.detach().clone().numpy() for k, v in state.items()},
@@ -90,9 +83,18 @@ def _worker(rank, world, model_path, init_file, agg, shared, version, results):
 
 def run_world(world, model_path, tmp_path, agg=None, shared=None, version=0):
     """Spawn `world` ranks of `_worker`; return rank 0's results (raises if any rank fails)."""
-    init_file = str(tmp_path / f"dist-init-{world}-{agg}-{time.monotonic_ns()}")
+    got = spawn_ranks(_worker, world, tmp_path, model_path, agg, shared, version)
+    got["grads"] = {k: torch.from_numpy(v) for k, v in got["grads"].items()}
+    got["state"] = {k: torch.from_numpy(v) for k, v in got["state"].items()}
+    return got
+
+
+def spawn_ranks(worker, world, tmp_path, *args):
+    """Run `worker(rank, world, init_file, *args, results)` on `world` spawned ranks; return what rank 0
+    puts into `results` (raises if any rank fails or time runs out)."""
+    init_file = str(tmp_path / f"dist-init-{world}-{time.monotonic_ns()}")
     results = mp.get_context("spawn").Queue()
-    context = mp.start_processes(_worker, args=(world, model_path, init_file, agg, shared, version, results),
+    context = mp.start_processes(worker, args=(world, init_file, *args, results),
                                  nprocs=world, join=False, start_method="spawn")
     deadline = time.monotonic() + SPAWN_TIMEOUT_S
     got = None
@@ -114,8 +116,6 @@ def run_world(world, model_path, tmp_path, agg=None, shared=None, version=0):
             if p.is_alive():
                 p.kill()
                 p.join(5)
-    got["grads"] = {k: torch.from_numpy(v) for k, v in got["grads"].items()}
-    got["state"] = {k: torch.from_numpy(v) for k, v in got["state"].items()}
     return got
 
 

@@ -565,3 +565,72 @@ def test_entropy_from_logits():
     ps = [math.exp(1 / 0.5) / z, math.exp(2 / 0.5) / z]
     got = losses.entropy_from_logits(torch.tensor([row]), temperature=0.5)
     assert got.item() == pytest.approx(-sum(q * math.log(q) for q in ps), rel=1e-5)
+
+
+# ---------------------------------------------------------------------------
+# chunked_logprobs: the LM head a chunk of tokens at a time, against the full
+# computation (token_logprobs of the whole logits), values and gradients
+# ---------------------------------------------------------------------------
+
+SAMPLING = {"plain": (1.0, -1, 1.0), "temperature": (0.7, -1, 1.0), "top-k": (1.0, 5, 1.0),
+            "top-p": (1.0, -1, 0.8), "top-k and top-p": (1.3, 7, 0.9)}
+
+
+@pytest.mark.parametrize("sampling", SAMPLING)
+@pytest.mark.parametrize("chunk_tokens", [1, 7, 1000])  # one token, a few (uneven last chunk), all at once
+def test_chunked_logprobs_match_the_full_computation(sampling, chunk_tokens):
+    temperature, top_k, top_p = SAMPLING[sampling]
+    g = torch.Generator().manual_seed(3)
+    n, hidden_size, vocab = 23, 8, 40
+    hidden = torch.randn(n, hidden_size, generator=g, dtype=torch.float64).float().requires_grad_(True)
+    weight = (torch.randn(vocab, hidden_size, generator=g) * 0.8).requires_grad_(True)
+    bias = torch.randn(vocab, generator=g).requires_grad_(True)
+    tokens = torch.randint(0, vocab, (n,), generator=g)
+    upstream = torch.randn(n, generator=g)  # an arbitrary gradient from the loss
+
+    logits = torch.nn.functional.linear(hidden, weight, bias)
+    full = losses.token_logprobs(logits, tokens, temperature, top_k, top_p)
+    kept = torch.isfinite(full)
+    torch.where(kept, full, 0.0).mul(upstream).sum().backward()
+    expected = [t.grad.clone() for t in (hidden, weight, bias)]
+    entropy = losses.entropy_from_logits(losses.sampling_logits(logits.detach(), temperature, top_k, top_p))
+    for t in (hidden, weight, bias):
+        t.grad = None
+
+    logp, ent = losses.chunked_logprobs(hidden, weight, bias, tokens, temperature, top_k, top_p,
+                                        chunk_elements=chunk_tokens * vocab)
+    assert torch.equal(torch.isfinite(logp), kept)
+    if sampling in ("top-k", "top-p", "top-k and top-p"):
+        assert not kept.all() and kept.any()  # the truncation really drops some of these tokens
+    assert torch.allclose(logp[kept], full[kept], atol=1e-6)
+    assert torch.allclose(ent, entropy, atol=1e-5) and not ent.requires_grad
+    torch.where(kept, logp, 0.0).mul(upstream).sum().backward()
+    for name, t, exp in zip(("hidden", "weight", "bias"), (hidden, weight, bias), expected):
+        assert torch.allclose(t.grad, exp, atol=1e-6, rtol=1e-5), name
+
+
+def test_chunked_logprobs_without_bias_gradients_and_in_bf16():
+    g = torch.Generator().manual_seed(4)
+    hidden = torch.randn(9, 6, generator=g).requires_grad_(True)
+    weight = torch.randn(30, 6, generator=g)  # frozen (a LoRA base): no gradient asked for, none computed
+    tokens = torch.randint(0, 30, (9,), generator=g)
+    logp, _ = losses.chunked_logprobs(hidden, weight, None, tokens, 0.9, chunk_elements=60)
+    logp.sum().backward()
+    full = losses.token_logprobs(hidden @ weight.T, tokens, 0.9)
+    assert torch.allclose(logp, full, atol=1e-6) and weight.grad is None and hidden.grad is not None
+    # bf16 model: the matmul in bf16, the log-softmax in float32 (as vLLM's sampler), gradients in bf16
+    h16, w16 = hidden.detach().bfloat16().requires_grad_(True), weight.bfloat16().requires_grad_(True)
+    logp16, _ = losses.chunked_logprobs(h16, w16, None, tokens, chunk_elements=60)
+    assert logp16.dtype == torch.float32
+    assert torch.allclose(logp16, losses.token_logprobs(h16 @ w16.T, tokens), atol=1e-5)
+    logp16.sum().backward()
+    assert h16.grad.dtype == w16.grad.dtype == torch.bfloat16
+
+
+def test_chunked_logprobs_of_no_tokens():
+    weight = torch.randn(30, 6, requires_grad=True)
+    hidden = torch.zeros(0, 6, requires_grad=True)
+    logp, ent = losses.chunked_logprobs(hidden, weight, None, torch.zeros(0, dtype=torch.long))
+    assert logp.shape == ent.shape == (0,)
+    logp.sum().backward()  # a graph to the weights (an FSDP rank with nothing to train still runs backward)
+    assert torch.equal(weight.grad, torch.zeros_like(weight))

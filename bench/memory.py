@@ -1,0 +1,238 @@
+"""bench/memory.py — does a trainer step's memory stay flat as the batch grows, at a real vocabulary?
+
+    python bench/memory.py --out DIR         # writes DIR/memory.json and DIR/memory.png, prints a table
+
+Model: the project's `rollout.build_tiny_model` with a real vocabulary (151,936 tokens, Qwen2.5's size;
+hidden 128, 2 layers, tied embeddings): the LM head and its softmax are a real model's, the rest is small.
+Batches: synthetic GRPO batches of `--sequences` (16, 64, 256) completions of `--lengths` (128, 512, 2,048)
+nominal tokens (each completion L/2 to L tokens, uniform; prompts of `--prompt-len` tokens).
+
+Each measurement runs in a fresh process (`common.in_child`) holding what a trainer rank holds: the FSDP2
+model (`train.build_trainer_model`, one rank), AdamW, the collated batch; then the trainer's step
+(`train.train_on_batch`, gradient clipping, `optimizer.step`). Peak memory: the process's peak RSS
+(`ru_maxrss`) on a CPU, `torch.cuda.max_memory_allocated` on a GPU; `ready` is the RSS before the step.
+- micro-batched: `--micro-batch-tokens` (default: the trainer's default), for every size. On 2 cores a whole
+  step of the larger sizes takes far longer than this benchmark may (the LM head costs ~3 ms per token
+  here), so a step of more than `--max-micro-batches` micro-batches runs only its first ones: the batch is
+  collated whole and the plan is the whole step's, and each further micro-batch repeats the same work on the
+  same memory (the gradients are accumulated in place). Such rows say "k of n".
+- whole batch (`--micro-batch-tokens 0`: every row in one forward and backward, log-probs still chunked)
+  where its padded tokens are at most `--whole-max-tokens` (beyond, it would run for minutes, or not fit).
+- tokens/s: micro-batched against whole-batch, both full steps, `--repeats` times each, alternating, on the
+  sizes where both run (the medians are compared; goal >= 0.9).
+Goal: micro-batched peak memory flat in the batch size: at most 1.2x from 16 to 256 sequences.
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+VOCAB = 151_936
+
+
+def synthetic_batch(sequences: int, length: int, prompt_len: int, vocab: int, seed: int):
+    """A collated GRPO batch: random prompt and completion tokens, completions of length/2..length tokens."""
+    import random
+
+    import buffer
+
+    rng = random.Random(seed)
+    samples = []
+    for i in range(sequences):
+        n = rng.randint(max(1, length // 2), length)
+        completion = [rng.randrange(3, vocab) for _ in range(n)]
+        samples.append(buffer.Sample([1] + [rng.randrange(3, 100) for _ in range(prompt_len - 1)], completion,
+                                     [-12.0] * n, [0] * n, float(i % 2), rng.uniform(-1.0, 1.0)))
+    return buffer.collate(samples, 0)
+
+
+def measure(model_path: str, sequences: int, length: int, micro_batch_tokens: int, max_micro_batches: int,
+            prompt_len: int, threads: int, seed: int, steps: int, checkpointing: bool = False) -> dict:
+    """One configuration in this (fresh) process: build, then `steps` trainer steps; peak memory and times."""
+    import os
+    import resource
+    import tempfile
+    import time
+
+    import psutil
+    import torch
+    import torch.distributed as dist
+
+    import buffer
+    import train
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(seed)
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    init_file = tempfile.mktemp(prefix="asyncgrpo-bench-dist-")
+    dist.init_process_group("gloo" if not cuda else "cpu:gloo,cuda:nccl", init_method=f"file://{init_file}",
+                            rank=0, world_size=1)
+    try:
+        model = train.build_trainer_model(model_path, 1, device)
+        if checkpointing:
+            train.checkpoint_layers(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)  # before any forward (FSDP2 pitfall)
+        cfg = train.Config(micro_batch_tokens=micro_batch_tokens, max_new_tokens=length)
+        batch = synthetic_batch(sequences, length, prompt_len, model.config.vocab_size, seed)
+        planned = len(buffer.rank_micro_batches(batch, 0, 1, micro_batch_tokens))
+        run = planned
+        if max_micro_batches and planned > max_micro_batches:  # the step's first micro-batches only
+            whole_plan = buffer.rank_micro_batches
+            buffer.rank_micro_batches = lambda *args: whole_plan(*args)[:max_micro_batches]
+            run = max_micro_batches
+        ready = psutil.Process().memory_info().rss
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        times, metrics = [], {}
+        for _ in range(steps):
+            start = time.perf_counter()
+            result = train.train_on_batch(model, None, batch, cfg, 0, 1, 0, device)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if cuda:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+            metrics = result.metrics
+        peak = torch.cuda.max_memory_allocated() if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    finally:
+        dist.destroy_process_group()
+        if os.path.exists(init_file):
+            os.unlink(init_file)
+    tokens = int(batch.mask.sum())
+    return {"sequences": sequences, "length": length, "micro_batch_tokens": micro_batch_tokens,
+            "micro_batches": planned, "micro_batches_run": run, "full_step": run == planned,
+            "grad_checkpointing": checkpointing, "completion_tokens": tokens, "padded_tokens": int(batch.attention_mask.numel()),
+            "pad_frac": metrics.get("pad_frac"), "peak_mib": peak / 2**20, "ready_mib": ready / 2**20,
+            "memory": "cuda max_memory_allocated" if cuda else "process peak RSS",
+            "step_s": times, "tokens_per_s": tokens / statistics.median(times) if run == planned else None}
+
+
+def main(argv=None) -> int:
+    p = common.parser(__doc__)
+    p.add_argument("--sequences", default="16,64,256", help="sequences per step, comma-separated")
+    p.add_argument("--lengths", default="128,512,2048", help="completion lengths, comma-separated")
+    p.add_argument("--vocab", type=int, default=VOCAB)
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--micro-batch-tokens", type=int, default=None, help="default: the trainer's default")
+    p.add_argument("--max-micro-batches", type=int, default=1,
+                   help="run at most this many micro-batches of a micro-batched step (0: all)")
+    p.add_argument("--whole-max-tokens", type=int, default=10240,
+                   help="run the whole-batch step where its padded tokens are at most this")
+    p.add_argument("--repeats", type=int, default=1, help="full steps of each mode per tokens/s measurement")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
+    p.add_argument("--grad-checkpointing", action="store_true", help="as the trainer's flag, in every measurement")
+    args = p.parse_args(argv)
+    import os
+
+    import train
+
+    budget = train.Config().micro_batch_tokens if args.micro_batch_tokens is None else args.micro_batch_tokens
+    threads = args.threads or len(os.sched_getaffinity(0))
+    sequences = [int(x) for x in args.sequences.split(",")]
+    lengths = [int(x) for x in args.lengths.split(",")]
+    rows, speed = [], []
+    with common.Bench("memory", args) as bench:
+        from rollout import build_tiny_model
+
+        model = build_tiny_model(str(bench.work / "model"), seed=args.seed, alphabet="ascii", vocab_size=args.vocab)
+
+        def child(n, length, tokens, max_mb, steps):
+            return common.in_child(measure, model, n, length, tokens, max_mb, args.prompt_len, threads, args.seed,
+                                   steps, args.grad_checkpointing, timeout_s=1800, what=f"step {n}x{length}")
+
+        for length in lengths:
+            for n in sequences:
+                r = child(n, length, budget, args.max_micro_batches, 1)
+                rows.append(dict(r, mode="micro-batched"))
+                print(f"[memory] {n:4d} x {length:5d}: micro-batched peak {r['peak_mib']:7.0f} MiB "
+                      f"({r['micro_batches_run']} of {r['micro_batches']} micro-batches)", flush=True)
+                padded = n * (args.prompt_len + length)
+                if padded <= args.whole_max_tokens:
+                    w = child(n, length, 0, 0, 1)
+                    rows.append(dict(w, mode="whole batch"))
+                    print(f"[memory] {n:4d} x {length:5d}: whole batch peak {w['peak_mib']:7.0f} MiB", flush=True)
+        # tokens/s: both full steps, alternating, where the whole batch runs and micro-batching splits it
+        for length in lengths:
+            for n in sequences:
+                if n * (args.prompt_len + length) > args.whole_max_tokens:
+                    continue
+                micro = next(r for r in rows if (r["sequences"], r["length"], r["mode"]) == (n, length, "micro-batched"))
+                if micro["micro_batches"] < 2:
+                    continue
+                rates = {"micro-batched": [], "whole batch": []}
+                for _ in range(args.repeats):
+                    for mode, tokens in (("micro-batched", budget), ("whole batch", 0)):
+                        r = child(n, length, tokens, 0, 1)
+                        rates[mode].append(r["tokens_per_s"])
+                m, w = statistics.median(rates["micro-batched"]), statistics.median(rates["whole batch"])
+                speed.append({"sequences": n, "length": length, "micro_batches": micro["micro_batches"],
+                              "micro_tokens_per_s": m, "whole_tokens_per_s": w, "ratio": m / w, "rates": rates})
+                print(f"[memory] {n:4d} x {length:5d}: {m:.0f} vs {w:.0f} tokens/s, ratio {m / w:.2f}", flush=True)
+
+    micro_rows = [r for r in rows if r["mode"] == "micro-batched"]
+    flat = {}
+    for length in lengths:
+        by_n = {r["sequences"]: r["peak_mib"] for r in micro_rows if r["length"] == length}
+        flat[str(length)] = by_n[max(by_n)] / by_n[min(by_n)]
+    data = {"settings": {"vocab": args.vocab, "hidden": 128, "layers": 2, "prompt_len": args.prompt_len,
+                         "micro_batch_tokens": budget, "max_micro_batches": args.max_micro_batches,
+                         "whole_max_tokens": args.whole_max_tokens, "threads": threads, "seed": args.seed,
+                         "grad_checkpointing": args.grad_checkpointing,
+                         "sequences": sequences, "lengths": lengths},
+            "rows": rows, "speed": speed, "flatness": flat,
+            "goals": {"flatness_max": max(flat.values()), "flatness_ok": max(flat.values()) <= 1.2,
+                      "speed_ratio_min": min((s["ratio"] for s in speed), default=None),
+                      "speed_ok": all(s["ratio"] >= 0.9 for s in speed) if speed else None}}
+    path = bench.save(data, plot)
+    print()
+    print(common.table(
+        ["sequences", "length", "mode", "micro-batches", "completion tokens", "pad_frac", "ready MiB", "peak MiB"],
+        [[r["sequences"], r["length"], r["mode"],
+          f"{r['micro_batches_run']} of {r['micro_batches']}" if not r["full_step"] else r["micro_batches"],
+          r["completion_tokens"], r["pad_frac"], r["ready_mib"], r["peak_mib"]] for r in rows],
+        title=f"peak memory of a trainer step (vocabulary {args.vocab:,}, --micro-batch-tokens {budget})"))
+    print()
+    print(common.table(["length", "peak 256 / peak 16 sequences (goal <= 1.2)"],
+                       [[k, v] for k, v in flat.items()]))
+    if speed:
+        print()
+        print(common.table(["sequences", "length", "micro-batches", "micro-batched tok/s", "whole-batch tok/s",
+                            "ratio (goal >= 0.9)"],
+                           [[s["sequences"], s["length"], s["micro_batches"], s["micro_tokens_per_s"],
+                             s["whole_tokens_per_s"], s["ratio"]] for s in speed]))
+    print(bench.closing_line(path))
+    return 0
+
+
+def plot(data: dict, path: Path) -> None:
+    plt = common.plt()
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    colors = {}
+    for mode, style in (("micro-batched", "-o"), ("whole batch", "--s")):
+        for length in data["settings"]["lengths"]:
+            pts = sorted((r["sequences"], r["peak_mib"]) for r in data["rows"]
+                         if r["mode"] == mode and r["length"] == length)
+            if not pts:
+                continue
+            line = ax.plot([x for x, _ in pts], [y for _, y in pts], style, color=colors.get(length),
+                           label=f"{mode}, completions <= {length}")[0]
+            colors.setdefault(length, line.get_color())
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(data["settings"]["sequences"], [str(s) for s in data["settings"]["sequences"]])
+    ax.set_xlabel("sequences per step")
+    ax.set_ylabel(f"peak MiB ({data['rows'][0]['memory']})")
+    ax.set_ylim(bottom=0)
+    ax.set_title(f"trainer step memory, vocabulary {data['settings']['vocab']:,} "
+                 f"(--micro-batch-tokens {data['settings']['micro_batch_tokens']})", fontsize=9)
+    ax.legend(fontsize=7)
+    common.save_figure(fig, path, data, "memory")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
