@@ -74,25 +74,27 @@ class Batch:
     token_versions: torch.Tensor  # (B, L-1) int64, -1 off the mask
     advantages: torch.Tensor  # (B,)
     rewards: torch.Tensor  # (B,)
+    # (B, L-1) the trainer's log-probs before the batch's first update (the proximal policy), once computed
+    proximal_logp: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
+    def _map(self, fn) -> "Batch":
+        return Batch(**{f.name: None if getattr(self, f.name) is None else fn(f.name, getattr(self, f.name))
+                        for f in dataclasses.fields(self)})
+
     def select(self, rows) -> "Batch":
-        return Batch(*(t[rows] for t in (self.input_ids, self.attention_mask, self.targets, self.mask,
-                                         self.behaviour_logp, self.token_versions, self.advantages,
-                                         self.rewards)))
+        return self._map(lambda name, t: t[rows])
 
     def trimmed(self) -> "Batch":
         """The same rows without the trailing columns that are padding in every row."""
         length = int(self.attention_mask.sum(1).max()) if len(self) else self.input_ids.shape[1]
-        return dataclasses.replace(self, input_ids=self.input_ids[:, :length],
-                                   attention_mask=self.attention_mask[:, :length],
-                                   **{name: getattr(self, name)[:, :length - 1] for name in
-                                      ("targets", "mask", "behaviour_logp", "token_versions")})
+        return self._map(lambda name, t: t if t.dim() == 1 else t[:, :length if name in ("input_ids",
+                                                                                        "attention_mask") else length - 1])
 
     def to(self, device) -> "Batch":
-        return Batch(*(getattr(self, f.name).to(device) for f in dataclasses.fields(self)))
+        return self._map(lambda name, t: t.to(device))
 
 
 def put_group(q, group: RolloutGroup, should_stop, timeout_s: float) -> float:
@@ -232,15 +234,9 @@ def plan_micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
     return plan + [current] if current else plan
 
 
-def rank_micro_batches(batch: Batch, rank: int, world_size: int, max_tokens: int) -> list[Batch]:
-    """This rank's rows of `batch` (`rows_for_rank`) in micro-batches (`plan_micro_batches`), each trimmed
-    to its longest row.
-
-    Every rank gets as many micro-batches as the rank that needs the most (each forward and backward runs
-    FSDP2 collectives): a rank that needs fewer halves its largest ones, and one short of rows even then
-    gets fillers, a row of the batch with its mask cleared (it runs through the model, adds no loss and no
-    gradient). Every rank holds the whole batch, so each works out every rank's plan without communicating.
-    """
+def rank_micro_batch_rows(batch: Batch, rank: int, world_size: int, max_tokens: int) -> tuple[list[list[int]], int]:
+    """This rank's micro-batches as rows of `batch`, and how many micro-batches every rank runs (the most any
+    rank needs: see `rank_micro_batches`)."""
     lengths = batch.attention_mask.sum(1).tolist()
     plans = []
     for r in range(world_size):
@@ -252,6 +248,19 @@ def rank_micro_batches(batch: Batch, rank: int, world_size: int, max_tokens: int
         k = max(range(len(plan)), key=lambda k: len(plan[k]))
         half = len(plan[k]) // 2
         plan = plan[:k] + [plan[k][:half], plan[k][half:]] + plan[k + 1:]
+    return plan, count
+
+
+def rank_micro_batches(batch: Batch, rank: int, world_size: int, max_tokens: int) -> list[Batch]:
+    """This rank's rows of `batch` (`rows_for_rank`) in micro-batches (`plan_micro_batches`), each trimmed
+    to its longest row.
+
+    Every rank gets as many micro-batches as the rank that needs the most (each forward and backward runs
+    FSDP2 collectives): a rank that needs fewer halves its largest ones, and one short of rows even then
+    gets fillers, a row of the batch with its mask cleared (it runs through the model, adds no loss and no
+    gradient). Every rank holds the whole batch, so each works out every rank's plan without communicating.
+    """
+    plan, count = rank_micro_batch_rows(batch, rank, world_size, max_tokens)
     micro = [batch.select(rows).trimmed() for rows in plan]
     if len(micro) < count:
         filler = batch.select([0]).trimmed()

@@ -110,6 +110,8 @@ class Config:
     is_mode: str = "truncate"  # truncate (TIS) | mask (MIS) | off (the ratio is taken against the generator)
     is_low: Optional[float] = None  # with --is-mode mask: weights below this are masked; none: no lower bound
     is_high: float = 2.0  # importance weights above this are truncated (or masked)
+    mini_batches: int = 1  # optimizer steps per rollout batch, each on 1/M of it (PPO mini-batches)
+    ppo_epochs: int = 1  # passes over each rollout batch (each pass: --mini-batches optimizer steps)
     lr_schedule: str = "constant"  # after warmup: constant | linear | cosine (decay to --min-lr at the last step)
     lr_warmup_steps: int = 0  # steps of linear warmup from lr / N to --lr
     min_lr: float = 0.0  # the learning rate at the last step, with --lr-schedule linear or cosine
@@ -249,6 +251,11 @@ def validate(cfg: Config) -> None:
         problems.append(f"--top-p must be in (0, 1] (got {cfg.top_p})")
     if cfg.lr <= 0:
         problems.append(f"--lr must be > 0 (got {cfg.lr})")
+    if cfg.mini_batches < 1 or cfg.ppo_epochs < 1:
+        problems.append(f"--mini-batches and --ppo-epochs must be >= 1 (got {cfg.mini_batches}, {cfg.ppo_epochs})")
+    elif cfg.mini_batches > cfg.prompts_per_step * cfg.group_size:
+        problems.append(f"--mini-batches {cfg.mini_batches} is more than the {cfg.prompts_per_step * cfg.group_size} "
+                        "samples of a step (--prompts-per-step x --group-size)")
     if cfg.lr_warmup_steps < 0 or not 0 <= cfg.min_lr <= cfg.lr:
         problems.append(f"--lr-warmup-steps must be >= 0 and --min-lr in [0, --lr] (got {cfg.lr_warmup_steps}, "
                         f"{cfg.min_lr})")
@@ -280,9 +287,10 @@ def validate(cfg: Config) -> None:
 
 
 def inactive_flags(cfg: Config) -> list[str]:
-    """Flags that cannot change this run's gradient: one optimizer step per rollout batch makes the ratio to
-    the proximal policy exactly 1, so with an importance correction the ratio clips never act."""
-    if cfg.is_mode == "off":  # the ratio is taken against the generator: the clips act on the lag
+    """Flags that cannot change this run's gradient: one optimizer step per rollout batch (--mini-batches 1
+    --ppo-epochs 1) makes the ratio to the proximal policy exactly 1, so with an importance correction the
+    ratio clips never act."""
+    if cfg.is_mode == "off" or cfg.mini_batches * cfg.ppo_epochs > 1:  # the ratio moves: the clips act
         return []
     set_by_user = [f"--{name.replace('_', '-')}" for name in ("eps_low", "eps_high", "dual_clip")
                    if getattr(cfg, name) != getattr(Config, name)]
@@ -473,14 +481,20 @@ def micro_batch_loss(model, ref_model, mb, cfg, units, tokens, version, stats: S
     from losses import behaviour_weights, kl_penalty, policy_loss
 
     scores = completion_logprobs(model, mb, cfg.temperature, cfg.top_k, cfg.top_p, untruncated=cfg.kl_coef > 0)
-    # A stale token can lie outside the current policy's top-k/top-p set (log-prob -inf): leave it out.
+    proximal = mb.proximal_logp if cfg.is_mode != "off" else None
+    # A stale token can lie outside the current (or proximal) policy's top-k/top-p set (log-prob -inf): leave it out.
     outside = mb.mask & ~torch.isfinite(scores.logp)
+    if proximal is not None:
+        outside |= mb.mask & ~torch.isfinite(proximal)
     mask = mb.mask & ~outside
     logp = torch.where(mask, scores.logp, torch.zeros_like(scores.logp))
     if cfg.is_mode == "off":
         old_logp, weights = mb.behaviour_logp, None  # ratio against the generator (PipelineRL style)
     else:
-        old_logp = logp.detach()  # one step per batch: the proximal policy is the current one (AReaL)
+        # The decoupled objective (AReaL): the ratio against the proximal policy, the weights before the batch's
+        # first update; the importance weight proximal / behaviour. With one update per batch the proximal
+        # policy is the current one, and its log-probs need no pass of their own.
+        old_logp = torch.where(mask, proximal, 0.0) if proximal is not None else logp.detach()
         weights = behaviour_weights(old_logp, mb.behaviour_logp, mask, level=cfg.is_level,
                                     mode=cfg.is_mode, low=cfg.is_low, high=cfg.is_high)
     loss, metrics = policy_loss(logp, old_logp, mb.advantages, mask, variant=cfg.loss,
@@ -542,6 +556,93 @@ def train_on_batch(model, ref_model, batch, cfg, rank, world_size, version, devi
     step.update(outside_support_tokens=int(step["outside_support_tokens"]), pad_frac=padding / positions,
                 micro_batches=len(micro_batches))
     return StepResult(step.pop("loss"), diff if on_policy else None, step)
+
+
+def proximal_logprobs(model, batch, cfg, rank, world_size, device="cpu") -> torch.Tensor:
+    """(B, T) log-probs of the batch's tokens under the weights before its first update (the proximal policy),
+    without gradients, micro-batched and chunked as training is. Each rank scores its own rows; a sum over
+    ranks gives every rank all of them."""
+    import torch.distributed as dist
+
+    import buffer
+
+    out = torch.zeros(batch.mask.shape)
+    plan, count = buffer.rank_micro_batch_rows(batch, rank, world_size, cfg.micro_batch_tokens)
+    with torch.no_grad():
+        for i in range(count):  # a rank with fewer micro-batches runs fillers: FSDP2 needs every rank's forward
+            rows = plan[i] if i < len(plan) else [0]
+            mb = batch.select(rows).trimmed()
+            logp = completion_logprobs(model, mb.to(device), cfg.temperature, cfg.top_k, cfg.top_p).logp
+            if i < len(plan):
+                out[rows, :logp.shape[1]] = logp.float().cpu()
+    if world_size > 1:
+        dist.all_reduce(out)
+    return out
+
+
+def mini_batch_rows(num_rows: int, cfg: Config, step: int, epoch: int) -> list[torch.Tensor]:
+    """The rows of each of a step's --mini-batches in one pass: a seeded shuffle (the same on every rank), then
+    M nearly equal parts."""
+    if cfg.mini_batches == 1:
+        return [torch.arange(num_rows)]
+    order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * 101 + epoch))
+    return list(order.tensor_split(cfg.mini_batches))
+
+
+@dataclass
+class UpdateResult:
+    loss: float  # mean over the step's optimizer updates
+    grad_norm: float  # mean over the applied updates (before clipping)
+    logprob_diff: Optional[float]  # trainer vs generator on fully on-policy rows, before any update (None: none)
+    metrics: dict  # means over the updates (ratio_max: the max; counts: totals), and `updates`
+    applied: int  # optimizer updates taken
+    skipped: int  # updates skipped for a NaN/inf loss or gradient
+
+
+def update_on_batch(model, ref_model, optimizer, batch, cfg, rank, world_size, version, step,
+                    device="cpu") -> UpdateResult:
+    """PPO's update on one rollout batch: --ppo-epochs passes, each of --mini-batches optimizer steps on a part
+    of the batch (each normalised over its own part). With more than one update, the proximal policy's
+    log-probs are computed first, once; the ratio then moves between updates and the clips act. An update
+    with a NaN/inf loss or gradient is skipped. The model version advances once per batch (the caller's)."""
+    proximal = cfg.is_mode != "off" and cfg.mini_batches * cfg.ppo_epochs > 1
+    logprob_diff, diff_mean = None, None
+    if proximal:
+        batch = dataclasses.replace(batch, proximal_logp=proximal_logprobs(model, batch, cfg, rank, world_size, device))
+        # agreement with the generator, measured on the weights it sampled with (before any update)
+        on_policy = ((batch.token_versions == version) | ~batch.mask).all(1) & batch.mask.any(1)
+        both = batch.mask & on_policy[:, None] & torch.isfinite(batch.proximal_logp)
+        diff = (batch.proximal_logp - batch.behaviour_logp).abs()[both]
+        if diff.numel():
+            logprob_diff, diff_mean = float(diff.max()), float(diff.mean())
+    results, norms, skipped = [], [], 0
+    for epoch in range(cfg.ppo_epochs):
+        for rows in mini_batch_rows(len(batch), cfg, step, epoch):
+            result = train_on_batch(model, ref_model, batch.select(rows), cfg, rank, world_size, version, device)
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+            if math.isfinite(grad_norm) and math.isfinite(result.loss):
+                optimizer.step()
+                norms.append(grad_norm)
+            else:
+                skipped += 1
+            optimizer.zero_grad(set_to_none=True)
+            results.append(result)
+    metrics = {}
+    for name in results[0].metrics:
+        values = [r.metrics[name] for r in results if name in r.metrics]
+        combine = max if name == "ratio_max" else sum if name in ("outside_support_tokens", "micro_batches") else \
+            (lambda v: sum(v) / len(v))
+        metrics[name] = combine(values)
+    if not proximal:  # one update: its own measure of the agreement (the model had not changed yet)
+        logprob_diff = results[0].logprob_diff
+    elif diff_mean is not None:
+        metrics["logprob_diff_mean"] = diff_mean
+    else:
+        metrics.pop("logprob_diff_mean", None)
+    metrics["updates"] = len(norms)
+    return UpdateResult(sum(r.loss for r in results) / len(results), sum(norms) / len(norms) if norms else math.nan,
+                        logprob_diff, metrics, len(norms), skipped)
 
 
 def trainer_main(cfg, rank, world_size, model_path, shared, rollout_queue, control, init_file, resume_dir="",
@@ -661,20 +762,15 @@ def trainer_main(cfg, rank, world_size, model_path, shared, rollout_queue, contr
         lr = learning_rate(step, cfg)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        result = train_on_batch(model, ref_model, batch, cfg, rank, world_size, version, device)
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-        skipped = not math.isfinite(grad_norm) or not math.isfinite(result.loss)
-        if skipped:  # NaN/inf loss or gradients: skip the step, count it, stop after too many
-            optimizer.zero_grad(set_to_none=True)
-            bad_steps += 1
-            if bad_steps > cfg.max_bad_steps:
-                raise RuntimeError(f"{bad_steps} steps with NaN/inf loss or gradients (--max-bad-steps "
-                                   f"{cfg.max_bad_steps}): lower --lr or check the rewards")
-        else:
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            version += 1
+        result = update_on_batch(model, ref_model, optimizer, batch, cfg, rank, world_size, version, step, device)
+        grad_norm = result.grad_norm
+        skipped = result.applied == 0  # every update had a NaN/inf loss or gradient: nothing changed
+        bad_steps += result.skipped
+        if bad_steps > cfg.max_bad_steps:
+            raise RuntimeError(f"{bad_steps} steps with NaN/inf loss or gradients (--max-bad-steps "
+                               f"{cfg.max_bad_steps}): lower --lr or check the rewards")
+        if not skipped:
+            version += 1  # one version per rollout batch, however many updates it took
         t_publish = time.perf_counter()
         last = step + 1 == cfg.steps  # the final evaluation must see the final weights: publish them
         if (version % cfg.sync_every == 0 or (last and cfg.eval_every > 0)) and not skipped:
@@ -822,7 +918,8 @@ def run(cfg: Config) -> int:
     inactive = inactive_flags(cfg)
     if inactive:
         print(f"warning: {', '.join(inactive)} cannot act in this run: one optimizer step per batch keeps the ratio "
-              "to the proximal policy at 1 (the clips act with --is-mode off)", file=sys.stderr, flush=True)
+              "to the proximal policy at 1 (the clips act with --mini-batches > 1, --ppo-epochs > 1 or --is-mode off)",
+              file=sys.stderr, flush=True)
     import devices
 
     cfg.dtype = devices.resolve_dtype(cfg.dtype, devices.layout_for(cfg))  # "auto" -> bf16 | fp32, before any save

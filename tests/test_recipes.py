@@ -55,3 +55,91 @@ def test_recipe_flags_are_validated_in_one_line():
     for argv in (["--overlong-penalty", "5"], ["--min-lr", "1"], ["--lr-warmup-steps", "-1"]):
         with pytest.raises(SystemExit, match="^error: "):
             train.parse_args(argv)
+
+
+# ----------------------------------------------------------------------------------------------------
+# PPO mini-batches: the decoupled objective, by hand
+# ----------------------------------------------------------------------------------------------------
+PPO = dict(mini_batches=2, lr=1.0, grad_clip=1.0, is_mode="truncate", is_high=2.0, micro_batch_tokens=12)
+
+
+def _ppo_worker(rank, world, init_file, model_path, results):
+    """One FSDP2 rank: `train.update_on_batch` with two mini-batches, for grpo and cispo from the same start."""
+    import torch.distributed as dist
+
+    from test_fsdp import make_batch
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        out = {}
+        for loss in ("grpo", "cispo"):
+            cfg = train.Config(loss=loss, **PPO)
+            model = train.build_trainer_model(model_path, world)
+            optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)  # linear in the gradient: exact comparison
+            result = train.update_on_batch(model, None, optimizer, make_batch(), cfg, rank, world, version=0, step=3)
+            params = {n: p.full_tensor().detach().clone().numpy() for n, p in model.named_parameters()}
+            out[loss] = {"params": params, "metrics": result.metrics, "applied": result.applied, "loss": result.loss}
+        if rank == 0:
+            results.put(out)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def hand_ppo(model_path, cfg):
+    """Two mini-batch PPO steps written out: proximal log-probs of the whole batch first (full logits, no
+    chunking), then for each mini-batch the clipped surrogate against them, weighted by proximal/behaviour
+    (truncated), token-mean over the mini-batch, clip, SGD (linear in the gradient, so the comparison is tight)."""
+    import losses
+    from test_fsdp import make_batch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
+    batch = make_batch()
+
+    def logprobs(b):
+        logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits[:, :-1]
+        return torch.where(b.mask, losses.token_logprobs(logits, b.targets, cfg.temperature), 0.0)
+
+    with torch.no_grad():
+        proximal = logprobs(batch)
+    ratios = []
+    for rows in train.mini_batch_rows(len(batch), cfg, step=3, epoch=0):
+        mb = batch.select(rows)
+        logp, old = logprobs(mb), proximal[rows]
+        weights = torch.clamp(torch.exp(old - mb.behaviour_logp), max=cfg.is_high) * mb.mask
+        ratio = torch.exp(logp - old)
+        adv = mb.advantages[:, None]
+        surrogate = torch.min(ratio * adv, torch.clamp(ratio, 1 - cfg.eps_low, 1 + cfg.eps_low) * adv)
+        if cfg.loss == "cispo":  # a clipped, detached ratio times REINFORCE
+            surrogate = torch.clamp(ratio, max=1 + cfg.eps_low).detach() * adv * logp
+        loss = -(weights * surrogate * mb.mask).sum() / mb.mask.sum()
+        ratios.append(ratio.detach()[mb.mask])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad()
+    return {n: p.detach() for n, p in model.named_parameters()}, ratios
+
+
+def test_two_mini_batch_ppo_update_matches_the_hand_computed_one(tmp_path):
+    import rollout
+    from test_fsdp import spawn_ranks
+
+    model_path = rollout.build_tiny_model(str(tmp_path / "tiny"), seed=0)
+    got = spawn_ranks(_ppo_worker, 2, tmp_path, model_path)
+    expected, ratios = hand_ppo(model_path, train.Config(loss="grpo", **PPO))
+    assert torch.allclose(ratios[0], torch.ones_like(ratios[0]), atol=1e-5)  # the first update: ratio 1
+    assert float((ratios[1] - 1).abs().max()) > 0.05  # the second starts from moved weights
+    run = got["grpo"]
+    assert run["applied"] == 2 and run["metrics"]["updates"] == 2
+    for name, value in expected.items():
+        diff = float((torch.from_numpy(run["params"][name]) - value).abs().max())
+        assert diff < 2e-5, f"{name} off by {diff}"
+    # the clip acted on the second update, and the variants now train differently
+    assert run["metrics"]["clip_frac_low"] + run["metrics"]["clip_frac_high"] > 0
+    assert run["metrics"]["ratio_max"] > 1.05
+    cispo = got["cispo"]["params"]
+    assert max(float(abs(cispo[n] - run["params"][n]).max()) for n in cispo) > 1e-4
