@@ -175,8 +175,12 @@ def test_max_lag_0_is_on_policy_and_saves_a_usable_model(start_run):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     steps = 6
-    run = start_run("--steps", str(steps), "--max-lag", "0", "--eval-every", "3", "--eval-samples", "2", *SMALL)
+    # classic synchronous PPO: two optimizer steps per rollout batch, every batch sampled by the weights its
+    # first update starts from, nothing dropped as stale
+    run = start_run("--steps", str(steps), "--max-lag", "0", "--mini-batches", "2", "--eval-every", "3",
+                    "--eval-samples", "2", *SMALL)
     rows, summary = finish_ok(run, steps)
+    assert all(r["updates"] == 2 and r["version"] == r["step"] + 1 for r in rows)
 
     # held-out evaluations at step 0, 3 and the end; the last one waited for, in the last row
     evals = [r for r in rows if "eval/step" in r]
