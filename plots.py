@@ -120,12 +120,14 @@ def plot_run(out_dir: str) -> str | None:
     if epochs:
         xs, ys = zip(*epochs)
         ax_epoch.step(xs, ys, where="post", color="tab:brown")
+        ax_epoch.set_ylim(-0.1, max(ys) + 0.5)
     ax_epoch.set(title="epoch (passes over the training prompts)", xlabel="step")
 
     from matplotlib.ticker import MaxNLocator
 
     for ax in (ax_reward, ax_eval, ax_len, ax_lag, ax_sync, ax_epoch):
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax_epoch.yaxis.set_major_locator(MaxNLocator(integer=True))
     fig.suptitle(os.path.abspath(out_dir), fontsize=9)
     fig.tight_layout()
     path = os.path.join(out_dir, "plots.png")

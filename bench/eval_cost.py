@@ -42,6 +42,8 @@ def main(argv=None) -> int:
                     "reward_first10": s["reward_first10"], "reward_last20": s["reward_last20"],
                     "eval_first": s.get("eval_first"), "eval_last": s.get("eval_last"), "eval_s": s.get("eval_s"),
                     "trainer_wait_frac": s["trainer_wait_frac"],
+                    # the generator's time evaluating while training ran (the step-0 one is done before), / wall
+                    "eval_share": (s["eval_s"] - evals[0]["eval/time_s"]) / rows[-1]["wall_s"] if evals else None,
                     "evals": [{k.split("/", 1)[1]: x[k] for k in x if k.startswith("eval/")} for x in evals]})
                 last = runs[mode][-1]
                 print(f"[eval_cost] {mode} round {r}: {last['wall_s']:.1f} s, reward {s['reward_first10']:.3f} -> "
@@ -60,7 +62,9 @@ def main(argv=None) -> int:
     print(common.table(["mode", "round", "wall s", "process s", "others' cores", "reward first 10%",
                         "reward last 20%", "held-out pass@1 first", "last", "eval s (generator)"], table_rows))
     print(f"median wall time: with evaluation {medians['eval']:.1f} s, without {medians['no_eval']:.1f} s: "
-          f"x{data['cost_ratio']:.3f} ({(data['cost_ratio'] - 1) * 100:+.1f}%)")
+          f"x{data['cost_ratio']:.3f} ({(data['cost_ratio'] - 1) * 100:+.1f}%); the generator spent "
+          + ", ".join(f"{x['eval_share'] * 100:.1f}%" for x in runs["eval"]) + " of each run's wall time "
+          "evaluating while training ran (weight loads wait for it: the trainer goes on for --max-lag steps)")
     print(bench.closing_line(path))
     return 0
 
