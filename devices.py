@@ -40,7 +40,7 @@ from dataclasses import dataclass
 SHARED_GEN_FRACTION = 0.3  # vLLM's share of a GPU it shares with a trainer rank (--gpu-memory-utilization 0)
 SHARED_BUDGET = 0.85  # vLLM's share + the trainer rank's cap on a shared GPU; 0.15 left for contexts and the buffer
 MIN_SHARED_TRAIN_FRACTION = 0.2  # the least a trainer rank gets on a shared GPU, whatever --gpu-memory-utilization
-SHARED_TRAIN_FRACTION = SHARED_BUDGET - SHARED_GEN_FRACTION  # the trainer rank's cap there, by default (0.55)
+SHARED_TRAIN_FRACTION = round(SHARED_BUDGET - SHARED_GEN_FRACTION, 4)  # the trainer rank's cap there, by default (0.55)
 DEDICATED_GEN_FRACTION = 0.9  # vLLM's default, on a GPU of its own
 # --dtype auto: bf16 where the hardware runs it fast (GPUs); on CPU what measured faster here (NOTES-13b.md:
 # bench/dtype.py on the 2-core AMD EPYC with avx512_bf16)
