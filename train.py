@@ -55,20 +55,20 @@ class Config:
     """Every field is a `--flag` (underscores become dashes). The comment after a field is its `--help` text
     and a comment line on its own starts a group of flags: this class is the one source of both."""
     # run
-    steps: int = 300  # optimizer steps to train for (a resumed run counts from the checkpoint's step)
+    steps: int = 300  # steps to train for: rollout batches, one model version each (a resume counts on)
     seed: int = 0  # seeds the tiny model, the prompts drawn and the sampling
     model: str = ""  # Hugging Face model directory or hub id; "" builds the tiny default model into OUT/init_model
     out: str = "runs/latest"  # output folder: metrics.jsonl, summary.json, plots.png, model/, checkpoints/
     # asynchrony
     max_lag: int = 2  # train only on samples whose oldest token is <= this many versions old (0: on-policy)
     queue_size: int = 64  # rollout groups waiting in the queue, at most
-    sync_every: int = 1  # publish weights every N optimizer steps
+    sync_every: int = 1  # publish weights every N steps
     update_mode: str = "inflight"  # inflight: swap weights with requests kept running; drain: let them finish
     max_inflight_groups: int = 0  # groups generating at once; 0 = --prompts-per-step
     # sizes
     train_ranks: int = 1  # FSDP2 trainer ranks (processes; on GPUs one per --train-devices GPU)
     group_size: int = 8  # G completions per prompt
-    prompts_per_step: int = 32  # prompts (groups) per optimizer step
+    prompts_per_step: int = 32  # prompts (groups) per step
     max_new_tokens: int = 5  # longest completion, in tokens
     micro_batch_tokens: int = 4096  # each rank's forward/backward takes at most this many padded tokens at once (0: all its rows)
     # data and reward (data.py; the defaults are the built-in copy task)
