@@ -62,6 +62,16 @@ def configure_terminal(log_level: str) -> None:
     os.environ["PYTHONWARNINGS"] = ",".join(w for w in (os.environ.get("PYTHONWARNINGS"), *expected) if w)
 
 
+def evaluation_line(keys: dict) -> str:
+    """The terminal's line for one held-out evaluation (its eval/... keys)."""
+    def show(value):
+        return "-" if value is None else f"{value:.3f}"
+
+    passes = "  ".join(f"{k[5:]} {show(v)}" for k, v in keys.items() if k.startswith("eval/pass@"))
+    return (f"eval at step {keys['eval/step']} (v{keys['eval/version']}, {keys['eval/prompts']} held-out prompts): "
+            f"greedy pass@1 {show(keys['eval/greedy_pass@1'])}  reward {show(keys['eval/reward'])}  {passes}")
+
+
 class RunLog:
     """Rank 0's metrics: one JSON row per step, a progress line, wandb, and the summary at the end."""
 
@@ -141,6 +151,7 @@ class RunLog:
         for result in evals:  # usually none; two answers in one step: the row keeps the newer
             self.evals.append(evaluation.summarize(result, self.cfg.eval_pass_reward))
             row.update(self.evals[-1])
+            print(evaluation_line(self.evals[-1]), flush=True)
         self.rows.append(row)
         if self.first_step_end is None:
             self.first_step_end = time.perf_counter()
