@@ -27,25 +27,9 @@ import data
 import evaluation
 import rollout
 import train
+from test_data import ascii_model, tokenizer, write_jsonl  # noqa: F401  (fixtures shared with test_data)
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture(scope="module")
-def ascii_model(tmp_path_factory):
-    return rollout.build_tiny_model(str(tmp_path_factory.mktemp("models") / "tiny_ascii"), alphabet="ascii")
-
-
-@pytest.fixture(scope="module")
-def tokenizer(ascii_model):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(ascii_model)
-
-
-def write_jsonl(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
 
 
 def settings_for(model, **changes):
