@@ -12,8 +12,7 @@ Data contract
       micro-batch and rank), micro-batches per rank and the share of their positions that is padding
       (pad_frac), grad norm, zero-variance groups, completion lengths, per-token lag (mean, max,
       histogram), dropped stale samples, trainer wait / train / publish times, generator counters, sync
-      latency, prompts skipped so far as too long for --max-model-len (prompts_too_long), the trainer's
-      agreement with the generator on on-policy tokens (logprob_diff_on_policy: max; logprob_diff_mean),
+      latency, the trainer's agreement with the generator on on-policy tokens (logprob_diff_on_policy: max; logprob_diff_mean),
       per-reward-function statistics, and `epoch` (the pass over the training prompts of the
       step's newest group). The row of the step during which an evaluation's answer arrived also holds its
       `eval/...` keys (evaluation.summarize; `eval/step` says which step's weights it evaluated); the final
@@ -138,7 +137,6 @@ class RunLog:
                "publish_ms": publish_ms, "logprob_diff_on_policy": logprob_diff, "skipped": skipped,
                "gen_tokens": gen.get("tokens"), "gen_idle_s": gen.get("idle_s"),
                "gen_elapsed_s": gen.get("elapsed_s"), "gen_loaded_version": gen.get("loaded_version"),
-               "prompts_too_long": gen.get("prompts_too_long", 0),
                "sync_ms": (self.sync_ms[-1] if self.sync_ms else None), "wall_s": time.perf_counter() - self.start,
                **metrics}
         # per reward function: mean/std/none_frac/errors/time_s; lengths; tokens per lag

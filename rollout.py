@@ -548,7 +548,6 @@ class Generator:
         rewards, reward_stats, unscored = await asyncio.get_running_loop().run_in_executor(
             self.reward_threads, self.task.score, prompt, texts, completions, self.loaded_version)
         self.stats["reward_s"] = self.stats.get("reward_s", 0.0) + sum(s["time_s"] for s in reward_stats.values())
-        self.stats["prompts_too_long"] = getattr(self.task, "too_long", 0)  # skipped: over --max-model-len
         self.stats["unscored"] = self.stats.get("unscored", 0) + unscored
         self.stats["groups"] += 1
         group = RolloutGroup(group_id, prompt.prompt_ids, completions, logprobs, versions, rewards, prompt.answer,
@@ -660,6 +659,7 @@ class Generator:
             await self.load_first_adapter()
         if self.s.eval_at_start:  # alone on the engine it takes a fraction of what it takes beside the first steps
             self.last_eval_step = 0
+            self.idle_since = None  # the engine's start-up is not idle time of the run
             await self.run_eval(0)
         self.control.ready.set()
         self.wake = asyncio.Event()

@@ -417,16 +417,19 @@ def completion_logprobs(model, batch, temperature, top_k=-1, top_p=1.0, untrunca
     hidden = caught[0][:, :-1][batch.mask]  # final hidden states where completion tokens are predicted
     targets = batch.targets[batch.mask]
     head = base.get_output_embeddings()
+    weight, bias = head.weight, head.bias
+    if hasattr(weight, "full_tensor"):  # a model whose root reshards after its forward (the KL reference): gather
+        weight, bias = weight.full_tensor(), None if bias is None else bias.full_tensor()
 
     def scored(values):  # (N,) -> (B, T), 0 off the mask
         return values.new_zeros(batch.mask.shape).masked_scatter(batch.mask, values)
 
-    logp, entropy = chunked_logprobs(hidden, head.weight, head.bias, targets, temperature, top_k, top_p)
+    logp, entropy = chunked_logprobs(hidden, weight, bias, targets, temperature, top_k, top_p)
     scores = TokenScores(scored(logp), scored(entropy))
     if untruncated:
-        truncated = 0 < top_k < head.weight.shape[0] or top_p < 1
+        truncated = 0 < top_k < weight.shape[0] or top_p < 1
         scores.logp_untruncated = scores.logp if not truncated else scored(
-            chunked_logprobs(hidden, head.weight, head.bias, targets, temperature)[0])
+            chunked_logprobs(hidden, weight, bias, targets, temperature)[0])
     return scores
 
 

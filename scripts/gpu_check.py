@@ -25,7 +25,6 @@ Data contract
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import os
@@ -107,7 +106,7 @@ def synthetic_batch(seed: int, rows: int = 16, prompt_len: int = 6, completion_l
 
 
 def to_device(batch, device):
-    return dataclasses.replace(batch, **{f.name: getattr(batch, f.name).to(device) for f in dataclasses.fields(batch)})
+    return batch.to(device)
 
 
 def synchronize(device) -> None:
