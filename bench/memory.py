@@ -13,13 +13,18 @@ model (`train.build_trainer_model`, one rank), AdamW, the collated batch; then t
 (`ru_maxrss`) on a CPU, `torch.cuda.max_memory_allocated` on a GPU; `ready` is the RSS before the step.
 - micro-batched: `--micro-batch-tokens` (default: the trainer's default), for every size. On 2 cores a whole
   step of the larger sizes takes far longer than this benchmark may (the LM head costs ~3 ms per token
-  here), so a step of more than `--max-micro-batches` micro-batches runs only its first ones: the batch is
-  collated whole and the plan is the whole step's, and each further micro-batch repeats the same work on the
-  same memory (the gradients are accumulated in place). Such rows say "k of n".
+  here), so a step of more than `--max-micro-batches` (2) micro-batches runs only its first one and its
+  heaviest (most rows x length^2: attention): the batch is collated whole and the plan is the whole step's;
+  the first micro-batch allocates the gradients, the heaviest accumulates into them, and the others do the
+  same or less work on the same memory. Such rows say "2 of n". Checked at 64 x 512 (8 micro-batches): the
+  whole step peaked at 1,034 and 1,050 MiB in two runs, its first and heaviest micro-batches at 981 MiB (the
+  first alone: 928 MiB); RSS after each micro-batch of the whole step rose to ~1,000 MiB by the second and
+  then followed the rows' length, it did not keep growing.
 - whole batch (`--micro-batch-tokens 0`: every row in one forward and backward, log-probs still chunked)
   where its padded tokens are at most `--whole-max-tokens` (beyond, it would run for minutes, or not fit).
-- tokens/s: micro-batched against whole-batch, both full steps, `--repeats` times each, alternating, on the
-  sizes where both run (the medians are compared; goal >= 0.9).
+- tokens/s: micro-batched against whole-batch, both full steps, `--repeats` times each, alternating in the
+  whole batch's process after its first step, on the sizes where it runs and micro-batching splits it
+  (medians compared; goal >= 0.9).
 Goal: micro-batched peak memory flat in the batch size: at most 1.2x from 16 to 256 sequences.
 """
 from __future__ import annotations
@@ -50,9 +55,12 @@ def synthetic_batch(sequences: int, length: int, prompt_len: int, vocab: int, se
     return buffer.collate(samples, 0)
 
 
-def measure(model_path: str, sequences: int, length: int, micro_batch_tokens: int, max_micro_batches: int,
-            prompt_len: int, threads: int, seed: int, steps: int, checkpointing: bool = False) -> dict:
-    """One configuration in this (fresh) process: build, then `steps` trainer steps; peak memory and times."""
+def measure(model_path: str, sequences: int, length: int, budgets: list[int], max_micro_batches: int,
+            prompt_len: int, threads: int, seed: int, checkpointing: bool = False) -> dict:
+    """One configuration in this (fresh) process: build, then one trainer step per entry of `budgets` (its
+    --micro-batch-tokens). Peak memory is the first step's (read right after it); the times of the later
+    steps, by budget, give tokens/s (the first step also allocates the optimizer's state)."""
+    import dataclasses
     import os
     import resource
     import tempfile
@@ -77,40 +85,52 @@ def measure(model_path: str, sequences: int, length: int, micro_batch_tokens: in
         if checkpointing:
             train.checkpoint_layers(model)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)  # before any forward (FSDP2 pitfall)
-        cfg = train.Config(micro_batch_tokens=micro_batch_tokens, max_new_tokens=length)
+        cfg = train.Config(max_new_tokens=length)
         batch = synthetic_batch(sequences, length, prompt_len, model.config.vocab_size, seed)
-        planned = len(buffer.rank_micro_batches(batch, 0, 1, micro_batch_tokens))
+        planned = len(buffer.rank_micro_batches(batch, 0, 1, budgets[0]))
         run = planned
-        if max_micro_batches and planned > max_micro_batches:  # the step's first micro-batches only
+        if max_micro_batches and planned > max_micro_batches:  # the first ones and the heaviest of the rest
             whole_plan = buffer.rank_micro_batches
-            buffer.rank_micro_batches = lambda *args: whole_plan(*args)[:max_micro_batches]
+
+            def first_and_heaviest(*args):
+                mbs = whole_plan(*args)
+                rest = mbs[max_micro_batches - 1:]  # attention memory grows with rows x length^2
+                return mbs[:max_micro_batches - 1] + [max(rest, key=lambda mb: mb.attention_mask.numel()
+                                                          * mb.attention_mask.shape[1])]
+
+            buffer.rank_micro_batches = first_and_heaviest
             run = max_micro_batches
         ready = psutil.Process().memory_info().rss
         if cuda:
             torch.cuda.reset_peak_memory_stats()
-        times, metrics = [], {}
-        for _ in range(steps):
+        times, peak, pad_frac = {}, None, None
+        for step, budget in enumerate(budgets):
             start = time.perf_counter()
-            result = train.train_on_batch(model, None, batch, cfg, 0, 1, 0, device)
+            result = train.train_on_batch(model, None, batch, dataclasses.replace(cfg, micro_batch_tokens=budget),
+                                          0, 1, 0, device)
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             if cuda:
                 torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
-            metrics = result.metrics
-        peak = torch.cuda.max_memory_allocated() if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+            if step == 0:
+                peak = torch.cuda.max_memory_allocated() if cuda else \
+                    resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+                pad_frac = result.metrics["pad_frac"]
+            elif run == planned:
+                times.setdefault(budget, []).append(time.perf_counter() - start)
     finally:
         dist.destroy_process_group()
         if os.path.exists(init_file):
             os.unlink(init_file)
     tokens = int(batch.mask.sum())
-    return {"sequences": sequences, "length": length, "micro_batch_tokens": micro_batch_tokens,
+    return {"sequences": sequences, "length": length, "micro_batch_tokens": budgets[0],
             "micro_batches": planned, "micro_batches_run": run, "full_step": run == planned,
-            "grad_checkpointing": checkpointing, "completion_tokens": tokens, "padded_tokens": int(batch.attention_mask.numel()),
-            "pad_frac": metrics.get("pad_frac"), "peak_mib": peak / 2**20, "ready_mib": ready / 2**20,
-            "memory": "cuda max_memory_allocated" if cuda else "process peak RSS",
-            "step_s": times, "tokens_per_s": tokens / statistics.median(times) if run == planned else None}
+            "grad_checkpointing": checkpointing, "completion_tokens": tokens,
+            "padded_tokens": int(batch.attention_mask.numel()), "pad_frac": pad_frac, "peak_mib": peak / 2**20,
+            "ready_mib": ready / 2**20, "memory": "cuda max_memory_allocated" if cuda else "process peak RSS",
+            "step_s": {str(b): t for b, t in times.items()},
+            "tokens_per_s": {str(b): tokens / statistics.median(t) for b, t in times.items()}}
 
 
 def main(argv=None) -> int:
@@ -120,8 +140,9 @@ def main(argv=None) -> int:
     p.add_argument("--vocab", type=int, default=VOCAB)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--micro-batch-tokens", type=int, default=None, help="default: the trainer's default")
-    p.add_argument("--max-micro-batches", type=int, default=1,
-                   help="run at most this many micro-batches of a micro-batched step (0: all)")
+    p.add_argument("--max-micro-batches", type=int, default=2,
+                   help="run at most this many micro-batches of a micro-batched step, the last one among them "
+                        "(0: all)")
     p.add_argument("--whole-max-tokens", type=int, default=10240,
                    help="run the whole-batch step where its padded tokens are at most this")
     p.add_argument("--repeats", type=int, default=1, help="full steps of each mode per tokens/s measurement")
@@ -142,38 +163,30 @@ def main(argv=None) -> int:
 
         model = build_tiny_model(str(bench.work / "model"), seed=args.seed, alphabet="ascii", vocab_size=args.vocab)
 
-        def child(n, length, tokens, max_mb, steps):
-            return common.in_child(measure, model, n, length, tokens, max_mb, args.prompt_len, threads, args.seed,
-                                   steps, args.grad_checkpointing, timeout_s=1800, what=f"step {n}x{length}")
+        def child(n, length, budgets, max_mb):
+            return common.in_child(measure, model, n, length, budgets, max_mb, args.prompt_len, threads, args.seed,
+                                   args.grad_checkpointing, timeout_s=1800, what=f"step {n}x{length}")
 
         for length in lengths:
             for n in sequences:
-                r = child(n, length, budget, args.max_micro_batches, 1)
+                r = child(n, length, [budget], args.max_micro_batches)
                 rows.append(dict(r, mode="micro-batched"))
                 print(f"[memory] {n:4d} x {length:5d}: micro-batched peak {r['peak_mib']:7.0f} MiB "
                       f"({r['micro_batches_run']} of {r['micro_batches']} micro-batches)", flush=True)
-                padded = n * (args.prompt_len + length)
-                if padded <= args.whole_max_tokens:
-                    w = child(n, length, 0, 0, 1)
-                    rows.append(dict(w, mode="whole batch"))
-                    print(f"[memory] {n:4d} x {length:5d}: whole batch peak {w['peak_mib']:7.0f} MiB", flush=True)
-        # tokens/s: both full steps, alternating, where the whole batch runs and micro-batching splits it
-        for length in lengths:
-            for n in sequences:
                 if n * (args.prompt_len + length) > args.whole_max_tokens:
                     continue
-                micro = next(r for r in rows if (r["sequences"], r["length"], r["mode"]) == (n, length, "micro-batched"))
-                if micro["micro_batches"] < 2:
-                    continue
-                rates = {"micro-batched": [], "whole batch": []}
-                for _ in range(args.repeats):
-                    for mode, tokens in (("micro-batched", budget), ("whole batch", 0)):
-                        r = child(n, length, tokens, 0, 1)
-                        rates[mode].append(r["tokens_per_s"])
-                m, w = statistics.median(rates["micro-batched"]), statistics.median(rates["whole batch"])
-                speed.append({"sequences": n, "length": length, "micro_batches": micro["micro_batches"],
-                              "micro_tokens_per_s": m, "whole_tokens_per_s": w, "ratio": m / w, "rates": rates})
-                print(f"[memory] {n:4d} x {length:5d}: {m:.0f} vs {w:.0f} tokens/s, ratio {m / w:.2f}", flush=True)
+                # the whole batch: its peak (first step), then micro-batched and whole steps alternating
+                split = r["micro_batches"] > 1
+                w = child(n, length, [0] + ([budget, 0] * args.repeats if split else []), 0)
+                rows.append(dict(w, mode="whole batch"))
+                print(f"[memory] {n:4d} x {length:5d}: whole batch peak {w['peak_mib']:7.0f} MiB", flush=True)
+                if split:
+                    m, whole = w["tokens_per_s"][str(budget)], w["tokens_per_s"]["0"]
+                    speed.append({"sequences": n, "length": length, "micro_batches": r["micro_batches"],
+                                  "micro_tokens_per_s": m, "whole_tokens_per_s": whole, "ratio": m / whole,
+                                  "step_s": w["step_s"]})
+                    print(f"[memory] {n:4d} x {length:5d}: {m:.0f} vs {whole:.0f} tokens/s, ratio {m / whole:.2f}",
+                          flush=True)
 
     micro_rows = [r for r in rows if r["mode"] == "micro-batched"]
     flat = {}
