@@ -42,7 +42,7 @@ SHARED_BUDGET = 0.85  # vLLM's share + the trainer rank's cap on a shared GPU; 0
 MIN_SHARED_TRAIN_FRACTION = 0.2  # the least a trainer rank gets on a shared GPU, whatever --gpu-memory-utilization
 SHARED_TRAIN_FRACTION = round(SHARED_BUDGET - SHARED_GEN_FRACTION, 4)  # the trainer rank's cap there, by default (0.55)
 DEDICATED_GEN_FRACTION = 0.9  # vLLM's default, on a GPU of its own
-# --dtype auto: bf16 where the hardware runs it fast (GPUs); on CPU what measured faster here (NOTES-13b.md:
+# --dtype auto: bf16 where the hardware runs it fast (GPUs); on CPU what measured faster here (bench/README.md:
 # bench/dtype.py on the 2-core AMD EPYC with avx512_bf16)
 GPU_DEFAULT_DTYPE = "bf16"
 CPU_DEFAULT_DTYPE = "fp32"
