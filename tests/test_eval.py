@@ -13,7 +13,6 @@ import asyncio
 import itertools
 import json
 import os
-import queue as queue_lib
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ import evaluation
 import rollout
 import train
 from test_data import ascii_model, tokenizer, write_jsonl  # noqa: F401  (fixtures shared with test_data)
+from test_engine import drain
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -229,15 +229,6 @@ async def wait_until(condition, what, task, timeout_s=120):
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out waiting for {what}")
         await asyncio.sleep(0.01)
-
-
-def drain(q):
-    out = []
-    while True:
-        try:
-            out.append(q.get(timeout=1.0))
-        except queue_lib.Empty:
-            return out
 
 
 def perturbed_weights(model_path, scale=0.05):
