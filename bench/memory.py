@@ -13,12 +13,13 @@ model (`train.build_trainer_model`, one rank), AdamW, the collated batch; then t
 (`ru_maxrss`) on a CPU, `torch.cuda.max_memory_allocated` on a GPU; `ready` is the RSS before the step.
 - micro-batched: `--micro-batch-tokens` (default: the trainer's default), for every size. On 2 cores a whole
   step of the larger sizes takes far longer than this benchmark may (the LM head costs ~3 ms per token
-  here), so a step of more than `--max-micro-batches` (2) micro-batches runs only its first one and its
-  heaviest (most rows x length^2: attention): the batch is collated whole and the plan is the whole step's;
-  the first micro-batch allocates the gradients, the heaviest accumulates into them, and the others do the
-  same or less work on the same memory. Such rows say "2 of n". Checked at 64 x 512 (8 micro-batches): the
-  whole step peaked at 1,034 and 1,050 MiB in two runs, its first and heaviest micro-batches at 981 MiB (the
-  first alone: 928 MiB); RSS after each micro-batch of the whole step rose to ~1,000 MiB by the second and
+  here), so a step of more than one micro-batch runs two: its shortest row alone (it allocates the
+  gradients, at little cost), then its heaviest micro-batch (most rows x length^2: attention), which
+  accumulates into them; the others do the same or less work on the same memory. The batch is collated
+  whole and the plan is the whole step's; such rows say "2 of n" (`--max-micro-batches 0`: the whole step).
+  Checked at 64 x 512 (8 micro-batches): the whole step peaked at 1,034 and 1,050 MiB in two runs, its first
+  and heaviest micro-batches at 981 MiB (the first alone: 928 MiB: the second adds the accumulation's
+  copy of the gradients); RSS after each micro-batch of the whole step rose to ~1,000 MiB by the second and
   then followed the rows' length, it did not keep growing.
 - whole batch (`--micro-batch-tokens 0`: every row in one forward and backward, log-probs still chunked)
   where its padded tokens are at most `--whole-max-tokens` (beyond, it would run for minutes, or not fit).
@@ -89,17 +90,17 @@ def measure(model_path: str, sequences: int, length: int, budgets: list[int], ma
         batch = synthetic_batch(sequences, length, prompt_len, model.config.vocab_size, seed)
         planned = len(buffer.rank_micro_batches(batch, 0, 1, budgets[0]))
         run = planned
-        if max_micro_batches and planned > max_micro_batches:  # the first ones and the heaviest of the rest
+        if max_micro_batches and planned > 2:  # a one-row micro-batch, then the heaviest (see the docstring)
             whole_plan = buffer.rank_micro_batches
 
-            def first_and_heaviest(*args):
+            def shortest_row_then_heaviest(*args):
                 mbs = whole_plan(*args)
-                rest = mbs[max_micro_batches - 1:]  # attention memory grows with rows x length^2
-                return mbs[:max_micro_batches - 1] + [max(rest, key=lambda mb: mb.attention_mask.numel()
-                                                          * mb.attention_mask.shape[1])]
+                heaviest = max(mbs, key=lambda mb: mb.attention_mask.numel() * mb.attention_mask.shape[1])
+                shortest = min(mbs, key=lambda mb: mb.attention_mask.shape[1])
+                return [shortest.select([0]).trimmed(), heaviest]
 
-            buffer.rank_micro_batches = first_and_heaviest
-            run = max_micro_batches
+            buffer.rank_micro_batches = shortest_row_then_heaviest
+            run = 2
         ready = psutil.Process().memory_info().rss
         if cuda:
             torch.cuda.reset_peak_memory_stats()
@@ -140,9 +141,8 @@ def main(argv=None) -> int:
     p.add_argument("--vocab", type=int, default=VOCAB)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--micro-batch-tokens", type=int, default=None, help="default: the trainer's default")
-    p.add_argument("--max-micro-batches", type=int, default=2,
-                   help="run at most this many micro-batches of a micro-batched step, the last one among them "
-                        "(0: all)")
+    p.add_argument("--max-micro-batches", type=int, default=2, choices=(0, 2),
+                   help="2: a step of more micro-batches runs a one-row micro-batch and its heaviest; 0: all")
     p.add_argument("--whole-max-tokens", type=int, default=10240,
                    help="run the whole-batch step where its padded tokens are at most this")
     p.add_argument("--repeats", type=int, default=1, help="full steps of each mode per tokens/s measurement")
