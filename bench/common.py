@@ -88,51 +88,28 @@ class LoadMonitor:
     average number of cores (out of `cores`) busy with other people's work while the benchmark ran."""
 
     def __init__(self, interval_s: float = 1.0):
-        self.psutil, self.interval = psutil, interval_s
+        self.interval = interval_s
         self.samples: list[float] = []
         self.times: list[float] = []  # time.monotonic() at the end of each sample's interval
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self.load_start = os.getloadavg()
 
-    def _tree(self):
-        me = self.psutil.Process(os.getpid())
-        procs = [me]
-        try:
-            procs += me.children(recursive=True)
-        except self.psutil.Error:
-            pass
-        # vLLM's EngineCore and workers sit in our tree; a killed parent's orphans would not, rarely.
-        return procs
-
     def _loop(self):
-        ps = self.psutil
-        last_total = ps.cpu_times()
-        last_own: dict[int, float] = {}
-        for p in self._tree():
-            try:
-                t = p.cpu_times()
-                last_own[p.pid] = t.user + t.system
-            except ps.Error:
-                pass
-        last_t = time.monotonic()
+        def busy(t):  # seconds the whole machine's cores were busy
+            return t.user + t.nice + t.system + t.irq + t.softirq + t.steal
+
+        def own():  # cpu seconds of this benchmark's process tree (vLLM's EngineCore and workers included)
+            return {pid: cpu for pid, (_, _, cpu) in tree_cpu(os.getpid()).items()}
+
+        last_total, last_own, last_t = busy(psutil.cpu_times()), own(), time.monotonic()
         while not self._stop.wait(self.interval):
-            total = ps.cpu_times()
-            now = time.monotonic()
-            busy = ((total.user + total.nice + total.system + total.irq + total.softirq + total.steal)
-                    - (last_total.user + last_total.nice + last_total.system + last_total.irq
-                       + last_total.softirq + last_total.steal))
-            own, seen = 0.0, {}
-            for p in self._tree():
-                try:
-                    t = p.cpu_times()
-                except ps.Error:
-                    continue
-                seen[p.pid] = t.user + t.system
-                own += seen[p.pid] - last_own.get(p.pid, 0.0)  # new: all of its time is in this interval
+            total, seen, now = busy(psutil.cpu_times()), own(), time.monotonic()
+            # a process new in this interval: all of its time is in this interval
+            mine = sum(cpu - last_own.get(pid, 0.0) for pid, cpu in seen.items())
             elapsed = now - last_t
             if elapsed > 0:
-                self.samples.append(max(0.0, (busy - own) / elapsed))
+                self.samples.append(max(0.0, (total - last_total - mine) / elapsed))
                 self.times.append(now)
             last_total, last_own, last_t = total, seen, now
 
