@@ -1,31 +1,16 @@
-"""buffer.py — the bounded rollout queue and what crosses it.
+"""buffer.py — the bounded rollout queue and what crosses it: the generator's only path to the trainer.
 
 Role
-    The only path of training data from the generator to the trainer (evaluation answers take a queue of
-    their own: evaluation.py, so they are never trained on). Owns the record that crosses the queue
-    (`RolloutGroup`: one prompt and its G completions, every token tagged with the model version that
-    sampled it), the rule that rejects stale samples (`--max-lag`), the accounting of staleness, and the
-    assembly of training batches (padded tensors aligned on next-token targets).
-
+    `RolloutGroup` (one prompt, its G completions, every token tagged with the version that sampled it), the
+    staleness rule (`--max-lag`), and the assembly of padded training batches and per-rank micro-batches.
 Data contract
-    - The queue is a `multiprocessing` queue of bounded depth (`--queue-size` groups): a full queue blocks
-      the generator, which is the first staleness bound and caps memory.
-    - `RolloutGroup` holds plain Python lists (no shared tensors: the sender may exit before the receiver
-      unpickles). For completion j: `completion_ids[j]`, `behaviour_logprobs[j]` (what vLLM reported for
-      each sampled token: the behaviour policy), `token_versions[j]` (the version of the weights that
-      sampled each token), `rewards[j]` (a float; a sample no reward function scored gets its group's
-      mean, so zero advantage, and is counted in `unscored`).
-    - A sample's lag = trainer version - the version of its *oldest* token. A group is trained whole or not
-      at all: only if every sample's lag <= max_lag; otherwise it is dropped and counted (`dropped_stale`),
-      never silently. Advantages are computed over exactly the samples trained.
-    - `Batch` tensors have shape (num_samples, seq_len - 1), aligned with targets `input_ids[:, 1:]`;
-      `mask` is True on completion tokens only.
-    - A trainer rank trains on its rows (`rows_for_rank`) in micro-batches (`rank_micro_batches`) of at most
-      `--micro-batch-tokens` padded tokens, rows of similar length together; every rank gets the same
-      number of micro-batches.
-
-May touch: the queue it is handed. Reads nothing from the trainer's model or the engine.
-Data flows one way: rollout -> buffer -> train.
+    - A `multiprocessing` queue of `--queue-size` groups: a full queue blocks the generator (a first bound on
+      staleness and memory). Groups hold plain lists: the sender may exit before the receiver unpickles.
+    - A sample's lag = trainer version - the version of its oldest token. A group is trained whole only if
+      every sample's lag <= max_lag; otherwise it is dropped and counted (`dropped_stale`), never silently.
+    - `Batch` tensors are (num_samples, seq_len - 1), aligned with targets `input_ids[:, 1:]`; `mask` is True
+      on completion tokens. Every rank gets the same number of micro-batches (`rank_micro_batches`).
+May touch: the queue it is handed. Nothing of the trainer's model or the engine.
 """
 from __future__ import annotations
 

@@ -1,30 +1,15 @@
 """checkpoint.py — atomic checkpoints and what a resume needs.
 
-Role
-    Writes and finds the trainer's checkpoints. A checkpoint is written into a hidden temporary folder
-    and renamed into place only when complete, so a run killed while writing (even by SIGKILL) leaves the
-    previous checkpoint intact and loadable; half-written folders are never listed and are cleaned up.
-
-Data contract
-    OUT/checkpoints/step_00000100/
-        model/              Hugging Face safetensors + config + tokenizer (loads in transformers and vLLM)
-        adapter/            instead of model/ with --lora-rank: the LoRA adapter in PEFT format
-                            (adapter_config.json + adapter_model.safetensors; PeftModel.from_pretrained)
-        optimizer.pt        the full (unsharded) optimizer state dict, keyed by parameter name
-        rng.pt              RNG states of the trainer's rank 0 (torch, python, numpy)
-        trainer_state.json  {"step": steps completed, "version": model version, "base_model": the model
-                            the run first started from, carried unchanged through every resume (the
-                            tokenizer, the saved model's skeleton, the KL reference, the LoRA base: never
-                            a checkpoint, which rotation may delete), "groups_dropped": groups the trainer
-                            rejected (stale, or filtered by --filter-groups) so far, "config": {...}}
-    `step` counts completed optimizer steps; a resumed run starts at that step with that version, and its
-    generator at group id step * prompts_per_step + groups_dropped: the next prompt of the walk (data.walk).
-
-The trainer ranks call `save_trainer_state` (a checkpoint) and `save_final_model` (OUT/model, or with
-LoRA OUT/adapter and, with --merge-at-end, OUT/model): collectives that gather the trained weights, then
-rank 0 writes.
-
-May touch: files under the checkpoint root, OUT/model and OUT/adapter. Imports torch, transformers; no processes.
+Role: the trainer ranks call `save_trainer_state` and `save_final_model` (collectives; rank 0 writes). A
+checkpoint is written into a hidden folder and renamed into place when complete: a run killed while writing
+leaves the previous one loadable.
+Data contract: OUT/checkpoints/step_00000100/ holds
+    model/ (Hugging Face format) or, with --lora-rank, adapter/ (PEFT format); optimizer.pt (unsharded, keyed
+    by parameter name); rng.pt (rank 0's torch, python, numpy RNG states); trainer_state.json: step, version,
+    base_model (the model the run first started from, carried through every resume), groups_dropped, config.
+    A resumed run starts at `step` with `version`; its generator at group id step * prompts_per_step +
+    groups_dropped: the next prompt of the walk (data.walk).
+May touch: files under the checkpoint root, OUT/model and OUT/adapter.
 """
 import dataclasses
 import json
@@ -34,6 +19,11 @@ import shutil
 
 import numpy as np
 import torch
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict)
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import lora
 
 PREFIX = "step_"
 
@@ -77,8 +67,6 @@ def config_differences(saved: dict, current: dict, ignore=("resume", "steps", "o
 
 def save_model(full_state: dict, base_model: str, dst: str) -> None:
     """Save full weights in Hugging Face format, with the tokenizer of `base_model`."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     plain = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32)
     plain.load_state_dict(full_state)
     plain.save_pretrained(dst)
@@ -96,8 +84,6 @@ def save(root: str, step: int, version: int, model_state: dict, optimizer_state:
     if adapter_config is None:
         save_model(model_state, base_model, os.path.join(tmp, "model"))
     else:
-        import lora
-
         lora.save_adapter(model_state, adapter_config, base_model, os.path.join(tmp, "adapter"))
     torch.save(optimizer_state, os.path.join(tmp, "optimizer.pt"))
     torch.save({"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
@@ -125,9 +111,6 @@ def save(root: str, step: int, version: int, model_state: dict, optimizer_state:
 # ----------------------------------------------------------------------------------------------------
 def save_trainer_state(model, optimizer, model_path, cfg, step, version, rank, groups_dropped=0):
     """Gather full model and optimizer state (collectives: every rank calls) and write them on rank 0."""
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                         get_optimizer_state_dict)
-
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     model_state = trained_state(model, get_model_state_dict(model, options=options))
     optimizer_state = get_optimizer_state_dict(model, optimizer, options=options)
@@ -144,27 +127,21 @@ def trained_state(model, full_state):
     if all(p.requires_grad for p in model.parameters()):
         return full_state  # full fine-tuning (also holds tied weights, which named_parameters lists once)
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
-    import lora
-
     return {lora.file_name(name): value for name, value in full_state.items() if name in trainable}
 
 
 def save_final_model(model, model_path, cfg, rank):
     """Gather the trained weights (a collective) and save them on rank 0: OUT/model in Hugging Face format,
     or with LoRA OUT/adapter in PEFT format (and OUT/model merged with --merge-at-end)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
     state = trained_state(model, get_model_state_dict(
         model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)))
     if rank != 0:
         return
-    import lora
 
     def replace(out_dir, write):
         tmp = out_dir + ".tmp"
         write(tmp)
         if os.path.exists(out_dir):
-            import shutil
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)
 

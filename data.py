@@ -1,52 +1,15 @@
 """data.py — bring your own data and reward: datasets, prompt rendering, reward functions (TRL convention).
 
-Role
-    Everything between "a researcher's files" and "token ids plus a reward per completion", with no engine
-    and no trainer in sight (importable without vLLM or torch):
-    - `load_rows`: a JSONL / JSON / Parquet file, or a Hugging Face dataset with a split through `datasets`:
-      a hub name `NAME[:CONFIG]`, or a local folder (written by `save_to_disk`, or data files `datasets`
-      reads). `check_rows` reports every row that lacks the prompt or the answer column, by file line
-      (JSONL) or row number. `eval_source`: where the held-out prompts come from (`--eval-dataset`, or the
-      dataset's `test` split when it has one).
-    - `walk`: the order prompts are used in: without replacement, one shuffle per epoch from the seed.
-    - `encode_prompt`: a prompt given as a list of chat messages goes through the tokenizer's chat template
-      (with the generation prompt); a plain-text prompt is used as it is. `--system-prompt S` adds a
-      system message to chat prompts; on a plain-text prompt it wraps the prompt as [system, user] when the
-      tokenizer has a chat template, and prefixes `S + "\\n\\n"` when it has none.
-    - `load_reward("module:function")` (or `path/to/file.py:function`, or a built-in name: `math`), and
-      `Scorer`, which calls each reward function with TRL's GRPOTrainer convention and combines them with
-      `--reward-weights`, in the calling thread or in a small pool of worker processes.
-    - `math_reward`: the final answer checked with `math-verify`; `GSM8K`: the built-in GSM8K-style task
-      (`--task gsm8k`: data/gsm8k_sample.jsonl, question/answer columns, the math reward, a system prompt).
-    - `resolve_model`: a local model directory, or a hub id downloaded once into the Hugging Face cache.
-
+Role: from a researcher's files to token ids and a reward per completion, with no engine and no trainer in
+sight (importable without vLLM or torch): `load_rows`/`check_rows`/`eval_source` (JSONL, JSON, Parquet, or a
+Hugging Face dataset), `walk` (the order prompts are used in), `encode_prompt` (chat template for message
+lists, `--system-prompt`), `load_reward`, `Scorer`, `math_reward`, the built-in `GSM8K` task, `resolve_model`.
 Data contract
     - A row is a dict; its prompt column holds a string or a list of {"role", "content"} messages.
-    - A reward function is called as `f(prompts=..., completions=..., completion_ids=..., trainer_state=...,
-      **columns)`, exactly as TRL's GRPOTrainer calls it: one list entry per completion (a group's prompt
-      repeated G times); completions are strings for plain-text prompts and
-      `[{"role": "assistant", "content": text}]` for chat prompts; every column of the row other than the
-      prompt column is passed under its own name, and the answer column is also passed as `answer` when
-      the row has no column of that name. Keyword arguments the function does not accept are left out
-      (so `def f(completions, answer)` works too). It returns one `float | None` per completion.
-    - Prompts are walked in epochs: group g gets row `walk(g, n, seed)`: epoch g // n, position g % n of
-      that epoch's order (a shuffle seeded by the seed and the epoch). A pure function of the group id, so a
-      resumed run that continues the group ids continues the same epoch at the same position.
-    - Per-sample fault rules (never fatal, always counted):
-        None                      the function does not apply to that sample (TRL's meaning): left out of
-                                  that sample's weighted sum; counted in `none`.
-        NaN, inf, not a number    treated as None; counted in `invalid`.
-        raises, wrong count, not a list
-                                  every sample of the group gets None from that function; counted in
-                                  `errors` (the first message per function and kind is printed).
-      A sample's reward = sum over the functions that gave it a value of weight * value. A sample that got
-      no value from any function is *unscored*: it gets the mean reward of its group's scored samples (0
-      when none is), so its group-relative advantage is exactly 0: no gradient, and the group mean is
-      unchanged. Unscored samples are counted (RolloutGroup.unscored). (TRL gives such a sample 0.)
-    - Per-function stats for a group: {"n", "count", "sum", "sumsq", "none", "invalid", "errors", "time_s"}
-      ("count": samples with a value; n - count of them had none), summed by the trainer into
-      `reward/<name>/mean|std|none_frac|errors` per step.
-
+    - Reward functions are called as TRL's GRPOTrainer calls them, `f(prompts=, completions=, completion_ids=,
+      trainer_state=, **columns)` (the answer column also as `answer`), and return one float | None each.
+    - Faults: None, NaN or a raise leave the function out of that sample's weighted sum, counted; a sample
+      no function scored gets its group's mean reward (zero advantage). `walk(g, n, seed)`: epoch g // n.
 May touch: the files and the modules it is pointed at. Nothing of the engine, the queue or the trainer.
 """
 from __future__ import annotations
@@ -56,7 +19,9 @@ import importlib
 import importlib.util
 import inspect
 import json
+import logging
 import math
+import multiprocessing
 import numbers
 import os
 import random
@@ -66,8 +31,10 @@ import sys
 import threading
 import time
 import traceback
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from types import SimpleNamespace
+from urllib.parse import urlparse
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -273,7 +240,7 @@ def load_rows(dataset: str, split: str = "train") -> list[tuple[str, dict]]:
     path = os.path.expanduser(dataset)
     if path.endswith(".parquet"):
         try:
-            import pyarrow.parquet as pq
+            import pyarrow.parquet as pq  # optional: Parquet files only
         except ImportError:
             raise DataError("reading Parquet needs pyarrow: pip install pyarrow") from None
         rows = pq.read_table(path).to_pylist()
@@ -310,8 +277,6 @@ def hub_unreachable() -> bool:
         return True
     if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
         return False  # behind a proxy the hub's name need not resolve here
-    from urllib.parse import urlparse
-
     host = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co").hostname or "huggingface.co"
     try:
         socket.getaddrinfo(host, 443)
@@ -333,12 +298,10 @@ def load_splits(dataset: str) -> dict:
     local = os.path.isdir(path)
     offline = False if local else hub_unreachable()
     try:
-        import datasets
+        import datasets  # optional, and only once HF_HUB_OFFLINE is decided: the hub reads it at import
     except ImportError:
         raise DataError(f"{dataset}: a Hugging Face dataset needs `pip install datasets` "
                         "(it is in requirements.txt; or give a .jsonl/.parquet file)") from None
-    import logging
-
     # The hub client logs each retry of a failed request; the one line we raise says it all.
     logging.getLogger("huggingface_hub").setLevel(logging.ERROR)
     datasets.logging.set_verbosity_error()
@@ -599,9 +562,6 @@ class Scorer:
         self.warned: set = set()
         self.pool = None
         if workers:
-            import multiprocessing
-            from concurrent.futures import ProcessPoolExecutor
-
             self.pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
                                             initializer=_worker_init, initargs=(self.specs, os.getcwd()))
 
@@ -673,9 +633,7 @@ def math_reward(completions, answer=None, solution=None, **kwargs) -> list[float
     extracts the last answer-like expression (\\boxed{...}, "the answer is ...", the last number).
     None when the reference itself cannot be parsed (the reward does not apply to that sample).
     """
-    import logging
-
-    from math_verify import parse, verify
+    from math_verify import parse, verify  # heavy (sympy): only runs that use the math reward load it
 
     golds = answer if answer is not None else solution
     if golds is None:
@@ -705,7 +663,7 @@ def resolve_model(model: str) -> str:
     if os.path.isdir(os.path.expanduser(model)):
         return os.path.abspath(os.path.expanduser(model))
     try:
-        from huggingface_hub import snapshot_download
+        from huggingface_hub import snapshot_download  # only for a hub model id
 
         return snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt",
                                                         "*.jinja", "*.tiktoken", "*.py"])

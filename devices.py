@@ -1,41 +1,22 @@
-"""devices.py — which devices each process of a run uses (`--gen-devices`, `--train-devices`), and in what
-precision (`--dtype auto`).
+"""devices.py — which devices each process uses (`--gen-devices`, `--train-devices`), in what precision.
 
-Role
-    Turns the two flags into a `DeviceLayout`: either the CPU path (the default, and the fallback on a
-    machine without GPUs: gloo, CPU shared memory, vLLM's CPU build), or the GPU path: vLLM's CUDA build on
-    the generator's GPU(s), one FSDP2 trainer rank per trainer GPU over NCCL, and the packed weight buffer
-    on the first trainer GPU, shared with the generator through CUDA IPC. It only decides: it reads the
-    CUDA device count and CUDA_VISIBLE_DEVICES, and changes nothing.
-
+Role: turns the two flags into a `DeviceLayout`: the CPU path (the default, and the fallback without GPUs),
+or vLLM on the generator's GPU(s), one FSDP2 rank per trainer GPU (NCCL; gloo for small CPU tensors) and
+the packed weight buffer on the first trainer GPU, shared with the generator through CUDA IPC.
 Data contract
-    - A device list is "" or "cpu" (no GPU), or comma-separated GPU indices as the launching process sees
-      them ("0", "1,2,3"): integers >= 0, no repeats, each < torch.cuda.device_count().
-    - Both lists empty -> the CPU layout: exactly the run without these flags. GPUs asked for on a machine
-      where CUDA is unavailable -> the same CPU layout, plus a one-line `notice` saying so.
-    - GPU layout: both lists non-empty. Trainer rank r runs on train_devices[r]: one rank per GPU (NCCL
-      refuses two ranks on one GPU), so world size = len(train_devices) (`--train-ranks` must be 1 or that
-      number). Process-group backend "cpu:gloo,cuda:nccl": CUDA tensors go over NCCL, the trainer's small
-      CPU tensors (step statistics) over gloo. The packed buffer lives on train_devices[0].
-    - The generator process gets CUDA_VISIBLE_DEVICES = its GPUs, then the buffer's GPU if it is not one
-      of them: vLLM uses the first `tensor_parallel_size` visible GPUs, and its worker must see the
-      buffer's GPU to open the IPC handle and copy peer-to-peer. Trainer processes keep the launcher's view.
-    - vLLM's share of each of its GPUs is `--gpu-memory-utilization` (0: the defaults below). A GPU used by
-      both sides is *shared* (async on one GPU): vLLM gets that share (default SHARED_GEN_FRACTION), the
-      trainer rank on it a per-process cap of the rest of SHARED_BUDGET (default SHARED_TRAIN_FRACTION; at
-      least MIN_SHARED_TRAIN_FRACTION, or the flag is refused; the remaining 0.15 is CUDA contexts and the
-      packed buffer), and trainer ranks touch no GPU until vLLM has started (vLLM measures the GPU's free
-      memory while it starts). A GPU of the generator's alone gets DEDICATED_GEN_FRACTION (vLLM's default).
-    - `--dtype auto` resolves here (`resolve_dtype`): bf16 on GPUs, CPU_DEFAULT_DTYPE on the CPU path.
-    - Errors: `DeviceError` (a ValueError) with one line that names the flag.
-
-May touch: nothing (reads torch.cuda's device count and the environment). Used by train.py, which applies
-the layout, and by tests.
+    - A device list is "" / "cpu", or distinct GPU indices as the launcher sees them ("0", "1,2,3").
+    - The generator gets CUDA_VISIBLE_DEVICES = its GPUs, then the buffer's GPU if not among them.
+    - A GPU both sides use is shared: vLLM gets SHARED_GEN_FRACTION of it, the trainer rank a cap on the rest
+      of SHARED_BUDGET, and touches no GPU until vLLM has started (vLLM measures free memory at start).
+    - `--dtype auto` resolves here: bf16 on GPUs, CPU_DEFAULT_DTYPE on the CPU. Errors: `DeviceError`.
+May touch: nothing (reads the CUDA device count and the environment). Used by train.py and tests.
 """
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+
+import torch
 
 SHARED_GEN_FRACTION = 0.3  # vLLM's share of a GPU it shares with a trainer rank (--gpu-memory-utilization 0)
 SHARED_BUDGET = 0.85  # vLLM's share + the trainer rank's cap on a shared GPU; 0.15 left for contexts and the buffer
@@ -111,8 +92,6 @@ def parse_devices(text: str, flag: str = "--devices") -> tuple[int, ...]:
 
 def cuda_device_count() -> int:
     """GPUs this process can use (0 when torch has no CUDA or no driver)."""
-    import torch
-
     try:
         return torch.cuda.device_count() if torch.cuda.is_available() else 0
     except Exception:  # a broken driver counts as no GPU: the CPU path still works
@@ -196,8 +175,6 @@ def resolve_dtype(choice: str, layout: DeviceLayout) -> str:
 
 def torch_dtype(name: str):
     """"bf16" -> torch.bfloat16, "fp32" -> torch.float32."""
-    import torch
-
     return {"bf16": torch.bfloat16, "fp32": torch.float32}[name]
 
 

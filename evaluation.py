@@ -1,29 +1,15 @@
 """evaluation.py — held-out evaluation: what the trainer asks for, what the generator answers, what it means.
 
-Role
-    The generator evaluates the initial weights (step 0) before training starts, with the engine to itself;
-    then the trainer's rank 0 asks for an evaluation every `--eval-every` steps and at the end (`request`).
-    The generator (rollout.Generator.run_eval) runs it on its own engine with the weights it holds, beside
-    the training requests, and answers with an `EvalResult` on a queue of its own: evaluation
-    outputs never reach the rollout queue, so they are never trained on. The trainer picks answers up
-    between steps without waiting (`collect`); it waits, bounded, only for the final one. `summarize` turns an
-    answer into the `eval/...` keys of metrics.jsonl.
-
+Role: rank 0 asks every --eval-every steps and at the end (`request`); the generator (rollout.py) evaluates
+the weights it holds on its own engine, beside training requests, and answers on a queue of its own, so
+evaluation outputs are never trained on. The trainer picks answers up between steps (`collect`); `summarize`
+turns one into the eval/... keys.
 Data contract
-    - The request is `control.eval_request`, a shared int64 pair [step, version]: evaluate, as the weights
-      after `step` steps, the weights of `version` (what the trainer had published) or newer. Only the
-      newest request counts: requests made while an evaluation runs are merged into the next one.
-    - `EvalResult`: the step asked for, the version of the weights evaluated (the generator loads no new
-      weights while an evaluation is in flight, so every token of it comes from that one version), and per
-      held-out prompt the reward of its greedy completion (temperature 0) followed by the rewards of S
-      sampled completions (the run's temperature, top-k and top-p; not seeded).
-    - Keys (`summarize`): eval/step, eval/version, eval/prompts, eval/greedy_pass@1 (the fraction of prompts
-      whose greedy completion passes: reward >= --eval-pass-reward), eval/greedy_reward (mean reward of the
-      greedy completions), eval/reward (mean reward of the sampled ones), eval/pass@k for k = 1, 2, 4, ... up
-      to S and S itself (the unbiased estimator of Chen et al. 2021 over the S samples), eval/time_s (the
-      generator's wall time for it), eval/tokens (tokens it generated).
-
-May touch: the two eval fields of `processes.Control`. No engine, no model; imports nothing heavy.
+    - The request, `control.eval_request` = [step, version]: evaluate the weights of `version` or newer;
+      only the newest request counts.
+    - `EvalResult`: the step asked for, the one version evaluated, and per held-out prompt the reward of its
+      greedy completion then those of S sampled ones; pass@k is Chen et al.'s unbiased estimator.
+May touch: the two eval fields of `processes.Control`. No engine, no model.
 """
 from __future__ import annotations
 

@@ -1,28 +1,24 @@
-"""lora.py — LoRA adapters: what the trainer trains, and the generator serves, with `--lora-rank R`.
+"""lora.py — LoRA adapters (`--lora-rank R`): what the trainer trains and the generator serves.
 
-Role
-    With `--lora-rank R > 0` the trainer wraps the base model in a PEFT LoRA adapter (only the adapter's
-    A and B matrices get gradients and optimizer state), the packed shared buffer (sync.py) holds only the
-    adapter, and the generator serves the frozen base model through vLLM's LoRA support, receiving only
-    the adapter on each sync (`sync.WeightSyncWorker.load_shared_adapter`). This file holds what both
-    sides must agree on: the PEFT config built from the flags, adapter tensor names, and the adapter's
-    on-disk format (checkpoints, the final adapter, the merged model of `--merge-at-end`).
-
+Role: the PEFT config built from the flags, the adapter's tensor names and its on-disk format (checkpoints,
+the final adapter, `--merge-at-end`). Only the adapter gets gradients, fills the shared buffer (sync.py) and
+is loaded by vLLM on each sync (`sync.WeightSyncWorker.load_shared_adapter`).
 Data contract
-    - Adapter tensor names are PEFT's *file* names, `base_model.model.<module>.lora_A.weight` (the
-      parameter names without the adapter's name, "default"): what `adapter_model.safetensors` holds, what
-      `PeftModel.from_pretrained` and vLLM's LoRA loader read, and the slot names of the shared buffer.
-    - An adapter folder = `adapter_config.json` + `adapter_model.safetensors` (PEFT's format).
-    - The initial adapter is PEFT's (A random, B zero: the adapter starts as the base model), drawn from
-      `torch.manual_seed(seed)` so that every FSDP2 rank builds the same one.
-
-May touch: the model it is handed, and the folders it is told to write. Imports torch, peft, transformers.
+    - Tensor names are PEFT's file names (`base_model.model.<module>.lora_A.weight`): what
+      adapter_model.safetensors holds, what vLLM's loader reads, and the shared buffer's slot names.
+    - An adapter folder = adapter_config.json + adapter_model.safetensors.
+    - The initial adapter is PEFT's (B = 0: it starts as the base model), from `torch.manual_seed(seed)`,
+      so every FSDP2 rank builds the same one.
+May touch: the model it is handed and the folders it is told to write.
 """
 from __future__ import annotations
 
+import copy
 import os
 
 import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 ADAPTER_NAME = "default"  # PEFT's name for a model's only adapter; it is not part of the file names
 # vLLM sizes its LoRA buffers for one of these ranks (`--max-lora-rank`); the adapter's rank may be lower.
@@ -32,7 +28,7 @@ VLLM_MAX_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 def peft_config(rank: int, alpha: int, dropout: float, targets: str):
     """The LoraConfig for the flags. `targets`: "all-linear" (PEFT: every linear layer except the output
     head) or comma-separated module names such as "q_proj,v_proj"."""
-    from peft import LoraConfig
+    from peft import LoraConfig  # peft only in LoRA runs (slow to import): each peft import here is lazy
 
     names = targets.strip()
     target_modules = names if names == "all-linear" else [t.strip() for t in names.split(",") if t.strip()]
@@ -66,7 +62,6 @@ def wrap(model, config, seed: int, adapter_dir: str = ""):
 
 def load_adapter_weights(peft_model, adapter_dir: str) -> None:
     from peft import set_peft_model_state_dict
-    from safetensors.torch import load_file
 
     state = load_file(os.path.join(adapter_dir, "adapter_model.safetensors"))
     result = set_peft_model_state_dict(peft_model, state)
@@ -85,7 +80,6 @@ def adapter_shapes(model_path: str, config) -> tuple[list[tuple[str, tuple[int, 
     """(file name, shape) of every adapter tensor, in parameter order, and the resolved config (with
     "all-linear" expanded to module names), from a skeleton on the meta device (no weights are read)."""
     from peft import get_peft_model
-    from transformers import AutoConfig, AutoModelForCausalLM
 
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path), dtype=torch.float32)
@@ -101,8 +95,6 @@ def adapter_shapes(model_path: str, config) -> tuple[list[tuple[str, tuple[int, 
 
 def write_config(config, base_model: str, dst: str) -> str:
     """Write `adapter_config.json` into `dst` (all the generator needs besides the tensors)."""
-    import copy
-
     config = copy.deepcopy(config)
     config.base_model_name_or_path = base_model
     config.inference_mode = True
@@ -113,8 +105,6 @@ def write_config(config, base_model: str, dst: str) -> str:
 
 def save_adapter(state: dict, config, base_model: str, dst: str) -> str:
     """Save adapter tensors ({file name: tensor}) and config in PEFT format (PeftModel.from_pretrained)."""
-    from safetensors.torch import save_file
-
     write_config(config, base_model, dst)
     save_file({k: v.detach().to("cpu").contiguous() for k, v in state.items()},
               os.path.join(dst, "adapter_model.safetensors"), metadata={"format": "pt"})
@@ -124,7 +114,6 @@ def save_adapter(state: dict, config, base_model: str, dst: str) -> str:
 def merge(base_model: str, adapter_dir: str, dst: str) -> str:
     """Write base + adapter as one plain Hugging Face model (`--merge-at-end`), with the tokenizer."""
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     base = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32)
     merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()

@@ -1,34 +1,16 @@
-"""The GRPO loss family used by train.py.
+"""losses.py — the GRPO loss family: pure functions on tensors (no model, optimizer, process, I/O or state).
 
-Role: pure functions on tensors. This file touches nothing else: no model, no
-optimizer, no process, no I/O, no global state. train.py computes log-probs
-with `token_logprobs`, advantages with `group_advantages`, optional
-off-policy corrections with `behaviour_weights` and calls `policy_loss`
-(plus `kl_penalty` when --kl-coef > 0).
-
-Data contract (B = sequences in the micro-batch, T = padded completion
-length, V = vocabulary):
-    rewards          (num_groups, group_size) float   one scalar per completion
-    logp             (B, T) float   log pi_theta(y_t), carries the gradient
-    old_logp         (B, T) float   log pi_old(y_t), the policy the ratio is taken
-                                    against (detached)
-    behaviour_logp   (B, T) float   log-probs recorded by the generator (vLLM)
-    ref_logp         (B, T) float   frozen reference model (KL penalty only)
-    advantages       (B,) per sequence, or (B, T) per token
-    mask             (B, T) bool or 0/1 float, True on completion tokens
-    weights          (B, T) float   per-token importance weights (detached)
-    logits           (..., V) float, tokens (...) long
-Values at unmasked positions are never read into a result (they may be
-padding garbage); results at unmasked positions are 0. Every loss is
-returned as a scalar with its autograd graph attached, plus a dict of python
-floats for logging.
-
-Variants of `policy_loss` (all minimise; A is the advantage, r the ratio):
+Role: train.py takes advantages from `group_advantages`, log-probs from `chunked_logprobs`, off-policy
+corrections from `behaviour_weights`, the loss from `policy_loss` (+ `kl_penalty` when --kl-coef > 0).
+Data contract (B sequences, T padded completion length, V vocabulary):
+    rewards (groups, G); logp, old_logp, behaviour_logp, ref_logp, weights (B, T) float; advantages (B,) or
+    (B, T); mask (B, T), True on completion tokens; logits (..., V). Values at masked-out positions are never
+    read into a result, and results there are 0. A loss is a scalar with its graph, plus a dict of floats.
+Variants of `policy_loss` (all minimise; A the advantage, r the ratio):
     grpo     PPO clipped surrogate per token (+ optional dual clip)
     dapo     grpo with clip-higher (eps_high defaults to 0.28)
     dr_grpo  grpo, meant with scale="none" and agg="seq-mean-token-sum-norm"
-    gspo     sequence-level ratio, clipped per sequence
-    cispo    clipped, detached IS weight times REINFORCE
+    gspo     sequence-level ratio, clipped per sequence;  cispo  clipped, detached IS weight x REINFORCE
 """
 
 import torch
@@ -138,30 +120,16 @@ def aggregate(loss_tok, mask, agg="token-mean", max_len=None, units=None):
     return loss
 
 
-def policy_loss(
-    logp,
-    old_logp,
-    advantages,
-    mask,
-    variant="grpo",
-    eps_low=0.2,
-    eps_high=None,
-    dual_clip=None,
-    agg="token-mean",
-    max_len=None,
-    weights=None,
-    units=None,
-):
+def policy_loss(logp, old_logp, advantages, mask, variant="grpo", eps_low=0.2, eps_high=None, dual_clip=None,
+                agg="token-mean", max_len=None, weights=None, units=None):
     """Policy-gradient loss of the GRPO family. Returns (loss, metrics).
 
     r_t = exp(logp_t - old_logp_t). Per-token losses (to minimise):
 
     grpo (Shao et al. 2024; PPO's clipped surrogate, Schulman et al. 2017):
         l_t = -min(r_t A, clip(r_t, 1 - eps_low, 1 + eps_high) A)
-      dual_clip=c > 1 (Ye et al. 2020, "Mastering Complex Control in MOBA
-      Games with Deep RL", dual-clip PPO): for A < 0, l_t = min(l_t, -c A),
-      i.e. the loss of a negative-advantage token is bounded by c|A| however
-      large r_t grows (its gradient is then 0).
+      dual_clip=c > 1 (Ye et al. 2020, dual-clip PPO): for A < 0,
+      l_t = min(l_t, -c A): bounded by c|A| however large r_t grows.
     dapo (Yu et al. 2025, DAPO): grpo with clip-higher, eps_high defaults to
       0.28 (eps_low stays 0.2); meant with agg="token-mean".
     dr_grpo (Liu et al. 2025, "Understanding R1-Zero-Like Training"): the
@@ -170,14 +138,9 @@ def policy_loss(
     gspo (Zheng et al. 2025, Group Sequence Policy Optimization):
         s_i = exp( (1/|y_i|) sum_t (logp_t - old_logp_t) )
         l_i = -min(s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i)
-      implemented in the paper's token form
-        s_it = sg[s_i] * exp(logp_t - sg[logp_t])
-      so each token's loss value equals its sequence's and
-        d l_it / d logp_t = -s_i A_i   (unclipped sequences, 0 if clipped);
-      with agg="seq-mean-token-mean" this is the paper's gradient
-      -s_i A_i / |y_i| per token (times 1/num_sequences). Advantages are per
-      sequence; per-token advantages are reduced by their masked mean. The
-      paper uses far smaller clip ranges (e.g. 3e-4 / 4e-4): pass them.
+      in the paper's token form (below). Advantages are per sequence (per-token
+      ones are reduced by their masked mean). The paper uses far smaller clip
+      ranges (e.g. 3e-4 / 4e-4): pass them.
     cispo (MiniMax-M1, MiniMax 2025):
         l_t = -sg[min(r_t, 1 + eps_high)] A_t logp_t
       the IS weight is clipped and detached, so every token keeps its
@@ -189,16 +152,7 @@ def policy_loss(
     (B, T) detached per-token weights (e.g. behaviour_weights) multiplied
     into l_t. agg/max_len/units: see `aggregate`.
 
-    metrics (python floats, over masked tokens):
-      clip_frac_high  share of tokens where the upper clip is active:
-                      r > 1 + eps_high and A > 0 (cispo: r > 1 + eps_high for
-                      any A, since its weight cap acts on both signs)
-      clip_frac_low   r < 1 - eps_low and A < 0 (cispo: 0, it has no lower clip)
-      ratio_mean, ratio_max   of the ratio the variant clips (gspo: s_i,
-                      counted once per token of its sequence)
-      approx_kl       k3 estimate of KL(pi_old || pi_theta) from tokens sampled
-                      under pi_old: exp(d) - 1 - d with d = logp - old_logp
-      dual_clip_frac  (only if dual_clip) A < 0 and r > c
+    metrics: see `_clip_metrics`.
     """
     if variant not in VARIANTS:
         raise ValueError(f"unknown policy-loss variant {variant!r}; expected one of {VARIANTS}")
@@ -222,7 +176,8 @@ def policy_loss(
             advantages = torch.where(m_bool, advantages, zeros).sum(dim=-1) / seq_len
         adv = advantages[:, None].expand_as(logp)
         seq_log_ratio = log_ratio.detach().sum(dim=-1) / seq_len  # sg[log s_i]
-        # s_it = sg[s_i] * pi(y_t) / sg[pi(y_t)]: value s_i, gradient s_i per token
+        # s_it = sg[s_i] * pi(y_t) / sg[pi(y_t)]: each token's loss equals its sequence's, and
+        # d l_it / d logp_t = -s_i A_i (0 if clipped): with agg="seq-mean-token-mean", the paper's gradient
         logp_minus_sg = torch.where(m_bool, logp - logp.detach(), zeros)
         ratio = torch.exp(seq_log_ratio[:, None] + logp_minus_sg)
     else:
@@ -243,27 +198,42 @@ def policy_loss(
         loss_tok = loss_tok * weights.detach()
     loss = aggregate(loss_tok, m_bool, agg=agg, max_len=max_len, units=units)
 
-    with torch.no_grad():
-        r = ratio.detach()
-        if variant == "cispo":
-            high = r > 1.0 + eps_high
-            low = torch.zeros_like(m_bool)
-        else:
-            high = (r > 1.0 + eps_high) & (adv > 0)
-            low = (r < 1.0 - eps_low) & (adv < 0)
-        d = log_ratio.detach()
-        k3 = torch.expm1(d) - d
-        n = int(m_bool.sum())
-        metrics = {
-            "clip_frac_high": _masked_mean(high.float(), m_bool),
-            "clip_frac_low": _masked_mean(low.float(), m_bool),
-            "ratio_mean": _masked_mean(r, m_bool),
-            "ratio_max": float(r[m_bool].max()) if n > 0 else 0.0,
-            "approx_kl": _masked_mean(k3, m_bool),
-        }
-        if dual_clip is not None:
-            metrics["dual_clip_frac"] = _masked_mean(((adv < 0) & (r > dual_clip)).float(), m_bool)
-    return loss, metrics
+    return loss, _clip_metrics(ratio, log_ratio, adv, m_bool, variant, eps_low, eps_high, dual_clip)
+
+
+@torch.no_grad()
+def _clip_metrics(ratio, log_ratio, adv, m_bool, variant, eps_low, eps_high, dual_clip) -> dict:
+    """policy_loss's metrics (python floats, over masked tokens):
+      clip_frac_high  share of tokens where the upper clip is active:
+                      r > 1 + eps_high and A > 0 (cispo: r > 1 + eps_high for
+                      any A, since its weight cap acts on both signs)
+      clip_frac_low   r < 1 - eps_low and A < 0 (cispo: 0, it has no lower clip)
+      ratio_mean, ratio_max   of the ratio the variant clips (gspo: s_i,
+                      counted once per token of its sequence)
+      approx_kl       k3 estimate of KL(pi_old || pi_theta) from tokens sampled
+                      under pi_old: exp(d) - 1 - d with d = logp - old_logp
+      dual_clip_frac  (only if dual_clip) A < 0 and r > c
+    """
+    r = ratio.detach()
+    if variant == "cispo":
+        high = r > 1.0 + eps_high
+        low = torch.zeros_like(m_bool)
+    else:
+        high = (r > 1.0 + eps_high) & (adv > 0)
+        low = (r < 1.0 - eps_low) & (adv < 0)
+    d = log_ratio.detach()
+    k3 = torch.expm1(d) - d
+    n = int(m_bool.sum())
+    metrics = {
+        "clip_frac_high": _masked_mean(high.float(), m_bool),
+        "clip_frac_low": _masked_mean(low.float(), m_bool),
+        "ratio_mean": _masked_mean(r, m_bool),
+        "ratio_max": float(r[m_bool].max()) if n > 0 else 0.0,
+        "approx_kl": _masked_mean(k3, m_bool),
+    }
+    if dual_clip is not None:
+        metrics["dual_clip_frac"] = _masked_mean(((adv < 0) & (r > dual_clip)).float(), m_bool)
+    return metrics
 
 
 def kl_penalty(logp, ref_logp, kind="k3"):

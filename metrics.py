@@ -1,29 +1,14 @@
 """metrics.py — what a run reports: one JSON row per step, a progress line, wandb, the summary.
 
-Role
-    `RunLog` lives in the trainer's rank 0. Each step it receives what the step saw (the groups taken from
-    the queue with their generator counters, the batch, the loss metrics) and writes one row to
-    `OUT/metrics.jsonl`; every `--log-every` steps it prints a progress line; with `--wandb online|offline`
-    it logs the same rows. At the end it writes `OUT/summary.json` and `OUT/plots.png`.
-
+Role: `RunLog` lives in trainer rank 0: each step it writes a row to OUT/metrics.jsonl (and wandb with
+--wandb), every --log-every steps a progress line; at the end OUT/summary.json and OUT/plots.png.
 Data contract
-    - A row: step, version, reward, loss and the loss family's diagnostics (clip fractions, ratio, approx
-      KL, IS weight, entropy of the sampling distribution; means over the step's completion tokens, every
-      micro-batch and rank), micro-batches per rank and the share of their positions that is padding
-      (pad_frac), grad norm, zero-variance groups, completion lengths, per-token lag (mean, max,
-      histogram), dropped stale samples, trainer wait / train / publish times, generator counters, sync
-      latency, the trainer's agreement with the generator on on-policy tokens (logprob_diff_on_policy: max; logprob_diff_mean),
-      per-reward-function statistics, and `epoch` (the pass over the training prompts of the
-      step's newest group). The row of the step during which an evaluation's answer arrived also holds its
-      `eval/...` keys (evaluation.summarize; `eval/step` says which step's weights it evaluated); the final
-      evaluation is waited for and lands in the last step's row.
-    - The summary: steps, wall_s, reward_first10 (mean reward over the first 10% of steps), reward_last20,
-      tokens_trained, max_token_lag, dropped_stale, trainer_wait_frac, generator_wait_frac, sync_ms_median,
-      gen_tokens_per_s, train_tokens_per_s, logprob_diff_after_sync, bad_steps, sync_mb, eval_first and
-      eval_last (held-out greedy pass@1 of the first and the last evaluation), eval_last_step, eval_s (the
-      generator's time spent evaluating), train_prompts, prompts_dropped_long, config.
+    - A row: step, version, reward, loss and the loss family's diagnostics, grad norm, lengths, per-token lag
+      (mean, max, histogram), dropped samples, wait/train/publish times, generator counters, sync latency,
+      logprob_diff_on_policy, reward/<name>/... per reward function, epoch, and the eval/... keys of any
+      evaluation answered during the step (the final one lands in the last row).
+    - The summary: steps, wall_s, reward_first10 / reward_last20, token, wait, sync and eval figures, config.
     - On a resume, the rows of the steps already done are kept and the totals continue from them.
-
 May touch: files under `--out` only.
 """
 import dataclasses
@@ -38,6 +23,7 @@ import torch
 import buffer
 import data
 import evaluation
+import plots
 
 
 def configure_terminal(log_level: str) -> None:
@@ -50,7 +36,7 @@ def configure_terminal(log_level: str) -> None:
     if log_level != "warning":
         return
     os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"  # transformers' and the hub's bars, in every process
-    import transformers.utils.logging
+    import transformers.utils.logging  # after the variable above: the hub reads it when first imported
 
     transformers.utils.logging.disable_progress_bar()  # this process may have imported transformers already
     # vLLM's start-up scan of every module touches a deprecated torch alias (not our code, not actionable);
@@ -108,7 +94,8 @@ class RunLog:
         self.wandb = None
         if cfg.wandb != "off":
             os.environ["WANDB_MODE"] = cfg.wandb
-            import wandb
+            import wandb  # optional: only runs that log to wandb import it
+
             self.wandb = wandb.init(project=cfg.wandb_project, config=dataclasses.asdict(cfg), dir=cfg.out)
             self.wandb.define_metric("eval/*", step_metric="eval/step")  # plotted against the step evaluated
 
@@ -116,7 +103,8 @@ class RunLog:
              publish_ms, skipped, evals=()):
         rewards = [r for g in taken.groups for r in g.rewards]
         zero_var = sum(1 for g in taken.groups if max(g.rewards) == min(g.rewards)) / len(taken.groups)
-        lag = buffer.staleness_stats(batch, version - (0 if skipped else 1))
+        trained_from = version - (0 if skipped else 1)  # the version the batch was trained against
+        lag = buffer.staleness_stats(batch, trained_from)
         gen = taken.groups[-1].gen_stats
         for g in taken.groups:
             self.sync_ms += g.gen_stats.get("sync_ms", [])
@@ -141,7 +129,7 @@ class RunLog:
                **metrics}
         # per reward function: mean/std/none_frac/errors/time_s; lengths; tokens per lag
         lengths = batch.mask.sum(1)
-        lags = torch.bincount((version - (0 if skipped else 1) - batch.token_versions[batch.mask]).clamp(min=0))
+        lags = torch.bincount((trained_from - batch.token_versions[batch.mask]).clamp(min=0))
         row.update(data.summarize([g.reward_stats for g in taken.groups]), completion_len_min=int(lengths.min()),
                    completion_len_max=int(lengths.max()), unscored=sum(g.unscored for g in taken.groups),
                    gen_reward_s=gen.get("reward_s"), **{f"lag_hist/{k}": int(n) for k, n in enumerate(lags)},
@@ -215,7 +203,6 @@ class RunLog:
             print(f"done: {n} steps in {wall:.0f} s, reward {summary['reward_first10']:.3f} -> "
                   f"{summary['reward_last20']:.3f}; summary in {self.cfg.out}/summary.json", flush=True)
         try:
-            import plots
             plots.plot_run(self.cfg.out)
         except Exception as e:  # a plot is never worth failing a finished run
             print(f"warning: no {self.cfg.out}/plots.png ({type(e).__name__}: {e})", file=sys.stderr, flush=True)

@@ -1,18 +1,11 @@
 """plots.py — one picture of a run: `plot_run(out_dir)` reads OUT/metrics.jsonl and writes OUT/plots.png.
 
-Role
-    Called by train.py when a run finishes (a failure only prints a warning), or by hand on any run
-    directory, also while it runs: `python plots.py runs/latest`. Matplotlib with the Agg backend (no
-    display); needs neither vLLM nor torch.
-
-Data contract
-    Reads the rows train.py writes, one per step: `step`, `reward`, `reward/<name>/mean` (per reward
-    function), `eval/...` (held-out evaluations, in the rows they arrived in, plotted at `eval/step`),
-    `completion_len` (+ `_min`, `_max`), `lag_hist/<k>` (trained tokens that were k versions old; older runs
-    without it fall back to `lag_max` per step), `sync_ms` (publish -> serving), `epoch`. Missing keys leave
-    their panel empty. Six panels: reward, held-out evaluation, completion length, staleness histogram,
-    sync latency, epochs.
-
+Role: called by train.py when a run finishes (a failure only warns), or by hand on any run directory, even
+while it runs: `python plots.py runs/latest`. Matplotlib (Agg); needs neither vLLM nor torch.
+Data contract: reads the rows metrics.py writes: `step`, `reward`, `reward/<name>/mean`, `eval/...` (plotted
+at `eval/step`), `completion_len` (+ `_min`, `_max`), `lag_hist/<k>` (older runs: `lag_max`), `sync_ms`,
+`epoch`. A missing key leaves its panel empty. Six panels: reward, held-out evaluation, completion length,
+staleness, sync latency, epochs.
 May touch: OUT/plots.png only.
 """
 from __future__ import annotations
@@ -43,10 +36,12 @@ def smooth(values: list[float], window: int) -> list[float]:
 
 def plot_run(out_dir: str) -> str | None:
     """Write OUT/plots.png from OUT/metrics.jsonl; returns its path (None when there is no row yet)."""
+    # matplotlib only when a picture is drawn (slow to import; the Agg backend is chosen before pyplot loads)
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     rows = read_rows(out_dir)
     if not rows:
@@ -56,35 +51,8 @@ def plot_run(out_dir: str) -> str | None:
     fig, axes = plt.subplots(2, 3, figsize=(15, 7.5))
     (ax_reward, ax_eval, ax_len), (ax_lag, ax_sync, ax_epoch) = axes
 
-    rewards = [r["reward"] for r in rows]
-    ax_reward.plot(steps, rewards, color="tab:blue", alpha=0.3, lw=1)
-    ax_reward.plot(steps, smooth(rewards, window), color="tab:blue", lw=2, label="reward (weighted sum)")
-    names = sorted({k.split("/")[1] for r in rows for k in r if k.startswith("reward/") and k.endswith("/mean")})
-    if len(names) > 1 or (names and names[0] != "copy"):
-        for name in names:
-            pts = [(r["step"], r[f"reward/{name}/mean"]) for r in rows if r.get(f"reward/{name}/mean") is not None]
-            if pts:
-                xs, ys = zip(*pts)
-                ax_reward.plot(xs, smooth(list(ys), window), lw=1.2, ls="--", label=name)
-    ax_reward.set(title="reward", xlabel="step")
-    ax_reward.legend(fontsize=8)
-
-    evals = sorted((r for r in rows if r.get("eval/step") is not None), key=lambda r: r["eval/step"])
-    pass_keys = sorted((k for k in (evals[-1] if evals else {}) if k.startswith("eval/pass@")),
-                       key=lambda k: int(k.split("@")[1]))
-    lines = [("eval/greedy_pass@1", "o-", "greedy pass@1"), ("eval/reward", "s--", "mean reward (sampled)")]
-    lines += [(pass_keys[-1], "^:", pass_keys[-1][len("eval/"):])] if pass_keys else []
-    for key, style, label in lines:
-        pts = [(r["eval/step"], r[key]) for r in evals if r.get(key) is not None]
-        if pts:
-            xs, ys = zip(*pts)
-            ax_eval.plot(xs, ys, style, ms=4, lw=1.5, label=label)
-    ax_eval.set(title="held-out evaluation", xlabel="step evaluated")
-    if evals:
-        ax_eval.legend(fontsize=8)
-    else:
-        ax_eval.text(0.5, 0.5, "no evaluation (--eval-every 0)", ha="center", va="center",
-                     transform=ax_eval.transAxes, color="gray")
+    plot_reward(ax_reward, rows, steps, window)
+    plot_eval(ax_eval, rows)
 
     lengths = [r.get("completion_len") for r in rows]
     ax_len.plot(steps, lengths, color="tab:green", lw=1.5, label="mean")
@@ -123,8 +91,6 @@ def plot_run(out_dir: str) -> str | None:
         ax_epoch.set_ylim(-0.1, max(ys) + 0.5)
     ax_epoch.set(title="epoch (passes over the training prompts)", xlabel="step")
 
-    from matplotlib.ticker import MaxNLocator
-
     for ax in (ax_reward, ax_eval, ax_len, ax_lag, ax_sync, ax_epoch):
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax_epoch.yaxis.set_major_locator(MaxNLocator(integer=True))
@@ -134,6 +100,42 @@ def plot_run(out_dir: str) -> str | None:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def plot_reward(ax_reward, rows: list[dict], steps: list[int], window: int) -> None:
+    """The reward panel: the weighted sum, smoothed, and each reward function's mean."""
+    rewards = [r["reward"] for r in rows]
+    ax_reward.plot(steps, rewards, color="tab:blue", alpha=0.3, lw=1)
+    ax_reward.plot(steps, smooth(rewards, window), color="tab:blue", lw=2, label="reward (weighted sum)")
+    names = sorted({k.split("/")[1] for r in rows for k in r if k.startswith("reward/") and k.endswith("/mean")})
+    if len(names) > 1 or (names and names[0] != "copy"):
+        for name in names:
+            pts = [(r["step"], r[f"reward/{name}/mean"]) for r in rows if r.get(f"reward/{name}/mean") is not None]
+            if pts:
+                xs, ys = zip(*pts)
+                ax_reward.plot(xs, smooth(list(ys), window), lw=1.2, ls="--", label=name)
+    ax_reward.set(title="reward", xlabel="step")
+    ax_reward.legend(fontsize=8)
+
+
+def plot_eval(ax_eval, rows: list[dict]) -> None:
+    """The held-out panel: greedy pass@1, mean sampled reward and the largest pass@k, at the step evaluated."""
+    evals = sorted((r for r in rows if r.get("eval/step") is not None), key=lambda r: r["eval/step"])
+    pass_keys = sorted((k for k in (evals[-1] if evals else {}) if k.startswith("eval/pass@")),
+                       key=lambda k: int(k.split("@")[1]))
+    lines = [("eval/greedy_pass@1", "o-", "greedy pass@1"), ("eval/reward", "s--", "mean reward (sampled)")]
+    lines += [(pass_keys[-1], "^:", pass_keys[-1][len("eval/"):])] if pass_keys else []
+    for key, style, label in lines:
+        pts = [(r["eval/step"], r[key]) for r in evals if r.get(key) is not None]
+        if pts:
+            xs, ys = zip(*pts)
+            ax_eval.plot(xs, ys, style, ms=4, lw=1.5, label=label)
+    ax_eval.set(title="held-out evaluation", xlabel="step evaluated")
+    if evals:
+        ax_eval.legend(fontsize=8)
+    else:
+        ax_eval.text(0.5, 0.5, "no evaluation (--eval-every 0)", ha="center", va="center",
+                     transform=ax_eval.transAxes, color="gray")
 
 
 if __name__ == "__main__":

@@ -1,59 +1,36 @@
-"""rollout.py — the generator process: real vLLM (`AsyncLLM`), rewards, per-token versions; the built-in task.
+"""rollout.py — the generator process: a vLLM `AsyncLLM` engine sampling G completions per prompt.
 
 Role
-    Runs in its own process (and process group). Streams prompts into a vLLM `AsyncLLM` engine with
-    continuous batching, G completions per prompt; each finished group is scored and put on the rollout
-    queue at once. Loads new weights from the packed shared buffer (sync.py) between engine steps while
-    requests stay in flight ("inflight", the default: pause with requests kept, load, reset the prefix
-    cache, resume) or after running requests finish ("drain").
-
+    Runs in its own process. Streams prompts (tasks.py) into the engine with continuous batching; each
+    finished group is scored in a worker thread and put on the rollout queue at once. New weights are loaded
+    from the shared buffer (sync.py) between engine steps, with requests kept in flight ("inflight") or
+    after running ones finish ("drain"); held-out evaluations (evaluation.py) run beside training requests.
 Data contract
-    - Reads: the shared weight buffer (version in its header), the trainer's counters in `Control`.
-    - Writes: `buffer.RolloutGroup`s to the rollout queue. Every token carries the version of the weights
-      that sampled it: vLLM tags each engine step's output with the engine's weight version, and we set
-      that version while generation is paused for the swap, so the tag is exact per token.
-    - Staleness gate: a new group is started only if the weights loaded now are at most `max_lag` versions
-      behind the trainer step that will consume the group, so `--max-lag 0` is strictly on-policy.
-    - Log-probs are vLLM's *processed* log-probs (after temperature, top-k, top-p): the behaviour policy.
-
-Prompts are walked in epochs (data.walk): group g trains on training prompt `walk(g, n, seed)`, every
-prompt once per epoch, in an order shuffled per epoch from the seed. A group dropped by the trainer (all
-its samples too stale) is replaced by the next group id, so the next prompt of the walk: its own prompt
-counts as walked in that epoch. Held-out prompts (`task.held_out`) are only ever evaluated (`run_eval`):
-on request (evaluation.py), with the weights held at that moment (no weight load until it is done), beside
-the training requests, and with `eval_at_start` once before training starts (the initial weights, step 0);
-the answer goes to `control.eval_results`, never to the rollout queue.
-Stop strings (`--stop`, vLLM's `SamplingParams.stop`): generation ends when the text contains one; the
-reward sees the text before it (vLLM's default, include_stop_str_in_output=False); the trainer trains the
-token ids vLLM returns, which end with the tokens that completed the stop string (as with `<eos>`, the
-policy learns to write its stop).
-
-The built-in task ("copy"): the prompt is `<bos>` + 3 letters from a..j + `=`, the answer is the same
-letters then `<eos>`. Reward = matching positions / max(len(prediction), len(answer)) in [0, 1], the
-prediction being the tokens before the first `<eos>` (partial credit; never stopping does not pay). Its
-1000 triples are split once, by a hash of the triple alone (`is_held_out`): ~10% are held out for
-evaluation and never used as training prompts.
-`build_tiny_model` makes the default model for it: a 0.4M-parameter Qwen2 with random weights and a
-26-symbol character tokenizer, built locally (no download); `alphabet="ascii"` makes one for real text.
-With `--dataset` (or `--task gsm8k`) the task is a dataset task instead: prompts from the user's rows,
-rewards from the user's functions (TRL's convention), both through data.py. Rewards are computed in a
-worker thread (or a small process pool, `--reward-workers`), never on the event loop, and timed.
-
+    - Reads: the shared weight buffer (its version), the trainer's counters in `Control`.
+    - Writes: `buffer.RolloutGroup`s to the queue, with vLLM's processed log-probs (the behaviour policy) and
+      per token the version of the weights that sampled it; `EvalResult`s to `control.eval_results`.
+    - Staleness gate: a group starts only if the loaded weights are at most `max_lag` versions behind the
+      trainer step that will consume it.
 May touch: its engine, the queue, the shared buffer (read only), `Control`. Nothing of the trainer.
-Data flows one way: rollout -> buffer -> train (losses) -> sync -> rollout.
 """
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import itertools
+import logging
 import os
 import queue as queue_lib
 import sys
 import time
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
+from transformers import AutoConfig, AutoTokenizer
+
+import data
 from buffer import RolloutGroup, put_group
+from evaluation import EvalResult, requested
+from lora import engine_max_rank
+from tasks import Prompt, make_task
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LORA_ID = 1  # vLLM's id of the one adapter the generator serves with --lora-rank (ids start at 1)
@@ -67,8 +44,6 @@ def engine_problems(model_path: str, on_gpu: bool, max_model_len: int, max_new_t
                     dtype: str) -> list[str]:
     """What would stop vLLM from serving `model_path` with these settings, found from its config.json before
     anything starts (vLLM itself finds it inside its worker, as a stack trace): one line each."""
-    from transformers import AutoConfig
-
     config = AutoConfig.from_pretrained(model_path)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = getattr(text, "num_attention_heads", None)
@@ -100,208 +75,7 @@ def engine_problems(model_path: str, on_gpu: bool, max_model_len: int, max_new_t
                             f"--kv-cache-mb {kv_cache_mb}: raise --kv-cache-mb or lower --max-model-len")
     return problems
 
-# ----------------------------------------------------------------------------------------------------
-# Tasks and the tiny model
-#
-# The generator sees one interface: `make_task(settings, tokenizer, max_len)` returns an object with
-#     prompts: list[Prompt]    the training prompts, encoded, too-long ones dropped (walked in epochs)
-#     held_out: list[Prompt]   the held-out prompts, in a fixed order (evaluation takes the first K)
-#     score(prompt, completion_texts, completion_ids, step) -> (rewards, {name: stats}, unscored)
-#                                                                 (called in a worker thread)
-#     close()
-#     needs_text: bool   False: `score` reads only token ids, so vLLM skips detokenizing (the texts are "")
-#     dropped_long: int        prompts dropped as too long (training and held-out)
-# `rewards` has one float per completion (never None/NaN: see data.py's fault rules); the stats are
-# data.call_reward's per-function counters, summed by the trainer into reward/<name>/... metrics.
-# ----------------------------------------------------------------------------------------------------
-SPECIALS = ["<pad>", "<bos>", "<eos>"]
-SYMBOLS = list("0123456789abcdefghij+=_")
-ASCII = [chr(i) for i in range(32, 127)] + ["\n", "\t"]  # printable ASCII, newline, tab
-LETTERS = "abcdefghij"
-COPY_LENGTH = 3
-# A chat template that uses only printable ASCII (so the "ascii" tiny tokenizer encodes it faithfully).
-TINY_CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
-                      "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 
-
-def build_tiny_model(path: str, seed: int = 0, hidden: int = 128, layers: int = 2, heads: int = 4,
-                     alphabet: str = "copy", vocab_size: int = 0) -> str:
-    """Write a random-init Qwen2 model and its character tokenizer to `path` (Hugging Face format).
-
-    alphabet="copy": the default 26 symbols (the copy task's), 64 positions.
-    alphabet="ascii": one token per printable ASCII character plus newline and tab (100 tokens with the
-    specials), 1024 positions and a small chat template: for trying datasets, prompts and rewards on real
-    text (it is random-init: it writes garbage, but the whole path runs). Llama architecture, not Qwen2:
-    transformers 5 loads any tokenizer saved next to a Qwen2 config as `Qwen2Tokenizer`, whose byte-level
-    pre-tokenizer would drop every space and newline of a character vocabulary.
-    vocab_size > the alphabet's: the vocabulary is filled up to that size with tokens `<|N|>` that text
-    never encodes to but the model can sample (the LM head and softmax of a real model, e.g. 151,936)."""
-    import torch
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import (LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config,
-                              Qwen2ForCausalLM)
-
-    if alphabet not in ("copy", "ascii"):
-        raise ValueError(f"alphabet must be 'copy' or 'ascii' (got {alphabet!r})")
-    ascii_ = alphabet == "ascii"
-    vocab = {tok: i for i, tok in enumerate(SPECIALS + (ASCII if ascii_ else SYMBOLS))}
-    vocab.update({f"<|{i}|>": i for i in range(len(vocab), vocab_size)})
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
-    pattern = r"<pad>|<bos>|<eos>|[\s\S]" if ascii_ else "<[a-z]+>|."
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(pattern), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>",
-                                        pad_token="<pad>")
-    if ascii_:
-        tokenizer.chat_template = TINY_CHAT_TEMPLATE
-    config_class, model_class = (LlamaConfig, LlamaForCausalLM) if ascii_ else (Qwen2Config, Qwen2ForCausalLM)
-    config = config_class(vocab_size=len(vocab), hidden_size=hidden, num_hidden_layers=layers,
-                          num_attention_heads=heads, num_key_value_heads=heads, intermediate_size=4 * hidden,
-                          max_position_embeddings=1024 if ascii_ else 64, tie_word_embeddings=True,
-                          bos_token_id=1, eos_token_id=2, pad_token_id=0, dtype="float32")
-    torch.manual_seed(seed)
-    model = model_class(config)
-    tmp = path + ".tmp"
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    os.replace(tmp, path) if not os.path.exists(path) else None
-    return path
-
-
-@dataclass
-class Prompt:
-    prompt_ids: list[int]
-    answer: str
-    columns: dict = field(default_factory=dict)  # keyword arguments for reward functions (the row's columns)
-    prompt: object = None  # the prompt as the dataset gives it (text or messages): what rewards see
-
-
-def is_held_out(letters: str) -> bool:
-    """The copy task's fixed held-out split: ~1 triple in 10, chosen by a hash of the triple alone."""
-    return int.from_bytes(hashlib.sha256(letters.encode()).digest()[:8], "big") % 10 == 0
-
-
-def prompt_limit(max_prompt_tokens: int = 0, max_len: int | None = None, max_new_tokens: int = 0) -> int | None:
-    """The longest prompt kept: --max-prompt-tokens, and room for --max-new-tokens within the context."""
-    limits = ([max_prompt_tokens] if max_prompt_tokens else []) + ([max_len - max_new_tokens] if max_len else [])
-    return min(limits) if limits else None
-
-
-def drop_long(prompts: list[Prompt], limit: int | None, what: str) -> tuple[list[Prompt], int]:
-    """The prompts of at most `limit` tokens, and how many were dropped (reported once, here)."""
-    if limit is None:
-        return prompts, 0
-    kept = [p for p in prompts if len(p.prompt_ids) <= limit]
-    dropped = len(prompts) - len(kept)
-    if dropped:
-        print(f"[data] {dropped} of {len(prompts)} {what} prompts are longer than {limit} tokens: dropped before "
-              "training (--max-prompt-tokens, or too long to leave room for --max-new-tokens in the model's "
-              "context)", file=sys.stderr, flush=True)
-    return kept, dropped
-
-
-class CopyTask:
-    """Copy 3 letters: `<bos>abc=` -> `abc<eos>`. Training prompts: the triples not held out."""
-
-    names = ["copy"]
-    needs_text = False  # scored by token ids: vLLM need not detokenize
-
-    def __init__(self, tokenizer, limit: int | None = None):
-        import data
-
-        self.tokenizer = tokenizer
-        self.eos_id = tokenizer.eos_token_id
-        self.id_to_token = {i: t for t, i in tokenizer.get_vocab().items()}
-        triples = ["".join(t) for t in itertools.product(LETTERS, repeat=COPY_LENGTH)]
-        held = [t for t in triples if is_held_out(t)]
-        self.prompts, dropped = drop_long([self.encode(t) for t in triples if not is_held_out(t)], limit, "training")
-        self.held_out, dropped_held = drop_long([self.encode(held[i]) for i in data.held_out_order(len(held))],
-                                                limit, "held-out")
-        self.dropped_long = dropped + dropped_held
-        if not self.prompts:
-            raise RuntimeError(f"every copy prompt is longer than {limit} tokens")
-
-    def encode(self, letters: str) -> Prompt:
-        return Prompt(self.tokenizer(f"<bos>{letters}=", add_special_tokens=False)["input_ids"], letters)
-
-    def reward(self, completion_ids: list[int], answer: str) -> float:
-        prediction = []
-        for token_id in completion_ids:
-            if token_id == self.eos_id:
-                break
-            prediction.append(self.id_to_token.get(token_id, "?"))
-        matches = sum(p == a for p, a in zip(prediction, answer))
-        return matches / max(len(prediction), len(answer), 1)
-
-    def score(self, prompt: Prompt, completion_texts, completion_ids, step: int = 0):
-        t0 = time.perf_counter()
-        rewards = [self.reward(ids, prompt.answer) for ids in completion_ids]
-        n = len(rewards)
-        stats = {"n": n, "count": n, "sum": sum(rewards), "sumsq": sum(r * r for r in rewards), "none": 0,
-                 "invalid": 0, "errors": 0, "time_s": time.perf_counter() - t0}
-        return rewards, {"copy": stats}, 0
-
-    def close(self):
-        pass
-
-
-class DatasetTask:
-    """Prompts from a dataset (data.py loads and checks it), scored by TRL-convention reward functions.
-
-    Every row is encoded when the task is built (before training starts), so prompts longer than `limit`
-    tokens are dropped up front, counted and reported once. Held-out prompts come from data.eval_source."""
-
-    needs_text = True  # reward functions get completion texts (TRL's convention)
-
-    def __init__(self, spec, tokenizer, limit: int | None = None):
-        import data
-
-        self.spec, self.tokenizer = spec, tokenizer
-        rows = data.load_rows(spec.dataset, spec.split)
-        data.check_rows(rows, spec.prompt_column, spec.answer_column)
-        self.scorer = data.Scorer(spec.rewards, spec.weights, workers=spec.reward_workers)
-        self.names = self.scorer.names
-        self.prompts, dropped = drop_long([self.encode(row) for _, row in rows], limit, "training")
-        if not self.prompts:
-            raise RuntimeError(f"every prompt of {spec.dataset} is longer than {limit} tokens (--max-prompt-tokens, "
-                               "or the model's context minus --max-new-tokens)")
-        held_out, source = [], data.eval_source(spec)
-        if source is not None:
-            held_rows = data.load_rows(*source)
-            data.check_rows(held_rows, spec.prompt_column, spec.answer_column)
-            held_out = [self.encode(held_rows[i][1]) for i in data.held_out_order(len(held_rows))]
-        self.held_out, dropped_held = drop_long(held_out, limit, "held-out")
-        self.dropped_long = dropped + dropped_held
-
-    def encode(self, row: dict) -> Prompt:
-        import data
-
-        column = self.spec.prompt_column
-        ids = data.encode_prompt(self.tokenizer, row[column], self.spec.system_prompt)
-        columns = data.row_columns(row, column, self.spec.answer_column)
-        return Prompt(ids, str(row[self.spec.answer_column]), columns, row[column])
-
-    def score(self, prompt: Prompt, completion_texts, completion_ids, step: int = 0):
-        return self.scorer.score(prompt.prompt, completion_texts, completion_ids, prompt.columns, step)
-
-    def close(self):
-        self.scorer.close()
-
-
-def make_task(settings, tokenizer, max_len: int | None = None):
-    """The task the run's flags ask for: the copy task (default) or a dataset task (--dataset / --task)."""
-    import data
-
-    spec = data.spec_of(settings)
-    limit = prompt_limit(settings.max_prompt_tokens, max_len, settings.max_new_tokens)
-    if spec is None:
-        return CopyTask(tokenizer, limit)
-    return DatasetTask(spec, tokenizer, limit)
-
-
-# ----------------------------------------------------------------------------------------------------
-# The generator process
-# ----------------------------------------------------------------------------------------------------
 @dataclass
 class GeneratorSettings:
     """What the generator needs from the run's config (a plain copy, so this file stands alone)."""
@@ -412,18 +186,15 @@ class Generator:
                           tensor_parallel_size=self.s.tensor_parallel_size)
         else:
             memory = dict(kv_cache_memory_bytes=self.s.kv_cache_mb * 2**20)
-        if self.s.lora_rank:
-            from lora import engine_max_rank
-            from vllm.lora.request import LoRARequest
+        # vLLM is imported here, in the generator process, never in the parent (nor before CUDA_VISIBLE_DEVICES).
+        from vllm import AsyncEngineArgs
+        from vllm.lora.request import LoRARequest
+        from vllm.v1.engine.async_llm import AsyncLLM
 
+        if self.s.lora_rank:
             memory.update(enable_lora=True, max_lora_rank=engine_max_rank(self.s.lora_rank), max_loras=1,
                           max_cpu_loras=1)
             self.lora_request = LoRARequest("policy", LORA_ID, self.s.lora_dir)
-        from vllm import AsyncEngineArgs
-        from vllm.v1.engine.async_llm import AsyncLLM
-        from transformers import AutoTokenizer
-
-        self.tokenizer = AutoTokenizer.from_pretrained(self.s.model)
         if self.s.max_model_len:
             memory.update(max_model_len=self.s.max_model_len)
         args = AsyncEngineArgs(
@@ -437,32 +208,32 @@ class Generator:
         self.engine = AsyncLLM.from_engine_args(args)
         return self.engine
 
-    def sampling_params(self, group_id: int):
-        from vllm import SamplingParams
+    def request_params(self, **sampling):
+        """vLLM's SamplingParams for one request: final output only, the run's stop strings and length."""
+        from vllm import SamplingParams  # the generator process only (see build_engine)
         from vllm.sampling_params import RequestOutputKind
 
+        # Detokenizing every token costs the front end CPU time; a task scored by token ids skips it (stop
+        # strings are matched in the text: they need it).
+        return SamplingParams(**sampling, max_tokens=self.s.max_new_tokens, output_kind=RequestOutputKind.FINAL_ONLY,
+                              stop=list(self.s.stop) or None, detokenize=self.task.needs_text or bool(self.s.stop))
+
+    def sampling_params(self, group_id: int):
         # A per-request seed makes a group's samples a function of (seed, group id, weights), so a resumed
         # run regenerates the same rollouts. Only when no request is ever preempted by a weight swap:
         # vLLM's CPU sampler cannot re-seed a preempted request ("CPU Generator does not use offset").
         reproducible = self.s.max_lag == 0 or self.s.update_mode == "drain"
-        # Detokenizing every token costs the front end CPU time; a task scored by token ids skips it (stop
-        # strings are matched in the text: they need it).
-        return SamplingParams(n=self.s.group_size, max_tokens=self.s.max_new_tokens,
-                              temperature=self.s.temperature, top_k=self.s.top_k, top_p=self.s.top_p,
-                              logprobs=0, seed=self.s.seed * 1_000_003 + group_id if reproducible else None,
-                              output_kind=RequestOutputKind.FINAL_ONLY, stop=list(self.s.stop) or None,
-                              detokenize=self.task.needs_text or bool(self.s.stop))
+        return self.request_params(n=self.s.group_size, temperature=self.s.temperature, top_k=self.s.top_k,
+                                   top_p=self.s.top_p, logprobs=0,
+                                   seed=self.s.seed * 1_000_003 + group_id if reproducible else None)
 
     def eval_params(self, greedy: bool):
         """An evaluation request: one greedy completion, or S samples with the run's sampling settings; no
         log-probs, no seed (a seeded request re-prefilled after a chunked prefill fails on vLLM's CPU sampler)."""
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        sampling = dict(n=1, temperature=0.0) if greedy else dict(
-            n=self.s.eval_samples, temperature=self.s.temperature, top_k=self.s.top_k, top_p=self.s.top_p)
-        return SamplingParams(**sampling, max_tokens=self.s.max_new_tokens, output_kind=RequestOutputKind.FINAL_ONLY,
-                              stop=list(self.s.stop) or None, detokenize=self.task.needs_text or bool(self.s.stop))
+        if greedy:
+            return self.request_params(n=1, temperature=0.0)
+        return self.request_params(n=self.s.eval_samples, temperature=self.s.temperature, top_k=self.s.top_k,
+                                   top_p=self.s.top_p)
 
     def _count_generating(self, delta: int) -> None:
         now = time.perf_counter()
@@ -476,8 +247,6 @@ class Generator:
     async def run_eval(self, step: int):
         """Evaluate the weights held now on the first `eval_prompts` held-out prompts; answer on
         control.eval_results (never the rollout queue). The loop loads no weights while this runs."""
-        from evaluation import EvalResult
-
         t0, version = time.perf_counter(), self.loaded_version
         prompts = self.task.held_out[: self.s.eval_prompts]
         rewards = await asyncio.gather(*(self.eval_prompt(step, i, p, version) for i, p in enumerate(prompts)))
@@ -511,8 +280,6 @@ class Generator:
 
     def maybe_start_eval(self) -> None:
         """Start the newest requested evaluation once the weights it asks for (or newer) are loaded."""
-        from evaluation import requested
-
         step, version = requested(self.control)
         if step > self.last_eval_step and self.loaded_version >= version:
             self.last_eval_step = step
@@ -550,11 +317,11 @@ class Generator:
         self.stats["reward_s"] = self.stats.get("reward_s", 0.0) + sum(s["time_s"] for s in reward_stats.values())
         self.stats["unscored"] = self.stats.get("unscored", 0) + unscored
         self.stats["groups"] += 1
+        gen_stats = dict(self.stats, sync_ms=self.sync_ms, sync_parts=self.sync_parts,
+                         loaded_version=self.loaded_version)
         group = RolloutGroup(group_id, prompt.prompt_ids, completions, logprobs, versions, rewards, prompt.answer,
-                             reward_stats=reward_stats, unscored=unscored, epoch=epoch,
+                             gen_stats=gen_stats, reward_stats=reward_stats, unscored=unscored, epoch=epoch,
                              finish_reasons=[c.finish_reason for c in sorted(final.outputs, key=lambda c: c.index)])
-        group.gen_stats = dict(self.stats, sync_ms=self.sync_ms, sync_parts=self.sync_parts,
-                               loaded_version=self.loaded_version)
         self.sync_ms, self.sync_parts = [], []
         try:  # usually there is room: no thread hop (mp.Queue.put only hands the group to its feeder thread)
             self.queue.put_nowait(group)
@@ -640,12 +407,6 @@ class Generator:
             self.wake.set()
 
     async def run(self):
-        from concurrent.futures import ThreadPoolExecutor
-
-        from transformers import AutoTokenizer
-
-        import data
-
         max_len = getattr(getattr(self.engine, "model_config", None), "max_model_len", None)
         self.task = make_task(self.s, AutoTokenizer.from_pretrained(self.s.model), max_len)
         self.stats.update(train_prompts=len(self.task.prompts), held_out_prompts=len(self.task.held_out),
@@ -718,8 +479,6 @@ def quiet_requested_shutdown() -> None:
     """vLLM 0.32's CPU worker lingers after it acknowledges the shutdown, so at every end of a run vLLM force-
     kills it after 5 s and logs three "[shutdown] ... force killing" warnings. We asked for this shutdown and
     nothing is lost: those lines are left out (with --log-level info they show)."""
-    import logging
-
     class RequestedShutdown(logging.Filter):
         def filter(self, record):
             return not record.getMessage().startswith("[shutdown]")

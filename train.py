@@ -829,7 +829,7 @@ def prepare_model(cfg) -> str:
         if not os.path.exists(os.path.join(path, "config.json")):
             raise SystemExit(f"error: --model {cfg.model} has no config.json: not a Hugging Face model directory")
         return path
-    from rollout import build_tiny_model
+    from tasks import build_tiny_model
 
     path = os.path.abspath(os.path.join(cfg.out, "init_model"))
     if not os.path.exists(os.path.join(path, "config.json")):

@@ -1,11 +1,9 @@
-"""bench/common.py — what the benchmarks share: paths, machine facts, a CPU-load monitor, child processes,
-the project's own stages run alone (generation without training, training without generation), the options
-every benchmark takes and what it writes (`Bench`: its JSON, plot and closing line), tables.
-
-Nothing here reimplements the pipeline: the stages are the project's own functions
-(`rollout.generator_main`, `train.trainer_main`, `buffer.take_groups`, `sync.SharedWeights`) started the
-way `train.run` starts them, with the other side replaced by a stand-in that does no work.
-Heavy imports stay inside functions: spawned children re-import the benchmark script.
+"""bench/common.py — what the benchmarks share: the options and outputs of a benchmark (`Bench`: machine
+facts, the load of other processes, a scratch folder, its JSON, plot and closing line), tables, child
+processes, and the project's own stages run alone (generation without training, training without
+generation), started the way `train.run` starts them with the other side a stand-in that does no work.
+Project, torch and vLLM imports stay inside functions: spawned children re-import the benchmark script, and
+vLLM must load only in the process that runs the engine.
 """
 from __future__ import annotations
 
@@ -16,6 +14,8 @@ import importlib.metadata
 import json
 import os
 import platform
+import queue as queue_lib
+import shutil
 import signal
 import statistics
 import subprocess
@@ -25,6 +25,8 @@ import threading
 import time
 import traceback
 from pathlib import Path
+
+import psutil
 
 REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -86,53 +88,28 @@ class LoadMonitor:
     average number of cores (out of `cores`) busy with other people's work while the benchmark ran."""
 
     def __init__(self, interval_s: float = 1.0):
-        import psutil
-
-        self.psutil, self.interval = psutil, interval_s
+        self.interval = interval_s
         self.samples: list[float] = []
         self.times: list[float] = []  # time.monotonic() at the end of each sample's interval
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self.load_start = os.getloadavg()
 
-    def _tree(self):
-        me = self.psutil.Process(os.getpid())
-        procs = [me]
-        try:
-            procs += me.children(recursive=True)
-        except self.psutil.Error:
-            pass
-        # vLLM's EngineCore and workers sit in our tree; a killed parent's orphans would not, rarely.
-        return procs
-
     def _loop(self):
-        ps = self.psutil
-        last_total = ps.cpu_times()
-        last_own: dict[int, float] = {}
-        for p in self._tree():
-            try:
-                t = p.cpu_times()
-                last_own[p.pid] = t.user + t.system
-            except ps.Error:
-                pass
-        last_t = time.monotonic()
+        def busy(t):  # seconds the whole machine's cores were busy
+            return t.user + t.nice + t.system + t.irq + t.softirq + t.steal
+
+        def own():  # cpu seconds of this benchmark's process tree (vLLM's EngineCore and workers included)
+            return {pid: cpu for pid, (_, _, cpu) in tree_cpu(os.getpid()).items()}
+
+        last_total, last_own, last_t = busy(psutil.cpu_times()), own(), time.monotonic()
         while not self._stop.wait(self.interval):
-            total = ps.cpu_times()
-            now = time.monotonic()
-            busy = ((total.user + total.nice + total.system + total.irq + total.softirq + total.steal)
-                    - (last_total.user + last_total.nice + last_total.system + last_total.irq
-                       + last_total.softirq + last_total.steal))
-            own, seen = 0.0, {}
-            for p in self._tree():
-                try:
-                    t = p.cpu_times()
-                except ps.Error:
-                    continue
-                seen[p.pid] = t.user + t.system
-                own += seen[p.pid] - last_own.get(p.pid, 0.0)  # new: all of its time is in this interval
+            total, seen, now = busy(psutil.cpu_times()), own(), time.monotonic()
+            # a process new in this interval: all of its time is in this interval
+            mine = sum(cpu - last_own.get(pid, 0.0) for pid, cpu in seen.items())
             elapsed = now - last_t
             if elapsed > 0:
-                self.samples.append(max(0.0, (busy - own) / elapsed))
+                self.samples.append(max(0.0, (total - last_total - mine) / elapsed))
                 self.times.append(now)
             last_total, last_own, last_t = total, seen, now
 
@@ -265,18 +242,21 @@ class Bench:
         self.load, self.wall_s = None, None
         self._start = time.perf_counter()
         self._monitor = LoadMonitor()
-        self._scratch = Scratch(args.work, name.replace("_", "-"))
+        self._keep = bool(args.work)  # a scratch folder given is kept; a temporary one is deleted
+        self.work = Path(args.work) if args.work else Path(tempfile.mkdtemp(
+            prefix=f"asyncgrpo-bench-{name.replace('_', '-')}-"))
+        self.work.mkdir(parents=True, exist_ok=True)
 
     def __enter__(self):
         self._monitor.__enter__()
-        self.work = self._scratch.__enter__()
         return self
 
     def foreign_cores(self, t0: float, t1: float) -> float | None:
         return self._monitor.foreign_cores(t0, t1)
 
     def __exit__(self, *exc):
-        self._scratch.__exit__(*exc)
+        if not self._keep:
+            shutil.rmtree(self.work, ignore_errors=True)
         self._monitor.__exit__(*exc)
         self.load = self._monitor.summary()
         self.wall_s = time.perf_counter() - self._start
@@ -300,24 +280,6 @@ def save_figure(fig, path: Path, data: dict, what: str) -> None:
     plt().close(fig)
 
 
-class Scratch:
-    """A scratch folder: the given one (kept), or a temporary one (deleted)."""
-
-    def __init__(self, path: str, prefix: str):
-        self.keep = bool(path)
-        self.path = Path(path) if path else Path(tempfile.mkdtemp(prefix=f"asyncgrpo-bench-{prefix}-"))
-        self.path.mkdir(parents=True, exist_ok=True)
-
-    def __enter__(self):
-        return self.path
-
-    def __exit__(self, *exc):
-        if not self.keep:
-            import shutil
-
-            shutil.rmtree(self.path, ignore_errors=True)
-
-
 # ----------------------------------------------------------------------------------------------------
 # Processes
 # ----------------------------------------------------------------------------------------------------
@@ -334,8 +296,6 @@ def _child_main(fn, args, results):
 def in_child(fn, *args, timeout_s: float = 600.0, what: str = "child"):
     """Run `fn(*args)` in a spawned child in its own process group; return its result (picklable).
     The whole group is killed afterwards, so no engine process outlives the call."""
-    import queue as queue_lib
-
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -379,13 +339,10 @@ class CpuByRole:
     (the asyncio process), engine_core and vllm_worker (vLLM's), parent (train.py itself), helpers."""
 
     def __init__(self, pid: int, metrics: Path, from_step: int, to_step: int):
-        import psutil
-
         (Path(metrics)).unlink(missing_ok=True)
-        self.ps, self.root, self.metrics = psutil, pid, Path(metrics)
+        self.root, self.metrics = pid, Path(metrics)
         self.marks = (from_step, to_step)
         self.snaps: list[tuple[float, dict]] = []
-        self.info: dict[int, tuple[str, int]] = {}  # pid -> (name, ppid)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self._thread.start()
@@ -397,56 +354,49 @@ class CpuByRole:
         except OSError:
             return 0
 
-    def _times(self) -> dict:
-        out = {}
-        try:
-            procs = [self.ps.Process(self.root)] + self.ps.Process(self.root).children(recursive=True)
-        except self.ps.Error:
-            return out
-        for p in procs:
-            try:
-                t = p.cpu_times()
-                self.info[p.pid] = (p.name(), p.ppid())
-                out[p.pid] = t.user + t.system
-            except self.ps.Error:
-                pass
-        return out
-
     def _loop(self):
         while not self._stop.wait(0.05) and len(self.snaps) < 2:
-            n = self._rows()
-            if n >= self.marks[len(self.snaps)]:
-                self.snaps.append((time.monotonic(), self._times()))
-            elif len(self.snaps) == 0 and n == 0:
-                self._times()  # learn names while the processes start
+            if self._rows() >= self.marks[len(self.snaps)]:
+                self.snaps.append((time.monotonic(), tree_cpu(self.root)))
 
     def stop(self):
         self._stop.set()
         self._thread.join(timeout=5)
 
     def result(self) -> dict | None:
-        if len(self.snaps) < 2:
-            return None
-        (t0, a), (t1, b) = self.snaps
-        gens = {ppid for name, ppid in self.info.values() if name.startswith("VLLM::EngineCor")}
-        cores: dict[str, float] = {}
-        for pid, cpu in b.items():
-            name, ppid = self.info.get(pid, ("?", 0))
-            if pid == self.root:
-                role = "parent"
-            elif name.startswith("VLLM::Worker"):
-                role = "vllm_worker"
-            elif name.startswith("VLLM::EngineCor"):
-                role = "engine_core"
-            elif pid in gens:
-                role = "generator"
-            elif ppid == self.root and name.startswith("python"):
-                role = "trainer"
-            else:
-                role = "helpers"
-            cores[role] = cores.get(role, 0.0) + (cpu - a.get(pid, 0.0)) / (t1 - t0)
-        cores["total"] = sum(cores.values())
-        return {k: round(v, 3) for k, v in cores.items()}
+        return cores_by_role(self.snaps, self.root, "parent", "trainer") if len(self.snaps) == 2 else None
+
+
+def tree_cpu(pid: int) -> dict:
+    """{pid: (name, ppid, cpu seconds)} for a process and its descendants."""
+    out = {}
+    try:
+        procs = [psutil.Process(pid)] + psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return out
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            out[p.pid] = (p.name(), p.ppid(), t.user + t.system)
+        except psutil.Error:
+            pass
+    return out
+
+
+def cores_by_role(snaps, root: int, root_role: str, child_role: str = "helpers") -> dict:
+    """Cores each role used between two `tree_cpu` snapshots: root_role (the process measured), vLLM's
+    vllm_worker and engine_core, generator (the engine core's parent), child_role (the root's other Python
+    children), helpers."""
+    (t0, a), (t1, b) = snaps
+    engines = {ppid for snap in (a, b) for name, ppid, _ in snap.values() if name.startswith("VLLM::EngineCor")}
+    cores: dict[str, float] = {}
+    for pid, (name, ppid, cpu) in b.items():
+        role = (root_role if pid == root else "vllm_worker" if name.startswith("VLLM::Worker")
+                else "engine_core" if name.startswith("VLLM::EngineCor") else "generator" if pid in engines
+                else child_role if ppid == root and name.startswith("python") else "helpers")
+        cores[role] = cores.get(role, 0.0) + (cpu - a.get(pid, (0, 0, 0.0))[2]) / (t1 - t0)
+    cores["total"] = sum(cores.values())
+    return {k: round(v, 3) for k, v in cores.items()}
 
 
 def run_train_cli(out_dir: Path, args: list[str], timeout_s: float = 900.0, cpu_window=None) -> dict:
@@ -539,8 +489,8 @@ def run_ahead_settings(cfg, model_path: str):
 
 
 def build_model(path: Path, seed: int = 0, **sizes) -> str:
-    """The project's tiny-model builder (rollout.build_tiny_model), optionally with other sizes."""
-    from rollout import build_tiny_model
+    """The project's tiny-model builder (tasks.build_tiny_model), optionally with other sizes."""
+    from tasks import build_tiny_model
 
     path = Path(path)
     if not (path / "config.json").exists():
@@ -602,16 +552,7 @@ def stand_in_trainer(queue, control, shared, model_path: str, steps: int, prompt
             "gen_stats": last_stats, "sync_ms": sync_ms, "sync_parts": parts}
 
 
-def stand_in_entry(results, *args):
-    """`stand_in_trainer` as a process target: its result goes to `results`."""
-    try:
-        results.put(("ok", stand_in_trainer(*args)))
-    except BaseException:
-        results.put(("error", traceback.format_exc()))
-
-
-def generate_alone(cfg, model_path: str, steps: int, publish: bool = True, keep_groups: bool = True,
-                   timeout_s: float = 300.0, cpu_from_step: int | None = None) -> dict:
+def generate_alone(cfg, model_path: str, steps: int, cpu_from_step: int | None = None) -> dict:
     """Generation with no training: the real generator process (`rollout.generator_main`, started like
     `train.run` starts it) feeding `stand_in_trainer` (here, in this process). Returns the groups (the
     batches a run would train on) and, per step, when its last group arrived."""
@@ -637,45 +578,14 @@ def generate_alone(cfg, model_path: str, steps: int, publish: bool = True, keep_
             snaps.append((time.monotonic(), tree_cpu(proc.pid)))
 
     try:
-        result = stand_in_trainer(queue, control, shared, model_path, steps, cfg.prompts_per_step, publish,
-                                  keep_groups, timeout_s, None, on_step)
+        result = stand_in_trainer(queue, control, shared, model_path, steps, cfg.prompts_per_step, on_step=on_step)
         proc.join(timeout=60)
     finally:
         control.stop.set()
         processes.kill_tree(proc, True)
     result["process_s"] = time.perf_counter() - t_spawn
-    result["cores_by_role"] = cores_by_role(snaps, root_role="generator") if len(snaps) == 2 else None
+    result["cores_by_role"] = cores_by_role(snaps, proc.pid, "generator") if len(snaps) == 2 else None
     return result
-
-
-def tree_cpu(pid: int) -> dict:
-    """{pid: (name, ppid, cpu seconds)} for a process and its descendants."""
-    import psutil
-
-    out = {}
-    try:
-        procs = [psutil.Process(pid)] + psutil.Process(pid).children(recursive=True)
-    except psutil.Error:
-        return out
-    for p in procs:
-        try:
-            t = p.cpu_times()
-            out[p.pid] = (p.name(), p.ppid(), t.user + t.system)
-        except psutil.Error:
-            pass
-    return out
-
-
-def cores_by_role(snaps, root_role: str) -> dict:
-    (t0, a), (t1, b) = snaps
-    root = next(iter(a)) if a else None
-    cores: dict[str, float] = {}
-    for pid, (name, ppid, cpu) in b.items():
-        role = (root_role if pid == root else "vllm_worker" if name.startswith("VLLM::Worker")
-                else "engine_core" if name.startswith("VLLM::EngineCor") else "helpers")
-        cores[role] = cores.get(role, 0.0) + (cpu - a.get(pid, (0, 0, 0.0))[2]) / (t1 - t0)
-    cores["total"] = sum(cores.values())
-    return {k: round(v, 3) for k, v in cores.items()}
 
 
 def train_alone(cfg, model_path: str, groups: list, out_dir: Path, timeout_s: float = 600.0,

@@ -3,7 +3,7 @@
     python bench/dtype.py --out DIR        # writes DIR/dtype.json and DIR/dtype.png; ~5 min on 2 cores
 
 What `--dtype auto` picks on the CPU path (devices.CPU_DEFAULT_DTYPE) is decided from this benchmark.
-For each model size (random-init Qwen2/Llama from `rollout.build_tiny_model`, alphabet "ascii" so sequences
+For each model size (random-init Qwen2/Llama from `tasks.build_tiny_model`, alphabet "ascii" so sequences
 can be long), in alternating order fp32, bf16, fp32, bf16 (drift on a shared machine cancels to first order):
 - trainer: `train.build_trainer_model(compute_dtype=...)` (FSDP2, world size 1, with bf16 the mixed-precision
   policy: bf16 compute, fp32 master weights and gradient reduction), AdamW; a step = forward, log-softmax of
@@ -20,13 +20,17 @@ generator on on-policy tokens, and the bytes of one sync.
 """
 from __future__ import annotations
 
+import os
+import random
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+# torch, vLLM and the project are imported in the functions that run in child processes (common.py)
 
 # name -> build_tiny_model sizes (alphabet "ascii": 100 tokens, 1024 positions)
 SIZES = {"tiny": {}, "4M": {"hidden": 256, "layers": 4, "heads": 4}}
@@ -36,9 +40,6 @@ DTYPES = ("fp32", "bf16")
 def train_rate(model_path: str, dtype: str, threads: int, batch: int, length: int, steps: int, warmup: int,
                seed: int) -> dict:
     """Tokens/s of full trainer steps (in a child process)."""
-    import os
-    import tempfile
-
     import torch
     import torch.distributed as dist
 
@@ -76,11 +77,8 @@ def train_rate(model_path: str, dtype: str, threads: int, batch: int, length: in
 
 def generate_rate(model_path: str, dtype: str, threads: int, prompts: int, tokens: int, seed: int) -> dict:
     """Tokens/s of vLLM generation (in a child process: vLLM binds its threads for good)."""
-    import os
-
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process: a quick start
     os.environ["OMP_NUM_THREADS"] = str(threads)
-    import random
 
     from vllm import LLM, SamplingParams
 

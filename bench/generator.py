@@ -22,13 +22,17 @@ each pipeline phase against the bare phase of its own round (goal >= 0.90).
 """
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+# torch, vLLM and the project are imported in the functions that run in child processes (common.py)
 
 PHASES = ("bare", "pipeline", "pipeline_nosync")
 LABELS = {"bare": "bare vLLM", "pipeline": "pipeline (weight swap every step)",
@@ -42,17 +46,22 @@ def window_rate(step_end: list[float], tokens: list[int], warmup: int) -> dict:
             "step_s_mean": span / (len(step_end) - warmup)}
 
 
+def stand_in_entry(results, *args):
+    """`common.stand_in_trainer` as a process target: its result goes to `results`."""
+    try:
+        results.put(("ok", common.stand_in_trainer(*args)))
+    except BaseException:
+        results.put(("error", traceback.format_exc()))
+
+
 def measure(model_path: str, plan: list[dict], rounds: int, seed: int) -> dict:
     """In a child process: one engine; for each round, each workload, each phase."""
-    import asyncio
-    import dataclasses
-
     import torch.multiprocessing as mp
 
     import data
-    import rollout
     import train
     from rollout import Generator
+    from tasks import make_task
 
     cfg = common.default_config(model=model_path, seed=seed)
     ctx = mp.get_context("spawn")
@@ -68,7 +77,7 @@ def measure(model_path: str, plan: list[dict], rounds: int, seed: int) -> dict:
         from transformers import AutoTokenizer
 
         sampler = Generator(settings, None, None, None)  # only for its sampling_params (they ask its task)
-        task = sampler.task = rollout.make_task(settings, AutoTokenizer.from_pretrained(model_path))
+        task = sampler.task = make_task(settings, AutoTokenizer.from_pretrained(model_path))
         slots = asyncio.Semaphore(pps)  # as many groups in flight as the generator allows
         n_groups = steps * pps
         done, toks = [], []
@@ -103,7 +112,7 @@ def measure(model_path: str, plan: list[dict], rounds: int, seed: int) -> dict:
         gen = Generator(settings, shared, queue, control)
         gen.engine = engine
         results, armed = ctx.Queue(), ctx.Event()
-        proc = ctx.Process(target=common.stand_in_entry, args=(
+        proc = ctx.Process(target=stand_in_entry, args=(
             results, queue, control, shared, model_path, steps, pps, publish, False, 120.0, armed))
         proc.start()
         try:

@@ -2,7 +2,7 @@
 
     python bench/memory.py --out DIR         # writes DIR/memory.json and DIR/memory.png, prints a table
 
-Model: the project's `rollout.build_tiny_model` with a real vocabulary (151,936 tokens, Qwen2.5's size;
+Model: the project's `tasks.build_tiny_model` with a real vocabulary (151,936 tokens, Qwen2.5's size;
 hidden 128, 2 layers, tied embeddings): the LM head and its softmax are a real model's, the rest is small.
 Batches: synthetic GRPO batches of `--sequences` (16, 64, 256) completions of `--lengths` (128, 512, 2,048)
 nominal tokens (each completion L/2 to L tokens, uniform; prompts of `--prompt-len` tokens).
@@ -30,20 +30,27 @@ Goal: micro-batched peak memory flat in the batch size: at most 1.2x from 16 to 
 """
 from __future__ import annotations
 
+import dataclasses
+import os
+import random
+import resource
 import statistics
 import sys
+import tempfile
+import time
 from pathlib import Path
+
+import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+# torch, vLLM and the project are imported in the functions that run in child processes (common.py)
 
 VOCAB = 151_936
 
 
 def synthetic_batch(sequences: int, length: int, prompt_len: int, vocab: int, seed: int):
     """A collated GRPO batch: random prompt and completion tokens, completions of length/2..length tokens."""
-    import random
-
     import buffer
 
     rng = random.Random(seed)
@@ -61,13 +68,6 @@ def measure(model_path: str, sequences: int, length: int, budgets: list[int], ma
     """One configuration in this (fresh) process: build, then one trainer step per entry of `budgets` (its
     --micro-batch-tokens). Peak memory is the first step's (read right after it); the times of the later
     steps, by budget, give tokens/s (the first step also allocates the optimizer's state)."""
-    import dataclasses
-    import os
-    import resource
-    import tempfile
-    import time
-
-    import psutil
     import torch
     import torch.distributed as dist
 
@@ -149,7 +149,6 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
     p.add_argument("--grad-checkpointing", action="store_true", help="as the trainer's flag, in every measurement")
     args = p.parse_args(argv)
-    import os
 
     import train
 
@@ -159,7 +158,7 @@ def main(argv=None) -> int:
     lengths = [int(x) for x in args.lengths.split(",")]
     rows, speed = [], []
     with common.Bench("memory", args) as bench:
-        from rollout import build_tiny_model
+        from tasks import build_tiny_model
 
         model = build_tiny_model(str(bench.work / "model"), seed=args.seed, alphabet="ascii", vocab_size=args.vocab)
 

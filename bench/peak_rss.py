@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import psutil
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -41,8 +42,6 @@ def role(proc, root_pid: int) -> str:
 
 def sample(root) -> dict:
     """{pid: (role, rss, pss)} for the process tree under `root`."""
-    import psutil
-
     out = {}
     try:
         procs = [root] + root.children(recursive=True)
@@ -64,7 +63,6 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="", help="also write the figures to this JSON file")
     p.add_argument("--interval", type=float, default=0.5)
     args = p.parse_args(argv[:split])
-    import psutil
 
     cmd = [sys.executable, str(REPO / "train.py"), *argv[split + 1:]]
     start = time.perf_counter()

@@ -5,7 +5,7 @@
 1. Batches: the real generator (`rollout.generator_main`) produces `--steps` steps of rollouts on the
    default task (32 prompts x 8 completions), recorded once.
 2. For each model size (the default tiny model, and a larger one built with the project's
-   `rollout.build_tiny_model`), in this order, on those same batches, with the trainer's thread budget:
+   `tasks.build_tiny_model`), in this order, on those same batches, with the trainer's thread budget:
    - bare: a plain FSDP2 loop (`train.build_trainer_model`, AdamW): forward, log-softmax of the targets, a
      policy-gradient loss, backward, step. Batches are collated beforehand and not timed.
    - project: the real trainer (`train.trainer_main`, rank 0 of 1) fed from a queue that is never empty:
@@ -17,13 +17,16 @@ Rates are completion tokens/s over the steps after `--warmup`; ratio = project /
 """
 from __future__ import annotations
 
+import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+# torch, vLLM and the project are imported in the functions that run in child processes (common.py)
 
 # name -> build_tiny_model sizes (None: the default tiny model)
 SIZES = {"tiny": None, "4M": {"hidden": 256, "layers": 4, "heads": 4}}
@@ -31,9 +34,6 @@ SIZES = {"tiny": None, "4M": {"hidden": 256, "layers": 4, "heads": 4}}
 
 def bare_loop(model_path: str, groups: list, prompts_per_step: int, lr: float, threads: int, seed: int) -> dict:
     """A plain FSDP2 training loop on the given groups (in a child process)."""
-    import os
-    import tempfile
-
     import torch
     import torch.distributed as dist
     from transformers import AutoTokenizer

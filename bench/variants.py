@@ -44,7 +44,7 @@ def main(argv=None) -> int:
             print(json.dumps(runs[-1]), flush=True)
     (out / "variants.json").write_text(json.dumps({"machine": common.machine_line(common.machine_info()), "steps": args.steps,
                                                     "runs": runs}, indent=2))
-    print(f"\n| variant | seed | reward first 10% -> last 20% | wall | mean clip fraction | max ratio |")
+    print("\n| variant | seed | reward first 10% -> last 20% | wall | mean clip fraction | max ratio |")
     print("| --- | --- | --- | --- | --- | --- |")
     for r in runs:
         print(f"| {r['variant']} | {r['seed']} | {r['reward_first10']:.3f} -> {r['reward_last20']:.3f} | "

@@ -3,7 +3,7 @@
     python bench/weight_sync.py --out DIR     # writes DIR/weight_sync.json and DIR/weight_sync.png
 
 For models of about 1M, 10M, 100M and 300M parameters (Qwen2 built from configs by the project's
-`rollout.build_tiny_model`, random weights), each in its own process:
+`tasks.build_tiny_model`, random weights), each in its own process:
 - the trainer side is the project's: an FSDP2 model (`train.build_trainer_model`, one rank) publishing into
   the packed shared buffer with `sync.publish_model` (no gather: each rank writes its own rows);
 - the generator side is the project's `rollout.Generator` with its real vLLM engine, running its own loop
@@ -26,13 +26,18 @@ buffer and seqlock (`sync.WeightSyncWorker.load_shared_adapter`). Reported besid
 """
 from __future__ import annotations
 
+import asyncio
+import os
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+# torch, vLLM and the project are imported in the functions that run in child processes (common.py)
 
 # name -> (hidden, layers, heads); vocabulary 26, MLP 4x hidden, tied embeddings (head size 32 or 64)
 SIZES = {"1M": (128, 4, 4), "10M": (256, 10, 4), "100M": (768, 11, 12), "300M": (1024, 18, 16)}
@@ -73,11 +78,6 @@ async def tmpfs_route(gen, model, config, base_model: str, versions, gap_s: floa
     a PEFT folder on tmpfs (/dev/shm), renamed into place per version (that is the consistency), and the
     generator pauses, has vLLM reload its adapter from the folder (`add_lora` with `load_inplace=True`),
     resets the prefix cache, sets the version and resumes: the shared-memory path's steps, with a file."""
-    import asyncio
-    import os
-    import shutil
-    import tempfile
-
     import torch
 
     import lora
@@ -119,10 +119,6 @@ def measure_size(name: str, shape: tuple, work: str, syncs: int, seed: int, gap_
                  lora_rank: int = 0) -> dict:
     """One model size, in its own process (it owns a vLLM engine). With `lora_rank`, the same model served
     with a LoRA adapter on every linear layer (alpha = 2 x rank): only the adapter is synced."""
-    import asyncio
-    import os
-    import tempfile
-
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # lets the profiling step send a function
     import torch
     import torch.distributed as dist

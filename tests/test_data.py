@@ -18,6 +18,7 @@ import pytest
 import data
 import plots
 import rollout
+import tasks
 import train
 
 REPO = Path(__file__).resolve().parent.parent
@@ -30,7 +31,7 @@ ROWS = [{"question": "What is 2 + 3?", "answer": "#### 5", "level": 1},
 @pytest.fixture(scope="module")
 def ascii_model(tmp_path_factory):
     """The tiny model with a printable-ASCII tokenizer and a chat template, saved as a HF directory."""
-    return rollout.build_tiny_model(str(tmp_path_factory.mktemp("models") / "tiny_ascii"), alphabet="ascii")
+    return tasks.build_tiny_model(str(tmp_path_factory.mktemp("models") / "tiny_ascii"), alphabet="ascii")
 
 
 @pytest.fixture(scope="module")
@@ -227,7 +228,7 @@ def test_chat_template_and_plain_text_prompts(tokenizer, tmp_path):
     assert data.render_prompt(tokenizer, "2 + 3 =", "Add.") == "<|system|>\nAdd.\n<|user|>\n2 + 3 =\n<|assistant|>\n"
     ids = data.encode_prompt(tokenizer, messages)
     assert tokenizer.decode(ids) == text  # every character encoded faithfully (no <pad> for unknowns)
-    copy_dir = rollout.build_tiny_model(str(tmp_path / "copy_tiny"))  # no chat template
+    copy_dir = tasks.build_tiny_model(str(tmp_path / "copy_tiny"))  # no chat template
     copy_tok = AutoTokenizer.from_pretrained(copy_dir)
     assert data.render_prompt(copy_tok, "abc=", "sys") == "sys\n\nabc="
     with pytest.raises(data.DataError, match="no chat template"):
@@ -242,7 +243,7 @@ def test_saved_model_directory_and_dataset_task(ascii_model, tokenizer, tmp_path
     cfg = train.parse_args(["--model", ascii_model, "--task", "gsm8k"])
     settings = rollout.GeneratorSettings(model=ascii_model, seed=0, group_size=2, prompts_per_step=2,
                                          max_new_tokens=8, max_lag=1, update_mode="inflight", task=cfg.task)
-    task = rollout.make_task(settings, tokenizer, max_len=1024)
+    task = tasks.make_task(settings, tokenizer, max_len=1024)
     assert len(task.prompts) == len(data.load_rows(data.GSM8K["dataset"])) and task.held_out == []  # a file: no test split
     prompt = task.prompts[data.walk(0, len(task.prompts), seed=0)[1]]
     text = tokenizer.decode(prompt.prompt_ids)
@@ -252,11 +253,11 @@ def test_saved_model_directory_and_dataset_task(ascii_model, tokenizer, tmp_path
     assert rewards == [1.0, 0.0] and set(stats) == {"math_reward"}
     # a context too small for any prompt is reported, not a hang
     with pytest.raises(RuntimeError, match="longer than 32 tokens"):
-        rollout.make_task(settings, tokenizer, max_len=40)
-    copy_task = rollout.make_task(rollout.GeneratorSettings(
+        tasks.make_task(settings, tokenizer, max_len=40)
+    copy_task = tasks.make_task(rollout.GeneratorSettings(
         model=ascii_model, seed=0, group_size=2, prompts_per_step=2, max_new_tokens=8, max_lag=1,
         update_mode="inflight"), tokenizer)
-    assert isinstance(copy_task, rollout.CopyTask)  # the default stays the copy task
+    assert isinstance(copy_task, tasks.CopyTask)  # the default stays the copy task
     # reward functions get texts (vLLM detokenizes); the copy task reads ids only (vLLM skips detokenizing)
     assert task.needs_text and not copy_task.needs_text
 
@@ -267,7 +268,7 @@ def test_a_chat_dataset_with_a_solution_column(ascii_model, tokenizer):
     settings = rollout.GeneratorSettings(model=ascii_model, seed=0, group_size=2, prompts_per_step=2,
                                          max_new_tokens=8, max_lag=1, update_mode="inflight", task=cfg.task,
                                          dataset=cfg.dataset, answer_column=cfg.answer_column, reward=cfg.reward)
-    task = rollout.make_task(settings, tokenizer, max_len=1024)
+    task = tasks.make_task(settings, tokenizer, max_len=1024)
     prompt = task.prompts[1]
     assert tokenizer.decode(prompt.prompt_ids).startswith("<|system|>\nAnswer with the number only.\n<|user|>\n")
     assert prompt.columns["solution"] == prompt.columns["answer"] == prompt.answer

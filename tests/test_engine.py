@@ -12,7 +12,8 @@ import torch.multiprocessing as mp
 
 import train
 from losses import token_logprobs
-from rollout import Generator, GeneratorSettings, build_tiny_model
+from rollout import Generator, GeneratorSettings
+from tasks import build_tiny_model
 
 FORCED_A, FORCED_B = 13, 14  # token ids of 'a' and 'b' in the tiny tokenizer
 

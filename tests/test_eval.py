@@ -25,6 +25,7 @@ import buffer
 import data
 import evaluation
 import rollout
+import tasks
 import train
 from test_data import ascii_model, tokenizer, write_jsonl  # noqa: F401  (fixtures shared with test_data)
 from test_engine import drain
@@ -69,12 +70,12 @@ def test_eval_summary_keys():
 def test_no_training_prompt_of_the_copy_task_is_held_out(tmp_path):
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(rollout.build_tiny_model(str(tmp_path / "copy")))
-    task, again = rollout.CopyTask(tok), rollout.CopyTask(tok)
+    tok = AutoTokenizer.from_pretrained(tasks.build_tiny_model(str(tmp_path / "copy")))
+    task, again = tasks.CopyTask(tok), tasks.CopyTask(tok)
     train_set = {p.answer for p in task.prompts}
     held = [p.answer for p in task.held_out]
     assert not train_set & set(held)
-    assert len(train_set) + len(held) == len(rollout.LETTERS) ** rollout.COPY_LENGTH and len(set(held)) == len(held)
+    assert len(train_set) + len(held) == len(tasks.LETTERS) ** tasks.COPY_LENGTH and len(set(held)) == len(held)
     assert 50 <= len(held) <= 150  # ~10%
     assert held == [p.answer for p in again.held_out]  # a function of the task alone, in a fixed order
     assert all(tok.decode(p.prompt_ids) == f"<bos>{p.answer}=" for p in task.held_out[:5])
@@ -107,7 +108,7 @@ def test_long_prompts_are_dropped_before_training_and_reported_once(ascii_model,
     held_file = write_jsonl(tmp_path / "held.jsonl", rows[:3])
     settings = settings_for(ascii_model, dataset=train_file, reward="math", eval_dataset=held_file,
                             max_prompt_tokens=10)
-    task = rollout.make_task(settings, tokenizer, max_len=1024)
+    task = tasks.make_task(settings, tokenizer, max_len=1024)
     assert sorted(len(p.prompt_ids) for p in task.prompts) == [3, 5, 7]
     assert sorted(len(p.prompt_ids) for p in task.held_out) == [3, 5]
     assert task.dropped_long == 3 + 1
@@ -115,7 +116,7 @@ def test_long_prompts_are_dropped_before_training_and_reported_once(ascii_model,
     assert err.count("3 of 6 training prompts are longer than 10 tokens") == 1
     assert err.count("1 of 3 held-out prompts") == 1
     # the model's context bounds prompts too (here: 1024 - max_new_tokens - ... = 20 tokens)
-    task = rollout.make_task(settings_for(ascii_model, dataset=train_file, reward="math", max_new_tokens=4),
+    task = tasks.make_task(settings_for(ascii_model, dataset=train_file, reward="math", max_new_tokens=4),
                              tokenizer, max_len=24)
     assert sorted(len(p.prompt_ids) for p in task.prompts) == [3, 5, 7, 12]
     with pytest.raises(SystemExit, match="--max-prompt-tokens must be >= 0"):
@@ -148,7 +149,7 @@ def test_datasets_written_by_datasets_load_with_their_test_split(saved_datasets,
         argv = ["--model", ascii_model, "--dataset", paths[kind], "--prompt-column", "question", "--reward", "math"]
         cfg = train.parse_args(argv)  # validate() loaded both splits
         assert data.has_eval_set(cfg)
-        task = rollout.make_task(train.generator_settings(cfg, ascii_model, gen_threads=1), tokenizer, max_len=1024)
+        task = tasks.make_task(train.generator_settings(cfg, ascii_model, gen_threads=1), tokenizer, max_len=1024)
         assert sorted(p.prompt for p in task.prompts) == sorted(r["question"] for r in train_rows)
         assert sorted(p.prompt for p in task.held_out) == sorted(r["question"] for r in test_rows)
         # an explicit held-out split

@@ -131,7 +131,7 @@ base = sys.argv[1]
 model = Qwen2ForCausalLM(Qwen2Config(vocab_size=1000, hidden_size=512, num_hidden_layers=6,
                                      num_attention_heads=8, num_key_value_heads=8, intermediate_size=2048))
 model.save_pretrained(base)
-from rollout import build_tiny_model
+from tasks import build_tiny_model
 from transformers import AutoTokenizer
 build_tiny_model(base + "-tok")
 AutoTokenizer.from_pretrained(base + "-tok").save_pretrained(base)
@@ -171,7 +171,7 @@ def test_sigkill_while_writing_leaves_the_previous_checkpoint_loadable(tmp_path)
 
 def test_bad_model_inputs_get_one_clear_line(tmp_path):
     import train
-    from rollout import build_tiny_model
+    from tasks import build_tiny_model
 
     with pytest.raises(SystemExit, match="not a local directory"):
         train.prepare_model(train.Config(model="no-such-model-dir"))
@@ -190,7 +190,7 @@ def test_bad_model_inputs_get_one_clear_line(tmp_path):
 def test_inf_loss_steps_are_skipped_counted_then_stop_the_run(tmp_path):
     """A reward of 1e38 (finite, so no reward fault) with unscaled advantages overflows the loss: each such
     step is skipped and counted, and more than --max-bad-steps of them stop the run with the reason."""
-    from rollout import build_tiny_model
+    from tasks import build_tiny_model
 
     model = build_tiny_model(str(tmp_path / "ascii"), alphabet="ascii")
     (tmp_path / "huge.py").write_text(
@@ -213,10 +213,11 @@ def test_a_model_vllms_cpu_backend_cannot_run_is_refused_before_anything_starts(
     forward, inside its worker. The parent refuses it first, in one line; nothing is spawned."""
     import rollout
     import train
+    from tasks import build_tiny_model
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
     assert tuple(CPUAttentionBackend.get_supported_head_sizes()) == rollout.CPU_ATTENTION_HEAD_SIZES
-    model = rollout.build_tiny_model(str(tmp_path / "head16"), hidden=64, heads=4)
+    model = build_tiny_model(str(tmp_path / "head16"), hidden=64, heads=4)
     out = tmp_path / "run"
     with pytest.raises(SystemExit) as err:
         train.main(["--model", model, "--out", str(out), "--steps", "1"])
@@ -225,13 +226,13 @@ def test_a_model_vllms_cpu_backend_cannot_run_is_refused_before_anything_starts(
     assert not (out / "metrics.jsonl").exists() and not (out / "config.json").exists()
     # the other limits found from config.json: a context the model was not built for, a KV cache too small
     # for one sequence (the default tiny model: 64 positions, 2 layers x 4 heads x 32 dims)
-    tiny = rollout.build_tiny_model(str(tmp_path / "tiny"))
+    tiny = build_tiny_model(str(tmp_path / "tiny"))
     assert rollout.engine_problems(tiny, False, 0, 5, 256, "fp32") == []
     [long] = rollout.engine_problems(tiny, False, 100, 5, 256, "fp32")
     assert "--max-model-len 100" in long and "max_position_embeddings 64" in long
     [full] = rollout.engine_problems(tiny, False, 0, 64, 256, "fp32")
     assert "--max-new-tokens 64" in full
-    deep = rollout.build_tiny_model(str(tmp_path / "deep"), layers=64)  # 64 x 1 KB per token x 64 tokens = 4 MB
+    deep = build_tiny_model(str(tmp_path / "deep"), layers=64)  # 64 x 1 KB per token x 64 tokens = 4 MB
     [kv] = rollout.engine_problems(deep, False, 0, 5, 3, "fp32")
     assert "--kv-cache-mb 3" in kv and "at least 4 MB" in kv
     assert rollout.engine_problems(deep, False, 0, 5, 3, "bf16") == []  # bf16 halves the KV cache

@@ -19,8 +19,8 @@ import torch
 import torch.multiprocessing as mp
 
 import buffer
-import rollout
 import sync
+import tasks
 import train
 
 PROMPT = [1, 13, 14, 15, 24]  # "<bos>abc=" in the tiny model's character tokenizer
@@ -127,7 +127,7 @@ def spawn_ranks(worker, world, tmp_path, *args):
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):
-    return rollout.build_tiny_model(str(tmp_path_factory.mktemp("fsdp") / "tiny"), seed=0)
+    return tasks.build_tiny_model(str(tmp_path_factory.mktemp("fsdp") / "tiny"), seed=0)
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,8 @@ import checkpoint
 import lora
 import sync
 import train
-from rollout import Generator, GeneratorSettings, build_tiny_model
+from rollout import Generator, GeneratorSettings
+from tasks import build_tiny_model
 from sync import SharedWeights
 from test_engine import wait_until
 

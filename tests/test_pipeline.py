@@ -256,7 +256,7 @@ def test_max_lag_1_bounds_staleness(update_mode, start_run):
 def test_child_that_raises_ends_the_run_with_its_traceback(start_run, tmp_path):
     """A model whose KV cache cannot hold one sequence in 1 MB: vLLM raises inside the generator process
     (EngineCore fails, AsyncLLM raises), after every process of the run has started."""
-    from rollout import build_tiny_model
+    from tasks import build_tiny_model
 
     model = build_tiny_model(str(tmp_path / "deep_model"), seed=0, layers=16)
     run = start_run("--steps", "50", "--kv-cache-mb", "1", "--model", model, *SMALL)
@@ -292,7 +292,7 @@ def test_bf16_run_agrees_within_the_correction_syncs_half_the_bytes_and_skips_lo
     from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from rollout import build_tiny_model
+    from tasks import build_tiny_model
 
     model = build_tiny_model(str(tmp_path / "ascii"), alphabet="ascii")
     (tmp_path / "letters.py").write_text(

@@ -125,10 +125,10 @@ def hand_ppo(model_path, cfg):
 
 
 def test_two_mini_batch_ppo_update_matches_the_hand_computed_one(tmp_path):
-    import rollout
+    import tasks
     from test_fsdp import spawn_ranks
 
-    model_path = rollout.build_tiny_model(str(tmp_path / "tiny"), seed=0)
+    model_path = tasks.build_tiny_model(str(tmp_path / "tiny"), seed=0)
     got = spawn_ranks(_ppo_worker, 2, tmp_path, model_path)
     expected, ratios = hand_ppo(model_path, train.Config(loss="grpo", **PPO))
     assert torch.allclose(ratios[0], torch.ones_like(ratios[0]), atol=1e-5)  # the first update: ratio 1

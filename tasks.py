@@ -1,0 +1,200 @@
+"""tasks.py — what the generator trains on: the built-in copy task, dataset tasks, and the tiny model.
+
+Role
+    `make_task(settings, tokenizer, max_len)` returns the task the flags ask for; the generator sees only
+        prompts: list[Prompt]   training prompts, encoded, too-long ones dropped (walked in epochs, data.walk)
+        held_out: list[Prompt]  held-out prompts in a fixed order (evaluation takes the first K)
+        score(prompt, completion_texts, completion_ids, step) -> (rewards, {name: stats}, unscored)
+        needs_text: bool        False: `score` reads token ids only, so vLLM skips detokenizing
+        dropped_long: int       prompts dropped as too long;  close()
+    `rewards` has one float per completion (never None/NaN: data.py's fault rules); `score` runs in a worker
+    thread. `build_tiny_model` writes the default model: a random-init Qwen2 and a character tokenizer.
+May touch: the tokenizer, the files data.py is pointed at. No engine, no queue, no trainer.
+"""
+from __future__ import annotations
+
+import hashlib
+import itertools
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+import data
+
+SPECIALS = ["<pad>", "<bos>", "<eos>"]
+SYMBOLS = list("0123456789abcdefghij+=_")
+ASCII = [chr(i) for i in range(32, 127)] + ["\n", "\t"]  # printable ASCII, newline, tab
+LETTERS = "abcdefghij"
+COPY_LENGTH = 3
+# A chat template that uses only printable ASCII (so the "ascii" tiny tokenizer encodes it faithfully).
+TINY_CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+                      "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+def build_tiny_model(path: str, seed: int = 0, hidden: int = 128, layers: int = 2, heads: int = 4,
+                     alphabet: str = "copy", vocab_size: int = 0) -> str:
+    """Write a random-init Qwen2 model and its character tokenizer to `path` (Hugging Face format).
+
+    alphabet="copy": the default 26 symbols (the copy task's), 64 positions.
+    alphabet="ascii": one token per printable ASCII character plus newline and tab (100 tokens with the
+    specials), 1024 positions and a small chat template: for trying datasets, prompts and rewards on real
+    text (it is random-init: it writes garbage, but the whole path runs). Llama architecture, not Qwen2:
+    transformers 5 loads any tokenizer saved next to a Qwen2 config as `Qwen2Tokenizer`, whose byte-level
+    pre-tokenizer would drop every space and newline of a character vocabulary.
+    vocab_size > the alphabet's: the vocabulary is filled up to that size with tokens `<|N|>` that text
+    never encodes to but the model can sample (the LM head and softmax of a real model, e.g. 151,936)."""
+    if alphabet not in ("copy", "ascii"):
+        raise ValueError(f"alphabet must be 'copy' or 'ascii' (got {alphabet!r})")
+    ascii_ = alphabet == "ascii"
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + (ASCII if ascii_ else SYMBOLS))}
+    vocab.update({f"<|{i}|>": i for i in range(len(vocab), vocab_size)})
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    pattern = r"<pad>|<bos>|<eos>|[\s\S]" if ascii_ else "<[a-z]+>|."
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(pattern), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>",
+                                        pad_token="<pad>")
+    if ascii_:
+        tokenizer.chat_template = TINY_CHAT_TEMPLATE
+    config_class, model_class = (LlamaConfig, LlamaForCausalLM) if ascii_ else (Qwen2Config, Qwen2ForCausalLM)
+    config = config_class(vocab_size=len(vocab), hidden_size=hidden, num_hidden_layers=layers,
+                          num_attention_heads=heads, num_key_value_heads=heads, intermediate_size=4 * hidden,
+                          max_position_embeddings=1024 if ascii_ else 64, tie_word_embeddings=True,
+                          bos_token_id=1, eos_token_id=2, pad_token_id=0, dtype="float32")
+    torch.manual_seed(seed)
+    model = model_class(config)
+    tmp = path + ".tmp"
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    os.replace(tmp, path) if not os.path.exists(path) else None
+    return path
+
+
+@dataclass
+class Prompt:
+    prompt_ids: list[int]
+    answer: str
+    columns: dict = field(default_factory=dict)  # keyword arguments for reward functions (the row's columns)
+    prompt: object = None  # the prompt as the dataset gives it (text or messages): what rewards see
+
+
+def is_held_out(letters: str) -> bool:
+    """The copy task's fixed held-out split: ~1 triple in 10, chosen by a hash of the triple alone."""
+    return int.from_bytes(hashlib.sha256(letters.encode()).digest()[:8], "big") % 10 == 0
+
+
+def prompt_limit(max_prompt_tokens: int = 0, max_len: int | None = None, max_new_tokens: int = 0) -> int | None:
+    """The longest prompt kept: --max-prompt-tokens, and room for --max-new-tokens within the context."""
+    limits = ([max_prompt_tokens] if max_prompt_tokens else []) + ([max_len - max_new_tokens] if max_len else [])
+    return min(limits) if limits else None
+
+
+def drop_long(prompts: list[Prompt], limit: int | None, what: str) -> tuple[list[Prompt], int]:
+    """The prompts of at most `limit` tokens, and how many were dropped (reported once, here)."""
+    if limit is None:
+        return prompts, 0
+    kept = [p for p in prompts if len(p.prompt_ids) <= limit]
+    dropped = len(prompts) - len(kept)
+    if dropped:
+        print(f"[data] {dropped} of {len(prompts)} {what} prompts are longer than {limit} tokens: dropped before "
+              "training (--max-prompt-tokens, or too long to leave room for --max-new-tokens in the model's "
+              "context)", file=sys.stderr, flush=True)
+    return kept, dropped
+
+
+class CopyTask:
+    """Copy 3 letters: `<bos>abc=` -> `abc<eos>`. Reward: matching positions / max(len(prediction), len(answer)),
+    the prediction being the tokens before the first `<eos>` (never stopping does not pay). Of the 1000 triples
+    ~10% are held out (`is_held_out`) for evaluation; the others are the training prompts."""
+
+    names = ["copy"]
+    needs_text = False  # scored by token ids: vLLM need not detokenize
+
+    def __init__(self, tokenizer, limit: int | None = None):
+        self.tokenizer = tokenizer
+        self.eos_id = tokenizer.eos_token_id
+        self.id_to_token = {i: t for t, i in tokenizer.get_vocab().items()}
+        triples = ["".join(t) for t in itertools.product(LETTERS, repeat=COPY_LENGTH)]
+        held = [t for t in triples if is_held_out(t)]
+        self.prompts, dropped = drop_long([self.encode(t) for t in triples if not is_held_out(t)], limit, "training")
+        self.held_out, dropped_held = drop_long([self.encode(held[i]) for i in data.held_out_order(len(held))],
+                                                limit, "held-out")
+        self.dropped_long = dropped + dropped_held
+        if not self.prompts:
+            raise RuntimeError(f"every copy prompt is longer than {limit} tokens")
+
+    def encode(self, letters: str) -> Prompt:
+        return Prompt(self.tokenizer(f"<bos>{letters}=", add_special_tokens=False)["input_ids"], letters)
+
+    def reward(self, completion_ids: list[int], answer: str) -> float:
+        prediction = []
+        for token_id in completion_ids:
+            if token_id == self.eos_id:
+                break
+            prediction.append(self.id_to_token.get(token_id, "?"))
+        matches = sum(p == a for p, a in zip(prediction, answer))
+        return matches / max(len(prediction), len(answer), 1)
+
+    def score(self, prompt: Prompt, completion_texts, completion_ids, step: int = 0):
+        t0 = time.perf_counter()
+        rewards = [self.reward(ids, prompt.answer) for ids in completion_ids]
+        n = len(rewards)
+        stats = {"n": n, "count": n, "sum": sum(rewards), "sumsq": sum(r * r for r in rewards), "none": 0,
+                 "invalid": 0, "errors": 0, "time_s": time.perf_counter() - t0}
+        return rewards, {"copy": stats}, 0
+
+    def close(self):
+        pass
+
+
+class DatasetTask:
+    """Prompts from a dataset (data.py loads and checks it), scored by TRL-convention reward functions.
+
+    Every row is encoded when the task is built (before training starts), so prompts longer than `limit`
+    tokens are dropped up front, counted and reported once. Held-out prompts come from data.eval_source."""
+
+    needs_text = True  # reward functions get completion texts (TRL's convention)
+
+    def __init__(self, spec, tokenizer, limit: int | None = None):
+        self.spec, self.tokenizer = spec, tokenizer
+        rows = data.load_rows(spec.dataset, spec.split)
+        data.check_rows(rows, spec.prompt_column, spec.answer_column)
+        self.scorer = data.Scorer(spec.rewards, spec.weights, workers=spec.reward_workers)
+        self.names = self.scorer.names
+        self.prompts, dropped = drop_long([self.encode(row) for _, row in rows], limit, "training")
+        if not self.prompts:
+            raise RuntimeError(f"every prompt of {spec.dataset} is longer than {limit} tokens (--max-prompt-tokens, "
+                               "or the model's context minus --max-new-tokens)")
+        held_out, source = [], data.eval_source(spec)
+        if source is not None:
+            held_rows = data.load_rows(*source)
+            data.check_rows(held_rows, spec.prompt_column, spec.answer_column)
+            held_out = [self.encode(held_rows[i][1]) for i in data.held_out_order(len(held_rows))]
+        self.held_out, dropped_held = drop_long(held_out, limit, "held-out")
+        self.dropped_long = dropped + dropped_held
+
+    def encode(self, row: dict) -> Prompt:
+        column = self.spec.prompt_column
+        ids = data.encode_prompt(self.tokenizer, row[column], self.spec.system_prompt)
+        columns = data.row_columns(row, column, self.spec.answer_column)
+        return Prompt(ids, str(row[self.spec.answer_column]), columns, row[column])
+
+    def score(self, prompt: Prompt, completion_texts, completion_ids, step: int = 0):
+        return self.scorer.score(prompt.prompt, completion_texts, completion_ids, prompt.columns, step)
+
+    def close(self):
+        self.scorer.close()
+
+
+def make_task(settings, tokenizer, max_len: int | None = None):
+    """The task the run's flags ask for: the copy task (default) or a dataset task (--dataset / --task)."""
+    spec = data.spec_of(settings)
+    limit = prompt_limit(settings.max_prompt_tokens, max_len, settings.max_new_tokens)
+    if spec is None:
+        return CopyTask(tokenizer, limit)
+    return DatasetTask(spec, tokenizer, limit)
