@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from transformers import AutoConfig, AutoTokenizer
 
 import data
+from config import Config
 from buffer import RolloutGroup, put_group
 from evaluation import EvalResult, requested
 from lora import engine_max_rank
@@ -78,53 +79,20 @@ def engine_problems(model_path: str, on_gpu: bool, max_model_len: int, max_new_t
 
 @dataclass
 class GeneratorSettings:
-    """What the generator needs from the run's config (a plain copy, so this file stands alone)."""
-    model: str
-    seed: int
-    group_size: int
-    prompts_per_step: int
-    max_new_tokens: int
-    max_lag: int
-    update_mode: str  # "inflight" or "drain"
-    temperature: float = 1.0
-    top_k: int = -1
-    top_p: float = 1.0
-    max_inflight_groups: int = 0  # 0: one step's worth
-    kv_cache_mb: int = 256
-    threads: int = 1
-    queue_timeout_s: float = 600.0
-    # data and reward (see data.py; the defaults give the built-in copy task)
-    task: str = "auto"
-    dataset: str = ""
-    split: str = "train"
-    prompt_column: str = "prompt"
-    answer_column: str = "answer"
-    reward: str = ""
-    reward_weights: str = ""
-    system_prompt: str = ""
-    reward_workers: int = 0
-    max_prompt_tokens: int = 0  # 0: only the context bounds a prompt
-    stop: tuple = ()  # stop strings (vLLM's SamplingParams.stop)
-    # held-out evaluation (evaluation.py): on request, the first eval_prompts held-out prompts, each with one
-    # greedy completion and eval_samples sampled ones
-    eval_dataset: str = ""
-    eval_split: str = ""
-    eval_prompts: int = 256
-    eval_samples: int = 4
-    eval_at_start: bool = False  # evaluate the initial weights (step 0) before training starts, engine to itself
-    initial_version: int = 0  # the version of the weights in `model` (a resumed run's checkpoint version)
+    """The generator's start: the run's resolved Config (the one source of every setting) and what the
+    parent derived for this process (prepare.generator_settings)."""
+    cfg: Config
+    model: str  # the directory vLLM serves (a resumed run: the checkpoint's model)
+    initial_version: int = 0  # the version of the weights in `model`
     first_group_id: int = 0  # a resumed run continues the sequence of group ids (and so the walk of prompts)
-    # LoRA (lora.py): serve `model` with the adapter the trainer publishes; the buffer holds only the adapter
-    lora_rank: int = 0  # 0: full weights
-    lora_dir: str = ""  # holds the adapter's adapter_config.json (rank, alpha, targets)
-    log_level: str = "warning"  # "warning": no load progress bars (vLLM's own level is set by the parent)
-    # GPU path only (train.py fills these from devices.py; the defaults are the CPU path)
+    eval_at_start: bool = False  # evaluate the initial weights (step 0) before training starts, engine to itself
+    lora_dir: str = ""  # with --lora-rank: holds the adapter's adapter_config.json (rank, alpha, targets)
+    stop: tuple = ()  # --stop, unescaped (vLLM's SamplingParams.stop)
+    # GPU placement (devices.DeviceLayout.generator_settings; the defaults are the CPU path)
     device: str = "cpu"  # "cpu" or "cuda"
     cuda_visible_devices: str = ""  # this process's GPUs: the generator's first, then the weight buffer's
     gpu_memory_utilization: float = 0.9  # vLLM's share of each of its GPUs (bounded on a shared GPU)
     tensor_parallel_size: int = 1  # = number of generator GPUs
-    dtype: str = "fp32"  # "bf16" | "fp32": what vLLM computes in, and the shared buffer's dtype
-    max_model_len: int = 0  # vLLM's context (prompt + completion); 0: the model's own
 
 
 async def load_same_version(load, max_tries: int = 20) -> int:
@@ -161,6 +129,7 @@ class Generator:
 
     def __init__(self, settings: GeneratorSettings, shared, rollout_queue, control):
         self.s, self.shared, self.queue, self.control = settings, shared, rollout_queue, control
+        self.cfg = settings.cfg
         self.loaded_version = settings.initial_version
         self.issued = settings.first_group_id
         self.running: set[asyncio.Task] = set()
@@ -185,25 +154,25 @@ class Generator:
             memory = dict(gpu_memory_utilization=self.s.gpu_memory_utilization,
                           tensor_parallel_size=self.s.tensor_parallel_size)
         else:
-            memory = dict(kv_cache_memory_bytes=self.s.kv_cache_mb * 2**20)
+            memory = dict(kv_cache_memory_bytes=self.cfg.kv_cache_mb * 2**20)
         # vLLM is imported here, in the generator process, never in the parent (nor before CUDA_VISIBLE_DEVICES).
         from vllm import AsyncEngineArgs
         from vllm.lora.request import LoRARequest
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        if self.s.lora_rank:
-            memory.update(enable_lora=True, max_lora_rank=engine_max_rank(self.s.lora_rank), max_loras=1,
+        if self.cfg.lora_rank:
+            memory.update(enable_lora=True, max_lora_rank=engine_max_rank(self.cfg.lora_rank), max_loras=1,
                           max_cpu_loras=1)
             self.lora_request = LoRARequest("policy", LORA_ID, self.s.lora_dir)
-        if self.s.max_model_len:
-            memory.update(max_model_len=self.s.max_model_len)
+        if self.cfg.max_model_len:
+            memory.update(max_model_len=self.cfg.max_model_len)
         args = AsyncEngineArgs(
-            model=self.s.model, tokenizer=self.s.model, dtype=VLLM_DTYPES[self.s.dtype], seed=self.s.seed,
+            model=self.s.model, tokenizer=self.s.model, dtype=VLLM_DTYPES[self.cfg.dtype], seed=self.cfg.seed,
             # CUDA graphs on GPUs (weight reloads copy into the same storage, so captured graphs stay valid);
             # on CPU eager starts fastest (torch.compile adds ~20 s).
             enforce_eager=self.s.device != "cuda", logprobs_mode="processed_logprobs",
             worker_extension_cls="sync.WeightSyncWorker", **memory,
-            enable_prefix_caching=True, disable_log_stats=True, use_tqdm_on_load=self.s.log_level != "warning",
+            enable_prefix_caching=True, disable_log_stats=True, use_tqdm_on_load=self.cfg.log_level != "warning",
         )
         self.engine = AsyncLLM.from_engine_args(args)
         return self.engine
@@ -215,25 +184,25 @@ class Generator:
 
         # Detokenizing every token costs the front end CPU time; a task scored by token ids skips it (stop
         # strings are matched in the text: they need it).
-        return SamplingParams(**sampling, max_tokens=self.s.max_new_tokens, output_kind=RequestOutputKind.FINAL_ONLY,
+        return SamplingParams(**sampling, max_tokens=self.cfg.max_new_tokens, output_kind=RequestOutputKind.FINAL_ONLY,
                               stop=list(self.s.stop) or None, detokenize=self.task.needs_text or bool(self.s.stop))
 
     def sampling_params(self, group_id: int):
         # A per-request seed makes a group's samples a function of (seed, group id, weights), so a resumed
         # run regenerates the same rollouts. Only when no request is ever preempted by a weight swap:
         # vLLM's CPU sampler cannot re-seed a preempted request ("CPU Generator does not use offset").
-        reproducible = self.s.max_lag == 0 or self.s.update_mode == "drain"
-        return self.request_params(n=self.s.group_size, temperature=self.s.temperature, top_k=self.s.top_k,
-                                   top_p=self.s.top_p, logprobs=0,
-                                   seed=self.s.seed * 1_000_003 + group_id if reproducible else None)
+        reproducible = self.cfg.max_lag == 0 or self.cfg.update_mode == "drain"
+        return self.request_params(n=self.cfg.group_size, temperature=self.cfg.temperature, top_k=self.cfg.top_k,
+                                   top_p=self.cfg.top_p, logprobs=0,
+                                   seed=self.cfg.seed * 1_000_003 + group_id if reproducible else None)
 
     def eval_params(self, greedy: bool):
         """An evaluation request: one greedy completion, or S samples with the run's sampling settings; no
         log-probs, no seed (a seeded request re-prefilled after a chunked prefill fails on vLLM's CPU sampler)."""
         if greedy:
             return self.request_params(n=1, temperature=0.0)
-        return self.request_params(n=self.s.eval_samples, temperature=self.s.temperature, top_k=self.s.top_k,
-                                   top_p=self.s.top_p)
+        return self.request_params(n=self.cfg.eval_samples, temperature=self.cfg.temperature, top_k=self.cfg.top_k,
+                                   top_p=self.cfg.top_p)
 
     def _count_generating(self, delta: int) -> None:
         now = time.perf_counter()
@@ -248,7 +217,7 @@ class Generator:
         """Evaluate the weights held now on the first `eval_prompts` held-out prompts; answer on
         control.eval_results (never the rollout queue). The loop loads no weights while this runs."""
         t0, version = time.perf_counter(), self.loaded_version
-        prompts = self.task.held_out[: self.s.eval_prompts]
+        prompts = self.task.held_out[: self.cfg.eval_prompts]
         rewards = await asyncio.gather(*(self.eval_prompt(step, i, p, version) for i, p in enumerate(prompts)))
         tokens = sum(n for _, n in rewards)
         self.stats["eval_tokens"] = self.stats.get("eval_tokens", 0) + tokens
@@ -267,7 +236,7 @@ class Generator:
 
         self._count_generating(+1)
         try:
-            outputs = await asyncio.gather(generate(True), *([generate(False)] if self.s.eval_samples else []))
+            outputs = await asyncio.gather(generate(True), *([generate(False)] if self.cfg.eval_samples else []))
         finally:
             self._count_generating(-1)
         completions = [c for group in outputs for c in group]
@@ -327,13 +296,13 @@ class Generator:
             self.queue.put_nowait(group)
         except queue_lib.Full:  # a full queue: wait in a thread, never on this event loop
             waited = await asyncio.to_thread(put_group, self.queue, group, self.control.stop.is_set,
-                                             self.s.queue_timeout_s)
+                                             self.cfg.timeout_s)
             self.stats["queue_wait_s"] += waited
 
     async def engine_call(self, awaitable, what: str):
         """Await an engine call, failing fast if vLLM's EngineCore dies (a dead engine never answers)."""
         task = asyncio.ensure_future(awaitable)
-        deadline = time.monotonic() + self.s.queue_timeout_s
+        deadline = time.monotonic() + self.cfg.timeout_s
         while True:
             done, _ = await asyncio.wait({task}, timeout=0.5)
             if done:
@@ -343,12 +312,12 @@ class Generator:
                 raise RuntimeError(f"vLLM's engine died during {what}") from self.engine.dead_error
             if time.monotonic() > deadline:
                 task.cancel()
-                raise TimeoutError(f"vLLM did not finish {what} within {self.s.queue_timeout_s:.0f} s")
+                raise TimeoutError(f"vLLM did not finish {what} within {self.cfg.timeout_s:.0f} s")
 
     async def swap_weights(self, version: int):
         """Load the newest published weights between engine steps; tag later tokens with `version`."""
         t0 = time.perf_counter()
-        mode = "keep" if self.s.update_mode == "inflight" else "wait"
+        mode = "keep" if self.cfg.update_mode == "inflight" else "wait"
         # The scheduler's own pause, not `AsyncLLM.pause_generation`: with clear_cache=False that method only
         # adds a fixed 20 ms sleep (vLLM 0.32), meant to let outputs of the last step reach their callers
         # before it returns. We do not need that ordering: EngineCore stamps each step's output with the
@@ -374,18 +343,18 @@ class Generator:
 
     def load_rpc(self, version: int):
         """The worker call that loads the buffer's contents: the full weights, or the adapter in place."""
-        if self.s.lora_rank:
+        if self.cfg.lora_rank:
             return self.engine.collective_rpc("load_shared_adapter", args=(version, self.s.lora_dir, LORA_ID))
         return self.engine.collective_rpc("load_shared_weights", args=(version,))
 
     async def load_first_adapter(self):
         """LoRA: the engine serves no adapter until the trainer's first publish of it (at its start)."""
-        deadline = time.monotonic() + self.s.queue_timeout_s
+        deadline = time.monotonic() + self.cfg.timeout_s
         while self.shared.publish_time_ns() == 0 or self.shared.version() < self.s.initial_version:
             if self.control.stop.is_set():
                 return
             if time.monotonic() > deadline:
-                raise TimeoutError(f"the trainer published no adapter within {self.s.queue_timeout_s:.0f} s")
+                raise TimeoutError(f"the trainer published no adapter within {self.cfg.timeout_s:.0f} s")
             await asyncio.sleep(0.01)
         self.loaded_version = await load_same_version(
             lambda: self.engine_call(self.load_rpc(self.s.initial_version), "the first load"))
@@ -393,11 +362,11 @@ class Generator:
         self.control.loaded_version.value = self.loaded_version
 
     def may_start_group(self) -> bool:
-        max_running = self.s.max_inflight_groups or self.s.prompts_per_step
+        max_running = self.cfg.max_inflight_groups or self.cfg.prompts_per_step
         if len(self.running) >= max_running:
             return False
-        landing_step = (self.issued - self.control.groups_dropped.value) // self.s.prompts_per_step
-        return self.loaded_version >= landing_step - self.s.max_lag
+        landing_step = (self.issued - self.control.groups_dropped.value) // self.cfg.prompts_per_step
+        return self.loaded_version >= landing_step - self.cfg.max_lag
 
     def _done(self, task: asyncio.Task):
         self.running.discard(task)
@@ -408,15 +377,15 @@ class Generator:
 
     async def run(self):
         max_len = getattr(getattr(self.engine, "model_config", None), "max_model_len", None)
-        self.task = make_task(self.s, AutoTokenizer.from_pretrained(self.s.model), max_len)
+        self.task = make_task(self.cfg, AutoTokenizer.from_pretrained(self.s.model), max_len)
         self.stats.update(train_prompts=len(self.task.prompts), held_out_prompts=len(self.task.held_out),
                           prompts_dropped_long=self.task.dropped_long)
         # One scoring thread (user reward functions need not be thread-safe); with a process pool, one
         # thread per worker process, to keep them all busy.
-        self.reward_threads = ThreadPoolExecutor(max(1, self.s.reward_workers), thread_name_prefix="reward")
+        self.reward_threads = ThreadPoolExecutor(max(1, self.cfg.reward_workers), thread_name_prefix="reward")
         await self.engine.update_weight_version(str(self.loaded_version))
         await self.engine.collective_rpc("attach_shared_weights", args=(self.shared.to_bytes(),))
-        if self.s.lora_rank:
+        if self.cfg.lora_rank:
             await self.load_first_adapter()
         if self.s.eval_at_start:  # alone on the engine it takes a fraction of what it takes beside the first steps
             self.last_eval_step = 0
@@ -437,7 +406,7 @@ class Generator:
             if self.eval_task is None:
                 self.maybe_start_eval()
             if self.may_start_group():
-                epoch, row = data.walk(self.issued, len(self.task.prompts), self.s.seed)  # a function of the id
+                epoch, row = data.walk(self.issued, len(self.task.prompts), self.cfg.seed)  # a function of the id
                 task = asyncio.create_task(self.run_group(self.issued, self.task.prompts[row], epoch))
                 task.add_done_callback(self._done)
                 self.running.add(task)
@@ -463,13 +432,13 @@ def generator_main(settings: GeneratorSettings, shared, rollout_queue, control) 
     """Entry point of the generator process (spawned by train.py)."""
     os.environ["PYTHONPATH"] = HERE + os.pathsep + os.environ.get("PYTHONPATH", "")  # for the extension
     sys.path.insert(0, HERE)
-    os.environ.setdefault("OMP_NUM_THREADS", str(settings.threads))
+    os.environ.setdefault("OMP_NUM_THREADS", str(settings.cfg.gen_threads or 1))  # (0: an unresolved Config)
     gen = Generator(settings, shared, rollout_queue, control)
     engine = gen.build_engine()
     try:
         asyncio.run(gen.run())
     finally:
-        if settings.log_level == "warning":
+        if settings.cfg.log_level == "warning":
             quiet_requested_shutdown()
         engine.shutdown()
         gen.engine = engine = None  # no second shutdown from __del__ at interpreter exit

@@ -470,22 +470,25 @@ def steady(rows: list[dict], warmup: int) -> dict:
 # The project's stages, each run alone
 # ----------------------------------------------------------------------------------------------------
 def default_config(**changes):
-    import train
+    """The run's config with `changes`, validated and resolved as `train.run` resolves it (prepare.resolve)."""
+    import config
+    import prepare
 
-    cfg = train.Config(**changes)
-    train.validate(cfg)
-    return cfg
+    cfg = config.Config(**changes)
+    config.validate(cfg)
+    return prepare.resolve(cfg)
 
 
 def run_ahead_settings(cfg, model_path: str):
-    """The generator's settings as `train.run` builds them (`train.generator_settings`), except that the
+    """The generator's settings as `train.run` builds them (`prepare.generator_settings`), except that the
     staleness gate never closes: a stand-in trainer never lags, so the generator runs as far ahead as the
     queue allows."""
-    import train
+    import devices
+    import prepare
 
-    gen_threads, _ = train.split_threads(cfg)
     # (and no held-out evaluation: bench/eval_cost.py measures that apart)
-    return train.generator_settings(dataclasses.replace(cfg, max_lag=10**6, eval_every=0), model_path, gen_threads)
+    return prepare.generator_settings(dataclasses.replace(cfg, max_lag=10**6, eval_every=0),
+                                      prepare.Prepared(model_path, model_path, devices.layout_for(cfg)))
 
 
 def build_model(path: Path, seed: int = 0, **sizes) -> str:
@@ -558,17 +561,18 @@ def generate_alone(cfg, model_path: str, steps: int, cpu_from_step: int | None =
     batches a run would train on) and, per step, when its last group arrived."""
     import torch.multiprocessing as mp
 
+    import prepare
     import processes
     import train
 
     ctx = mp.get_context("spawn")
-    shared = train.allocate_shared_weights(model_path)
+    shared = prepare.allocate_shared_weights(model_path)
     queue = ctx.Queue(maxsize=cfg.queue_size)
     errors = ctx.Queue()
     control = train.make_control(ctx)
     settings = run_ahead_settings(cfg, model_path)
     proc = ctx.Process(target=processes.child_entry, name="generator", args=(
-        "generator", train._generator_entry, (settings, shared, queue, control), errors, True))
+        "generator", train.generator_entry, (settings, shared, queue, control), errors, True))
     t_spawn = time.perf_counter()
     proc.start()
     snaps = []
@@ -595,6 +599,8 @@ def train_alone(cfg, model_path: str, groups: list, out_dir: Path, timeout_s: fl
     metrics rows (metrics.jsonl), and with `cpu_from_step`, (rows, cores the trainer used from that step on)."""
     import torch.multiprocessing as mp
 
+    import devices
+    import prepare
     import processes
     import train
 
@@ -602,9 +608,8 @@ def train_alone(cfg, model_path: str, groups: list, out_dir: Path, timeout_s: fl
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg = dataclasses.replace(cfg, out=str(out_dir), max_lag=10**6, queue_size=len(groups) + 1,
                               steps=len(groups) // cfg.prompts_per_step, timeout_s=min(cfg.timeout_s, 60.0))
-    _, cfg.train_threads = train.split_threads(cfg)
     ctx = mp.get_context("spawn")
-    shared = train.allocate_shared_weights(model_path)
+    shared = prepare.allocate_shared_weights(model_path)
     queue = ctx.Queue()
     for g in groups:
         queue.put(g)
@@ -613,7 +618,8 @@ def train_alone(cfg, model_path: str, groups: list, out_dir: Path, timeout_s: fl
     control.ready.set()  # no engine to wait for
     init_file = tempfile.mktemp(prefix="asyncgrpo-bench-dist-")
     proc = ctx.Process(target=processes.child_entry, name="trainer0", args=(
-        "trainer0", train.trainer_main, (cfg, 0, 1, model_path, shared, queue, control, init_file), errors,
+        "trainer0", train.trainer_main, (cfg, prepare.Prepared(model_path, model_path, devices.layout_for(cfg)), 0, 1,
+                                     shared, queue, control, init_file), errors,
         False))
     proc.start()
     cpu = CpuByRole(proc.pid, out_dir / "metrics.jsonl", cpu_from_step, cfg.steps) if cpu_from_step else None

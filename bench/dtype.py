@@ -110,9 +110,8 @@ def main(argv=None) -> int:
     args = common.parse_args(p, argv, sizes=SIZES)
     rows = []
     with common.Bench("dtype", args) as bench:
-        import train
-
-        gen_threads, train_threads = train.split_threads(common.default_config())
+        resolved = common.default_config()
+        gen_threads, train_threads = resolved.gen_threads, resolved.train_threads
         for name in args.sizes:
             model = common.build_model(bench.work / f"model_{name}", seed=args.seed, alphabet="ascii",
                                        **SIZES[name])

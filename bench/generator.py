@@ -60,13 +60,14 @@ def measure(model_path: str, plan: list[dict], rounds: int, seed: int) -> dict:
 
     import data
     import train
+    import prepare
     from rollout import Generator
     from tasks import make_task
 
     cfg = common.default_config(model=model_path, seed=seed)
     ctx = mp.get_context("spawn")
     base = common.run_ahead_settings(cfg, model_path)  # the stand-in trainer never lags
-    builder = Generator(base, train.allocate_shared_weights(model_path), ctx.Queue(), train.make_control(ctx))
+    builder = Generator(base, prepare.allocate_shared_weights(model_path), ctx.Queue(), train.make_control(ctx))
     t = time.perf_counter()
     engine = builder.build_engine()
     engine_s = time.perf_counter() - t
@@ -105,7 +106,7 @@ def measure(model_path: str, plan: list[dict], rounds: int, seed: int) -> dict:
         return {"step_end_s": ends, "tokens": per_step}
 
     def pipeline(settings, steps: int, publish: bool) -> dict:
-        shared = train.allocate_shared_weights(model_path)
+        shared = prepare.allocate_shared_weights(model_path)
         queue = ctx.Queue(maxsize=cfg.queue_size)
         queue.cancel_join_thread()  # leftovers in the queue must not hold this process at exit
         control = train.make_control(ctx)

@@ -9,7 +9,7 @@ nominal tokens (each completion L/2 to L tokens, uniform; prompts of `--prompt-l
 
 Each measurement runs in a fresh process (`common.in_child`) holding what a trainer rank holds: the FSDP2
 model (`train.build_trainer_model`, one rank), AdamW, the collated batch; then the trainer's step
-(`train.train_on_batch`, gradient clipping, `optimizer.step`). Peak memory: the process's peak RSS
+(`update.train_on_batch`, gradient clipping, `optimizer.step`). Peak memory: the process's peak RSS
 (`ru_maxrss`) on a CPU, `torch.cuda.max_memory_allocated` on a GPU; `ready` is the RSS before the step.
 - micro-batched: `--micro-batch-tokens` (default: the trainer's default), for every size. On 2 cores a whole
   step of the larger sizes takes far longer than this benchmark may (the LM head costs ~3 ms per token
@@ -73,6 +73,8 @@ def measure(model_path: str, sequences: int, length: int, budgets: list[int], ma
 
     import buffer
     import train
+    import config
+    import update
 
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
@@ -86,7 +88,7 @@ def measure(model_path: str, sequences: int, length: int, budgets: list[int], ma
         if checkpointing:
             train.checkpoint_layers(model)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)  # before any forward (FSDP2 pitfall)
-        cfg = train.Config(max_new_tokens=length)
+        cfg = config.Config(max_new_tokens=length)
         batch = synthetic_batch(sequences, length, prompt_len, model.config.vocab_size, seed)
         planned = len(buffer.rank_micro_batches(batch, 0, 1, budgets[0]))
         run = planned
@@ -107,7 +109,7 @@ def measure(model_path: str, sequences: int, length: int, budgets: list[int], ma
         times, peak, pad_frac = {}, None, None
         for step, budget in enumerate(budgets):
             start = time.perf_counter()
-            result = train.train_on_batch(model, None, batch, dataclasses.replace(cfg, micro_batch_tokens=budget),
+            result = update.train_on_batch(model, None, batch, dataclasses.replace(cfg, micro_batch_tokens=budget),
                                           0, 1, 0, device)
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             optimizer.step()
@@ -150,9 +152,9 @@ def main(argv=None) -> int:
     p.add_argument("--grad-checkpointing", action="store_true", help="as the trainer's flag, in every measurement")
     args = p.parse_args(argv)
 
-    import train
+    import config
 
-    budget = train.Config().micro_batch_tokens if args.micro_batch_tokens is None else args.micro_batch_tokens
+    budget = config.Config().micro_batch_tokens if args.micro_batch_tokens is None else args.micro_batch_tokens
     threads = args.threads or len(os.sched_getaffinity(0))
     sequences = [int(x) for x in args.sequences.split(",")]
     lengths = [int(x) for x in args.lengths.split(",")]

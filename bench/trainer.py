@@ -86,12 +86,10 @@ def main(argv=None) -> int:
     args = common.parse_args(p, argv, sizes=SIZES)
     rows = []
     with common.Bench("trainer", args) as bench:
-        import train
-
         work = bench.work
         base = common.build_model(work / "model_tiny", seed=args.seed)
         cfg = common.default_config(model=base, seed=args.seed, steps=args.steps)
-        _, threads = train.split_threads(cfg)
+        threads = cfg.train_threads
         gen = common.generate_alone(cfg, base, steps=args.steps)
         groups = gen["groups"]
         print(f"[trainer] recorded {len(groups)} groups from the generator", flush=True)

@@ -124,6 +124,8 @@ def measure_size(name: str, shape: tuple, work: str, syncs: int, seed: int, gap_
     import torch.distributed as dist
     import torch.multiprocessing as mp
 
+    import devices
+    import prepare
     import sync
     import train
     from rollout import Generator
@@ -134,8 +136,7 @@ def measure_size(name: str, shape: tuple, work: str, syncs: int, seed: int, gap_
     build_s = time.perf_counter() - t_build
     cfg = common.default_config(model=path, max_lag=0, prompts_per_step=1, group_size=2, max_new_tokens=1,
                                 lora_rank=lora_rank)
-    gen_threads, train_threads = train.split_threads(cfg)
-    torch.set_num_threads(train_threads)
+    torch.set_num_threads(cfg.train_threads)
     init_file = tempfile.mktemp(prefix="asyncgrpo-bench-dist-")
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=0, world_size=1)
     lora_config, lora_dir = None, ""
@@ -151,7 +152,7 @@ def measure_size(name: str, shape: tuple, work: str, syncs: int, seed: int, gap_
         shared = SharedWeights.allocate(shapes)
         sync.publish_model(model, shared, 0, 0, 1)
     else:
-        shared = train.allocate_shared_weights(path)
+        shared = prepare.allocate_shared_weights(path)
     synced = [p for _, p in sync.synced_parameters(model)]
     base_params = sum(p.numel() for p in model.parameters()) - (sum(p.numel() for p in synced) if lora_rank else 0)
     params = sum(p.numel() for p in synced)
@@ -170,7 +171,8 @@ def measure_size(name: str, shape: tuple, work: str, syncs: int, seed: int, gap_
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     control = train.make_control(ctx)
-    gen = Generator(train.generator_settings(cfg, path, gen_threads, lora_dir=lora_dir), shared, queue, control)
+    prepared = prepare.Prepared(path, path, devices.layout_for(cfg))
+    gen = Generator(prepare.generator_settings(cfg, prepared, lora_dir), shared, queue, control)
     t_engine = time.perf_counter()
     engine = gen.build_engine()
     engine_s = time.perf_counter() - t_engine

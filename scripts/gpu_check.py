@@ -4,7 +4,7 @@ Role
     Checks, on a GPU machine (one GPU is enough), what `python train.py --gen-devices G --train-devices T`
     relies on, without vLLM's CUDA build:
     1. FSDP2 training steps on the GPU through the project's own functions (train.build_trainer_model,
-       train.train_on_batch, sync.publish_model) in a process group with the GPU layout's backend (devices.GPU_BACKEND).
+       update.train_on_batch, sync.publish_model) in a process group with the GPU layout's backend (devices.GPU_BACKEND).
     2. The CUDA IPC packed sync between two processes. This process is the trainer's rank 0 and owns the
        packed device buffer (sync.SharedWeights.allocate on its GPU); a second process plays the generator's
        worker: it opens the IPC handle once (SharedWeights.from_bytes), copies seqlock-consistent snapshots
@@ -126,7 +126,8 @@ def receiver_main(handle_bytes, model_dir, device, visible, cmd_q, res_q, thread
         import torch
         from transformers import AutoModelForCausalLM
 
-        import train
+        import config
+        import update
         from sync import SharedWeights
 
         torch.set_num_threads(threads)
@@ -140,7 +141,7 @@ def receiver_main(handle_bytes, model_dir, device, visible, cmd_q, res_q, thread
         snapshot = torch.empty_like(buf, device=device)  # private: a torn read never reaches the model
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
         params = dict(model.named_parameters())
-        cfg = train.Config()
+        cfg = config.Config()
         res_q.put(("ready", {"open_ms": open_ms, "buffer_device": str(buf.device), "device": str(device),
                              "visible": os.environ.get("CUDA_VISIBLE_DEVICES")}))
         while True:
@@ -170,7 +171,7 @@ def receiver_main(handle_bytes, model_dir, device, visible, cmd_q, res_q, thread
                     synchronize(device)
                     load_ms = (time.perf_counter() - t1) * 1e3
                     b = argparse.Namespace(**{k: torch.tensor(v).to(device) for k, v in batch.items()})
-                    logp = train.completion_logprobs(model, b, cfg.temperature, cfg.top_k, cfg.top_p).logp
+                    logp = update.completion_logprobs(model, b, cfg.temperature, cfg.top_k, cfg.top_p).logp
                 res_q.put(("load", {"version": version, "wanted": want, "snapshot_ms": snapshot_ms,
                                     "load_ms": load_ms, "done_ns": done_ns, "logp": logp.cpu().tolist()}))
         del model, params, snapshot, buf, shared  # release the mapping before the owner frees anything
@@ -209,13 +210,16 @@ def check_size(size, args, device, receiver_device, receiver_visible, peer_here,
 
     import sync
     import train
+    import config
+    import prepare
+    import update
 
     result = {"size": size}
     path = build_model(os.path.join(workdir, size), size)
-    cfg = train.Config()
+    cfg = config.Config()
     model = train.build_trainer_model(path, 1, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)  # before any forward (FSDP2 pitfall)
-    shared = train.allocate_shared_weights(path, device=device)  # the owner: this process, on its device
+    shared = prepare.allocate_shared_weights(path, device=device)  # the owner: this process, on its device
     names = [name for name, _ in model.named_parameters()]
     assert names == [slot.name for slot in shared.layout], "trainer parameters != buffer layout"
     numel = shared.buffer.numel()
@@ -254,7 +258,7 @@ def check_size(size, args, device, receiver_device, receiver_visible, peer_here,
             batch = synthetic_batch(seed=step)  # train_on_batch moves each micro-batch to the device
             synchronize(device)
             t0 = time.perf_counter()
-            stepped = train.train_on_batch(model, None, batch, cfg, 0, 1, version=step, device=device)
+            stepped = update.train_on_batch(model, None, batch, cfg, 0, 1, version=step, device=device)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -268,7 +272,7 @@ def check_size(size, args, device, receiver_device, receiver_visible, peer_here,
             sync.publish_model(model, shared, step + 1, 0, 1)
             publish_ms.append((time.perf_counter() - t0) * 1e3)
             with torch.no_grad():
-                mine = train.completion_logprobs(model, eval_dev, cfg.temperature, cfg.top_k, cfg.top_p).logp.cpu()
+                mine = update.completion_logprobs(model, eval_dev, cfg.temperature, cfg.top_k, cfg.top_p).logp.cpu()
             if hasattr(model, "reshard"):
                 model.reshard()  # after a no-grad forward (FSDP2 pitfall: see shared notes)
             cmd_q.put(("load", (step + 1, eval_lists)))

@@ -17,9 +17,8 @@ import pytest
 
 import data
 import plots
-import rollout
 import tasks
-import train
+import config
 
 REPO = Path(__file__).resolve().parent.parent
 SAMPLE = str(REPO / "data" / "gsm8k_sample.jsonl")
@@ -74,7 +73,7 @@ def test_rows_missing_a_field_are_reported_with_their_line(tmp_path):
     msg = str(err.value)
     assert "2 of 4 rows" in msg and "line 2: no 'answer' field" in msg and "line 5: no 'question' field" in msg
     with pytest.raises(SystemExit) as err:  # and before anything starts, from the flags
-        train.parse_args(["--dataset", str(path), "--prompt-column", "question", "--reward", "math"])
+        config.parse_args(["--dataset", str(path), "--prompt-column", "question", "--reward", "math"])
     assert "line 2: no 'answer' field" in str(err.value)
     path.write_text(json.dumps(ROWS[0]) + "\n{not json\n")
     with pytest.raises(data.DataError, match="line 2: not valid JSON"):
@@ -95,7 +94,7 @@ def test_rows_missing_a_field_are_reported_with_their_line(tmp_path):
 ])
 def test_bad_data_flags_give_a_clear_line(argv, needle):
     with pytest.raises(SystemExit) as err:
-        train.parse_args(argv)
+        config.parse_args(argv)
     assert needle in str(err.value)
 
 
@@ -108,7 +107,7 @@ def test_task_resolution():
                         reward_weights="1,0.25")
     assert spec.rewards == ("data:math_reward", "examples/my_rewards.py:format_reward")
     assert spec.weights == (1.0, 0.25)
-    cfg = train.parse_args(["--task", "gsm8k", "--steps", "3"])  # the shipped sample passes every check
+    cfg = config.parse_args(["--task", "gsm8k", "--steps", "3"])  # the shipped sample passes every check
     assert cfg.task == "gsm8k"
 
 
@@ -240,10 +239,8 @@ def test_saved_model_directory_and_dataset_task(ascii_model, tokenizer, tmp_path
 
     assert AutoModelForCausalLM.from_pretrained(ascii_model).config.vocab_size == 100
     assert data.resolve_model(ascii_model) == os.path.abspath(ascii_model)
-    cfg = train.parse_args(["--model", ascii_model, "--task", "gsm8k"])
-    settings = rollout.GeneratorSettings(model=ascii_model, seed=0, group_size=2, prompts_per_step=2,
-                                         max_new_tokens=8, max_lag=1, update_mode="inflight", task=cfg.task)
-    task = tasks.make_task(settings, tokenizer, max_len=1024)
+    cfg = config.parse_args(["--model", ascii_model, "--task", "gsm8k", "--max-new-tokens", "8"])
+    task = tasks.make_task(cfg, tokenizer, max_len=1024)
     assert len(task.prompts) == len(data.load_rows(data.GSM8K["dataset"])) and task.held_out == []  # a file: no test split
     prompt = task.prompts[data.walk(0, len(task.prompts), seed=0)[1]]
     text = tokenizer.decode(prompt.prompt_ids)
@@ -253,22 +250,17 @@ def test_saved_model_directory_and_dataset_task(ascii_model, tokenizer, tmp_path
     assert rewards == [1.0, 0.0] and set(stats) == {"math_reward"}
     # a context too small for any prompt is reported, not a hang
     with pytest.raises(RuntimeError, match="longer than 32 tokens"):
-        tasks.make_task(settings, tokenizer, max_len=40)
-    copy_task = tasks.make_task(rollout.GeneratorSettings(
-        model=ascii_model, seed=0, group_size=2, prompts_per_step=2, max_new_tokens=8, max_lag=1,
-        update_mode="inflight"), tokenizer)
+        tasks.make_task(cfg, tokenizer, max_len=40)
+    copy_task = tasks.make_task(config.Config(max_new_tokens=8), tokenizer)
     assert isinstance(copy_task, tasks.CopyTask)  # the default stays the copy task
     # reward functions get texts (vLLM detokenizes); the copy task reads ids only (vLLM skips detokenizing)
     assert task.needs_text and not copy_task.needs_text
 
 
 def test_a_chat_dataset_with_a_solution_column(ascii_model, tokenizer):
-    cfg = train.parse_args(["--model", ascii_model, "--dataset", "examples/chat_prompts.jsonl",
-                            "--answer-column", "solution", "--reward", "math"])
-    settings = rollout.GeneratorSettings(model=ascii_model, seed=0, group_size=2, prompts_per_step=2,
-                                         max_new_tokens=8, max_lag=1, update_mode="inflight", task=cfg.task,
-                                         dataset=cfg.dataset, answer_column=cfg.answer_column, reward=cfg.reward)
-    task = tasks.make_task(settings, tokenizer, max_len=1024)
+    cfg = config.parse_args(["--model", ascii_model, "--dataset", "examples/chat_prompts.jsonl",
+                            "--answer-column", "solution", "--reward", "math", "--max-new-tokens", "8"])
+    task = tasks.make_task(cfg, tokenizer, max_len=1024)
     prompt = task.prompts[1]
     assert tokenizer.decode(prompt.prompt_ids).startswith("<|system|>\nAnswer with the number only.\n<|user|>\n")
     assert prompt.columns["solution"] == prompt.columns["answer"] == prompt.answer

@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 
 import devices
 import sync
-import train
+import config
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -46,7 +46,7 @@ def test_no_flags_is_the_cpu_path_unchanged():
     layout = devices.plan("", "", train_ranks=2)  # no GPU query at all
     assert (layout.kind, layout.world_size, layout.backend, layout.buffer_device) == ("cpu", 2, "gloo", "cpu")
     assert layout.generator_settings() == {} and layout.train_device(1) == "cpu" and not layout.notice
-    cfg = train.parse_args([])
+    cfg = config.parse_args([])
     assert (cfg.gen_devices, cfg.train_devices) == ("", "")
     assert devices.layout_for(cfg) == devices.DeviceLayout("cpu", world_size=1)
 
@@ -56,7 +56,7 @@ def test_gpus_asked_for_without_cuda_fall_back_to_the_cpu_with_a_notice():
     assert layout.kind == "cpu" and layout.world_size == 1 and layout.generator_settings() == {}
     assert "no CUDA device" in layout.notice and "CPU path" in layout.notice
     if not torch.cuda.is_available():  # this machine: the flags parse, the run would go the CPU path
-        cfg = train.parse_args(["--gen-devices", "0", "--train-devices", "1,2"])
+        cfg = config.parse_args(["--gen-devices", "0", "--train-devices", "1,2"])
         assert devices.layout_for(cfg).kind == "cpu"
 
 
@@ -75,10 +75,10 @@ def test_layout_errors_are_one_clear_line(gen, train_, ranks, count, needle):
 
 def test_bad_device_flags_stop_train_before_anything_starts():
     with pytest.raises(SystemExit) as err:
-        train.parse_args(["--gen-devices", "0"])
+        config.parse_args(["--gen-devices", "0"])
     assert "go together" in str(err.value)
     with pytest.raises(SystemExit) as err:
-        train.parse_args(["--gen-devices", "x", "--train-devices", "1"])
+        config.parse_args(["--gen-devices", "x", "--train-devices", "1"])
     assert "--gen-devices 'x'" in str(err.value)
 
 
@@ -305,7 +305,7 @@ def test_gpu_memory_utilization_flag_is_vllms_share_and_bounds_a_shared_trainer(
     assert "--gpu-memory-utilization 0.8" in str(err.value) and "\n" not in str(err.value)
     for bad in ("1.5", "-0.1", "1"):
         with pytest.raises(SystemExit, match="--gpu-memory-utilization must be in"):
-            train.parse_args(["--gpu-memory-utilization", bad])
+            config.parse_args(["--gpu-memory-utilization", bad])
     # 0 keeps the defaults; on the CPU path the flag changes nothing
     assert devices.plan("0", "0", cuda_count=1, visible_env="").gpu_memory_utilization == devices.SHARED_GEN_FRACTION
     assert devices.plan("", "", gpu_memory_utilization=0.5) == devices.DeviceLayout("cpu", world_size=1)
@@ -318,9 +318,9 @@ def test_dtype_auto_is_bf16_on_gpus_and_the_measured_choice_on_cpu():
     assert devices.resolve_dtype("auto", cpu) == devices.CPU_DEFAULT_DTYPE
     assert devices.resolve_dtype("fp32", gpu) == "fp32" and devices.resolve_dtype("bf16", cpu) == "bf16"
     assert devices.torch_dtype("bf16") is torch.bfloat16 and devices.torch_dtype("fp32") is torch.float32
-    assert train.parse_args([]).dtype == "auto" and train.parse_args(["--dtype", "bf16"]).dtype == "bf16"
+    assert config.parse_args([]).dtype == "auto" and config.parse_args(["--dtype", "bf16"]).dtype == "bf16"
     with pytest.raises(SystemExit):
-        train.parse_args(["--dtype", "fp16"])
+        config.parse_args(["--dtype", "fp16"])
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 swaps, trainer/generator log-prob agreement right after a sync (with and without top-k/top-p), and the
 queue's depth bound. One engine serves the whole module; each test drives rollout.Generator directly."""
 import asyncio
+import dataclasses
 import os
 import queue as queue_lib
 import time
@@ -10,7 +11,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+import prepare
 import train
+from config import Config
 from losses import token_logprobs
 from rollout import Generator, GeneratorSettings
 from tasks import build_tiny_model
@@ -23,9 +26,9 @@ def engine_env(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("model") / "tiny")
     build_tiny_model(path, seed=0)
     os.environ["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    shared = train.allocate_shared_weights(path)
-    settings = GeneratorSettings(model=path, seed=0, group_size=4, prompts_per_step=16, max_new_tokens=40,
-                                 max_lag=10**6, update_mode="inflight", kv_cache_mb=128)
+    shared = prepare.allocate_shared_weights(path)
+    settings = settings_for(path, group_size=4, prompts_per_step=16, max_new_tokens=40, max_lag=10**6,
+                            kv_cache_mb=128)
     ctx = mp.get_context("spawn")
     builder = Generator(settings, shared, ctx.Queue(), train.make_control(ctx))
     engine = builder.build_engine()
@@ -42,8 +45,17 @@ def engine_env(tmp_path_factory):
     loop.close()
 
 
+def settings_for(model, **changes):
+    """A generator's settings for a test: `changes` name Config fields or GeneratorSettings fields; the Config
+    is resolved as a run resolves it (one generator thread)."""
+    derived = {f.name for f in dataclasses.fields(GeneratorSettings)}
+    cfg = prepare.resolve(Config(gen_threads=1, **{k: v for k, v in changes.items() if k not in derived}))
+    return GeneratorSettings(cfg, model=model, **{k: v for k, v in changes.items() if k in derived})
+
+
 def new_generator(env, queue_size=0, **changes):
-    settings = GeneratorSettings(**{**env["settings"].__dict__, **changes})
+    base = {k: v for k, v in dataclasses.asdict(env["settings"].cfg).items() if v != getattr(Config, k, None)}
+    settings = settings_for(env["path"], **{**base, **changes})
     gen = Generator(settings, env["shared"], env["ctx"].Queue(maxsize=queue_size), train.make_control(env["ctx"]))
     gen.engine = env["engine"]
     return gen

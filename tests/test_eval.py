@@ -23,20 +23,22 @@ import torch
 
 import buffer
 import data
+import devices
 import evaluation
 import rollout
 import tasks
 import train
+import config
+import prepare
 from test_data import ascii_model, tokenizer, write_jsonl  # noqa: F401  (fixtures shared with test_data)
-from test_engine import drain
+from test_engine import drain, settings_for as engine_settings
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def settings_for(model, **changes):
-    base = dict(model=model, seed=0, group_size=4, prompts_per_step=4, max_new_tokens=24, max_lag=10**6,
-                update_mode="inflight", kv_cache_mb=128)
-    return rollout.GeneratorSettings(**{**base, **changes})
+    return engine_settings(model, **{**dict(group_size=4, prompts_per_step=4, max_new_tokens=24, max_lag=10**6,
+                                            kv_cache_mb=128), **changes})
 
 
 # ---- the estimator ----------------------------------------------------------------------------------
@@ -95,8 +97,9 @@ def test_the_walk_covers_every_row_once_per_epoch_and_a_resume_continues_it():
     assert orders[0] != [data.walk(g, n, seed + 1)[1] for g in range(n)]  # and by the seed
     # A resumed run starts its generator at step * prompts_per_step + groups dropped so far: the walk
     # continues from the first group id the trainer has not consumed.
-    cfg = train.parse_args(["--prompts-per-step", "4"])
-    settings = train.generator_settings(cfg, "m", gen_threads=1, start_step=20, start_version=20, groups_dropped=3)
+    cfg = config.parse_args(["--prompts-per-step", "4"])
+    settings = prepare.generator_settings(prepare.resolve(cfg), prepare.Prepared(
+        "m", "m", devices.plan("", ""), start_step=20, start_version=20, groups_dropped=3))
     assert settings.first_group_id == 20 * 4 + 3
     assert [data.walk(g, n, seed) for g in range(settings.first_group_id, 2 * n)] == \
         (epochs[0] + epochs[1])[settings.first_group_id:]
@@ -120,7 +123,7 @@ def test_long_prompts_are_dropped_before_training_and_reported_once(ascii_model,
                              tokenizer, max_len=24)
     assert sorted(len(p.prompt_ids) for p in task.prompts) == [3, 5, 7, 12]
     with pytest.raises(SystemExit, match="--max-prompt-tokens must be >= 0"):
-        train.parse_args(["--max-prompt-tokens", "-1"])
+        config.parse_args(["--max-prompt-tokens", "-1"])
 
 
 # ---- Hugging Face datasets --------------------------------------------------------------------------
@@ -147,15 +150,15 @@ def test_datasets_written_by_datasets_load_with_their_test_split(saved_datasets,
     paths, train_rows, test_rows = saved_datasets
     for kind in ("saved", "parquet"):
         argv = ["--model", ascii_model, "--dataset", paths[kind], "--prompt-column", "question", "--reward", "math"]
-        cfg = train.parse_args(argv)  # validate() loaded both splits
+        cfg = config.parse_args(argv)  # validate() loaded both splits
         assert data.has_eval_set(cfg)
-        task = tasks.make_task(train.generator_settings(cfg, ascii_model, gen_threads=1), tokenizer, max_len=1024)
+        task = tasks.make_task(cfg, tokenizer, max_len=1024)
         assert sorted(p.prompt for p in task.prompts) == sorted(r["question"] for r in train_rows)
         assert sorted(p.prompt for p in task.held_out) == sorted(r["question"] for r in test_rows)
         # an explicit held-out split
-        explicit = data.spec_of(train.parse_args(argv + ["--eval-split", "train"]))
+        explicit = data.spec_of(config.parse_args(argv + ["--eval-split", "train"]))
         assert data.eval_source(explicit) == (paths[kind], "train")
-    single = train.parse_args(["--dataset", paths["single"], "--prompt-column", "question", "--reward", "math"])
+    single = config.parse_args(["--dataset", paths["single"], "--prompt-column", "question", "--reward", "math"])
     assert not data.has_eval_set(single)  # one saved split: training only, no held-out set unless given
     assert data.load_rows(paths["single"], "train")[0][1] == train_rows[0]
 
@@ -169,7 +172,7 @@ def test_datasets_written_by_datasets_load_with_their_test_split(saved_datasets,
 def test_a_dataset_that_does_not_load_is_one_line_before_anything_starts(saved_datasets, extra, needle):
     paths = saved_datasets[0]
     with pytest.raises(SystemExit) as err:
-        train.parse_args(["--dataset", paths["saved"], "--reward", "math", *extra])
+        config.parse_args(["--dataset", paths["saved"], "--reward", "math", *extra])
     assert needle.format(saved=paths["saved"]) in str(err.value)
 
 
@@ -186,11 +189,12 @@ def test_an_unknown_hub_dataset_fails_in_one_line_before_anything_starts(tmp_pat
 
 
 def test_stop_strings_are_flags_and_the_copy_task_refuses_them():
-    cfg = train.parse_args(["--dataset", "data/gsm8k_sample.jsonl", "--prompt-column", "question", "--reward", "math",
+    cfg = config.parse_args(["--dataset", "data/gsm8k_sample.jsonl", "--prompt-column", "question", "--reward", "math",
                             "--stop", "####", r"\n\n"])
-    assert train.generator_settings(cfg, "m", gen_threads=1).stop == ("####", "\n\n")
+    prepared = prepare.Prepared("m", "m", devices.plan("", ""))
+    assert prepare.generator_settings(prepare.resolve(cfg), prepared).stop == ("####", "\n\n")
     with pytest.raises(SystemExit, match="copy task ends its answers with <eos>"):
-        train.parse_args(["--stop", "x"])
+        config.parse_args(["--stop", "x"])
 
 
 # ---- with the real engine ---------------------------------------------------------------------------
@@ -199,7 +203,7 @@ def engine_env(ascii_model, tmp_path_factory):
     import torch.multiprocessing as mp
 
     os.environ["PYTHONPATH"] = str(REPO)
-    shared = train.allocate_shared_weights(ascii_model)
+    shared = prepare.allocate_shared_weights(ascii_model)
     ctx = mp.get_context("spawn")
     builder = rollout.Generator(settings_for(ascii_model), shared, ctx.Queue(), train.make_control(ctx))
     engine = builder.build_engine()

@@ -170,21 +170,22 @@ def test_sigkill_while_writing_leaves_the_previous_checkpoint_loadable(tmp_path)
 
 
 def test_bad_model_inputs_get_one_clear_line(tmp_path):
-    import train
+    import config
+    import prepare
     from tasks import build_tiny_model
 
     with pytest.raises(SystemExit, match="not a local directory"):
-        train.prepare_model(train.Config(model="no-such-model-dir"))
+        prepare.prepare_model(config.Config(model="no-such-model-dir"))
     (tmp_path / "empty").mkdir()
     with pytest.raises(SystemExit, match="no config.json"):
-        train.prepare_model(train.Config(model=str(tmp_path / "empty")))
+        prepare.prepare_model(config.Config(model=str(tmp_path / "empty")))
     path = build_tiny_model(str(tmp_path / "tiny"))
-    train.check_tokenizer(path)  # the default model's tokenizer is fine
+    prepare.check_tokenizer(path)  # the default model's tokenizer is fine
     config = json.loads((tmp_path / "tiny" / "tokenizer_config.json").read_text())
     config.pop("eos_token", None)
     (tmp_path / "tiny" / "tokenizer_config.json").write_text(json.dumps(config))
     with pytest.raises(SystemExit, match="no eos token the model knows"):
-        train.check_tokenizer(path)
+        prepare.check_tokenizer(path)
 
 
 def test_inf_loss_steps_are_skipped_counted_then_stop_the_run(tmp_path):

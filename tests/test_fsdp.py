@@ -22,6 +22,8 @@ import buffer
 import sync
 import tasks
 import train
+import config
+import update
 
 PROMPT = [1, 13, 14, 15, 24]  # "<bos>abc=" in the tiny model's character tokenizer
 PAD_ID = 0
@@ -52,13 +54,11 @@ def _worker(rank, world, init_file, model_path, agg, shared, version, results):
     torch.manual_seed(0)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        cfg = train.Config()
-        if agg is not None:
-            cfg.agg = agg
+        cfg = config.Config() if agg is None else config.Config(agg=agg)
         model = train.build_trainer_model(model_path, world)
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)  # before forward
 
-        result = train.train_on_batch(model, None, make_batch(), cfg, rank, world, version=0)
+        result = update.train_on_batch(model, None, make_batch(), cfg, rank, world, version=0)
         grads = {name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().clone()
                  for name, p in model.named_parameters()}  # before clipping (which would hide a scale error)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)

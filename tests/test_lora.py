@@ -18,7 +18,8 @@ import checkpoint
 import lora
 import sync
 import train
-from rollout import Generator, GeneratorSettings
+from rollout import Generator
+from test_engine import settings_for
 from tasks import build_tiny_model
 from sync import SharedWeights
 from test_engine import wait_until
@@ -90,9 +91,8 @@ def test_generator_serves_each_published_adapter_and_agrees_with_the_trainer(bas
     shapes, resolved = lora.adapter_shapes(base_model, lora.peft_config(**CONFIG))
     lora_dir = lora.write_config(resolved, base_model, str(tmp_path / "adapter_config"))
     shared = SharedWeights.allocate(shapes)
-    settings = GeneratorSettings(model=base_model, seed=0, group_size=4, prompts_per_step=4, max_new_tokens=16,
-                                 max_lag=10**6, update_mode="inflight", kv_cache_mb=64, initial_version=1,
-                                 lora_rank=8, lora_dir=lora_dir)
+    settings = settings_for(base_model, group_size=4, prompts_per_step=4, max_new_tokens=16, max_lag=10**6,
+                            kv_cache_mb=64, initial_version=1, lora_rank=8, lora_dir=lora_dir)
     ctx = mp.get_context("spawn")
     gen = Generator(settings, shared, ctx.Queue(), train.make_control(ctx))
     engine = gen.build_engine()

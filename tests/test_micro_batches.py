@@ -1,14 +1,15 @@
-"""Micro-batches, chunked log-probs and activation checkpointing in the trainer step (`train.train_on_batch`).
+"""Micro-batches, chunked log-probs and activation checkpointing in the trainer step (`update.train_on_batch`).
 
 - `buffer.plan_micro_batches` / `rank_micro_batches`: rows grouped by length within the token budget, every
   row exactly once, the same number of micro-batches on every rank (fillers add nothing).
-- `train.completion_logprobs` keeps no vocabulary-sized tensor for the backward pass.
+- `update.completion_logprobs` keeps no vocabulary-sized tensor for the backward pass.
 - Gradient parity: for every aggregation mode, at world size 1 and 2 (FSDP2 over gloo), micro-batches of one
   row, of a few rows and the whole batch give the gradients and the loss (and the logged means) of the plain
   whole-batch computation: an unsharded model, full logits, one `policy_loss` over every row. Likewise with
   top-k/top-p, a temperature and the KL term against a reference model, with LoRA (the reference is the
   model with its adapter off), and with `--grad-checkpointing`.
 """
+import dataclasses
 import os
 import tempfile
 
@@ -20,6 +21,8 @@ import losses
 import lora
 import tasks
 import train
+from config import Config, parse_args
+import update
 from test_fsdp import make_batch, spawn_ranks
 
 ONE_ROW, FEW_ROWS, WHOLE = 1, 20, 0  # --micro-batch-tokens: the test batch's rows hold 5 to 10 tokens
@@ -35,7 +38,7 @@ CHECKPOINTED = {"checkpointed": ("kl+sampling", FEW_ROWS), "lora checkpointed": 
 
 def config(case):
     changes = {k: v for k, v in CASES[case].items() if k != "lora"}
-    return train.Config(**changes)
+    return Config(**changes)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -73,10 +76,10 @@ def test_every_rank_gets_as_many_micro_batches_and_its_own_rows(world, max_token
 
 def test_bad_flags_are_refused_before_anything_starts():
     with pytest.raises(SystemExit, match="error: --micro-batch-tokens must be >= 0"):
-        train.parse_args(["--micro-batch-tokens", "-1"])
+        parse_args(["--micro-batch-tokens", "-1"])
     with pytest.raises(SystemExit, match="error: --lora-targets lm_head"):
-        train.parse_args(["--lora-rank", "4", "--lora-targets", "q_proj,lm_head"])
-    assert train.parse_args(["--micro-batch-tokens", "0", "--grad-checkpointing"]).grad_checkpointing
+        parse_args(["--lora-rank", "4", "--lora-targets", "q_proj,lm_head"])
+    assert parse_args(["--micro-batch-tokens", "0", "--grad-checkpointing"]).grad_checkpointing
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -95,7 +98,7 @@ def test_completion_logprobs_saves_nothing_vocabulary_sized(model_path):
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        scores = train.completion_logprobs(model, batch, 0.8, top_k=8, top_p=0.9, untruncated=True)
+        scores = update.completion_logprobs(model, batch, 0.8, top_k=8, top_p=0.9, untruncated=True)
     (scores.logp.sum() + scores.logp_untruncated.sum()).backward()
     assert saved, "nothing was saved: the hook saw no graph"
     with_vocab = [s for s in saved if vocab in s]
@@ -146,12 +149,11 @@ def _parity_worker(rank, world, init_file, model_path, ref_path, adapter_dir, re
         runs += [(name, case, tokens) for name, (case, tokens) in CHECKPOINTED.items()]
         out = {}
         for name, case, tokens in runs:
-            cfg = config(case)
-            cfg.micro_batch_tokens = tokens
+            cfg = dataclasses.replace(config(case), micro_batch_tokens=tokens)
             model = with_lora if CASES[case].get("lora") else full
             if name in CHECKPOINTED:
                 train.checkpoint_layers(model)  # for good: the checkpointed runs come last
-            result = train.train_on_batch(model, None if model is with_lora else ref_model, make_batch(), cfg,
+            result = update.train_on_batch(model, None if model is with_lora else ref_model, make_batch(), cfg,
                                           rank, world, version=0)
             grads = {n: p.grad.full_tensor().clone() for n, p in model.named_parameters() if p.grad is not None}
             model.zero_grad(set_to_none=True)

@@ -7,13 +7,15 @@ import torch
 
 import buffer
 import train
+import config
+import update
 from losses import overlong_penalty
 
 
 @pytest.mark.parametrize("schedule", ["constant", "linear", "cosine"])
 def test_learning_rate_schedule_at_warmup_end_and_last_step(schedule):
-    cfg = train.Config(steps=100, lr=1e-3, min_lr=1e-4, lr_warmup_steps=10, lr_schedule=schedule)
-    lrs = [train.learning_rate(step, cfg) for step in range(cfg.steps)]
+    cfg = config.Config(steps=100, lr=1e-3, min_lr=1e-4, lr_warmup_steps=10, lr_schedule=schedule)
+    lrs = [update.learning_rate(step, cfg) for step in range(cfg.steps)]
     assert lrs[0] == pytest.approx(1e-4)  # 1/10 of the way up
     assert lrs[9] == pytest.approx(1e-3)  # the end of the warmup: the full rate
     assert all(a < b for a, b in zip(lrs[:9], lrs[1:10]))
@@ -23,7 +25,7 @@ def test_learning_rate_schedule_at_warmup_end_and_last_step(schedule):
         assert lrs[10 + 89 // 2] == pytest.approx(1e-4 + 9e-4 * (1 - 44 / 89))
     if schedule == "cosine":
         assert lrs[10 + 89 // 2] == pytest.approx(1e-4 + 9e-4 * 0.5 * (1 + math.cos(math.pi * 44 / 89)))
-    assert train.learning_rate(0, train.Config()) == train.Config().lr  # the default: constant, no warmup
+    assert update.learning_rate(0, config.Config()) == config.Config().lr  # the default: constant, no warmup
 
 
 def test_overlong_penalty_is_dapos_formula():
@@ -39,22 +41,22 @@ def test_shaped_rewards_add_the_penalty_and_mark_cut_completions():
     group = buffer.RolloutGroup(0, [1], [[5] * 3, [5] * 8, [5] * 10], [[0.0] * 3, [0.0] * 8, [0.0] * 10],
                                 [[0] * 3, [0] * 8, [0] * 10], [1.0, 0.5, 0.0],
                                 finish_reasons=["stop", "stop", "length"])
-    plain, truncated = train.shaped_rewards([group], train.Config(max_new_tokens=10))
+    plain, truncated = update.shaped_rewards([group], config.Config(max_new_tokens=10))
     assert plain.tolist() == [[1.0, 0.5, 0.0]] and truncated.tolist() == [[False, False, True]]
-    shaped, _ = train.shaped_rewards([group], train.Config(max_new_tokens=10, overlong_penalty=4))
+    shaped, _ = update.shaped_rewards([group], config.Config(max_new_tokens=10, overlong_penalty=4))
     assert shaped[0].tolist() == pytest.approx([1.0, 0.5 - 2 / 4, -1.0])
 
 
 def test_a_warning_names_the_flags_that_cannot_act():
-    assert train.inactive_flags(train.Config()) == []
-    assert train.inactive_flags(train.Config(loss="dapo", dual_clip=3.0)) == ["--loss dapo", "--dual-clip"]
-    assert train.inactive_flags(train.Config(loss="cispo", eps_high=5.0, is_mode="off")) == []
+    assert config.inactive_flags(config.Config()) == []
+    assert config.inactive_flags(config.Config(loss="dapo", dual_clip=3.0)) == ["--loss dapo", "--dual-clip"]
+    assert config.inactive_flags(config.Config(loss="cispo", eps_high=5.0, is_mode="off")) == []
 
 
 def test_recipe_flags_are_validated_in_one_line():
     for argv in (["--overlong-penalty", "5"], ["--min-lr", "1"], ["--lr-warmup-steps", "-1"]):
         with pytest.raises(SystemExit, match="^error: "):
-            train.parse_args(argv)
+            config.parse_args(argv)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -64,7 +66,7 @@ PPO = dict(mini_batches=2, lr=1.0, grad_clip=1.0, is_mode="truncate", is_high=2.
 
 
 def _ppo_worker(rank, world, init_file, model_path, results):
-    """One FSDP2 rank: `train.update_on_batch` with two mini-batches, for grpo and cispo from the same start."""
+    """One FSDP2 rank: `update.update_on_batch` with two mini-batches, for grpo and cispo from the same start."""
     import torch.distributed as dist
 
     from test_fsdp import make_batch
@@ -74,10 +76,10 @@ def _ppo_worker(rank, world, init_file, model_path, results):
     try:
         out = {}
         for loss in ("grpo", "cispo"):
-            cfg = train.Config(loss=loss, **PPO)
+            cfg = config.Config(loss=loss, **PPO)
             model = train.build_trainer_model(model_path, world)
             optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)  # linear in the gradient: exact comparison
-            result = train.update_on_batch(model, None, optimizer, make_batch(), cfg, rank, world, version=0, step=3)
+            result = update.update_on_batch(model, None, optimizer, make_batch(), cfg, rank, world, version=0, step=3)
             params = {n: p.full_tensor().detach().clone().numpy() for n, p in model.named_parameters()}
             out[loss] = {"params": params, "metrics": result.metrics, "applied": result.applied, "loss": result.loss}
         if rank == 0:
@@ -106,7 +108,7 @@ def hand_ppo(model_path, cfg):
     with torch.no_grad():
         proximal = logprobs(batch)
     ratios = []
-    for rows in train.mini_batch_rows(len(batch), cfg, step=3, epoch=0):
+    for rows in update.mini_batch_rows(len(batch), cfg, step=3, epoch=0):
         mb = batch.select(rows)
         logp, old = logprobs(mb), proximal[rows]
         weights = torch.clamp(torch.exp(old - mb.behaviour_logp), max=cfg.is_high) * mb.mask
@@ -130,7 +132,7 @@ def test_two_mini_batch_ppo_update_matches_the_hand_computed_one(tmp_path):
 
     model_path = tasks.build_tiny_model(str(tmp_path / "tiny"), seed=0)
     got = spawn_ranks(_ppo_worker, 2, tmp_path, model_path)
-    expected, ratios = hand_ppo(model_path, train.Config(loss="grpo", **PPO))
+    expected, ratios = hand_ppo(model_path, config.Config(loss="grpo", **PPO))
     assert torch.allclose(ratios[0], torch.ones_like(ratios[0]), atol=1e-5)  # the first update: ratio 1
     assert float((ratios[1] - 1).abs().max()) > 0.05  # the second starts from moved weights
     run = got["grpo"]

@@ -1,5 +1,6 @@
 """sync.py and buffer.py without an engine: packing, the seqlock, handles across processes, the staleness
 rule and batch assembly."""
+import dataclasses
 import queue as queue_lib
 import threading
 
@@ -8,8 +9,10 @@ import torch
 import torch.multiprocessing as mp
 
 import buffer
+import config
+import devices
+import prepare
 import sync
-import train
 
 
 def small_shared():
@@ -210,23 +213,26 @@ def test_rows_for_rank_partition_the_batch():
 ])
 def test_bad_flags_give_one_clear_line(argv, needle):
     with pytest.raises(SystemExit) as err:
-        train.parse_args(argv)
+        config.parse_args(argv)
     assert needle in str(err.value)
 
 
 def test_every_config_field_is_a_flag():
-    cfg = train.parse_args(["--steps", "7", "--max-lag", "0", "--update-mode", "drain", "--eps-high", "0.28",
+    cfg = config.parse_args(["--steps", "7", "--max-lag", "0", "--update-mode", "drain", "--eps-high", "0.28",
                             "--wandb", "offline", "--train-ranks", "2"])
     assert (cfg.steps, cfg.max_lag, cfg.update_mode, cfg.eps_high, cfg.wandb, cfg.train_ranks) == \
         (7, 0, "drain", 0.28, "offline", 2)
-    assert train.parse_args(["--eps-high", "none"]).eps_high is None
+    assert config.parse_args(["--eps-high", "none"]).eps_high is None
 
 
 def test_generator_settings_carry_the_config_and_the_resume_point():
-    """One builder for the generator's settings (train.run and the benchmarks both use it)."""
-    cfg = train.parse_args(["--max-lag", "3", "--top-k", "5", "--prompts-per-step", "4", "--group-size", "2",
-                            "--update-mode", "drain", "--timeout-s", "12"])
-    s = train.generator_settings(cfg, "some/model", gen_threads=3, start_step=5, start_version=4)
-    assert (s.model, s.max_lag, s.top_k, s.prompts_per_step, s.group_size, s.update_mode, s.threads) == \
-        ("some/model", 3, 5, 4, 2, "drain", 3)
-    assert (s.queue_timeout_s, s.initial_version, s.first_group_id, s.device) == (12, 4, 20, "cpu")
+    """One builder for the generator's settings (train.run and the benchmarks both use it): the run's resolved
+    Config itself, and the resume point."""
+    cfg = prepare.resolve(config.parse_args(["--max-lag", "3", "--top-k", "5", "--prompts-per-step", "4",
+                                             "--group-size", "2", "--update-mode", "drain", "--gen-threads", "3"]))
+    s = prepare.generator_settings(cfg, prepare.Prepared("some/model", "base", devices.plan("", ""), start_step=5,
+                                                         start_version=4))
+    assert s.cfg is cfg and (s.model, s.cfg.gen_threads, s.cfg.dtype) == ("some/model", 3, "fp32")
+    assert (s.initial_version, s.first_group_id, s.device) == (4, 20, "cpu")
+    with pytest.raises(dataclasses.FrozenInstanceError):  # nothing changes the run's config after it is resolved
+        cfg.max_lag = 1

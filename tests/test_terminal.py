@@ -10,17 +10,17 @@ import sys
 
 import pytest
 
-import train
+import config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_every_flag_has_help_text_and_a_default_from_the_config_comments():
-    parser = train.build_parser()
+    parser = config.build_parser()
     actions = {a.dest: a for a in parser._actions if a.dest != "help"}
-    fields = {f.name: f for f in dataclasses.fields(train.Config)}
+    fields = {f.name: f for f in dataclasses.fields(config.Config)}
     assert set(actions) == set(fields)
-    docs = train.field_help(train.Config)
+    docs = config.field_help(config.Config)
     for name, action in actions.items():
         assert action.help and len(action.help) > 8, f"--{name.replace('_', '-')} has no help text"
         assert action.help == docs[name][1]  # the comment on the field, not a second list
@@ -36,7 +36,7 @@ def test_every_flag_has_help_text_and_a_default_from_the_config_comments():
 
 
 def test_help_groups_follow_the_dataclass_groups():
-    parser = train.build_parser()
+    parser = config.build_parser()
     titles = {g.title: {a.dest for a in g._group_actions} for g in parser._action_groups}
     lora = next(t for t in titles if t.startswith("LoRA"))
     assert {"lora_rank", "lora_alpha", "merge_at_end"} <= titles[lora]
@@ -56,7 +56,7 @@ def test_a_field_comment_with_hashes_and_strings_is_read_whole():
         # second group: with a colon
         other: float = 1.0  # more help
 
-    docs = train.field_help(Example)
+    docs = config.field_help(Example)
     assert docs == {"name": ("first group", 'the help, with "quotes" and # a hash'), "plain": ("first group", ""),
                     "other": ("second group: with a colon", "more help")}
 
@@ -113,7 +113,7 @@ def test_workers_that_report_different_versions_load_again_until_they_agree():
 def test_the_progress_line_says_where_the_run_is_how_it_learns_and_when_it_ends(tmp_path):
     import metrics
 
-    log = metrics.RunLog(train.Config(out=str(tmp_path), steps=100, log_every=10), world_size=1)
+    log = metrics.RunLog(config.Config(out=str(tmp_path), steps=100, log_every=10), world_size=1)
     # rows are written by step(); fill them as it would
     for step in range(21):
         log.rows.append({"step": step, "reward": 0.5 if step >= 11 else 0.0, "lag_mean": 1.25, "lag_max": 2})

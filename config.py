@@ -1,0 +1,268 @@
+"""config.py — the run's settings: one `Config` dataclass, its command line, its checks.
+
+Role: every `Config` field is a `--flag` (underscores become dashes); the comment after a field is its
+`--help` text and a comment line on its own starts a group of flags, so this class is the one source of both
+(CleanRL's arguments dataclass). `parse_args` builds and `validate`s it: one clear line per bad value, before
+anything starts. A validated Config is never changed: what a run derives from it (devices, threads, the
+resolved dtype) lives in `prepare.Prepared`.
+May touch: nothing (reads the files and modules the flags name, to check them).
+"""
+import argparse
+import dataclasses
+import inspect
+import io
+import os
+import tokenize
+import typing
+from dataclasses import dataclass
+from typing import Optional
+
+import data
+import devices
+
+
+@dataclass(frozen=True)
+class Config:
+    """Every field is a `--flag` (underscores become dashes). The comment after a field is its `--help` text
+    and a comment line on its own starts a group of flags: this class is the one source of both."""
+    # run
+    steps: int = 300  # steps to train for: rollout batches, one model version each (a resume counts on)
+    seed: int = 0  # seeds the tiny model, the prompts drawn and the sampling
+    model: str = ""  # Hugging Face model directory or hub id; "" builds the tiny default model into OUT/init_model
+    out: str = "runs/latest"  # output folder: metrics.jsonl, summary.json, plots.png, model/, checkpoints/
+    # asynchrony
+    max_lag: int = 2  # train only on samples whose oldest token is <= this many versions old (0: on-policy)
+    queue_size: int = 64  # rollout groups waiting in the queue, at most
+    sync_every: int = 1  # publish weights every N steps
+    update_mode: str = "inflight"  # inflight: swap weights with requests kept running; drain: let them finish
+    max_inflight_groups: int = 0  # groups generating at once; 0 = --prompts-per-step
+    # sizes
+    train_ranks: int = 1  # FSDP2 trainer ranks (processes; on GPUs one per --train-devices GPU)
+    group_size: int = 8  # G completions per prompt
+    prompts_per_step: int = 32  # prompts (groups) per step
+    max_new_tokens: int = 5  # longest completion, in tokens
+    micro_batch_tokens: int = 4096  # each rank's forward/backward takes at most this many padded tokens at once (0: all its rows)
+    # data and reward (data.py; the defaults are the built-in copy task)
+    task: str = "auto"  # auto (dataset with --dataset, else copy) | copy | dataset | gsm8k (a preset)
+    dataset: str = ""  # a .jsonl/.json/.parquet file, or a Hugging Face dataset NAME[:CONFIG]
+    split: str = "train"  # the split of a Hugging Face dataset
+    prompt_column: str = "prompt"  # text, or a list of chat messages (rendered with the chat template)
+    answer_column: str = "answer"  # also passed to reward functions as `answer`
+    reward: str = ""  # comma-separated module:function | path/file.py:function | math (TRL's convention)
+    reward_weights: str = ""  # comma-separated, one per --reward function; "": all 1
+    system_prompt: str = ""  # added as a system message (chat template) or a prefix (plain text)
+    reward_workers: int = 0  # 0: rewards run in a thread of the generator; N: a pool of N processes
+    max_prompt_tokens: int = 0  # drop longer prompts before training starts (counted); 0: only the context limits them
+    # sampling (the trainer scores tokens with the same temperature/top-k/top-p)
+    temperature: float = 1.0  # sampling temperature (> 0)
+    top_k: int = -1  # keep the k most likely tokens; -1: off
+    top_p: float = 1.0  # nucleus sampling: keep the smallest set of tokens with this much mass; 1: off
+    stop: tuple = ()  # stop strings, one or more (\n, \t, \\ are unescaped): the reward sees the text before the stop
+    # evaluation on held-out prompts (evaluation.py), on the generator's engine beside training
+    eval_every: int = 50  # evaluate every N steps, and at step 0 and the end (0: never)
+    eval_dataset: str = ""  # held-out prompts: a file or Hugging Face dataset ("": --dataset's test split, if any)
+    eval_split: str = ""  # the split of the held-out set ("": test)
+    eval_prompts: int = 256  # held-out prompts per evaluation, at most (the same fixed subset each time)
+    eval_samples: int = 4  # sampled completions per held-out prompt (mean reward, pass@k for k <= this); 0: greedy only
+    eval_pass_reward: float = 1.0  # a completion passes (pass@k, greedy pass@1) when its reward is >= this
+    # optimisation and loss (see losses.py)
+    lr: float = 3e-4  # AdamW learning rate
+    weight_decay: float = 0.0  # AdamW weight decay
+    grad_clip: float = 1.0  # clip the gradient's global norm to this
+    loss: str = "grpo"  # the policy loss: grpo | dapo | dr_grpo | gspo | cispo
+    adv_scale: str = "group"  # divide advantages by the reward std of the group | batch | none (Dr. GRPO)
+    agg: str = "token-mean"  # how token losses are averaged over the batch (see losses.AGGS)
+    eps_low: float = 0.2  # lower clip of the ratio: 1 - eps_low
+    eps_high: Optional[float] = None  # upper clip of the ratio: 1 + eps_high; none: eps_low (dapo: 0.28)
+    dual_clip: Optional[float] = None  # dual-clip constant c > 1 for negative advantages; none: off
+    kl_coef: float = 0.0  # weight of the KL penalty to the original model (> 0 keeps a frozen reference)
+    kl_kind: str = "k3"  # KL estimator: k1 | k2 | k3 (Schulman's)
+    is_level: str = "token"  # behaviour-policy importance weights per token or per sequence
+    is_mode: str = "truncate"  # truncate (TIS) | mask (MIS) | off (the ratio is taken against the generator)
+    is_low: Optional[float] = None  # with --is-mode mask: weights below this are masked; none: no lower bound
+    is_high: float = 2.0  # importance weights above this are truncated (or masked)
+    mini_batches: int = 1  # optimizer steps per rollout batch, each on 1/M of it (PPO mini-batches)
+    ppo_epochs: int = 1  # passes over each rollout batch (each pass: --mini-batches optimizer steps)
+    lr_schedule: str = "constant"  # after warmup: constant | linear | cosine (decay to --min-lr at the last step)
+    lr_warmup_steps: int = 0  # steps of linear warmup from lr / N to --lr
+    min_lr: float = 0.0  # the learning rate at the last step, with --lr-schedule linear or cosine
+    # GRPO recipes (DAPO)
+    filter_groups: bool = False  # dynamic sampling: skip groups whose rewards are all equal; the step waits for others
+    overlong_filter: bool = False  # leave completions cut at --max-new-tokens out of the loss
+    overlong_penalty: int = 0  # L > 0: DAPO's soft overlong penalty over the last L tokens before --max-new-tokens
+    # machinery
+    gen_threads: int = 0  # CPU threads of the generator; 0: half the cores
+    train_threads: int = 0  # CPU threads per trainer rank; 0: the rest of the cores, split between ranks
+    kv_cache_mb: int = 256  # vLLM's KV cache on CPU, in MiB
+    dtype: str = "auto"  # bf16 | fp32 | auto (bf16 on GPUs, fp32 on CPU): trainer compute (fp32 master weights), vLLM, weight syncs
+    max_model_len: int = 0  # vLLM's context, prompt + completion (longer prompts are skipped and counted); 0: the model's own
+    gpu_memory_utilization: float = 0.0  # vLLM's share of each generator GPU; 0: 0.9 alone, 0.3 on a GPU shared with a trainer rank
+    grad_checkpointing: bool = False  # recompute each decoder layer's activations in the backward pass: less memory, ~1/3 more compute
+    timeout_s: float = 300.0  # longest wait for any other process before the run fails
+    gen_devices: str = ""  # generator GPUs, e.g. "0" ("" or "cpu": the CPU path); see devices.py
+    train_devices: str = ""  # trainer GPUs, one FSDP2 rank each, e.g. "1,2,3"; "0" with --gen-devices 0 shares it
+    # LoRA (lora.py): train an adapter on the frozen base model and sync only the adapter
+    lora_rank: int = 0  # > 0: LoRA of this rank (0: full fine-tuning)
+    lora_alpha: int = 16  # the adapter's scale is alpha / rank
+    lora_dropout: float = 0.0  # dropout on the adapter's input
+    lora_targets: str = "all-linear"  # the modules the adapter wraps: all-linear, or names such as q_proj,v_proj
+    merge_at_end: bool = False  # with --lora-rank: also write OUT/model, the base model with the adapter merged in
+    # checkpoints and faults
+    save_every: int = 0  # write a checkpoint every N steps (0: only when interrupted)
+    keep_checkpoints: int = 2  # newest checkpoints kept (0: all)
+    resume: str = ""  # a checkpoint folder, or "latest" (the newest under OUT/checkpoints)
+    max_bad_steps: int = 10  # steps skipped for NaN/inf loss or gradients before the run stops
+    # logging
+    log_every: int = 10  # print a progress line every N steps
+    log_level: str = "warning"  # warning: progress lines, warnings, errors; info / debug: also vLLM's own log
+    wandb: str = "off"  # log to Weights & Biases: online | offline | off
+    wandb_project: str = "asyncgrpo"  # the wandb project
+
+
+CHOICES = {"update_mode": ("inflight", "drain"), "loss": ("grpo", "dapo", "dr_grpo", "gspo", "cispo"),
+           "adv_scale": ("group", "batch", "none"), "wandb": ("online", "offline", "off"),
+           "agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"),
+           "kl_kind": ("k1", "k2", "k3"), "is_level": ("token", "sequence"),
+           "is_mode": ("truncate", "mask", "off"), "log_level": ("debug", "info", "warning"),
+           "lr_schedule": ("constant", "linear", "cosine"), "dtype": ("auto", "bf16", "fp32")}
+
+
+def field_help(cls) -> dict[str, tuple[str, str]]:
+    """{field: (group, help)} read from the class's source: a field's trailing comment is its help, and a
+    comment line on its own names the group of the fields below it (CleanRL's arguments dataclass, without a
+    second list to keep in step)."""
+    lines: dict[int, list] = {}  # line number -> its tokens (the docstring spans lines: tokenize it whole)
+    for token in tokenize.generate_tokens(io.StringIO(inspect.getsource(cls)).readline):
+        if token.type not in (tokenize.INDENT, tokenize.DEDENT, tokenize.NEWLINE, tokenize.NL, tokenize.ENDMARKER):
+            lines.setdefault(token.start[0], []).append(token)
+    group, found = "", {}
+    for tokens in lines.values():
+        if len(tokens) == 1 and tokens[0].type == tokenize.COMMENT:
+            group = tokens[0].string.lstrip("# ").strip()
+        elif len(tokens) > 2 and tokens[0].type == tokenize.NAME and tokens[1].string == ":":
+            comment = tokens[-1].string.lstrip("# ").strip() if tokens[-1].type == tokenize.COMMENT else ""
+            found[tokens[0].string] = (group, comment)
+    return found
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    def _get_help_string(self, action):
+        if action.default in ("", None, ()) and action.help:  # say what an empty default is, not "(default: )"
+            return action.help + (' (default: "")' if action.default == "" else " (default: none)")
+        return super()._get_help_string(action)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        usage="%(prog)s [--flag VALUE ...]", formatter_class=HelpFormatter,
+        description="Asynchronous GRPO: a vLLM generator and FSDP2 trainer ranks joined by a bounded rollout queue, "
+                    "with weights pushed to the running generator. No flags: the built-in task on a tiny model.")
+    metavars = {int: "N", float: "X", str: "S"}
+    docs, groups = field_help(Config), {}
+    for f in dataclasses.fields(Config):
+        group_name, help_text = docs[f.name]
+        if group_name not in groups:
+            groups[group_name] = parser.add_argument_group(group_name)
+        group = groups[group_name]
+        flag = "--" + f.name.replace("_", "-")
+        if f.type is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+        elif f.type is tuple:  # one or more strings
+            group.add_argument(flag, nargs="+", default=f.default, help=help_text, metavar="S")
+        elif typing.get_origin(f.type) is typing.Union:  # Optional[float]: "none" means None
+            group.add_argument(flag, type=lambda s: None if s.lower() == "none" else float(s), default=f.default,
+                               help=help_text, metavar="X")
+        else:
+            group.add_argument(flag, type=f.type, default=f.default, choices=CHOICES.get(f.name), help=help_text,
+                               metavar=None if f.name in CHOICES else metavars[f.type])
+    return parser
+
+
+def parse_args(argv=None) -> Config:
+    cfg = Config(**vars(build_parser().parse_args(argv)))
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    """One clear line per bad value (the run has not started anything yet)."""
+    problems = []
+    for name in ("steps", "group_size", "prompts_per_step", "max_new_tokens", "queue_size", "sync_every",
+                 "train_ranks", "kv_cache_mb"):
+        if getattr(cfg, name) < 1:
+            problems.append(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(cfg, name)})")
+    if cfg.micro_batch_tokens < 0:
+        problems.append(f"--micro-batch-tokens must be >= 0 (0: each rank's whole share at once; got {cfg.micro_batch_tokens})")
+    if cfg.save_every < 0 or cfg.keep_checkpoints < 0 or cfg.max_bad_steps < 0:
+        problems.append("--save-every, --keep-checkpoints and --max-bad-steps must be >= 0")
+    if cfg.max_model_len < 0:
+        problems.append(f"--max-model-len must be >= 0 (got {cfg.max_model_len})")
+    elif cfg.max_model_len and cfg.max_model_len <= cfg.max_new_tokens:
+        problems.append(f"--max-model-len {cfg.max_model_len} leaves no room for a prompt before "
+                        f"--max-new-tokens {cfg.max_new_tokens}: give more than {cfg.max_new_tokens}")
+    if cfg.eval_every < 0 or cfg.eval_samples < 0 or cfg.max_prompt_tokens < 0:
+        problems.append("--eval-every, --eval-samples and --max-prompt-tokens must be >= 0")
+    if cfg.eval_prompts < 1:
+        problems.append(f"--eval-prompts must be >= 1 (got {cfg.eval_prompts})")
+    if any(s == "" for s in cfg.stop):
+        problems.append("--stop: an empty stop string would end every completion at once")
+    if cfg.max_lag < 0:
+        problems.append(f"--max-lag must be >= 0 (got {cfg.max_lag})")
+    elif cfg.max_lag < cfg.sync_every - 1:
+        problems.append(f"--max-lag {cfg.max_lag} < --sync-every {cfg.sync_every} - 1: the trainer would "
+                        "reject every sample between syncs; raise --max-lag or lower --sync-every")
+    if cfg.group_size == 1 and cfg.adv_scale != "none":
+        problems.append("--group-size 1 gives every sample a zero group-relative advantage; use a group of "
+                        ">= 2 (or --adv-scale none with a baseline-free reward)")
+    if cfg.top_k < -1:
+        problems.append(f"--top-k must be -1 or 0 (off) or >= 1 (got {cfg.top_k})")
+    if cfg.temperature <= 0:
+        problems.append(f"--temperature must be > 0 (got {cfg.temperature})")
+    if not 0 < cfg.top_p <= 1:
+        problems.append(f"--top-p must be in (0, 1] (got {cfg.top_p})")
+    if cfg.lr <= 0:
+        problems.append(f"--lr must be > 0 (got {cfg.lr})")
+    if cfg.mini_batches < 1 or cfg.ppo_epochs < 1:
+        problems.append(f"--mini-batches and --ppo-epochs must be >= 1 (got {cfg.mini_batches}, {cfg.ppo_epochs})")
+    elif cfg.mini_batches > cfg.prompts_per_step * cfg.group_size:
+        problems.append(f"--mini-batches {cfg.mini_batches} is more than the {cfg.prompts_per_step * cfg.group_size} "
+                        "samples of a step (--prompts-per-step x --group-size)")
+    if cfg.lr_warmup_steps < 0 or not 0 <= cfg.min_lr <= cfg.lr:
+        problems.append(f"--lr-warmup-steps must be >= 0 and --min-lr in [0, --lr] (got {cfg.lr_warmup_steps}, "
+                        f"{cfg.min_lr})")
+    if not 0 <= cfg.overlong_penalty < cfg.max_new_tokens:
+        problems.append(f"--overlong-penalty must be in [0, --max-new-tokens) (got {cfg.overlong_penalty})")
+    if not 0 <= cfg.lora_rank <= 512:
+        problems.append(f"--lora-rank must be in 0..512 (got {cfg.lora_rank})")
+    if cfg.lora_rank and cfg.lora_alpha <= 0:
+        problems.append(f"--lora-alpha must be > 0 (got {cfg.lora_alpha})")
+    if not 0 <= cfg.lora_dropout < 1:
+        problems.append(f"--lora-dropout must be in [0, 1) (got {cfg.lora_dropout})")
+    if cfg.lora_rank and "lm_head" in cfg.lora_targets.replace(" ", "").split(","):
+        problems.append("--lora-targets lm_head: the LM head cannot take an adapter here (the trainer applies "
+                        "its weight directly, a chunk of tokens at a time); adapt the other layers")
+    if cfg.lora_rank and not cfg.lora_targets.strip(" ,"):
+        problems.append("--lora-targets is empty: give all-linear or module names such as q_proj,v_proj")
+    if cfg.merge_at_end and not cfg.lora_rank:
+        problems.append("--merge-at-end merges a LoRA adapter: it needs --lora-rank")
+    if cfg.model and not os.path.isdir(cfg.model) and os.path.exists(cfg.model):
+        problems.append(f"--model {cfg.model} is a file; give a Hugging Face model directory")
+    elif cfg.model and not os.path.exists(cfg.model) and (cfg.model.startswith((".", "/", "~"))):
+        problems.append(f"--model {cfg.model}: no such directory")
+    problems += data.check_flags(cfg)  # data/reward flags: files exist, rows complete, reward functions import
+    problems += devices.problems(cfg)  # --gen-devices/--train-devices: parse, GPUs exist, one rank per GPU
+    if problems:
+        raise SystemExit("error: " + "\nerror: ".join(problems))
+
+
+def inactive_flags(cfg: Config) -> list[str]:
+    """Flags that cannot change this run's gradient: one optimizer step per rollout batch (--mini-batches 1
+    --ppo-epochs 1) makes the ratio to the proximal policy exactly 1, so with an importance correction the
+    ratio clips never act."""
+    if cfg.is_mode == "off" or cfg.mini_batches * cfg.ppo_epochs > 1:  # the ratio moves: the clips act
+        return []
+    set_by_user = [f"--{name.replace('_', '-')}" for name in ("eps_low", "eps_high", "dual_clip")
+                   if getattr(cfg, name) != getattr(Config, name)]
+    if cfg.loss in ("dapo", "gspo", "cispo"):
+        set_by_user.insert(0, f"--loss {cfg.loss}")
+    return set_by_user

@@ -1,0 +1,141 @@
+"""prepare.py — what a run settles before any process starts (a reader may skip it).
+
+Role: `resolve` turns the validated flags into the run's final, frozen `Config` (--dtype auto, the ranks the
+devices give, the threads, no evaluation without held-out prompts); `prepare_run` finds or builds the
+model, resolves --resume, checks the tokenizer and that vLLM can serve the model, and writes
+OUT/config.json; `generator_settings` is what the generator process starts with.
+Data contract: `Prepared` (the weights to start from, the original model, where a resume continues, the
+device layout) is computed once in the parent and passed to every child.
+May touch: OUT/config.json and OUT/init_model (the tiny default model); reads the checkpoint it resumes.
+"""
+import dataclasses
+import json
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+import checkpoint
+import data
+import devices
+from config import Config
+from rollout import GeneratorSettings, engine_problems
+from sync import SharedWeights, named_shapes_of
+from tasks import build_tiny_model
+
+
+def resolve(cfg: Config) -> Config:
+    """The run's config with nothing left open, decided once here; nothing changes it afterwards."""
+    layout = devices.layout_for(cfg)
+    eval_every = cfg.eval_every
+    if eval_every and not data.has_eval_set(cfg):
+        print("note: no held-out prompts (a dataset file has no test split): no evaluation; give --eval-dataset "
+              "FILE or a Hugging Face dataset with a test split (or --eval-split)", file=sys.stderr, flush=True)
+        eval_every = 0
+    cores = len(os.sched_getaffinity(0))
+    gen_threads = cfg.gen_threads or max(1, cores // 2)
+    train_ranks = layout.world_size  # on GPUs: one rank per --train-devices GPU
+    train_threads = cfg.train_threads or max(1, (cores - gen_threads) // train_ranks)
+    return dataclasses.replace(cfg, dtype=devices.resolve_dtype(cfg.dtype, layout), eval_every=eval_every,
+                               train_ranks=train_ranks, gen_threads=gen_threads, train_threads=train_threads)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What `prepare_run` found; the same for every process of the run."""
+    model_path: str  # the weights to start from (a resume: the checkpoint's model; with LoRA the base)
+    base_model: str  # the model the run first started from (tokenizer, LoRA base, KL reference)
+    layout: devices.DeviceLayout
+    resume_dir: str = ""
+    start_step: int = 0
+    start_version: int = 0
+    groups_dropped: int = 0  # groups rejected whole before the resume (the walk of prompts continues after them)
+
+
+def prepare_run(cfg: Config, engine_here: bool = True) -> Prepared:
+    """Resolve the resume, find or build the model, check it, write OUT/config.json. `engine_here`: vLLM
+    runs on this machine (a generator on another one checks its own engine)."""
+    os.makedirs(cfg.out, exist_ok=True)
+    resume = {}
+    if cfg.resume:
+        resume_dir = checkpoint.resolve(cfg.resume, cfg.out)
+        saved = checkpoint.load_state(resume_dir)
+        for line in checkpoint.config_differences(saved["config"], dataclasses.asdict(cfg)):
+            print(f"warning: config differs from the checkpoint's: {line}", file=sys.stderr)
+        print(f"resuming from {resume_dir}: step {saved['step']}, version {saved['version']}", flush=True)
+        # The model the run first started from, carried through every resume: checkpoints rotate away.
+        base_model = saved.get("base_model", "")
+        if not os.path.isdir(base_model):
+            raise SystemExit(f"error: the model {resume_dir} was trained from ({base_model or 'not recorded'}) is "
+                             "gone: it holds the tokenizer (and the LoRA base / KL reference)")
+        # The weights to start from: the checkpoint's (LoRA checkpoints hold the adapter only: the base's)
+        model_path = base_model if cfg.lora_rank else os.path.join(resume_dir, "model")
+        resume = dict(resume_dir=resume_dir, start_step=saved["step"], start_version=saved["version"],
+                      groups_dropped=saved.get("groups_dropped", 0))
+    else:
+        model_path = base_model = prepare_model(cfg)
+    check_tokenizer(model_path)
+    layout = devices.layout_for(cfg)
+    if engine_here:
+        check_engine(model_path, cfg, layout)
+    if layout.notice:
+        print(layout.notice, file=sys.stderr, flush=True)
+    with open(os.path.join(cfg.out, "config.json"), "w") as f:
+        json.dump(dataclasses.asdict(cfg), f, indent=2)
+    return Prepared(model_path, base_model, layout, **resume)
+
+
+def prepare_model(cfg) -> str:
+    if cfg.model:
+        try:
+            path = data.resolve_model(cfg.model)  # a local directory, or a hub id downloaded once
+        except data.DataError as err:
+            raise SystemExit(f"error: {err}") from None
+        if not os.path.exists(os.path.join(path, "config.json")):
+            raise SystemExit(f"error: --model {cfg.model} has no config.json: not a Hugging Face model directory")
+        return path
+    path = os.path.abspath(os.path.join(cfg.out, "init_model"))
+    if not os.path.exists(os.path.join(path, "config.json")):
+        build_tiny_model(path, seed=cfg.seed)
+    return path
+
+
+def check_tokenizer(model_path) -> None:
+    """The run needs an end-of-sequence token (completions must be able to stop)."""
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+    except Exception as err:
+        raise SystemExit(f"error: cannot load the tokenizer of {model_path}: {err}") from None
+    vocab = getattr(AutoConfig.from_pretrained(model_path), "vocab_size", None)
+    eos = tokenizer.eos_token_id
+    if eos is None or (vocab is not None and eos >= vocab):
+        raise SystemExit(f"error: the tokenizer in {model_path} has no eos token the model knows (eos "
+                         f"{tokenizer.eos_token!r}, id {eos}, model vocabulary {vocab}): completions could "
+                         "never stop; set eos_token in its tokenizer_config.json")
+
+
+def check_engine(model_path, cfg, layout) -> None:
+    """A model or context vLLM cannot serve here (e.g. a head size its CPU backend lacks): one line, now."""
+    problems = engine_problems(model_path, layout.on_gpu, cfg.max_model_len, cfg.max_new_tokens, cfg.kv_cache_mb,
+                               cfg.dtype)
+    if problems:
+        raise SystemExit("error: " + "\nerror: ".join(problems))
+
+
+def allocate_shared_weights(model_path, device="cpu", dtype=torch.float32):
+    """The packed buffer for the full weights, in the serving dtype (the trainer casts into it on publish)."""
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path), dtype=dtype)
+    return SharedWeights.allocate(named_shapes_of(skeleton), dtype=dtype, device=device)
+
+
+def generator_settings(cfg: Config, prepared: Prepared, lora_dir: str = "") -> GeneratorSettings:
+    """The generator's start: the run's config and what the parent derived for it. A resumed run continues
+    the sequence of group ids after the last one consumed (and so the walk of prompts)."""
+    return GeneratorSettings(
+        cfg, model=prepared.model_path, initial_version=prepared.start_version,
+        first_group_id=prepared.start_step * cfg.prompts_per_step + prepared.groups_dropped,
+        eval_at_start=cfg.eval_every > 0 and prepared.start_step == 0, lora_dir=lora_dir,
+        stop=data.stop_strings(cfg.stop), **prepared.layout.generator_settings())
