@@ -33,7 +33,7 @@ class RolloutGroup:
     rewards: list[float]
     answer: str = ""
     gen_stats: dict = field(default_factory=dict)  # generator counters when this group was enqueued
-    reward_stats: dict = field(default_factory=dict)  # per reward function: counters (data.call_reward)
+    reward_stats: dict = field(default_factory=dict)  # per reward function: counters (rewards.call_reward)
     unscored: int = 0  # samples no reward function scored (given the group's mean reward: zero advantage)
     finish_reasons: list[str] = field(default_factory=list)  # per completion: "stop" (eos or a stop string) | "length"
     epoch: int = 0  # the pass over the training prompts this group's prompt was taken in (data.walk)

@@ -19,6 +19,7 @@ from typing import Optional
 
 import data
 import devices
+import rewards
 
 
 @dataclass(frozen=True)
@@ -249,7 +250,8 @@ def validate(cfg: Config) -> None:
         problems.append(f"--model {cfg.model} is a file; give a Hugging Face model directory")
     elif cfg.model and not os.path.exists(cfg.model) and (cfg.model.startswith((".", "/", "~"))):
         problems.append(f"--model {cfg.model}: no such directory")
-    problems += data.check_flags(cfg)  # data/reward flags: files exist, rows complete, reward functions import
+    problems += data.check_flags(cfg)  # data flags: files exist, rows complete
+    problems += rewards.check(cfg)  # --reward: every function imports
     problems += devices.problems(cfg)  # --gen-devices/--train-devices: parse, GPUs exist, one rank per GPU
     if problems:
         raise SystemExit("error: " + "\nerror: ".join(problems))

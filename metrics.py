@@ -21,9 +21,9 @@ import time
 import torch
 
 import buffer
-import data
 import evaluation
 import plots
+from rewards import summarize as summarize_rewards
 
 
 def configure_terminal(log_level: str) -> None:
@@ -130,7 +130,7 @@ class RunLog:
         # per reward function: mean/std/none_frac/errors/time_s; lengths; tokens per lag
         lengths = batch.mask.sum(1)
         lags = torch.bincount((trained_from - batch.token_versions[batch.mask]).clamp(min=0))
-        row.update(data.summarize([g.reward_stats for g in taken.groups]), completion_len_min=int(lengths.min()),
+        row.update(summarize_rewards([g.reward_stats for g in taken.groups]), completion_len_min=int(lengths.min()),
                    completion_len_max=int(lengths.max()), unscored=sum(g.unscored for g in taken.groups),
                    gen_reward_s=gen.get("reward_s"), **{f"lag_hist/{k}": int(n) for k, n in enumerate(lags)},
                    epoch=max(g.epoch for g in taken.groups))

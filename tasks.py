@@ -7,7 +7,7 @@ Role
         score(prompt, completion_texts, completion_ids, step) -> (rewards, {name: stats}, unscored)
         needs_text: bool        False: `score` reads token ids only, so vLLM skips detokenizing
         dropped_long: int       prompts dropped as too long;  close()
-    `rewards` has one float per completion (never None/NaN: data.py's fault rules); `score` runs in a worker
+    `rewards` has one float per completion (never None/NaN: rewards.py's fault rules); `score` runs in a worker
     thread. `build_tiny_model` writes the default model: a random-init Qwen2 and a character tokenizer.
 May touch: the tokenizer, the files data.py is pointed at. No engine, no queue, no trainer.
 """
@@ -25,6 +25,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 import data
+import rewards
 
 SPECIALS = ["<pad>", "<bos>", "<eos>"]
 SYMBOLS = list("0123456789abcdefghij+=_")
@@ -164,7 +165,7 @@ class DatasetTask:
         self.spec, self.tokenizer = spec, tokenizer
         rows = data.load_rows(spec.dataset, spec.split)
         data.check_rows(rows, spec.prompt_column, spec.answer_column)
-        self.scorer = data.Scorer(spec.rewards, spec.weights, workers=spec.reward_workers)
+        self.scorer = rewards.Scorer(spec.rewards, spec.weights, workers=spec.reward_workers)
         self.names = self.scorer.names
         self.prompts, dropped = drop_long([self.encode(row) for _, row in rows], limit, "training")
         if not self.prompts:

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import data
+from rewards import Scorer, load_reward, math_reward, summarize
 import plots
 import tasks
 import config
@@ -102,10 +103,10 @@ def test_task_resolution():
     assert data.resolve() is None  # the default: the built-in copy task
     spec = data.resolve("gsm8k")
     assert (spec.dataset, spec.prompt_column, spec.answer_column, spec.rewards) == \
-        (SAMPLE, "question", "answer", ("data:math_reward",))
+        (SAMPLE, "question", "answer", ("rewards:math_reward",))
     spec = data.resolve(dataset="x.jsonl", reward="math, examples/my_rewards.py:format_reward",
                         reward_weights="1,0.25")
-    assert spec.rewards == ("data:math_reward", "examples/my_rewards.py:format_reward")
+    assert spec.rewards == ("rewards:math_reward", "examples/my_rewards.py:format_reward")
     assert spec.weights == (1.0, 0.25)
     cfg = config.parse_args(["--task", "gsm8k", "--steps", "3"])  # the shipped sample passes every check
     assert cfg.task == "gsm8k"
@@ -131,20 +132,20 @@ def user_module(tmp_path, monkeypatch):
 def test_reward_functions_load_from_a_user_module_or_file(user_module):
     import my_user_rewards
 
-    assert data.load_reward("my_user_rewards:capture") is my_user_rewards.capture
-    assert data.load_reward(str(user_module / "my_user_rewards.py") + ":simple").__name__ == "simple"
-    assert data.load_reward(str(REPO / "examples" / "my_rewards.py") + ":format_reward").__name__ == "format_reward"
-    assert data.load_reward("math") is data.math_reward
+    assert load_reward("my_user_rewards:capture") is my_user_rewards.capture
+    assert load_reward(str(user_module / "my_user_rewards.py") + ":simple").__name__ == "simple"
+    assert load_reward(str(REPO / "examples" / "my_rewards.py") + ":format_reward").__name__ == "format_reward"
+    assert load_reward("math") is math_reward
     for spec, needle in [("my_user_rewards:nope", "has no 'nope'"), ("my_user_rewards:NOT_CALLABLE", "not callable"),
                          ("nowhere_mod:f", "cannot import nowhere_mod"), ("missing.py:f", "no such file")]:
         with pytest.raises(data.DataError, match=needle):
-            data.load_reward(spec)
+            load_reward(spec)
 
 
 def test_trl_calling_convention_with_extra_columns(user_module):
     import my_user_rewards
 
-    scorer = data.Scorer(["my_user_rewards:capture", "my_user_rewards:simple"])
+    scorer = Scorer(["my_user_rewards:capture", "my_user_rewards:simple"])
     columns = data.row_columns({"question": "q?", "sol": "7", "level": 3}, "question", "sol")
     rewards, stats, unscored = scorer.score("q?", ["a 7", "b"], [[1, 2], [3]], columns, step=5)
     seen = my_user_rewards.SEEN[-1]
@@ -156,7 +157,7 @@ def test_trl_calling_convention_with_extra_columns(user_module):
     assert set(stats) == {"capture", "simple"} and stats["simple"]["sum"] == 1.0
     # chat prompts: completions come as assistant messages, as in TRL
     chat = [{"role": "user", "content": "q?"}]
-    scorer = data.Scorer(["my_user_rewards:capture"])
+    scorer = Scorer(["my_user_rewards:capture"])
     scorer.score(chat, ["xyz"], [[1]], {"answer": "1"})
     assert my_user_rewards.SEEN[-1]["completions"] == [[{"role": "assistant", "content": "xyz"}]]
     assert my_user_rewards.SEEN[-1]["prompts"] == [chat]
@@ -172,7 +173,7 @@ def test_fault_rules_none_nan_errors_and_weights(tmp_path, monkeypatch):
         "def all_none(completions, **kw): return [None] * len(completions)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     logged = []
-    scorer = data.Scorer([f"faulty_rewards:{f}" for f in ("ok", "some_none", "raises", "wrong_count")],
+    scorer = Scorer([f"faulty_rewards:{f}" for f in ("ok", "some_none", "raises", "wrong_count")],
                          weights=[1.0, 0.5, 1.0, 1.0], log=logged.append)
     rewards, stats, unscored = scorer.score("p", ["a", "b", "c", "d"], [[1]] * 4, {})
     assert rewards == [1.0, 2.0 + 5.0, 3.0, 4.0] and unscored == 0  # None/NaN left out of the weighted sum
@@ -183,17 +184,17 @@ def test_fault_rules_none_nan_errors_and_weights(tmp_path, monkeypatch):
     scorer.score("p", ["a", "b", "c", "d"], [[1]] * 4, {})
     assert len([m for m in logged if "boom" in m]) == 1  # reported once, counted always
     # a sample no function scored gets its group's mean (zero advantage); a group nobody scored gets 0
-    scorer = data.Scorer(["faulty_rewards:some_none"], log=logged.append)
+    scorer = Scorer(["faulty_rewards:some_none"], log=logged.append)
     rewards, _, unscored = scorer.score("p", list("abcd"), [[1]] * 4, {})
     assert rewards == [10.0] * 4 and unscored == 3
-    rewards, stats, unscored = data.Scorer(["faulty_rewards:all_none"]).score("p", list("ab"), [[1]] * 2, {})
+    rewards, stats, unscored = Scorer(["faulty_rewards:all_none"]).score("p", list("ab"), [[1]] * 2, {})
     assert rewards == [0.0, 0.0] and unscored == 2 and stats["all_none"]["none"] == 2
-    metrics = data.summarize([stats, stats])
+    metrics = summarize([stats, stats])
     assert metrics["reward/all_none/none_frac"] == 1.0 and metrics["reward/all_none/mean"] is None
 
 
 def test_reward_functions_in_a_process_pool(tmp_path):
-    scorer = data.Scorer(["math", str(REPO / "examples" / "my_rewards.py") + ":format_reward"], workers=1)
+    scorer = Scorer(["math", str(REPO / "examples" / "my_rewards.py") + ":format_reward"], workers=1)
     try:
         rewards, stats, _ = scorer.score("q", ["so #### 5", "it is 4"], [[1], [2]], {"answer": "#### 5"})
     finally:
@@ -205,13 +206,13 @@ def test_math_reward_right_and_wrong_answers():
     gold = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nAltogether she sold 48+24 = <<48+24=72>>72 clips.\n#### 72"
     completions = ["48 + 24 = 72\n#### 72", "So the answer is $\\boxed{72}$.", "She sold 72.0 clips in total.",
                    "48 + 24 = 73\n#### 73", "I do not know.", "#### 72 clips", "72 ... no, 71"]
-    assert data.math_reward(completions, answer=[gold] * len(completions)) == [1.0, 1.0, 1.0, 0.0, 0.0, 1.0, 0.0]
-    assert data.math_reward(["#### 1,250"], answer=["#### 1250"]) == [1.0]
-    assert data.math_reward(["x = 1/2"], solution=["$\\frac{1}{2}$"]) == [1.0]  # TRL's column name
-    assert data.math_reward([[{"role": "assistant", "content": "#### -7"}]], answer=["#### -7"]) == [1.0]
-    assert data.math_reward(["#### 3"], answer=["no number at all"]) == [None]  # the reward does not apply
+    assert math_reward(completions, answer=[gold] * len(completions)) == [1.0, 1.0, 1.0, 0.0, 0.0, 1.0, 0.0]
+    assert math_reward(["#### 1,250"], answer=["#### 1250"]) == [1.0]
+    assert math_reward(["x = 1/2"], solution=["$\\frac{1}{2}$"]) == [1.0]  # TRL's column name
+    assert math_reward([[{"role": "assistant", "content": "#### -7"}]], answer=["#### -7"]) == [1.0]
+    assert math_reward(["#### 3"], answer=["no number at all"]) == [None]  # the reward does not apply
     with pytest.raises(TypeError):
-        data.math_reward(["#### 3"])
+        math_reward(["#### 3"])
 
 
 # ---- prompts, the chat template, a saved model ----------------------------------------------------
