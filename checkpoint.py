@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_optimizer_state_dict)
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import devices
 import lora
 
 PREFIX = "step_"
@@ -67,7 +68,7 @@ def config_differences(saved: dict, current: dict, ignore=("resume", "steps", "o
 
 def save_model(full_state: dict, base_model: str, dst: str) -> None:
     """Save full weights in Hugging Face format, with the tokenizer of `base_model`."""
-    plain = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32)
+    plain = AutoModelForCausalLM.from_pretrained(base_model, dtype=devices.MASTER_DTYPE)
     plain.load_state_dict(full_state)
     plain.save_pretrained(dst)
     AutoTokenizer.from_pretrained(base_model).save_pretrained(dst)

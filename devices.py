@@ -28,6 +28,7 @@ DEDICATED_GEN_FRACTION = 0.9  # vLLM's default, on a GPU of its own
 GPU_DEFAULT_DTYPE = "bf16"
 CPU_DEFAULT_DTYPE = "fp32"
 DTYPES = ("bf16", "fp32")
+MASTER_DTYPE = torch.float32  # master weights, gradients, optimizer state and saved models, whatever --dtype
 GPU_BACKEND = "cpu:gloo,cuda:nccl"
 CPU_BACKEND = "gloo"
 
@@ -174,7 +175,7 @@ def resolve_dtype(choice: str, layout: DeviceLayout) -> str:
 
 
 def torch_dtype(name: str):
-    """"bf16" -> torch.bfloat16, "fp32" -> torch.float32."""
+    """"bf16" -> torch.bfloat16, "fp32" -> torch.float32 (what torch, FSDP2 and vLLM are given)."""
     return {"bf16": torch.bfloat16, "fp32": torch.float32}[name]
 
 

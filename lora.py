@@ -20,6 +20,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+import devices
+
 ADAPTER_NAME = "default"  # PEFT's name for a model's only adapter; it is not part of the file names
 # vLLM sizes its LoRA buffers for one of these ranks (`--max-lora-rank`); the adapter's rank may be lower.
 VLLM_MAX_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -82,7 +84,7 @@ def adapter_shapes(model_path: str, config) -> tuple[list[tuple[str, tuple[int, 
     from peft import get_peft_model
 
     with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path), dtype=torch.float32)
+        skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path), dtype=devices.MASTER_DTYPE)
     try:
         peft_model = get_peft_model(skeleton, config)
     except ValueError as err:  # PEFT: "Target modules {...} not found in the base model"
@@ -115,7 +117,7 @@ def merge(base_model: str, adapter_dir: str, dst: str) -> str:
     """Write base + adapter as one plain Hugging Face model (`--merge-at-end`), with the tokenizer."""
     from peft import PeftModel
 
-    base = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(base_model, dtype=devices.MASTER_DTYPE)
     merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
     merged.save_pretrained(dst)
     AutoTokenizer.from_pretrained(base_model).save_pretrained(dst)

@@ -124,7 +124,7 @@ def check_engine(model_path, cfg, layout) -> None:
         raise SystemExit("error: " + "\nerror: ".join(problems))
 
 
-def allocate_shared_weights(model_path, device="cpu", dtype=torch.float32):
+def allocate_shared_weights(model_path, device="cpu", dtype=devices.MASTER_DTYPE):
     """The packed buffer for the full weights, in the serving dtype (the trainer casts into it on publish)."""
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path), dtype=dtype)

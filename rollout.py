@@ -27,15 +27,15 @@ from dataclasses import dataclass
 from transformers import AutoConfig, AutoTokenizer
 
 import data
-from config import Config
 from buffer import RolloutGroup, put_group
+from config import Config
+from devices import torch_dtype
 from evaluation import EvalResult, requested
 from lora import engine_max_rank
 from tasks import Prompt, make_task
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LORA_ID = 1  # vLLM's id of the one adapter the generator serves with --lora-rank (ids start at 1)
-VLLM_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 # vLLM 0.32's CPU attention (CPUAttentionBackend.get_supported_head_sizes): another head size starts the
 # engine and then fails at the first forward pass, inside the worker.
 CPU_ATTENTION_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -167,7 +167,7 @@ class Generator:
         if self.cfg.max_model_len:
             memory.update(max_model_len=self.cfg.max_model_len)
         args = AsyncEngineArgs(
-            model=self.s.model, tokenizer=self.s.model, dtype=VLLM_DTYPES[self.cfg.dtype], seed=self.cfg.seed,
+            model=self.s.model, tokenizer=self.s.model, dtype=torch_dtype(self.cfg.dtype), seed=self.cfg.seed,
             # CUDA graphs on GPUs (weight reloads copy into the same storage, so captured graphs stay valid);
             # on CPU eager starts fastest (torch.compile adds ~20 s).
             enforce_eager=self.s.device != "cuda", logprobs_mode="processed_logprobs",

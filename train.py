@@ -45,16 +45,16 @@ from update import learning_rate, shaped_rewards, update_on_batch
 # The trainer's models
 # ----------------------------------------------------------------------------------------------------
 def build_trainer_model(model_path, world_size, device="cpu", lora_config=None, adapter_dir="", seed=0,
-                        compute_dtype=torch.float32):
+                        compute_dtype=devices.MASTER_DTYPE):
     """The model under FSDP2; with a LoRA config, wrapped in a trainable adapter first (from `adapter_dir`
     on a resume) and the base weights frozen. The parameters (master weights), their gradients and the
     optimizer state stay fp32; with `compute_dtype` bf16, FSDP2's mixed precision gathers the parameters
     in bf16 for forward and backward and reduces gradients in fp32 (verl's recipe)."""
     device = torch.device(device)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=devices.MASTER_DTYPE).to(device)
     if lora_config is not None:
         model = lora.wrap(model, lora_config, seed, adapter_dir)
-    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=devices.MASTER_DTYPE)
     return shard_layers_and_root(model, lora.base_model_of(model).model.layers, world_size, device, mp_policy=policy)
 
 
@@ -68,7 +68,7 @@ def shard_layers_and_root(model, layers, world_size, device, **options):
     return model
 
 
-def build_reference_model(model_path, world_size, device="cpu", dtype=torch.float32):
+def build_reference_model(model_path, world_size, device="cpu", dtype=devices.MASTER_DTYPE):
     """The frozen reference of `--kl-coef` (full fine-tuning): the original weights, in the serving dtype,
     sharded under FSDP2 like the policy, so each rank holds 1/world_size of it. The root reshards after
     each forward too (FSDP2 keeps a root's parameters gathered for the backward that a no-grad reference

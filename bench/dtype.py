@@ -82,9 +82,9 @@ def generate_rate(model_path: str, dtype: str, threads: int, prompts: int, token
 
     from vllm import LLM, SamplingParams
 
-    from rollout import VLLM_DTYPES
+    import devices
 
-    llm = LLM(model=model_path, dtype=VLLM_DTYPES[dtype], seed=seed, enforce_eager=True,
+    llm = LLM(model=model_path, dtype=devices.torch_dtype(dtype), seed=seed, enforce_eager=True,
               kv_cache_memory_bytes=256 * 2**20, enable_prefix_caching=False)
     rng = random.Random(seed)
     batch = [{"prompt_token_ids": [rng.randrange(3, 100) for _ in range(16)]} for _ in range(prompts)]
