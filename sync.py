@@ -1,39 +1,14 @@
-"""sync.py — weight sharing between the trainer and the vLLM generator.
+"""sync.py — the packed weight buffer between the trainer and the vLLM generator.
 
-Role
-    Owns the *packed weight buffer*: one flat tensor holding every trainable parameter of the model,
-    allocated once (CPU shared memory here; a CUDA tensor shared through CUDA IPC on GPUs), written in
-    place by the trainer and read by the generator's vLLM worker. A small int64 header next to it holds
-    the seqlock counter, the model version and the publish time. Also owns the vLLM worker extension
-    (`WeightSyncWorker`) that loads a consistent state of the buffer into the running engine.
-    With LoRA (`--lora-rank`) the buffer holds only the adapter's tensors (lora.py names them), and
-    `load_shared_adapter` replaces the engine's one adapter in place: same seqlock, same versions.
-
-Data contract
-    - `Layout`: (name, shape, offset, numel) for each parameter, in `model.named_parameters()` order,
-      with Hugging Face checkpoint names (what vLLM's `load_weights` expects); with LoRA, PEFT's adapter
-      file names (what vLLM's LoRA loader expects). One dtype for all: the serving dtype (`--dtype`), so
-      in bf16 a sync moves half the bytes; `publish_model` casts the trainer's fp32 weights on the way in.
-    - header = [seq, version, publish_time_ns]. `seq` is odd while a writer is inside the buffer.
-      `version` = the trainer's optimizer-step count of the weights in the buffer.
-    - Writers: `begin_write` / `write_param` / `end_write` (one trainer process, or FSDP2 ranks each
-      writing their own rows between barriers). Readers: `read_snapshot`, which retries until it copies
-      a snapshot no writer touched, then returns it with its version; or `read_in_place`, which runs a
-      repeatable read (the engine's reload) on the buffer itself under the same check (what the vLLM
-      worker does, on CPU and GPU; a GPU worker never allocates a copy of the whole buffer).
-    - CUDA: the buffer is allocated once by the launching process on the first trainer GPU and lives
-      until every other process has ended; the header stays in CPU shared memory. `end_write` waits for
-      the device writes before it publishes the version; `read_snapshot` and `read_in_place` wait for their
-      device copies before they re-check `seq`. Another process receives a `CudaIpcHandle` (pickled with the object, or
-      `to_bytes`) naming the GPU by UUID, since indices differ under CUDA_VISIBLE_DEVICES; it opens the
-      handle on first use of `.buffer` (a process that only forwards it, like the generator's front end,
-      never opens it: torch cannot re-share a CUDA tensor it received).
-    - The trainer's side: `synced_parameters(model)` names what crosses (every trainable parameter, or
-      the LoRA adapter); `publish_model` writes it from FSDP2 ranks (collective: every rank calls).
-
-May touch: torch tensors it is handed (the trainer's model: read only), and the vLLM worker it is installed
-into. Nothing else.
-Data flows one way: train -> sync -> rollout.
+Role: one flat tensor of every trainable parameter (the LoRA adapter alone with --lora-rank), in the
+serving dtype, allocated once (CPU shared memory; a CUDA tensor shared by CUDA IPC on GPUs), written in
+place by the trainer (`publish_model`, every FSDP2 rank) and read by the vLLM worker extension
+(`WeightSyncWorker`) between engine steps. Sections: the buffer and its seqlock; the trainer's publish;
+the generator's worker extension.
+Data contract: `Slot`s name each parameter as vLLM's `load_weights` (or PEFT's adapter files) expect;
+header = [seq, version, publish_time_ns], `seq` odd while a writer is inside; a reader keeps only what
+no writer touched, with its version (the trainer's version of those weights).
+May touch: the tensors it is handed (the trainer's model: read only), the vLLM worker it is installed into.
 """
 from __future__ import annotations
 
@@ -41,12 +16,17 @@ import io
 import logging
 import math
 import os
+import pickle
 import time
 from dataclasses import dataclass
+from multiprocessing.reduction import ForkingPickler
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
-from multiprocessing.reduction import ForkingPickler
+from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
+
+import lora
 
 SEQ, VERSION, PUBLISH_NS = 0, 1, 2
 VIEW_TRIES = 3  # torn in-place reloads before the worker falls back to a snapshot copy (CPU)
@@ -58,6 +38,9 @@ GPU_MAX_WAITS = 240_000  # x 0.5 ms: how long a GPU worker waits for a publish (
 mp.set_sharing_strategy("file_system")
 
 
+# ----------------------------------------------------------------------------------------------------
+# The buffer and its seqlock
+# ----------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Slot:
     name: str
@@ -103,8 +86,6 @@ class CudaIpcHandle:
     @staticmethod
     def of(tensor: torch.Tensor) -> "CudaIpcHandle":
         """Share `tensor` (owned by this process) once more; the owner must keep it alive."""
-        from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
-
         rebuild, args = reduce_tensor(tensor)
         assert rebuild is rebuild_cuda_tensor, "CudaIpcHandle.of: not a CUDA tensor"
         uuid = str(torch.cuda.get_device_properties(tensor.device).uuid)
@@ -114,15 +95,23 @@ class CudaIpcHandle:
 
     def open(self, uuids: list[str] | None = None, rebuild=None) -> torch.Tensor:
         """Map the buffer into this process, on this process's index of its GPU (a peer mapping)."""
-        if rebuild is None:
-            from torch.multiprocessing.reductions import rebuild_cuda_tensor as rebuild
+        rebuild = rebuild or rebuild_cuda_tensor
         args = list(self.rebuild_args)
         args[_DEVICE_ARG] = local_gpu_index(self.gpu_uuid, gpu_uuids() if uuids is None else uuids)
         return rebuild(*args)
 
 
 class SharedWeights:
-    """The packed buffer, its header and its layout. Picklable across `torch.multiprocessing` spawn."""
+    """The packed buffer, its header and its layout. Picklable across `torch.multiprocessing` spawn.
+
+    Writers: `begin_write` / `write_param` / `end_write(version)` (one process, or FSDP2 ranks each writing
+    their own rows between barriers). Readers: `read_snapshot` (retries until it copies a state no writer
+    touched) or `read_in_place` (a repeatable read, the engine's reload, on the buffer itself under the same
+    check: a GPU worker never allocates a copy). On CUDA the launching process owns the buffer (on the first
+    trainer GPU) and outlives every reader; the header stays in CPU shared memory; `end_write` and the readers
+    wait for their device copies before they touch `seq`. Others receive a `CudaIpcHandle` naming the GPU by
+    UUID (indices differ under CUDA_VISIBLE_DEVICES) and open it on first use of `.buffer` (one that only
+    forwards it, like vLLM's front end, never opens it: torch cannot re-share a CUDA tensor it received)."""
 
     def __init__(self, buffer: torch.Tensor | None, header: torch.Tensor, layout: list[Slot],
                  ipc_handle: CudaIpcHandle | None = None, dtype: torch.dtype | None = None):
@@ -274,8 +263,6 @@ class SharedWeights:
 
     @staticmethod
     def from_bytes(data: bytes) -> "SharedWeights":
-        import pickle
-
         return _rebuild_shared(*pickle.loads(data))
 
 
@@ -307,8 +294,6 @@ def fsdp_row_start(full_rows: int, rank: int, world_size: int) -> int:
 def synced_parameters(model):
     """(name in the shared buffer, parameter) for every trainable parameter: the whole model, or with
     LoRA only the adapter (in PEFT's file naming)."""
-    import lora
-
     return [(lora.file_name(name), p) for name, p in model.named_parameters() if p.requires_grad]
 
 
@@ -320,8 +305,6 @@ def publish_model(model, shared, version, rank, world_size):
     (DTensor.full_tensor, an all-gather over NCCL; one parameter's worth of memory at a time) and rank 0,
     the only writer, copies it in; `end_write` waits for the device copies before bumping the version.
     """
-    import torch.distributed as dist
-
     if shared.device_type == "cuda":
         with torch.no_grad():
             if rank == 0:
@@ -461,7 +444,7 @@ class WeightSyncWorker:
         """LoRA (`--lora-rank`): the buffer holds only the adapter. Copy a consistent snapshot of it and make
         it the engine's adapter `lora_id` in place of the previous one (requests keep their LoRARequest).
         `adapter_dir` holds the adapter's `adapter_config.json` (rank, alpha). Returns the version loaded."""
-        from vllm.lora.lora_model import LoRAModel
+        from vllm.lora.lora_model import LoRAModel  # vLLM only in its worker process (this file runs in the trainer too)
         from vllm.lora.peft_helper import PEFTHelper
 
         shared = self._shared
