@@ -340,6 +340,7 @@ class GeneratorSettings:
     eval_at_start: bool = False  # evaluate the initial weights (step 0) before training starts, engine to itself
     initial_version: int = 0  # the version of the weights in `model` (a resumed run's checkpoint version)
     first_group_id: int = 0  # a resumed run continues the sequence of group ids (and so the walk of prompts)
+    load_first: bool = False  # serve nothing before the trainer's first publish (remote.py sends its start weights)
     # LoRA (lora.py): serve `model` with the adapter the trainer publishes; the buffer holds only the adapter
     lora_rank: int = 0  # 0: full weights
     lora_dir: str = ""  # holds the adapter's adapter_config.json (rank, alpha, targets)
@@ -611,14 +612,15 @@ class Generator:
             return self.engine.collective_rpc("load_shared_adapter", args=(version, self.s.lora_dir, LORA_ID))
         return self.engine.collective_rpc("load_shared_weights", args=(version,))
 
-    async def load_first_adapter(self):
-        """LoRA: the engine serves no adapter until the trainer's first publish of it (at its start)."""
+    async def load_first_publish(self):
+        """LoRA (and `load_first`): the engine serves no adapter (weights) until the trainer's first publish of
+        it (at its start) is loaded, tagged with the version it carries."""
         deadline = time.monotonic() + self.s.queue_timeout_s
         while self.shared.publish_time_ns() == 0 or self.shared.version() < self.s.initial_version:
             if self.control.stop.is_set():
                 return
             if time.monotonic() > deadline:
-                raise TimeoutError(f"the trainer published no adapter within {self.s.queue_timeout_s:.0f} s")
+                raise TimeoutError(f"the trainer published no weights within {self.s.queue_timeout_s:.0f} s")
             await asyncio.sleep(0.01)
         self.loaded_version = await load_same_version(
             lambda: self.engine_call(self.load_rpc(self.s.initial_version), "the first load"))
@@ -655,8 +657,8 @@ class Generator:
         self.reward_threads = ThreadPoolExecutor(max(1, self.s.reward_workers), thread_name_prefix="reward")
         await self.engine.update_weight_version(str(self.loaded_version))
         await self.engine.collective_rpc("attach_shared_weights", args=(self.shared.to_bytes(),))
-        if self.s.lora_rank:
-            await self.load_first_adapter()
+        if self.s.lora_rank or self.s.load_first:
+            await self.load_first_publish()
         if self.s.eval_at_start:  # alone on the engine it takes a fraction of what it takes beside the first steps
             self.last_eval_step = 0
             self.idle_since = None  # the engine's start-up is not idle time of the run

@@ -146,6 +146,9 @@ class Config:
     log_level: str = "warning"  # warning: progress lines, warnings, errors; info / debug: also vLLM's own log
     wandb: str = "off"  # log to Weights & Biases: online | offline | off
     wandb_project: str = "asyncgrpo"  # the wandb project
+    # beyond one node (remote.py): the generator on its own machine, the trainer ranks under torchrun
+    role: str = "all"  # all: this machine runs both | generator: serve a remote trainer | trainer: a torchrun rank
+    generator_addr: str = ""  # HOST:PORT the generator listens on and the trainer connects to (PORT + 1: weights)
 
 
 CHOICES = {"update_mode": ("inflight", "drain"), "loss": ("grpo", "dapo", "dr_grpo", "gspo", "cispo"),
@@ -153,7 +156,8 @@ CHOICES = {"update_mode": ("inflight", "drain"), "loss": ("grpo", "dapo", "dr_gr
            "agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"),
            "kl_kind": ("k1", "k2", "k3"), "is_level": ("token", "sequence"),
            "is_mode": ("truncate", "mask", "off"), "log_level": ("debug", "info", "warning"),
-           "lr_schedule": ("constant", "linear", "cosine"), "dtype": ("auto", "bf16", "fp32")}
+           "lr_schedule": ("constant", "linear", "cosine"), "dtype": ("auto", "bf16", "fp32"),
+           "role": ("all", "generator", "trainer")}
 
 
 def field_help(cls) -> dict[str, tuple[str, str]]:
@@ -282,6 +286,8 @@ def validate(cfg: Config) -> None:
     problems += data.check_flags(cfg)  # data/reward flags: files exist, rows complete, reward functions import
     import devices
     problems += devices.problems(cfg)  # --gen-devices/--train-devices: parse, GPUs exist, one rank per GPU
+    import remote
+    problems += remote.problems(cfg)  # --role, --generator-addr
     if problems:
         raise SystemExit("error: " + "\nerror: ".join(problems))
 
@@ -669,6 +675,8 @@ def trainer_main(cfg, rank, world_size, model_path, shared, rollout_queue, contr
     torch.manual_seed(cfg.seed + rank)
     layout = devices.layout_for(cfg)  # CPU: gloo, as before; GPU: this rank's GPU, NCCL for CUDA tensors
     device = torch.device(layout.train_device(rank))
+    if cfg.role == "trainer" and torch.cuda.is_available():  # under torchrun: this node's GPU LOCAL_RANK
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     serving_dtype = devices.torch_dtype(devices.resolve_dtype(cfg.dtype, layout))  # run() resolved "auto" already
     if layout.on_gpu:
         # vLLM measures a GPU's free memory while it starts: on a shared GPU, keep off it until vLLM is up.
@@ -678,8 +686,9 @@ def trainer_main(cfg, rank, world_size, model_path, shared, rollout_queue, contr
         torch.cuda.set_device(device)
         if layout.shares_gpu(rank):
             torch.cuda.set_per_process_memory_fraction(layout.train_memory_fraction, device)
-    dist.init_process_group(layout.backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=cfg.timeout_s + 60))
+    if not dist.is_initialized():  # (--role trainer: torchrun's env:// group, made by remote.run_trainer)
+        dist.init_process_group(layout.backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=cfg.timeout_s + 60))
     lora_config = None
     if cfg.lora_rank:
         import lora
@@ -707,7 +716,9 @@ def trainer_main(cfg, rank, world_size, model_path, shared, rollout_queue, contr
     names = [name for name, _ in synced_parameters(model)]
     if names != [slot.name for slot in shared.layout]:
         raise RuntimeError("trainer parameters do not match the shared buffer's layout")
-    if cfg.lora_rank:  # the generator serves no adapter until this first publish (a new adapter is the base model)
+    # the generator serves no adapter until this first publish (a new adapter is the base model); a remote
+    # generator serves nothing until it has these start weights
+    if cfg.lora_rank or shared.device_type == "remote":
         publish_model(model, shared, version, rank, world_size)
     ref_model = None
     if cfg.kl_coef > 0 and not cfg.lora_rank:
@@ -790,6 +801,8 @@ def trainer_main(cfg, rank, world_size, model_path, shared, rollout_queue, contr
             result.metrics.update(lr=lr, truncated_frac=float(truncated.float().mean()),
                                   groups_filtered=taken.groups_filtered,
                                   overlong_penalty=float((rewards - torch.tensor([g.rewards for g in taken.groups])).mean()))
+            if hasattr(rollout_queue, "metrics"):  # remote.TrainerLink: the queue bound, the weights' send
+                result.metrics.update(rollout_queue.metrics())
             log.step(step, version, taken, batch, result.metrics, loss=result.loss, grad_norm=grad_norm,
                      logprob_diff=result.logprob_diff, wait_s=wait_s,
                      train_s=train_s, publish_ms=publish_ms, skipped=skipped, evals=evals)
@@ -799,6 +812,10 @@ def trainer_main(cfg, rank, world_size, model_path, shared, rollout_queue, contr
     else:
         step = cfg.steps  # the loop ran to the end
     finished = step >= cfg.steps and not control.interrupted.is_set()
+    if world_size > 1:  # rank 0's control decides (under torchrun each rank has a control of its own)
+        box = [finished]
+        dist.broadcast_object_list(box, src=0)
+        finished = box[0]
     if rank == 0:
         control.stop.set()  # the generator can stop now
     if finished:
@@ -912,8 +929,23 @@ def generator_settings(cfg: Config, model_path: str, gen_threads: int, start_ste
         **(layout.generator_settings() if layout is not None else {}))
 
 
-def run(cfg: Config) -> int:
-    """Start the generator and trainer ranks, wait for them, and return the run's exit code."""
+@dataclass
+class Prepared:
+    """What `prepare_run` found: the weights to start from and where a resume continues."""
+    model_path: str  # the weights to start from (a resume: the checkpoint's model; with LoRA the base)
+    base_model: str  # the model the run first started from (tokenizer, LoRA base, KL reference)
+    layout: object  # devices.DeviceLayout
+    gen_threads: int
+    resume_dir: str = ""
+    start_step: int = 0
+    start_version: int = 0
+    groups_dropped: int = 0
+
+
+def prepare_run(cfg: Config, engine_here: bool = True) -> Prepared:
+    """Before any process starts (`run`, and trainer rank 0 of `--role trainer`): resolve --dtype and the
+    resume, build or find the model, check its tokenizer (and, with `engine_here`, that vLLM can serve it:
+    a generator on another machine checks that itself), split the threads, write OUT/config.json."""
     import checkpoint
     import metrics
 
@@ -953,16 +985,30 @@ def run(cfg: Config) -> int:
         model_path = base_model = prepare_model(cfg)
     check_tokenizer(model_path)
     layout = devices.layout_for(cfg)
-    check_engine(model_path, cfg, layout)
+    if engine_here:
+        check_engine(model_path, cfg, layout)
     if layout.notice:
         print(layout.notice, file=sys.stderr, flush=True)
     cfg.train_ranks = layout.world_size  # on GPUs: one rank per --train-devices GPU
     gen_threads, cfg.train_threads = split_threads(cfg)
+    with open(os.path.join(cfg.out, "config.json"), "w") as f:
+        json.dump(dataclasses.asdict(cfg), f, indent=2)
+    return Prepared(model_path, base_model, layout, gen_threads, resume_dir, start_step, start_version,
+                    groups_dropped)
+
+
+def run(cfg: Config) -> int:
+    """Start the generator and trainer ranks, wait for them, and return the run's exit code."""
+    import devices
+
+    prepared = prepare_run(cfg)
+    model_path, base_model, layout, gen_threads = (prepared.model_path, prepared.base_model, prepared.layout,
+                                                   prepared.gen_threads)
+    resume_dir, start_step, start_version, groups_dropped = (prepared.resume_dir, prepared.start_step,
+                                                             prepared.start_version, prepared.groups_dropped)
     print(f"starting the vLLM generator and {cfg.train_ranks} FSDP2 trainer rank(s); writing to {cfg.out}/"
           + ("" if layout.on_gpu else "\n(on CPU, vLLM's start-up warnings about Triton, torch.compile and "
                                        "LD_PRELOAD are expected)"), flush=True)
-    with open(os.path.join(cfg.out, "config.json"), "w") as f:
-        json.dump(dataclasses.asdict(cfg), f, indent=2)
     # On GPUs this process owns the packed buffer (on the first trainer GPU) and outlives every reader.
     lora_dir = ""
     if cfg.lora_rank:  # the buffer holds the adapter only; vLLM reads its rank and alpha from lora_dir
@@ -1005,6 +1051,10 @@ def _generator_entry(settings, shared, rollout_queue, control):
 
 def main(argv=None) -> int:
     cfg = parse_args(argv)
+    if cfg.role != "all":
+        import remote
+
+        return remote.run_trainer(cfg) if cfg.role == "trainer" else remote.run_generator(cfg)
     return run(cfg)
 
 

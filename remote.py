@@ -1,0 +1,567 @@
+"""remote.py — beyond one node: trainer ranks under torchrun on some machines, the generator on another.
+
+Role: `--role generator` serves one generator (rollout.py, under processes.run_children) and bridges it to a
+trainer; `--role trainer` is one torchrun rank whose rank 0 holds the link. Messages: one ZMQ DEALER socket
+each side (the generator binds --generator-addr, rank 0 connects), owned by one thread; weights: a 2-member
+process group (trainer rank 0, generator node; gloo on CPU, NCCL on GPUs) on a TCPStore at the next port.
+Contract: the same RolloutGroups, version tags and staleness gate as one node. Bound: at most --queue-size
+finished groups not yet taken (the generator node's queue holds 1, the trainer grants queue_size - 1
+credits, one back per group taken). A publish is gathered on every rank first, then rank 0 sends it in
+buckets into the generator node's packed buffer (between begin_write and end_write: the vLLM load path is
+today's). Heartbeats every second; silence over half of --timeout-s or an error message ends the other side.
+May touch: its sockets, its process group, the generator node's buffer and Control. Messages are pickled:
+never expose the port beyond the cluster.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+from datetime import timedelta
+
+import torch
+
+HEARTBEAT_S = 1.0  # a message (a ping if nothing else) at least this often, both ways
+POLL_MS = 5  # the link thread's loop: how long it waits for a message before looking at its queues again
+BUCKET_BYTES = 64 * 2**20  # weights cross in views of the packed buffer of at most this size
+
+
+def silence_limit(timeout_s: float) -> float:
+    """How long the other side may stay silent: half of --timeout-s, so the link notices a dead peer before
+    any wait on what the peer sends (a rollout group, an engine start) times out on its own."""
+    return max(3 * HEARTBEAT_S, timeout_s / 2)
+
+
+def split_addr(addr: str) -> tuple[str, int]:
+    host, _, port = addr.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"--generator-addr {addr!r}: give HOST:PORT")
+    return host, int(port)
+
+
+def problems(cfg) -> list[str]:
+    """For train.validate: what a remote role cannot do (one line each)."""
+    if cfg.role == "all":
+        return []
+    out = []
+    try:
+        split_addr(cfg.generator_addr)
+    except ValueError as err:
+        out.append(f"--role {cfg.role} needs {err}")
+    if cfg.lora_rank:
+        out.append("--lora-rank with a remote role is not supported yet (the adapter config lives on the trainer's disk)")
+    if cfg.queue_size < 2:
+        out.append(f"--queue-size {cfg.queue_size} with a remote role: give >= 2 (1 group waits on the generator "
+                   "node, the rest are the trainer's credits)")
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# The link: one ZMQ socket, one thread
+# ----------------------------------------------------------------------------------------------------
+class Link:
+    """A DEALER socket owned by one thread. Other threads `send`; messages in go to `on_message(kind, *args)`
+    and `tick()` runs every POLL_MS, both in the link thread. `fail(text)` (the other side's "error", or its
+    silence over `timeout_s` once it has spoken) sets `failed` and calls `on_fail(text)` once."""
+
+    def __init__(self, addr: str, bind: bool, timeout_s: float, on_message, tick=lambda: None, on_fail=print):
+        self.addr, self.bind, self.timeout_s = addr, bind, timeout_s
+        self.on_message, self.tick, self.on_fail = on_message, tick, on_fail
+        self.out: queue.Queue = queue.Queue()
+        self.failed, self.closed, self.heard = threading.Event(), threading.Event(), threading.Event()
+        self.watching = True  # silence counts as a failure (off once this side asked to stop)
+        self.error = ""
+        self.thread = threading.Thread(target=self._run, name="link", daemon=True)
+        self.thread.start()
+
+    def send(self, *message) -> None:
+        self.out.put(message)
+
+    def fail(self, text: str) -> None:
+        if not self.failed.is_set():
+            self.error = text
+            self.failed.set()
+            self.on_fail(text)
+
+    def close(self, *last_message, linger_s: float = 2.0) -> None:
+        """Send `last_message` (if any) and whatever is queued, then close the socket."""
+        if last_message:
+            self.send(*last_message)
+        self.closed.set()
+        self.thread.join(timeout=linger_s + 1)
+
+    def _run(self):
+        import zmq
+
+        context = zmq.Context()
+        sock = context.socket(zmq.DEALER)
+        sock.linger = 2000  # ms: what is queued at close still goes out (an error, a bye)
+        host, port = split_addr(self.addr)
+        if self.bind:
+            sock.bind(f"tcp://{host}:{port}")
+        else:
+            sock.connect(f"tcp://{host}:{port}")
+        last_heard = last_sent = time.monotonic()
+        try:
+            while True:
+                closing = self.closed.is_set()
+                try:
+                    self.tick()
+                except Exception as err:  # a bug of ours on this side: end like any other failure
+                    self.fail(f"link error on this side: {err!r}")
+                while self.heard.is_set() or not self.bind:  # a bound DEALER with no peer yet would block
+                    try:
+                        message = self.out.get_nowait()
+                    except queue.Empty:
+                        break
+                    sock.send_pyobj(message)
+                    last_sent = time.monotonic()
+                if closing:
+                    return
+                if time.monotonic() - last_sent > HEARTBEAT_S and (self.heard.is_set() or not self.bind):
+                    sock.send_pyobj(("ping",))
+                    last_sent = time.monotonic()
+                if sock.poll(POLL_MS):
+                    while sock.poll(0):
+                        kind, *args = sock.recv_pyobj()
+                        last_heard = time.monotonic()
+                        self.heard.set()
+                        if kind == "error":
+                            self.fail(args[0])
+                        elif kind != "ping":
+                            self.on_message(kind, *args)
+                silent = time.monotonic() - last_heard
+                if self.watching and self.heard.is_set() and silent > self.timeout_s:
+                    self.fail(f"sent nothing for {silent:.0f} s (half of --timeout-s): is it alive?")
+        finally:
+            sock.close()
+            context.term()
+
+
+def weight_group(store, rank: int, device: torch.device, timeout_s: float):
+    """The 2-member group the weights cross (rank 0: trainer rank 0, rank 1: the generator node), built on
+    `store` without touching the default process group: gloo for CPU tensors, NCCL for CUDA ones."""
+    timeout = timedelta(seconds=timeout_s)
+    if device.type == "cuda":  # not run here (no GPUs): the same shape as the gloo group
+        from torch.distributed import ProcessGroupNCCL
+
+        options = ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return ProcessGroupNCCL(store, rank, 2, options)
+    from torch.distributed import ProcessGroupGloo
+
+    return ProcessGroupGloo(store, rank, 2, timeout)
+
+
+def buckets(flat: torch.Tensor, size: int = BUCKET_BYTES) -> list[torch.Tensor]:
+    """Views of a flat tensor's bytes, each at most `size` bytes."""
+    raw = flat.view(torch.uint8)
+    return [raw[i:i + size] for i in range(0, raw.numel(), size)]
+
+
+def send_weights(group, flat: torch.Tensor) -> None:
+    for chunk in buckets(flat):
+        group.send([chunk], 1, 0).wait()
+
+
+def receive_weights(group, shared, version: int) -> None:
+    """Receive one publish straight into `shared` (a sync.SharedWeights) and publish it there as `version`."""
+    shared.begin_write()
+    for chunk in buckets(shared.buffer):
+        group.recv([chunk], 0, 0).wait()
+    shared.end_write(version)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The trainer's side (torchrun ranks; rank 0 holds the link)
+# ----------------------------------------------------------------------------------------------------
+class Counter:
+    """An mp.Value look-alike for threads: `.value`, `.get_lock()`."""
+
+    def __init__(self, value=0):
+        self.value, self._lock = value, threading.Lock()
+
+    def get_lock(self):
+        return self._lock
+
+
+class Pair(list):
+    """An mp.Array look-alike for threads (evaluation.request writes [step, version] under its lock)."""
+
+    def __init__(self, values):
+        super().__init__(values)
+        self._lock = threading.Lock()
+
+    def get_lock(self):
+        return self._lock
+
+
+def thread_control():
+    """A processes.Control built from threading primitives (what trainer_main reads on a torchrun rank)."""
+    from processes import Control
+
+    return Control(threading.Event(), threading.Event(), Counter(), Counter(), threading.Event(), Pair([-1, 0]),
+                   queue.Queue())
+
+
+class RemoteWeights:
+    """What trainer ranks publish into with a remote role (sync.publish_model's gather branch: every rank
+    gathers each parameter, rank 0 alone writes). On rank 0 a local packed buffer in the serving dtype,
+    sent to the generator node by `end_write`; on other ranks only the layout."""
+    device_type = "remote"
+
+    def __init__(self, layout, dtype, trainer_link: "TrainerLink | None" = None, device="cpu"):
+        self.layout, self.dtype, self.link = layout, dtype, trainer_link
+        total = layout[-1].offset + layout[-1].numel if layout else 0
+        self.buffer = torch.empty(total, dtype=dtype, device=device) if trainer_link is not None else None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(slot.numel for slot in self.layout) * self.dtype.itemsize
+
+    def begin_write(self) -> None:
+        pass
+
+    def write_param(self, slot, value, row_start: int = 0) -> None:
+        self.buffer[slot.offset:slot.offset + slot.numel].view(slot.shape).copy_(value.detach())
+
+    def end_write(self, version: int) -> None:  # every rank has gathered: nothing interleaves with the sends
+        self.link.send_weights(version, self.buffer)
+
+
+class TrainerLink:
+    """Trainer rank 0's end: a Control and a rollout queue for trainer_main, backed by the link."""
+
+    def __init__(self, cfg):
+        self.addr, self.cfg = cfg.generator_addr, cfg
+        self.control = thread_control()
+        self.groups: queue.Queue = queue.Queue()
+        self.welcome: queue.Queue = queue.Queue()
+        self.connected = False
+        self.held_max = 0  # the most groups arrived and not yet taken (the bound: queue_size - 1)
+        self.send_ms = None  # the last publish's send
+        self.sent_state = None
+        self.group = None
+        self.link = Link(self.addr, False, silence_limit(cfg.timeout_s), self.on_message, self.tick, self.on_fail)
+
+    def on_fail(self, text: str) -> None:
+        print(f"error: the generator at {self.addr} {text}", file=sys.stderr, flush=True)
+        self.control.stop.set()  # every rank leaves the loop together and checkpoints
+
+    def on_message(self, kind, *args) -> None:
+        c = self.control
+        if kind == "group":
+            self.groups.put(args[0])
+            self.held_max = max(self.held_max, self.groups.qsize())
+        elif kind == "state":
+            if args[0]["ready"]:
+                c.ready.set()
+            c.loaded_version.value = args[0]["loaded_version"]
+        elif kind == "eval":
+            c.eval_results.put(args[0])
+        elif kind == "welcome":
+            self.welcome.put(args[0])
+            self.connected = True
+        elif kind == "bye" and not c.stop.is_set():
+            self.link.fail("exited before the trainer finished")
+
+    def tick(self) -> None:
+        c = self.control
+        if not self.connected:  # the hello carries the state until the generator node has answered
+            return
+        with c.eval_request.get_lock():
+            request = tuple(c.eval_request)
+        state = dict(stop=c.stop.is_set(), interrupted=c.interrupted.is_set(), groups_dropped=c.groups_dropped.value,
+                     eval_request=request)
+        if state != self.sent_state:
+            self.link.send("control", state)
+            self.sent_state = state
+        if c.stop.is_set():
+            self.link.watching = False  # we stop: the generator node going quiet is expected now
+
+    def get(self, timeout=None):
+        """buffer.take_groups' queue: each group taken grants the generator node one credit back."""
+        group = self.groups.get(timeout=timeout)
+        self.link.send("credit", 1)
+        return group
+
+    def metrics(self) -> dict:
+        return {"remote_groups_held_max": self.held_max, "sync_send_ms": self.send_ms}
+
+    def handshake(self, settings, shapes, dtype: torch.dtype, device: torch.device) -> bool:
+        """Send the generator its settings and the weight layout; join the weight group. False: failed
+        (the line is printed)."""
+        self.link.send("hello", dict(settings=settings, shapes=shapes, dtype=str(dtype).removeprefix("torch."),
+                                     groups_dropped=self.control.groups_dropped.value,
+                                     credits=self.cfg.queue_size - 1, timeout_s=self.cfg.timeout_s))
+        deadline = time.monotonic() + self.cfg.timeout_s
+        while not self.link.failed.is_set():
+            try:
+                welcome = self.welcome.get(timeout=0.2)
+                break
+            except queue.Empty:
+                if time.monotonic() > deadline:
+                    self.link.fail(f"did not answer within {self.cfg.timeout_s:.0f} s (--timeout-s): start "
+                                   "`train.py --role generator` there first")
+                if self.control.stop.is_set():
+                    return False
+        else:
+            return False
+        from torch.distributed import TCPStore
+
+        host, _ = split_addr(self.addr)
+        store = TCPStore(host, welcome["store_port"], 2, False, timedelta(seconds=self.cfg.timeout_s))
+        self.group = weight_group(store, 0, device, self.cfg.timeout_s)
+        return True
+
+    def send_weights(self, version: int, flat: torch.Tensor) -> None:
+        if self.link.failed.is_set():
+            return  # the run is stopping: trainer_main checkpoints
+        t0 = time.perf_counter()
+        self.link.send("weights", version, flat.numel() * flat.element_size())
+        try:
+            send_weights(self.group, flat)
+        except Exception as err:
+            self.link.fail(f"stopped receiving weights ({err})")
+            return
+        self.send_ms = (time.perf_counter() - t0) * 1e3
+
+    def close(self) -> None:
+        self.link.watching = False
+        self.link.close("bye")
+
+
+def run_trainer(cfg) -> int:
+    """One torchrun rank of `train.py --role trainer`. Returns its exit code."""
+    import torch.distributed as dist
+
+    import devices
+    import train
+
+    import metrics
+
+    metrics.configure_terminal(cfg.log_level)  # every rank: torchrun started them, not a parent of ours
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank, local_size = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo", init_method="env://",
+                            timeout=timedelta(seconds=cfg.timeout_s + 60))
+    cfg.train_ranks = world_size
+    if device.type == "cuda" and cfg.dtype == "auto":
+        cfg.dtype = devices.GPU_DEFAULT_DTYPE
+    cfg.train_threads = cfg.train_threads or max(1, len(os.sched_getaffinity(0)) // local_size)
+    trainer_link = TrainerLink(cfg) if rank == 0 else None
+    control = trainer_link.control if rank == 0 else thread_control()
+    caught = []
+    if rank == 0:  # a stop with a checkpoint, as on one node; the other ranks follow rank 0 through it
+        def on_signal(signum, frame):
+            if caught:
+                raise KeyboardInterrupt
+            caught.append(signum)
+            print(f"\n{signal.Signals(signum).name}: stopping after the current step and writing a checkpoint",
+                  file=sys.stderr, flush=True)
+            control.interrupted.set()
+            control.stop.set()
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, on_signal)
+    else:  # torchrun sends SIGTERM (and a terminal SIGINT) to every rank: rank 0 decides what it means
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, signal.SIG_IGN)
+    box = [None]
+    if rank == 0:
+        try:
+            prepared = train.prepare_run(cfg, engine_here=False)
+            shared = train.allocate_shared_weights(prepared.model_path, "meta", devices.torch_dtype(cfg.dtype))
+            settings = train.generator_settings(cfg, prepared.base_model, 1, prepared.start_step,
+                                                prepared.start_version, None, "", prepared.groups_dropped)
+            settings = dataclasses.replace(settings, load_first=True)  # the start weights come from us
+            control.groups_dropped.value = prepared.groups_dropped
+            ok = trainer_link.handshake(settings, [(s.name, s.shape) for s in shared.layout], shared.dtype, device)
+            box = [(prepared, cfg, shared.layout) if ok else None]
+        except BaseException:
+            dist.broadcast_object_list([None], src=0)
+            raise
+    dist.broadcast_object_list(box, src=0)
+    if box[0] is None:  # the handshake failed (printed on rank 0)
+        dist.destroy_process_group()
+        if rank == 0:
+            trainer_link.close()
+        return 1
+    prepared, cfg, layout = box[0]
+    weights = RemoteWeights(layout, devices.torch_dtype(cfg.dtype), trainer_link if rank == 0 else None, device)
+    try:
+        train.trainer_main(cfg, rank, world_size, prepared.model_path, weights, trainer_link if rank == 0 else None,
+                           control, "", prepared.resume_dir, prepared.base_model)
+    finally:
+        if rank == 0:
+            trainer_link.close()
+    if rank == 0 and trainer_link.link.failed.is_set():
+        return 1
+    return 128 + caught[0] if caught else 0
+
+
+# ----------------------------------------------------------------------------------------------------
+# The generator node
+# ----------------------------------------------------------------------------------------------------
+class GeneratorBridge:
+    """The generator node's parent: mirrors groups out (while holding credits), control in, state and
+    evaluation answers out, weights in (a thread receiving into the local packed buffer)."""
+
+    def __init__(self, cfg):
+        self.addr, self.timeout_s = cfg.generator_addr, cfg.timeout_s
+        self.hello: queue.Queue = queue.Queue()
+        self.weights: queue.Queue = queue.Queue()
+        self.control = self.rollout_queue = self.shared = self.group = None
+        self.credits, self.sent_state, self.trainer_done = 0, None, False
+        self.link = Link(self.addr, True, silence_limit(cfg.timeout_s), self.on_message, self.tick, self.on_fail)
+
+    def on_fail(self, text: str) -> None:
+        print(f"error: the trainer at {self.addr} {text}", file=sys.stderr, flush=True)
+        if self.control is not None:
+            self.control.stop.set()
+
+    def on_message(self, kind, *args) -> None:
+        if kind == "hello":
+            self.hello.put(args[0])
+        elif kind == "credit":
+            self.credits += args[0]
+        elif kind == "weights":
+            self.weights.put(args)
+        elif kind == "control" and self.control is not None:
+            c, state = self.control, args[0]
+            with c.groups_dropped.get_lock():
+                c.groups_dropped.value = state["groups_dropped"]
+            with c.eval_request.get_lock():
+                c.eval_request[0], c.eval_request[1] = state["eval_request"]
+            if state["interrupted"]:
+                c.interrupted.set()
+            if state["stop"]:
+                self.trainer_done = True
+                self.link.watching = False
+                c.stop.set()
+        elif kind == "bye":
+            self.trainer_done = True
+            self.link.watching = False
+            if self.control is not None:
+                self.control.stop.set()
+
+    def tick(self) -> None:
+        c = self.control
+        if c is None:
+            return
+        while self.credits > 0:
+            try:
+                group = self.rollout_queue.get_nowait()
+            except queue.Empty:
+                break
+            self.link.send("group", group)
+            self.credits -= 1
+        while True:
+            try:
+                self.link.send("eval", c.eval_results.get_nowait())
+            except queue.Empty:
+                break
+        state = dict(ready=c.ready.is_set(), loaded_version=c.loaded_version.value)
+        if state != self.sent_state:
+            self.link.send("state", state)
+            self.sent_state = state
+
+    def receive(self) -> None:
+        """The weights thread: each header announces one publish; its bytes follow on the weight group."""
+        while not self.link.closed.is_set() and not self.link.failed.is_set():
+            try:
+                version, nbytes = self.weights.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            try:
+                if nbytes != self.shared.nbytes:
+                    raise ValueError(f"a publish of {nbytes} bytes for a buffer of {self.shared.nbytes}")
+                receive_weights(self.group, self.shared, version)
+            except Exception as err:
+                if not self.trainer_done:
+                    self.link.fail(f"stopped sending weights ({err})")
+                return
+
+
+def generator_placement(cfg) -> tuple[dict, str]:
+    """This node's own GeneratorSettings placement fields and the packed buffer's device."""
+    import devices
+
+    gen = devices.parse_devices(cfg.gen_devices, "--gen-devices")
+    threads = cfg.gen_threads or max(1, len(os.sched_getaffinity(0)))
+    if gen and devices.cuda_device_count():
+        names = devices.visible_tokens(devices.cuda_device_count(), os.environ.get("CUDA_VISIBLE_DEVICES"))
+        return dict(threads=threads, device="cuda", cuda_visible_devices=",".join(names[d] for d in gen),
+                    gpu_memory_utilization=cfg.gpu_memory_utilization or devices.DEDICATED_GEN_FRACTION,
+                    tensor_parallel_size=len(gen)), f"cuda:{gen[0]}"
+    return dict(threads=threads, device="cpu", cuda_visible_devices="", tensor_parallel_size=1), "cpu"
+
+
+def run_generator(cfg) -> int:
+    """`train.py --role generator`: wait for a trainer, then serve it until it stops. Returns the exit code."""
+    import torch.multiprocessing as mp
+    from torch.distributed import TCPStore
+
+    import metrics
+    import processes
+    import train
+    from rollout import engine_problems
+    from sync import SharedWeights
+
+    metrics.configure_terminal(cfg.log_level)
+    bridge = GeneratorBridge(cfg)
+    print(f"generator node: waiting up to {cfg.timeout_s:.0f} s for a trainer on {cfg.generator_addr}", flush=True)
+    try:
+        hello = bridge.hello.get(timeout=cfg.timeout_s)
+    except queue.Empty:
+        print(f"error: no trainer connected to {cfg.generator_addr} within {cfg.timeout_s:.0f} s (--timeout-s)",
+              file=sys.stderr, flush=True)
+        bridge.link.close()
+        return 1
+    placement, buffer_device = generator_placement(cfg)
+    settings = dataclasses.replace(hello["settings"], **placement)
+    problem = "" if os.path.isdir(settings.model) else (
+        f"the trainer's model directory {settings.model} does not exist on this machine: put --out (and "
+        "--model) on a filesystem both nodes share, or give --model a Hugging Face hub id")
+    if not problem:
+        problem = "; ".join(engine_problems(settings.model, placement["device"] == "cuda", settings.max_model_len,
+                                            settings.max_new_tokens, settings.kv_cache_mb, settings.dtype))
+    if problem:
+        print(f"error: {problem}", file=sys.stderr, flush=True)
+        bridge.link.close("error", f"cannot serve: {problem}")
+        return 1
+    bridge.shared = SharedWeights.allocate(hello["shapes"], getattr(torch, hello["dtype"]), buffer_device)
+    ctx = mp.get_context("spawn")
+    bridge.rollout_queue = ctx.Queue(maxsize=1)  # + the trainer's credits = --queue-size
+    errors = ctx.Queue()
+    control = processes.make_control(ctx)
+    control.groups_dropped.value = hello["groups_dropped"]
+    bridge.credits = hello["credits"]
+    _, port = split_addr(cfg.generator_addr)
+    store = TCPStore("0.0.0.0", port + 1, 2, True, timedelta(seconds=hello["timeout_s"]), wait_for_workers=False)
+    bridge.link.timeout_s = silence_limit(hello["timeout_s"])  # the run's, from now on
+    bridge.control = control  # from here the link mirrors it
+    bridge.link.send("welcome", {"store_port": port + 1})
+    bridge.group = weight_group(store, 1, torch.device(buffer_device), hello["timeout_s"])
+    receiver = threading.Thread(target=bridge.receive, name="weights", daemon=True)
+    receiver.start()
+    reports = []
+    print(f"generator node: serving the trainer at {cfg.generator_addr}", flush=True)
+    code = processes.run_children(ctx, {"generator": (train._generator_entry, (settings, bridge.shared,
+                                                                               bridge.rollout_queue, control), True)},
+                                  errors, control, failed=bridge.link.failed, on_failure=reports.append)
+    if bridge.link.failed.is_set():
+        bridge.link.close()
+        return 1
+    if code != 0 and not bridge.trainer_done:
+        why = reports[0] if reports else f"the generator node stopped (exit code {code})"
+        bridge.link.close("error", f"failed:\n{why}")
+        return code
+    bridge.link.close("bye")
+    return code
