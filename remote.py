@@ -87,12 +87,12 @@ class Link:
             self.failed.set()
             self.on_fail(text)
 
-    def close(self, *last_message, linger_s: float = 2.0) -> None:
-        """Send `last_message` (if any) and whatever is queued, then close the socket."""
+    def close(self, *last_message) -> None:
+        """Send `last_message` (if any) and whatever is queued (for 2 s at most), then close the socket."""
         if last_message:
             self.send(*last_message)
         self.closed.set()
-        self.thread.join(timeout=linger_s + 1)
+        self.thread.join(timeout=5)
 
     def _run(self):
         import zmq
@@ -106,25 +106,34 @@ class Link:
         else:
             sock.connect(f"tcp://{host}:{port}")
         last_heard = last_sent = time.monotonic()
+        pending, closing_since = None, None
         try:
             while True:
-                closing = self.closed.is_set()
+                if self.closed.is_set() and closing_since is None:
+                    closing_since = time.monotonic()
                 try:
                     self.tick()
                 except Exception as err:  # a bug of ours on this side: end like any other failure
                     self.fail(f"link error on this side: {err!r}")
-                while self.heard.is_set() or not self.bind:  # a bound DEALER with no peer yet would block
+                while True:  # never block: with no peer connected (yet, or any more) a message waits here
+                    if pending is None:
+                        try:
+                            pending = self.out.get_nowait()
+                        except queue.Empty:
+                            break
                     try:
-                        message = self.out.get_nowait()
-                    except queue.Empty:
+                        sock.send_pyobj(pending, zmq.NOBLOCK)
+                    except zmq.Again:
                         break
-                    sock.send_pyobj(message)
-                    last_sent = time.monotonic()
-                if closing:
+                    pending, last_sent = None, time.monotonic()
+                if closing_since is not None and (pending is None or time.monotonic() - closing_since > 2):
                     return
-                if time.monotonic() - last_sent > HEARTBEAT_S and (self.heard.is_set() or not self.bind):
-                    sock.send_pyobj(("ping",))
-                    last_sent = time.monotonic()
+                if time.monotonic() - last_sent > HEARTBEAT_S:
+                    try:
+                        sock.send_pyobj(("ping",), zmq.NOBLOCK)
+                        last_sent = time.monotonic()
+                    except zmq.Again:
+                        pass
                 if sock.poll(POLL_MS):
                     while sock.poll(0):
                         kind, *args = sock.recv_pyobj()
@@ -163,15 +172,15 @@ def buckets(flat: torch.Tensor, size: int = BUCKET_BYTES) -> list[torch.Tensor]:
     return [raw[i:i + size] for i in range(0, raw.numel(), size)]
 
 
-def send_weights(group, flat: torch.Tensor) -> None:
-    for chunk in buckets(flat):
+def send_weights(group, flat: torch.Tensor, bucket_bytes: int = BUCKET_BYTES) -> None:
+    for chunk in buckets(flat, bucket_bytes):
         group.send([chunk], 1, 0).wait()
 
 
-def receive_weights(group, shared, version: int) -> None:
+def receive_weights(group, shared, version: int, bucket_bytes: int = BUCKET_BYTES) -> None:
     """Receive one publish straight into `shared` (a sync.SharedWeights) and publish it there as `version`."""
     shared.begin_write()
-    for chunk in buckets(shared.buffer):
+    for chunk in buckets(shared.buffer, bucket_bytes):
         group.recv([chunk], 0, 0).wait()
     shared.end_write(version)
 
