@@ -8,7 +8,7 @@ Contract: the same RolloutGroups, version tags and staleness gate as one node. B
 finished groups not yet taken (the generator node's queue holds 1, the trainer grants queue_size - 1
 credits, one back per group taken). A publish is gathered on every rank first, then rank 0 sends it in
 buckets into the generator node's packed buffer (between begin_write and end_write: the vLLM load path is
-today's). Heartbeats every second; silence over half of --timeout-s or an error message ends the other side.
+today's). Heartbeats every second; a dropped connection, silence over half of --timeout-s, or an error message ends the other side.
 May touch: its sockets, its process group, the generator node's buffer and Control. Messages are pickled:
 never expose the port beyond the cluster.
 """
@@ -27,6 +27,7 @@ import torch
 
 HEARTBEAT_S = 1.0  # a message (a ping if nothing else) at least this often, both ways
 POLL_MS = 5  # the link thread's loop: how long it waits for a message before looking at its queues again
+RECONNECT_S = 3.0  # a dropped connection not back within this long ends the link (the peer's process ended)
 BUCKET_BYTES = 64 * 2**20  # weights cross in views of the packed buffer of at most this size
 
 
@@ -96,6 +97,7 @@ class Link:
 
     def _run(self):
         import zmq
+        from zmq.utils.monitor import recv_monitor_message
 
         context = zmq.Context()
         sock = context.socket(zmq.DEALER)
@@ -105,8 +107,10 @@ class Link:
             sock.bind(f"tcp://{host}:{port}")
         else:
             sock.connect(f"tcp://{host}:{port}")
+        # TCP tells at once when the peer's process ends (its kernel closes the connection); silence covers the rest
+        monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         last_heard = last_sent = time.monotonic()
-        pending, closing_since = None, None
+        pending, closing_since, lost_since = None, None, None
         try:
             while True:
                 if self.closed.is_set() and closing_since is None:
@@ -143,10 +147,17 @@ class Link:
                             self.fail(args[0])
                         elif kind != "ping":
                             self.on_message(kind, *args)
+                while monitor.poll(0):
+                    event = recv_monitor_message(monitor)["event"]
+                    lost_since = time.monotonic() if event == zmq.EVENT_DISCONNECTED else None
                 silent = time.monotonic() - last_heard
                 if self.watching and self.heard.is_set() and silent > self.timeout_s:
                     self.fail(f"sent nothing for {silent:.0f} s (half of --timeout-s): is it alive?")
+                if self.watching and self.heard.is_set() and lost_since and time.monotonic() - lost_since > RECONNECT_S:
+                    self.fail(f"closed the connection and did not come back within {RECONNECT_S:.0f} s: its process ended")
         finally:
+            sock.disable_monitor()
+            monitor.close()
             sock.close()
             context.term()
 
@@ -339,9 +350,9 @@ class TrainerLink:
             return
         self.send_ms = (time.perf_counter() - t0) * 1e3
 
-    def close(self) -> None:
+    def close(self, *last_message) -> None:
         self.link.watching = False
-        self.link.close("bye")
+        self.link.close(*last_message)
 
 
 def run_trainer(cfg) -> int:
@@ -400,16 +411,19 @@ def run_trainer(cfg) -> int:
     if box[0] is None:  # the handshake failed (printed on rank 0)
         dist.destroy_process_group()
         if rank == 0:
-            trainer_link.close()
+            trainer_link.close("error", "gave up before training started")
         return 1
     prepared, cfg, layout = box[0]
     weights = RemoteWeights(layout, devices.torch_dtype(cfg.dtype), trainer_link if rank == 0 else None, device)
     try:
         train.trainer_main(cfg, rank, world_size, prepared.model_path, weights, trainer_link if rank == 0 else None,
                            control, "", prepared.resume_dir, prepared.base_model)
-    finally:
+    except BaseException as err:
         if rank == 0:
-            trainer_link.close()
+            trainer_link.close("error", f"failed: {type(err).__name__}: {err}")
+        raise
+    if rank == 0:
+        trainer_link.close("bye")
     if rank == 0 and trainer_link.link.failed.is_set():
         return 1
     return 128 + caught[0] if caught else 0

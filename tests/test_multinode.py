@@ -142,7 +142,8 @@ def test_an_error_or_silence_from_the_other_side_ends_the_link(capsys):
 # ----------------------------------------------------------------------------------------------------
 # Two "nodes" on 127.0.0.1, with vLLM
 # ----------------------------------------------------------------------------------------------------
-TIMEOUT_S = 40  # --timeout-s of both sides: the link gives up after 20 s of silence
+TIMEOUT_S = 300  # --timeout-s of both sides (as on one node: vLLM is slow to start on 2 busy cores); a killed side
+# is noticed sooner, from its dropped connection (remote.RECONNECT_S)
 TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2")
 
 
@@ -188,10 +189,10 @@ def test_generator_node_killed_ends_the_trainer_with_a_checkpoint(start_run):
     generator.record()
     killed_at = time.monotonic()
     generator.kill_all()  # the machine is gone: the node's process and everything it started
-    code = trainer.wait(TIMEOUT_S + 60)
-    assert code != 0 and time.monotonic() - killed_at < TIMEOUT_S + 30
+    code = trainer.wait(120)
+    assert code != 0 and time.monotonic() - killed_at < 60
     err = trainer.stderr()
-    assert f"error: the generator at {addr} " in err, trainer.tail()  # silent, or gone mid-send
+    assert f"error: the generator at {addr} " in err, trainer.tail()  # disconnected, or gone mid-send
     assert list((trainer.out / "checkpoints").glob("step_*/model/config.json")), trainer.tail()
     assert trainer.leftovers(grace_s=10) == [] and generator.leftovers(grace_s=5) == []
 
@@ -202,7 +203,7 @@ def test_trainer_killed_ends_the_generator_node(start_run):
     generator.record()
     killed_at = time.monotonic()
     trainer.kill_all()  # torchrun and both ranks
-    code = generator.wait(TIMEOUT_S + 30)
-    assert code != 0 and time.monotonic() - killed_at < TIMEOUT_S
+    code = generator.wait(120)
+    assert code != 0 and time.monotonic() - killed_at < 60
     assert f"error: the trainer at {addr}" in generator.stderr(), generator.tail()
     assert generator.leftovers(grace_s=10) == [] and trainer.leftovers(grace_s=5) == []
