@@ -147,6 +147,15 @@ TIMEOUT_S = 300  # --timeout-s of both sides (as on one node: vLLM is slow to st
 TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2")
 
 
+def wait_watching(run, other, timeout: float) -> int:
+    """`run.wait`, recording `other`'s processes meanwhile too (both "nodes" are watched for leftovers)."""
+    deadline = time.monotonic() + timeout
+    while run.poll() is None and time.monotonic() < deadline:
+        other.poll()
+        time.sleep(0.25)
+    return run.wait(max(1.0, deadline - time.monotonic()))
+
+
 def start_nodes(start_run, *trainer_args):
     addr = f"127.0.0.1:{free_port(pair=True)}"
     generator = start_run("--role", "generator", "--generator-addr", addr, "--gen-threads", "1",
@@ -160,7 +169,7 @@ def test_two_nodes_train_with_exact_versions_and_the_lag_and_queue_bounds(start_
     steps, queue_size = 6, 4
     addr, generator, trainer = start_nodes(start_run, "--steps", str(steps), "--max-lag", "1", "--queue-size",
                                            str(queue_size), "--eval-every", "3", "--eval-samples", "2")
-    assert trainer.wait(300) == 0, trainer.tail()
+    assert wait_watching(trainer, generator, 400) == 0, trainer.tail()
     assert generator.wait(60) == 0, generator.tail()
     assert trainer.leftovers(grace_s=10) == [] and generator.leftovers(grace_s=10) == []
     assert any(map(_is_engine_core, generator.names.values())), generator.names
@@ -185,7 +194,7 @@ def test_two_nodes_train_with_exact_versions_and_the_lag_and_queue_bounds(start_
 
 def test_generator_node_killed_ends_the_trainer_with_a_checkpoint(start_run):
     addr, generator, trainer = start_nodes(start_run, "--steps", "1000", "--max-lag", "1")
-    trainer.wait_rows(2, timeout=300)
+    trainer.wait_rows(2, timeout=400)
     generator.record()
     killed_at = time.monotonic()
     generator.kill_all()  # the machine is gone: the node's process and everything it started
@@ -199,7 +208,7 @@ def test_generator_node_killed_ends_the_trainer_with_a_checkpoint(start_run):
 
 def test_trainer_killed_ends_the_generator_node(start_run):
     addr, generator, trainer = start_nodes(start_run, "--steps", "1000", "--max-lag", "1")
-    trainer.wait_rows(2, timeout=300)
+    trainer.wait_rows(2, timeout=400)
     generator.record()
     killed_at = time.monotonic()
     trainer.kill_all()  # torchrun and both ranks
