@@ -14,7 +14,8 @@ Data contract
       interrupted), and the evaluation request and answers (evaluation.py).
     - `run_children(ctx, children, errors, control)`: `children` maps a name to (function, args,
       own_process_group); names starting with "trainer" are the ranks whose success ends the run, and
-      "generator" is the one that may be given no grace after a failure. Returns the run's exit code.
+      "generator" is the one that may be given no grace after a failure. Returns the run's exit code. A
+      generator node (remote.py) runs the generator alone, with an Event that its bridge sets on failure.
     - Every wait here has a timeout; the errors queue carries (name, traceback) pairs.
 
 May touch: the processes it starts, the signal handlers of the parent while the run lasts. Nothing else.

@@ -1,16 +1,14 @@
-"""remote.py — beyond one node: trainer ranks under torchrun on some machines, the generator on another.
+"""remote.py — beyond one node: the generator on its own machine, the trainer ranks under torchrun.
 
-Role: `--role generator` serves one generator (rollout.py, under processes.run_children) and bridges it to a
-trainer; `--role trainer` is one torchrun rank whose rank 0 holds the link. Messages: one ZMQ DEALER socket
-each side (the generator binds --generator-addr, rank 0 connects), owned by one thread; weights: a 2-member
-process group (trainer rank 0, generator node; gloo on CPU, NCCL on GPUs) on a TCPStore at the next port.
-Contract: the same RolloutGroups, version tags and staleness gate as one node. Bound: at most --queue-size
-finished groups not yet taken (the generator node's queue holds 1, the trainer grants queue_size - 1
-credits, one back per group taken). A publish is gathered on every rank first, then rank 0 sends it in
-buckets into the generator node's packed buffer (between begin_write and end_write: the vLLM load path is
-today's). Heartbeats every second; a dropped connection, silence over half of --timeout-s, or an error message ends the other side.
-May touch: its sockets, its process group, the generator node's buffer and Control. Messages are pickled:
-never expose the port beyond the cluster.
+Role: `--role generator` runs the ordinary generator (processes.run_children) behind a bridge to a trainer;
+`--role trainer` is one torchrun rank, rank 0 holding the link. Messages: one ZMQ DEALER socket a side (the
+generator binds --generator-addr), owned by one thread; weights: a 2-member group (gloo on CPU, NCCL on GPUs)
+on a TCPStore at PORT + 1. Contract: the one-node RolloutGroups, version tags and staleness gate; at most
+--queue-size finished groups not yet taken (1 in the node's queue + queue_size - 1 credits, one granted back
+per group taken). A publish is gathered on every rank, then rank 0 sends it in buckets into the node's packed
+buffer (begin_write .. end_write: vLLM loads it as today). Heartbeats every second; a dropped connection,
+silence over half of --timeout-s, or an error message ends the other side, non-zero.
+May touch: its sockets and group, the generator node's buffer and Control. Pickled messages: keep ports private.
 """
 from __future__ import annotations
 
@@ -315,7 +313,9 @@ class TrainerLink:
     def handshake(self, settings, shapes, dtype: torch.dtype, device: torch.device) -> bool:
         """Send the generator its settings and the weight layout; join the weight group. False: failed
         (the line is printed)."""
+        hub_id = "" if not self.cfg.model or os.path.exists(os.path.expanduser(self.cfg.model)) else self.cfg.model
         self.link.send("hello", dict(settings=settings, shapes=shapes, dtype=str(dtype).removeprefix("torch."),
+                                     hub_id=hub_id,
                                      groups_dropped=self.control.groups_dropped.value,
                                      credits=self.cfg.queue_size - 1, timeout_s=self.cfg.timeout_s))
         deadline = time.monotonic() + self.cfg.timeout_s
@@ -549,9 +549,17 @@ def run_generator(cfg) -> int:
         return 1
     placement, buffer_device = generator_placement(cfg)
     settings = dataclasses.replace(hello["settings"], **placement)
-    problem = "" if os.path.isdir(settings.model) else (
-        f"the trainer's model directory {settings.model} does not exist on this machine: put --out (and "
-        "--model) on a filesystem both nodes share, or give --model a Hugging Face hub id")
+    problem = ""
+    if not os.path.isdir(settings.model) and hello["hub_id"]:  # the trainer's copy is in its own hub cache
+        import data
+
+        try:
+            settings.model = data.resolve_model(hello["hub_id"])
+        except data.DataError as err:
+            problem = str(err)
+    if not problem and not os.path.isdir(settings.model):
+        problem = (f"the trainer's model directory {settings.model} does not exist on this machine: put --out "
+                   "(and --model) on a filesystem both nodes share, or give --model a Hugging Face hub id")
     if not problem:
         problem = "; ".join(engine_problems(settings.model, placement["device"] == "cuda", settings.max_model_len,
                                             settings.max_new_tokens, settings.kv_cache_mb, settings.dtype))

@@ -8,7 +8,8 @@ Role
     reports, checkpoint.py its checkpoints (`--save-every`, `--resume`), lora.py the adapter of
     `--lora-rank`. The parent process only supervises (processes.py): a child that raises, exits or is
     killed ends the whole run with a non-zero exit and the child's traceback, and no process of the run is
-    left behind.
+    left behind. With `--role generator` / `--role trainer` (under torchrun) the two sides run on different
+    machines instead (remote.py).
 
 Data contract
     - Every `Config` field is a `--flag` (underscores become dashes).
