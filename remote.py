@@ -52,7 +52,8 @@ def problems(cfg) -> list[str]:
     except ValueError as err:
         out.append(f"--role {cfg.role} needs {err}")
     if cfg.lora_rank:
-        out.append("--lora-rank with a remote role is not supported yet (the adapter config lives on the trainer's disk)")
+        out.append("--lora-rank with a remote role is not supported yet (the adapter config lives on the "
+                   "trainer's disk)")
     if cfg.queue_size < 2:
         out.append(f"--queue-size {cfg.queue_size} with a remote role: give >= 2 (1 group waits on the generator "
                    "node, the rest are the trainer's credits)")
@@ -60,12 +61,18 @@ def problems(cfg) -> list[str]:
 
 
 # ----------------------------------------------------------------------------------------------------
-# The link: one ZMQ socket, one thread
+# The link: one ZMQ socket, one thread. Messages are tuples (kind, *args):
+#   trainer -> generator node: hello(settings, layout, ...), credit(n), control(stop, interrupted,
+#       groups_dropped, eval_request), weights(version, nbytes: the bytes follow on the weight group), bye
+#   generator node -> trainer: welcome(store_port), group(RolloutGroup), state(ready, loaded_version),
+#       eval(EvalResult), bye
+#   both ways: ping (a heartbeat), error(text: why this side ends; the other side ends too)
 # ----------------------------------------------------------------------------------------------------
 class Link:
     """A DEALER socket owned by one thread. Other threads `send`; messages in go to `on_message(kind, *args)`
-    and `tick()` runs every POLL_MS, both in the link thread. `fail(text)` (the other side's "error", or its
-    silence over `timeout_s` once it has spoken) sets `failed` and calls `on_fail(text)` once."""
+    and `tick()` runs every POLL_MS, both in the link thread. `fail(text)` (the other side's "error", its
+    silence over `timeout_s` once it has spoken, or its connection dropped for RECONNECT_S) sets `failed` and
+    calls `on_fail(text)` once. Sends never block: with no peer connected a message waits its turn."""
 
     def __init__(self, addr: str, bind: bool, timeout_s: float, on_message, tick=lambda: None, on_fail=print):
         self.addr, self.bind, self.timeout_s = addr, bind, timeout_s
@@ -152,7 +159,8 @@ class Link:
                 if self.watching and self.heard.is_set() and silent > self.timeout_s:
                     self.fail(f"sent nothing for {silent:.0f} s (half of --timeout-s): is it alive?")
                 if self.watching and self.heard.is_set() and lost_since and time.monotonic() - lost_since > RECONNECT_S:
-                    self.fail(f"closed the connection and did not come back within {RECONNECT_S:.0f} s: its process ended")
+                    self.fail(f"closed the connection and did not come back within {RECONNECT_S:.0f} s: its "
+                              "process ended")
         finally:
             sock.disable_monitor()
             monitor.close()
@@ -356,7 +364,11 @@ class TrainerLink:
 
 
 def run_trainer(cfg) -> int:
-    """One torchrun rank of `train.py --role trainer`. Returns its exit code."""
+    """One torchrun rank of `train.py --role trainer`. Returns its exit code: 1 when the generator failed
+    (after the checkpoint), 128 + the signal when rank 0 was stopped by one. Ctrl-C (or SIGTERM, which
+    torchrun forwards to every rank) is rank 0's to handle: it stops after the current step and every rank
+    writes the checkpoint together; the other ranks ignore both signals meanwhile. torchrun itself then exits
+    1 with its own traceback, and SIGKILLs ranks still alive 30 s after it forwarded the signal."""
     import torch.distributed as dist
 
     import devices
