@@ -552,13 +552,20 @@ def run_generator(cfg) -> int:
     metrics.configure_terminal(cfg.log_level)
     bridge = GeneratorBridge(cfg)
     print(f"generator node: waiting up to {cfg.timeout_s:.0f} s for a trainer on {cfg.generator_addr}", flush=True)
-    try:
-        hello = bridge.hello.get(timeout=cfg.timeout_s)
-    except queue.Empty:
-        print(f"error: no trainer connected to {cfg.generator_addr} within {cfg.timeout_s:.0f} s (--timeout-s)",
-              file=sys.stderr, flush=True)
-        bridge.link.close()
-        return 1
+    deadline = time.monotonic() + cfg.timeout_s
+    while True:  # a trainer that has connected may take longer to send its hello (its rank 0 prepares the model)
+        try:
+            hello = bridge.hello.get(timeout=0.5)
+            break
+        except queue.Empty:
+            if bridge.link.failed.is_set():  # (printed)
+                bridge.link.close()
+                return 1
+            if not bridge.link.heard.is_set() and time.monotonic() > deadline:
+                print(f"error: no trainer connected to {cfg.generator_addr} within {cfg.timeout_s:.0f} s "
+                      "(--timeout-s)", file=sys.stderr, flush=True)
+                bridge.link.close()
+                return 1
     placement, buffer_device = generator_placement(cfg)
     settings = dataclasses.replace(hello["settings"], **placement)
     problem = ""
