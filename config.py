@@ -118,6 +118,9 @@ class Config:
     log_level: str = "warning"  # warning: progress lines, warnings, errors; info / debug: also vLLM's own log
     wandb: str = "off"  # log to Weights & Biases: online | offline | off
     wandb_project: str = "asyncgrpo"  # the wandb project
+    # beyond one node (remote.py): the generator on its own machine, the trainer ranks under torchrun
+    role: str = "all"  # all: this machine runs both | generator: serve a remote trainer | trainer: a torchrun rank
+    generator_addr: str = ""  # HOST:PORT the generator listens on and the trainer connects to (PORT + 1: weights)
 
 
 CHOICES = {"update_mode": ("inflight", "drain"), "loss": ("grpo", "dapo", "dr_grpo", "gspo", "cispo"),
@@ -125,7 +128,8 @@ CHOICES = {"update_mode": ("inflight", "drain"), "loss": ("grpo", "dapo", "dr_gr
            "agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"),
            "kl_kind": ("k1", "k2", "k3"), "is_level": ("token", "sequence"),
            "is_mode": ("truncate", "mask", "off"), "log_level": ("debug", "info", "warning"),
-           "lr_schedule": ("constant", "linear", "cosine"), "dtype": ("auto", "bf16", "fp32")}
+           "lr_schedule": ("constant", "linear", "cosine"), "dtype": ("auto", "bf16", "fp32"),
+           "role": ("all", "generator", "trainer")}
 
 
 def field_help(cls) -> dict[str, tuple[str, str]]:
@@ -252,9 +256,36 @@ def validate(cfg: Config) -> None:
         problems.append(f"--model {cfg.model}: no such directory")
     problems += data.check_flags(cfg)  # data flags: files exist, rows complete
     problems += rewards.check(cfg)  # --reward: every function imports
+    problems += remote_problems(cfg)
     problems += devices.problems(cfg)  # --gen-devices/--train-devices: parse, GPUs exist, one rank per GPU
     if problems:
         raise SystemExit("error: " + "\nerror: ".join(problems))
+
+
+def split_addr(addr: str) -> tuple[str, int]:
+    """--generator-addr HOST:PORT -> (host, port)."""
+    host, _, port = addr.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"--generator-addr {addr!r}: give HOST:PORT")
+    return host, int(port)
+
+
+def remote_problems(cfg: Config) -> list[str]:
+    """What a remote role (remote.py) cannot do, one line each."""
+    if cfg.role == "all":
+        return []
+    out = []
+    try:
+        split_addr(cfg.generator_addr)
+    except ValueError as err:
+        out.append(f"--role {cfg.role} needs {err}")
+    if cfg.lora_rank:
+        out.append("--lora-rank with a remote role is not supported yet (the adapter config lives on the "
+                   "trainer's disk)")
+    if cfg.queue_size < 2:
+        out.append(f"--queue-size {cfg.queue_size} with a remote role: give >= 2 (1 group waits on the generator "
+                   "node, the rest are the trainer's credits)")
+    return out
 
 
 def inactive_flags(cfg: Config) -> list[str]:

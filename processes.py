@@ -14,7 +14,8 @@ Data contract
       interrupted), and the evaluation request and answers (evaluation.py).
     - `run_children(ctx, children, errors, control)`: `children` maps a name to (function, args,
       own_process_group); names starting with "trainer" are the ranks whose success ends the run, and
-      "generator" is the one that may be given no grace after a failure. Returns the run's exit code.
+      "generator" is the one that may be given no grace after a failure. Returns the run's exit code. A
+      generator node (remote.py) runs the generator alone, with an Event that its bridge sets on failure.
     - Every wait here has a timeout; the errors queue carries (name, traceback) pairs.
 
 May touch: the processes it starts, the signal handlers of the parent while the run lasts. Nothing else.
@@ -84,9 +85,12 @@ def kill_tree(proc, own_group: bool):
         pass
 
 
-def run_children(ctx, children: dict, errors, control: Control) -> int:
+def run_children(ctx, children: dict, errors, control: Control, failed=None, on_failure=None) -> int:
     """Start every child, supervise them until the trainers finish or something fails, then make sure
-    none is left. Returns 0, 1 (a child failed), or 128 + the signal that stopped the run."""
+    none is left. Returns 0, 1 (a child failed), or 128 + the signal that stopped the run. Without trainer
+    children (a generator node, remote.py) the run ends when the generator does; `failed` (an Event another
+    thread of this process sets, having printed why) ends it with 1; `on_failure(report)` also gets the
+    failure report printed for a child."""
     procs = {name: (ctx.Process(target=child_entry, name=name, args=(name, fn, args, errors, own_group)),
                     own_group) for name, (fn, args, own_group) in children.items()}
     interrupted = []
@@ -105,7 +109,7 @@ def run_children(ctx, children: dict, errors, control: Control) -> int:
     try:
         for proc, _ in procs.values():
             proc.start()
-        code = supervise(procs, errors, control)
+        code = supervise(procs, errors, control, failed, on_failure)
     except KeyboardInterrupt:
         code = 130
     finally:
@@ -126,17 +130,25 @@ def run_children(ctx, children: dict, errors, control: Control) -> int:
     return code
 
 
-def supervise(procs, errors, control) -> int:
+def supervise(procs, errors, control, failed=None, on_failure=None) -> int:
     """Wait until the trainers finish (0) or any child fails (1, with its traceback printed)."""
     trainers = [p for name, (p, _) in procs.items() if name.startswith("trainer")]
     while True:
         sentinels = [p.sentinel for p, _ in procs.values() if p.exitcode is None]
-        multiprocessing.connection.wait(sentinels, timeout=1.0)
+        multiprocessing.connection.wait(sentinels, timeout=0.2 if failed is not None else 1.0)
         for name, (proc, _) in procs.items():
             if proc.exitcode is not None and proc.exitcode != 0:
-                print(failure_report(name, proc.exitcode, errors), file=sys.stderr, flush=True)
+                report = failure_report(name, proc.exitcode, errors)
+                print(report, file=sys.stderr, flush=True)
+                if on_failure is not None:
+                    on_failure(report)
                 return 1
-        if all(p.exitcode == 0 for p in trainers):
+        if failed is not None and failed.is_set():
+            return 1
+        if not trainers:  # a generator node: its generator stopping when asked is the end
+            if procs["generator"][0].exitcode == 0 and control.stop.is_set():
+                return 0
+        elif all(p.exitcode == 0 for p in trainers):
             generator = procs["generator"][0]
             generator.join(timeout=60)  # it stops on control.stop and shuts its engine down
             if generator.exitcode not in (0, None):

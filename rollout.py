@@ -86,6 +86,7 @@ class GeneratorSettings:
     initial_version: int = 0  # the version of the weights in `model`
     first_group_id: int = 0  # a resumed run continues the sequence of group ids (and so the walk of prompts)
     eval_at_start: bool = False  # evaluate the initial weights (step 0) before training starts, engine to itself
+    load_first: bool = False  # serve nothing before the trainer's first publish (remote.py sends its start weights)
     lora_dir: str = ""  # with --lora-rank: holds the adapter's adapter_config.json (rank, alpha, targets)
     stop: tuple = ()  # --stop, unescaped (vLLM's SamplingParams.stop)
     # GPU placement (devices.DeviceLayout.generator_settings; the defaults are the CPU path)
@@ -347,14 +348,15 @@ class Generator:
             return self.engine.collective_rpc("load_shared_adapter", args=(version, self.s.lora_dir, LORA_ID))
         return self.engine.collective_rpc("load_shared_weights", args=(version,))
 
-    async def load_first_adapter(self):
-        """LoRA: the engine serves no adapter until the trainer's first publish of it (at its start)."""
+    async def load_first_publish(self):
+        """LoRA (and `load_first`): the engine serves no adapter (weights) until the trainer's first publish of
+        it (at its start) is loaded, tagged with the version it carries."""
         deadline = time.monotonic() + self.cfg.timeout_s
         while self.shared.publish_time_ns() == 0 or self.shared.version() < self.s.initial_version:
             if self.control.stop.is_set():
                 return
             if time.monotonic() > deadline:
-                raise TimeoutError(f"the trainer published no adapter within {self.cfg.timeout_s:.0f} s")
+                raise TimeoutError(f"the trainer published no weights within {self.cfg.timeout_s:.0f} s")
             await asyncio.sleep(0.01)
         self.loaded_version = await load_same_version(
             lambda: self.engine_call(self.load_rpc(self.s.initial_version), "the first load"))
@@ -385,8 +387,8 @@ class Generator:
         self.reward_threads = ThreadPoolExecutor(max(1, self.cfg.reward_workers), thread_name_prefix="reward")
         await self.engine.update_weight_version(str(self.loaded_version))
         await self.engine.collective_rpc("attach_shared_weights", args=(self.shared.to_bytes(),))
-        if self.cfg.lora_rank:
-            await self.load_first_adapter()
+        if self.cfg.lora_rank or self.s.load_first:
+            await self.load_first_publish()
         if self.s.eval_at_start:  # alone on the engine it takes a fraction of what it takes beside the first steps
             self.last_eval_step = 0
             self.idle_since = None  # the engine's start-up is not idle time of the run

@@ -304,8 +304,10 @@ def publish_model(model, shared, version, rank, world_size):
     GPU: the buffer is on rank 0's GPU and only rank 0 maps it: each parameter is gathered in turn
     (DTensor.full_tensor, an all-gather over NCCL; one parameter's worth of memory at a time) and rank 0,
     the only writer, copies it in; `end_write` waits for the device copies before bumping the version.
+    Remote (remote.RemoteWeights, a generator on another machine): the same gather on every rank into rank
+    0's local buffer; rank 0's `end_write`, after every gather, sends it.
     """
-    if shared.device_type == "cuda":
+    if shared.device_type in ("cuda", "remote"):
         with torch.no_grad():
             if rank == 0:
                 shared.begin_write()

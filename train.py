@@ -146,6 +146,8 @@ def train(r: Rank) -> int:
             result.metrics.update(lr=lr, truncated_frac=float(truncated.float().mean()),
                                   groups_filtered=taken.groups_filtered,
                                   overlong_penalty=float((rewards - torch.tensor([g.rewards for g in taken.groups])).mean()))
+            if hasattr(r.rollout_queue, "metrics"):  # remote.TrainerLink: the queue bound, the weights' send
+                result.metrics.update(r.rollout_queue.metrics())
             r.log.step(step, r.version, taken, batch, result.metrics, loss=result.loss, grad_norm=result.grad_norm,
                        logprob_diff=result.logprob_diff, wait_s=wait_s, train_s=train_s, publish_ms=publish_ms,
                        skipped=skipped, evals=evals)
@@ -214,6 +216,8 @@ def start_rank(cfg: Config, prepared: prepare.Prepared, rank: int, world_size: i
     torch.manual_seed(cfg.seed + rank)
     layout = prepared.layout
     device = torch.device(layout.train_device(rank))
+    if cfg.role == "trainer" and torch.cuda.is_available():  # under torchrun: this node's GPU LOCAL_RANK
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     if layout.on_gpu:
         # vLLM measures a GPU's free memory while it starts: on a shared GPU, keep off it until vLLM is up.
         if layout.shared_gpus and not wait_for(control.ready, control.stop, cfg.timeout_s,
@@ -222,8 +226,9 @@ def start_rank(cfg: Config, prepared: prepare.Prepared, rank: int, world_size: i
         torch.cuda.set_device(device)
         if layout.shares_gpu(rank):
             torch.cuda.set_per_process_memory_fraction(layout.train_memory_fraction, device)
-    dist.init_process_group(layout.backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=cfg.timeout_s + 60))
+    if not dist.is_initialized():  # (--role trainer: torchrun's env:// group, made by remote.run_trainer)
+        dist.init_process_group(layout.backend, init_method=f"file://{init_file}", rank=rank,
+                                world_size=world_size, timeout=timedelta(seconds=cfg.timeout_s + 60))
     serving_dtype = devices.torch_dtype(cfg.dtype)
     lora_config = lora.peft_config(cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets) \
         if cfg.lora_rank else None
@@ -246,7 +251,9 @@ def start_rank(cfg: Config, prepared: prepare.Prepared, rank: int, world_size: i
     if [name for name, _ in synced_parameters(model)] != [slot.name for slot in shared.layout]:
         raise RuntimeError("trainer parameters do not match the shared buffer's layout")
     version = prepared.start_version
-    if cfg.lora_rank:  # the generator serves no adapter until this first publish (a new adapter is the base model)
+    # the generator serves no adapter until this first publish (a new adapter is the base model); a remote
+    # generator serves nothing until it has these start weights
+    if cfg.lora_rank or shared.device_type == "remote":
         publish_model(model, shared, version, rank, world_size)
     ref_model = build_reference_model(prepared.base_model, world_size, device, serving_dtype) \
         if cfg.kl_coef > 0 and not cfg.lora_rank else None
@@ -267,7 +274,8 @@ def start_rank(cfg: Config, prepared: prepare.Prepared, rank: int, world_size: i
 
 def finish_rank(r: Rank, step: int) -> None:
     """The final model when the run is done; otherwise (a signal, or another process failed) a checkpoint."""
-    finished = step >= r.cfg.steps and not r.control.interrupted.is_set()
+    # rank 0's control decides (under torchrun each rank has a control of its own)
+    finished = broadcast(step >= r.cfg.steps and not r.control.interrupted.is_set(), r.world_size)
     if r.rank == 0:
         r.control.stop.set()  # the generator can stop now
     if finished:
@@ -343,7 +351,12 @@ def generator_entry(settings, shared, rollout_queue, control):
 
 
 def main(argv=None) -> int:
-    return run(parse_args(argv))
+    cfg = parse_args(argv)
+    if cfg.role != "all":
+        import remote  # builds on this module (only when a remote role asks for it)
+
+        return remote.run_trainer(cfg) if cfg.role == "trainer" else remote.run_generator(cfg)
+    return run(cfg)
 
 
 if __name__ == "__main__":

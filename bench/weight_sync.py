@@ -23,6 +23,15 @@ vLLM with an adapter, the trainer a PEFT adapter under FSDP2; only the adapter c
 buffer and seqlock (`sync.WeightSyncWorker.load_shared_adapter`). Reported beside the full sync of that size
 (`ratio_to_full`), and against the alternative of a tmpfs file: the adapter written as a PEFT folder under
 /dev/shm and reloaded by vLLM's own `add_lora(load_inplace=True)` on the same engine (`tmpfs_file`).
+
+Cross-machine rows (`--cross-sizes`, default 10M,100M; `--cross-only`: these rows alone, no vLLM, written to
+DIR/weight_sync_cross.json): the trainer side of remote.py (`--role trainer`): the publish gathered into rank
+0's own buffer (`remote.RemoteWeights`) and sent in 64 MiB buckets over the 2-member gloo group
+(`link.send_weights`) to a second process standing in for the generator node, which receives straight
+into its packed buffer (`link.receive_weights`), here over loopback. Timed from the publish's start to
+the receiver's `end_write` (one clock: one machine), against the one-node path (the publish into the shared
+buffer) and a memcpy of the same bytes. The generator's load that follows (pause, reload, reset) is the same
+on both paths (the rows above).
 """
 from __future__ import annotations
 
@@ -254,6 +263,137 @@ def measure_size(name: str, shape: tuple, work: str, syncs: int, seed: int, gap_
             "all_sync_ms": sync_ms, "all_copy_ms": pub}
 
 
+def _cross_receiver(port: int, shapes, dtype, versions: int, results) -> None:
+    """The generator node's side of the cross-machine row: receive `versions` publishes into its own buffer."""
+    from datetime import timedelta
+
+    import torch
+    from torch.distributed import TCPStore
+
+    import link
+    from sync import SharedWeights
+
+    torch.set_num_threads(1)
+    store = TCPStore("127.0.0.1", port, 2, False, timedelta(seconds=120))
+    group = link.weight_group(store, 1, torch.device("cpu"), 120)
+    shared = SharedWeights.allocate(shapes, dtype=dtype)
+    for version in range(1, versions + 1):
+        link.receive_weights(group, shared, version)
+        results.put((version, shared.publish_time_ns()))
+
+
+def measure_cross_machine(name: str, shape: tuple, work: str, seed: int, syncs: int) -> dict:
+    """One size's cross-machine row (no engine): memcpy, the one-node publish into shared memory, and the
+    remote publish (gather into rank 0's buffer, then buckets over gloo into another process's buffer)."""
+    import os
+    import socket
+    import tempfile
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+    from torch.distributed import TCPStore
+
+    import link
+    import prepare
+    import remote
+    import sync
+    import train
+
+    hidden, layers, heads = shape
+    path = common.build_model(Path(work) / f"model_{name}", seed=seed, hidden=hidden, layers=layers, heads=heads)
+    cfg = common.default_config(model=path)
+    torch.set_num_threads(cfg.train_threads)
+    init_file = tempfile.mktemp(prefix="asyncgrpo-bench-dist-")
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=0, world_size=1)
+    model = train.build_trainer_model(path, 1)
+    shared = prepare.allocate_shared_weights(path)  # the one-node path
+    nbytes = shared.nbytes
+    med = statistics.median
+
+    dst = torch.empty_like(shared.buffer)
+    dst.copy_(shared.buffer)
+    memcpy = []
+    for _ in range(7):
+        t = time.perf_counter()
+        dst.copy_(shared.buffer)
+        memcpy.append((time.perf_counter() - t) * 1e3)
+    del dst
+    shm = []
+    for version in range(1, syncs + 1):
+        t = time.perf_counter()
+        sync.publish_model(model, shared, version, 0, 1)
+        shm.append((time.perf_counter() - t) * 1e3)
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    receiver = ctx.Process(target=_cross_receiver, args=(port, [(sl.name, sl.shape) for sl in shared.layout],
+                                                           shared.dtype, syncs, results))
+    receiver.start()
+    try:
+        store = TCPStore("127.0.0.1", port, 2, True, timedelta(seconds=120))
+        group = link.weight_group(store, 0, torch.device("cpu"), 120)
+        sends = []
+
+        class Sender:  # what remote.TrainerLink.send_weights does, without the message link
+            def send_weights(self, version, flat):
+                t = time.perf_counter()
+                link.send_weights(group, flat)
+                sends.append((time.perf_counter() - t) * 1e3)
+
+        weights = remote.RemoteWeights(shared.layout, shared.dtype, Sender())
+        starts, cross = [], []
+        for version in range(1, syncs + 1):
+            starts.append(time.time_ns())
+            sync.publish_model(model, weights, version, 0, 1)
+            got, end_ns = results.get(timeout=120)
+            assert got == version
+            cross.append((end_ns - starts[-1]) / 1e6)
+        equal = torch.equal(weights.buffer, shared.buffer)  # the same packed bytes (the last version)
+        receiver.join(timeout=60)
+    finally:
+        receiver.kill()
+        dist.destroy_process_group()
+        if os.path.exists(init_file):
+            os.unlink(init_file)
+    cross, sends, shm = cross[1:], sends[1:], shm[1:]  # the first of each warms up
+    return {"name": name, "params": sum(sl.numel for sl in shared.layout), "bytes": nbytes, "mb": nbytes / 2**20,
+            "memcpy_ms": med(memcpy), "shm_publish_ms": med(shm), "cross_ms": med(cross),
+            "cross_send_ms": med(sends), "cross_copy_ms": med(cross) - med(sends),
+            "cross_over_memcpy": med(cross) / med(memcpy), "cross_over_shm": med(cross) / med(shm),
+            "shm_over_memcpy": med(shm) / med(memcpy), "same_bytes": equal, "samples": len(cross),
+            "all_cross_ms": cross}
+
+
+def cross_table(rows: list[dict]) -> str:
+    return common.table(
+        ["size", "MB", "memcpy ms", "shared memory ms", "gloo loopback ms", "(send part)", "shm / memcpy",
+         "gloo / memcpy", "gloo / shm"],
+        [[r["name"], r["mb"], r["memcpy_ms"], r["shm_publish_ms"], r["cross_ms"], r["cross_send_ms"],
+          r["shm_over_memcpy"], r["cross_over_memcpy"], r["cross_over_shm"]] for r in rows],
+        title="cross-machine path (remote.py, gloo over loopback on this machine) against the one-node publish "
+              "into shared memory and a memcpy of the same bytes:")
+
+
+def plot_cross(data: dict, path: Path) -> None:
+    plt = common.plt()
+    rows = data["cross_machine"]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.27
+    for i, (key, label) in enumerate([("memcpy_ms", "memcpy"), ("shm_publish_ms", "publish into shared memory"),
+                                      ("cross_ms", "publish over gloo (loopback)")]):
+        ax.bar([j + (i - 1) * width for j in range(len(rows))], [r[key] for r in rows], width, label=label)
+    ax.set_xticks(range(len(rows)), [f"{r['name']} ({r['mb']:.0f} MB)" for r in rows])
+    ax.set_yscale("log")
+    ax.set_ylabel("ms (log)")
+    ax.legend(fontsize=8)
+    common.save_figure(fig, path, data, "cross-machine weight sync")
+
+
 def main(argv=None) -> int:
     p = common.parser(__doc__, sizes=SIZES)
     p.add_argument("--syncs", type=int, default=6, help="weight updates per size (the first is left out)")
@@ -262,7 +402,22 @@ def main(argv=None) -> int:
     p.add_argument("--lora-sizes", default="100M", help="sizes that also get a LoRA row (adapter-only sync); "
                                                         "'' for none")
     p.add_argument("--lora-rank", type=int, default=8, help="the LoRA rows' adapter rank (alpha = 2 x rank)")
+    p.add_argument("--cross-sizes", default="10M,100M", help="sizes that also get a cross-machine row (gloo over "
+                                                             "loopback, no engine); '' for none")
+    p.add_argument("--cross-only", action="store_true", help="only the cross-machine rows: DIR/weight_sync_cross.json")
     args = common.parse_args(p, argv, sizes=SIZES)
+    cross_sizes = [s.strip() for s in args.cross_sizes.split(",") if s.strip()]
+    if any(s not in SIZES for s in cross_sizes):
+        p.error(f"--cross-sizes: choose from {', '.join(SIZES)}")
+    if args.cross_only:
+        with common.Bench("weight_sync_cross", args) as bench:
+            cross = [common.in_child(measure_cross_machine, n, SIZES[n], str(bench.work), args.seed, args.syncs + 1,
+                                     timeout_s=600, what=f"cross-machine sync {n}") for n in cross_sizes]
+        path = bench.save({"settings": {"sizes": cross_sizes, "syncs": args.syncs, "dtype": "float32",
+                                        "bucket_bytes": 64 * 2**20}, "cross_machine": cross}, plot_cross)
+        print(cross_table(cross))
+        print(bench.closing_line(path))
+        return 0
     lora_sizes = [s.strip() for s in args.lora_sizes.split(",") if s.strip()]
     if any(s not in SIZES for s in lora_sizes):
         p.error(f"--lora-sizes: choose from {', '.join(SIZES)}")
@@ -281,10 +436,13 @@ def main(argv=None) -> int:
             print(f"[weight_sync] {row['name']}: {row['params'] / 1e6:.2f}M params synced, total {row['sync_ms']:.1f} "
                   f"ms (copy {row['copy_ms']:.1f} + publish->serving {row['publish_to_serving_ms']:.1f}), memcpy "
                   f"{row['memcpy_ms']:.2f} ms, ratio {row['ratio']:.1f} ({row['process_s']:.0f} s)", flush=True)
+        cross = [common.in_child(measure_cross_machine, n, SIZES[n], str(bench.work), args.seed, args.syncs + 1,
+                                 timeout_s=600, what=f"cross-machine sync {n}") for n in cross_sizes]
     data = {"settings": {"sizes": args.sizes, "syncs": args.syncs, "dtype": "float32", "train_ranks": 1,
                          "engine": f"idle for {args.gap_s} s when a version lands", "gap_s": args.gap_s,
-                         "lora_sizes": lora_sizes, "lora_rank": args.lora_rank, "lora_targets": "all-linear"},
-            "rows": rows}
+                         "lora_sizes": lora_sizes, "lora_rank": args.lora_rank, "lora_targets": "all-linear",
+                         "cross_sizes": cross_sizes},
+            "rows": rows, "cross_machine": cross}
     path = bench.save(data, plot)
     print()
     print(common.table(
@@ -311,6 +469,9 @@ def main(argv=None) -> int:
               r["tmpfs_file"]["pause_ms"], r["tmpfs_file"]["load_ms"], r["tmpfs_file"]["reset_resume_ms"]]
              for r in lora_rows],
             title="LoRA: only the adapter crosses; shared memory (the project's path) against a tmpfs file:"))
+    if cross:
+        print()
+        print(cross_table(cross))
     print(bench.closing_line(path))
     return 0
 

@@ -42,15 +42,16 @@ def _gone(proc: psutil.Process) -> bool:
 
 
 class Run:
-    """One `train.py` subprocess; records every descendant it ever had (they are reparented if orphaned)."""
+    """One `train.py` subprocess (`launcher`: arguments before train.py, e.g. torchrun's); records every
+    descendant it ever had (they are reparented if orphaned)."""
 
-    def __init__(self, out: Path, *args: str):
+    def __init__(self, out: Path, *args: str, launcher: tuple = ()):
         self.out = out
         out.parent.mkdir(parents=True, exist_ok=True)
         self.stdout_path, self.stderr_path = Path(f"{out}.stdout"), Path(f"{out}.stderr")
         self.start = time.monotonic()
         with open(self.stdout_path, "w") as so, open(self.stderr_path, "w") as se:
-            self.proc = subprocess.Popen([sys.executable, "train.py", "--out", str(out), *args], cwd=REPO,
+            self.proc = subprocess.Popen([sys.executable, *launcher, "train.py", "--out", str(out), *args], cwd=REPO,
                                          stdout=so, stderr=se, env=dict(os.environ, PYTHONUNBUFFERED="1"))
         self.root = psutil.Process(self.proc.pid)
         self.seen: dict[int, psutil.Process] = {}
@@ -145,8 +146,8 @@ class Run:
 def start_run(tmp_path):
     runs = []
 
-    def start(*args, name="run"):
-        run = Run(tmp_path / name, *args)
+    def start(*args, name="run", launcher=()):
+        run = Run(tmp_path / name, *args, launcher=launcher)
         runs.append(run)
         return run
 
