@@ -1,24 +1,14 @@
 """processes.py — the run's processes: start them, watch them, end them.
 
-Role
-    train.py decides what each child runs; this file owns how the run's processes live and die. Children
-    start from the spawn context. A child that raises sends its traceback to the parent and exits 1; the
-    parent then prints `error: NAME died (...)` with that traceback, kills the rest and returns 1, within
-    seconds: never a hang. A child killed by a SIGKILL the run did not send (the kernel's out-of-memory
-    killer, most likely) gets one more line saying so and naming the flag that lowers its memory. Ctrl-C or SIGTERM ask the run to stop after the current step with a checkpoint
-    (exit 130 or 143); a second Ctrl-C stops at once. The generator runs in its own process group, so
-    killing it also kills what vLLM started (its EngineCore); nothing of the run is left behind.
-
-Data contract
-    - `Control`: the flags and counters every child shares (stop, ready, groups_dropped, loaded_version,
-      interrupted), and the evaluation request and answers (evaluation.py).
-    - `run_children(ctx, children, errors, control)`: `children` maps a name to (function, args,
-      own_process_group); names starting with "trainer" are the ranks whose success ends the run, and
-      "generator" is the one that may be given no grace after a failure. Returns the run's exit code. A
-      generator node (remote.py) runs the generator alone, with an Event that its bridge sets on failure.
-    - Every wait here has a timeout; the errors queue carries (name, traceback) pairs.
-
-May touch: the processes it starts, the signal handlers of the parent while the run lasts. Nothing else.
+Role: children start from the spawn context; one that raises sends its traceback to the parent and exits 1,
+and the parent prints `error: NAME died (...)` with it, kills the rest and returns 1 within seconds (a
+SIGKILL the run did not send gets a line naming the memory flag to lower). Ctrl-C or SIGTERM stop the run
+after the current step with a checkpoint (130 / 143); a second Ctrl-C stops at once. The generator has its
+own process group, so killing it also kills vLLM's EngineCore: nothing is left behind.
+Data contract: `Control`, the flags and counters every child shares; `run_children(ctx, children, errors,
+control)`, children by name -> (function, args, own_process_group) ("trainer*" ranks end the run; a
+generator node, remote.py, runs the generator alone); (name, traceback) pairs on `errors`.
+May touch: the processes it starts, the parent's signal handlers while the run lasts.
 """
 import multiprocessing.connection
 import os
