@@ -52,6 +52,20 @@ import common  # noqa: E402
 SIZES = {"1M": (128, 4, 4), "10M": (256, 10, 4), "100M": (768, 11, 12), "300M": (1024, 18, 16)}
 
 
+
+def memcpy_ms(buffer, repeats: int = 7) -> list[float]:
+    """Milliseconds of copying `buffer` into a fresh tensor of its size, `repeats` times (after one warm copy)."""
+    import torch
+
+    dst = torch.empty_like(buffer)
+    dst.copy_(buffer)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        dst.copy_(buffer)
+        times.append((time.perf_counter() - t) * 1e3)
+    return times
+
 def _profile_load_in_worker():
     """Returns a function to run inside vLLM's worker (through collective_rpc): the steps of
     `WeightSyncWorker.load_shared_weights` (CPU path), timed one by one, and whether any of the engine's
@@ -167,15 +181,7 @@ def measure_size(name: str, shape: tuple, work: str, syncs: int, seed: int, gap_
     params = sum(p.numel() for p in synced)
     nbytes = shared.buffer.numel() * shared.buffer.element_size()
 
-    # memcpy of the same bytes, same process, same threads
-    dst = torch.empty_like(shared.buffer)
-    dst.copy_(shared.buffer)
-    memcpy = []
-    for _ in range(7):
-        t = time.perf_counter()
-        dst.copy_(shared.buffer)
-        memcpy.append((time.perf_counter() - t) * 1e3)
-    del dst
+    memcpy = memcpy_ms(shared.buffer)  # the same bytes, same process, same threads
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
@@ -312,14 +318,7 @@ def measure_cross_machine(name: str, shape: tuple, work: str, seed: int, syncs: 
     nbytes = shared.nbytes
     med = statistics.median
 
-    dst = torch.empty_like(shared.buffer)
-    dst.copy_(shared.buffer)
-    memcpy = []
-    for _ in range(7):
-        t = time.perf_counter()
-        dst.copy_(shared.buffer)
-        memcpy.append((time.perf_counter() - t) * 1e3)
-    del dst
+    memcpy = memcpy_ms(shared.buffer)
     shm = []
     for version in range(1, syncs + 1):
         t = time.perf_counter()
