@@ -1,16 +1,12 @@
 """rollout.py — the generator process: a vLLM `AsyncLLM` engine sampling G completions per prompt.
 
-Role
-    Runs in its own process. Streams prompts (tasks.py) into the engine with continuous batching; each
-    finished group is scored in a worker thread and put on the rollout queue at once. New weights are loaded
-    from the shared buffer (sync.py) between engine steps, with requests kept in flight ("inflight") or
-    after running ones finish ("drain"); held-out evaluations (evaluation.py) run beside training requests.
-Data contract
-    - Reads: the shared weight buffer (its version), the trainer's counters in `Control`.
-    - Writes: `buffer.RolloutGroup`s to the queue, with vLLM's processed log-probs (the behaviour policy) and
-      per token the version of the weights that sampled it; `EvalResult`s to `control.eval_results`.
-    - Staleness gate: a group starts only if the loaded weights are at most `max_lag` versions behind the
-      trainer step that will consume it.
+Role: streams the task's prompts (tasks.py) into the engine with continuous batching; each finished group
+is scored in a worker thread and put on the rollout queue at once. New weights are loaded from the shared
+buffer (sync.py) between engine steps, requests kept in flight ("inflight") or let finish ("drain");
+held-out evaluations (evaluation.py) run beside training requests.
+Data contract: writes `buffer.RolloutGroup`s with vLLM's processed log-probs (the behaviour policy) and, per
+token, the version of the weights that sampled it; a group starts only if the loaded weights are at most
+--max-lag versions behind the trainer step that will consume it. Reads the buffer's version and `Control`.
 May touch: its engine, the queue, the shared buffer (read only), `Control`. Nothing of the trainer.
 """
 from __future__ import annotations
