@@ -78,7 +78,7 @@ def measure(model_path: str, plan: list[dict], rounds: int, seed: int) -> dict:
         from transformers import AutoTokenizer
 
         sampler = Generator(settings, None, None, None)  # only for its sampling_params (they ask its task)
-        task = sampler.task = make_task(settings, AutoTokenizer.from_pretrained(model_path))
+        task = sampler.task = make_task(settings.cfg, AutoTokenizer.from_pretrained(model_path))
         slots = asyncio.Semaphore(pps)  # as many groups in flight as the generator allows
         n_groups = steps * pps
         done, toks = [], []
@@ -134,7 +134,7 @@ def measure(model_path: str, plan: list[dict], rounds: int, seed: int) -> dict:
     try:
         for r in range(rounds):
             for w in plan:
-                settings = dataclasses.replace(base, max_new_tokens=w["max_new_tokens"])
+                settings = dataclasses.replace(base, cfg=dataclasses.replace(base.cfg, max_new_tokens=w["max_new_tokens"]))
                 k = r % len(w["phases"])  # rotate the order from round to round: no phase always runs first
                 for phase in w["phases"][k:] + w["phases"][:k]:
                     if phase == "bare":
@@ -160,7 +160,7 @@ def measure(model_path: str, plan: list[dict], rounds: int, seed: int) -> dict:
             task.cancel()
         loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
         loop.close()
-    return {"runs": runs, "engine_start_s": engine_s, "threads": base.threads}
+    return {"runs": runs, "engine_start_s": engine_s, "threads": base.cfg.gen_threads}
 
 
 def summarize(runs: dict) -> dict:

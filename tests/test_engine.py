@@ -49,7 +49,7 @@ def settings_for(model, **changes):
     """A generator's settings for a test: `changes` name Config fields or GeneratorSettings fields; the Config
     is resolved as a run resolves it (one generator thread)."""
     derived = {f.name for f in dataclasses.fields(GeneratorSettings)}
-    cfg = prepare.resolve(Config(gen_threads=1, **{k: v for k, v in changes.items() if k not in derived}))
+    cfg = prepare.resolve(Config(**{"gen_threads": 1, **{k: v for k, v in changes.items() if k not in derived}}))
     return GeneratorSettings(cfg, model=model, **{k: v for k, v in changes.items() if k in derived})
 
 

@@ -111,7 +111,7 @@ def test_long_prompts_are_dropped_before_training_and_reported_once(ascii_model,
     held_file = write_jsonl(tmp_path / "held.jsonl", rows[:3])
     settings = settings_for(ascii_model, dataset=train_file, reward="math", eval_dataset=held_file,
                             max_prompt_tokens=10)
-    task = tasks.make_task(settings, tokenizer, max_len=1024)
+    task = tasks.make_task(settings.cfg, tokenizer, max_len=1024)
     assert sorted(len(p.prompt_ids) for p in task.prompts) == [3, 5, 7]
     assert sorted(len(p.prompt_ids) for p in task.held_out) == [3, 5]
     assert task.dropped_long == 3 + 1
@@ -119,8 +119,8 @@ def test_long_prompts_are_dropped_before_training_and_reported_once(ascii_model,
     assert err.count("3 of 6 training prompts are longer than 10 tokens") == 1
     assert err.count("1 of 3 held-out prompts") == 1
     # the model's context bounds prompts too (here: 1024 - max_new_tokens - ... = 20 tokens)
-    task = tasks.make_task(settings_for(ascii_model, dataset=train_file, reward="math", max_new_tokens=4),
-                             tokenizer, max_len=24)
+    task = tasks.make_task(settings_for(ascii_model, dataset=train_file, reward="math", max_new_tokens=4).cfg,
+                           tokenizer, max_len=24)
     assert sorted(len(p.prompt_ids) for p in task.prompts) == [3, 5, 7, 12]
     with pytest.raises(SystemExit, match="--max-prompt-tokens must be >= 0"):
         config.parse_args(["--max-prompt-tokens", "-1"])

@@ -13,7 +13,8 @@ import torch
 import checkpoint
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SMALL = ["--prompts-per-step", "4", "--group-size", "4", "--max-lag", "0", "--log-every", "1"]
+SMALL = ["--prompts-per-step", "4", "--group-size", "4", "--max-lag", "0", "--log-every", "1",
+         "--eval-prompts", "16", "--eval-samples", "2"]  # a small evaluation
 
 
 def rows(out):
@@ -55,10 +56,7 @@ def test_sigint_then_two_resumes_survive_rotation_and_continue_like_an_uninterru
 
     steps, kl = 16, ["--kl-coef", "0.05", "--save-every", "2", "--keep-checkpoints", "1"]
     full, cut = str(tmp_path / "full"), str(tmp_path / "cut")
-    proc, log = start(full, "--steps", str(steps), *kl)
-    assert finish(proc, 300) == 0, open(log).read()[-3000:]
-    reference = {r["step"]: r for r in rows(full)}
-
+    full_proc, full_log = start(full, "--steps", str(steps), *kl)  # both at once: --max-lag 0 leaves cores idle
     proc, log = start(cut, "--steps", str(steps), *kl)
     wait_rows(cut, 3, proc)
     os.kill(proc.pid, signal.SIGINT)
@@ -73,6 +71,8 @@ def test_sigint_then_two_resumes_survive_rotation_and_continue_like_an_uninterru
     first_stop = state["step"]
     assert 3 <= first_stop <= steps - 8 and state["version"] == first_stop  # max-lag 0: one version per step
     assert state["base_model"] == os.path.abspath(os.path.join(cut, "init_model"))
+    assert finish(full_proc, 300) == 0, open(full_log).read()[-3000:]
+    reference = {r["step"]: r for r in rows(full)}
 
     # First resume: several saves after the checkpoint it resumed from, which rotation deletes.
     proc, log = start(cut, "--steps", str(first_stop + 5), "--resume", "latest", *kl)
@@ -249,7 +249,7 @@ def _raise():
 
 
 def _idle():
-    time.sleep(120)
+    time.sleep(10)  # outlives the victim (it fails at once); the run then waits for it to end
 
 
 @pytest.mark.parametrize("victim,how,flag", [("trainer0", "sigkill", "--micro-batch-tokens"),
