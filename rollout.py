@@ -276,13 +276,13 @@ class Generator:
             logprobs.append([c.logprobs[i][t].logprob for i, t in enumerate(ids)])
             versions.append(tag_versions(c.weight_versions, len(ids)))
             texts.append(c.text or "")  # "" when the task does not need text (detokenize=False)
-            self.stats["tokens"] += len(ids)
         # Rewards run in worker threads (or the task's process pool), never on this event loop.
         rewards, reward_stats, unscored = await asyncio.get_running_loop().run_in_executor(
             self.reward_threads, self.task.score, prompt, texts, completions, self.loaded_version)
         self.stats["reward_s"] = self.stats.get("reward_s", 0.0) + sum(s["time_s"] for s in reward_stats.values())
         self.stats["unscored"] = self.stats.get("unscored", 0) + unscored
-        self.stats["groups"] += 1
+        self.stats["groups"] += 1  # counted with its tokens once scored (a run stopping mid-score drops it)
+        self.stats["tokens"] += sum(map(len, completions))
         gen_stats = dict(self.stats, sync_ms=self.sync_ms, sync_parts=self.sync_parts,
                          loaded_version=self.loaded_version)
         group = RolloutGroup(group_id, prompt.prompt_ids, completions, logprobs, versions, rewards, prompt.answer,
