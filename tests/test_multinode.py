@@ -170,9 +170,12 @@ def start_nodes(start_run, *trainer_args):
 
 
 def test_two_nodes_train_with_exact_versions_and_the_lag_and_queue_bounds(start_run):
+    """In --update-mode drain (running requests finish on the old weights): test_pipeline's single-node lag test
+    runs inflight."""
     steps, queue_size = 6, 4
     addr, generator, trainer = start_nodes(start_run, "--steps", str(steps), "--max-lag", "1", "--queue-size",
-                                           str(queue_size), "--eval-every", "3", "--eval-samples", "2")
+                                           str(queue_size), "--eval-every", "3", "--eval-samples", "2",
+                                           "--update-mode", "drain")
     assert wait_watching(trainer, generator, 400) == 0, trainer.tail()
     assert generator.wait(60) == 0, generator.tail()
     assert trainer.leftovers(grace_s=10) == [] and generator.leftovers(grace_s=10) == []
@@ -183,6 +186,7 @@ def test_two_nodes_train_with_exact_versions_and_the_lag_and_queue_bounds(start_
     assert [r["step"] for r in rows] == list(range(steps))
     assert [r["version"] for r in rows] == list(range(1, steps + 1))
     assert summary["steps"] == steps and summary["tokens_trained"] == sum(r["tokens"] for r in rows) > 0
+    assert summary["config"]["update_mode"] == "drain" and summary["max_token_lag"] <= 1
     lags = [r["lag_max"] for r in rows]
     assert all(0 <= lag <= 1 for lag in lags) and 1 in lags, lags  # asynchronous, and bounded
     # every token carries its version: the generator served exactly what the trainer sent (the start

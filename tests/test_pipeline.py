@@ -232,15 +232,15 @@ def test_max_lag_0_is_on_policy_and_saves_a_usable_model(start_run):
     assert any(not torch.equal(v, trained[k]) for k, v in initial.state_dict().items()), "weights never changed"
 
 
-@pytest.mark.parametrize("update_mode", ["drain", "inflight"])
-def test_max_lag_1_bounds_staleness(update_mode, start_run):
-    steps = 8
-    verbose = ["--log-level", "info"] if update_mode == "drain" else []  # vLLM's own log comes back on request
+def test_max_lag_1_bounds_staleness(start_run):
+    """--update-mode inflight; the same bound with --update-mode drain is asserted by test_multinode's two-node run
+    (the same generator)."""
+    steps, update_mode = 8, "inflight"
     run = start_run("--steps", str(steps), "--max-lag", "1", "--queue-size", "8", "--update-mode", update_mode,
-                    *SMALL, *verbose)
+                    *SMALL, "--log-level", "info")
     rows, summary = finish_ok(run, steps)
     terminal = run.stdout_path.read_text() + run.stderr_path.read_text()
-    assert ("setting pause state" in terminal) == bool(verbose)
+    assert "setting pause state" in terminal  # vLLM's own log comes back on request (by default: test above)
     assert "Failed to load weights" not in terminal  # expected at every sync: dropped at the source either way
 
     assert summary["config"]["max_lag"] == 1 and summary["config"]["update_mode"] == update_mode
