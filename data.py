@@ -106,7 +106,7 @@ def resolve(task="auto", dataset="", split="train", prompt_column="prompt", answ
 
 
 def spec_of(settings) -> DataSpec | None:
-    """`resolve` for an object with the flags as attributes (train.Config, rollout.GeneratorSettings)."""
+    """`resolve` for an object with the flags as attributes (config.Config)."""
     return resolve(settings.task, settings.dataset, settings.split, settings.prompt_column, settings.answer_column,
                    settings.reward, settings.reward_weights, settings.system_prompt, settings.reward_workers,
                    settings.eval_dataset, settings.eval_split)

@@ -159,7 +159,7 @@ def plan(gen_devices: str, train_devices: str, train_ranks: int = 1, cuda_count:
 
 
 def layout_for(cfg) -> DeviceLayout:
-    """The layout of a train.Config (reads cfg.gen_devices, cfg.train_devices, cfg.train_ranks,
+    """The layout of a config.Config (reads cfg.gen_devices, cfg.train_devices, cfg.train_ranks,
     cfg.gpu_memory_utilization)."""
     return plan(getattr(cfg, "gen_devices", ""), getattr(cfg, "train_devices", ""), cfg.train_ranks,
                 gpu_memory_utilization=getattr(cfg, "gpu_memory_utilization", 0.0))
