@@ -308,7 +308,7 @@ def behaviour_weights(old_logp, behaviour_logp, mask, level="token", mode="trunc
 # ---------------------------------------------------------------------------
 
 
-def token_logprobs(logits, tokens, temperature=1.0, top_k=-1, top_p=1.0):
+def token_logprobs(logits, tokens, temperature=1.0, top_k=-1, top_p=1.0, exact_top_k=None):
     """log p(tokens) under the distribution vLLM samples from.
 
     logits (..., V), tokens (...) long -> (...) float32 log-probs.
@@ -338,17 +338,28 @@ def token_logprobs(logits, tokens, temperature=1.0, top_k=-1, top_p=1.0):
     weight such tokens. vLLM's default logprobs_mode is "raw_logprobs"
     (log_softmax of the unscaled, unfiltered logits): recorded behaviour
     log-probs only match this function with logprobs_mode="processed_logprobs".
-    With triton on GPU vLLM uses a pivot-search kernel (topk_topp_triton.py)
-    which keeps exactly k tokens among top-k ties; the value semantics are
-    otherwise the same.
+    On CUDA (exact_top_k None and CUDA logits, or exact_top_k=True) the kept
+    set is that of vLLM's Triton kernel (topk_topp_triton.py), which vLLM
+    0.32 runs on CUDA whenever triton is there: with logprobs_mode
+    "processed_logprobs" (this project's) FlashInfer's sampler is never used.
+    It keeps exactly k tokens: of those tied at the k-th logit, the lowest
+    vocabulary indices; top-p ties at the boundary likewise (`_cuda_kept_set`
+    has the rules). Where the kernel is not deterministic in the data alone,
+    this differs: its monolithic path (top-k with top-p, or top-p over more
+    than 64 rows) matches top-p boundary ties through a log/exp round trip of
+    the logit within 1e-9, so it usually keeps them all; its pivot searches
+    stop after 18 steps, so logits closer than ~range / 3^18 may split
+    differently. This CUDA rule is checked on CPU tensors against a
+    transcription of the kernel's rule, not on a GPU.
     """
-    x = sampling_logits(logits, temperature, top_k, top_p)
+    x = sampling_logits(logits, temperature, top_k, top_p, exact_top_k)
     return torch.log_softmax(x, dim=-1).gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
 
 
-def sampling_logits(logits, temperature=1.0, top_k=-1, top_p=1.0):
+def sampling_logits(logits, temperature=1.0, top_k=-1, top_p=1.0, exact_top_k=None):
     """The float32 logits (..., V) vLLM samples from: divided by the temperature, -inf outside the
-    top-k/top-p set (the rules are in `token_logprobs`). Differentiable on the kept set."""
+    top-k/top-p set (the rules are in `token_logprobs`; exact_top_k: vLLM's CUDA rule, None: on CUDA
+    logits). Differentiable on the kept set."""
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0 (greedy decoding has no log-probs to train on), got {temperature}")
     if not 0.0 < top_p <= 1.0:
@@ -361,6 +372,10 @@ def sampling_logits(logits, temperature=1.0, top_k=-1, top_p=1.0):
         x = x / torch.tensor([temperature], dtype=torch.float32, device=logits.device)
     if not (use_top_k or use_top_p):
         return x
+    if logits.is_cuda if exact_top_k is None else exact_top_k:
+        with torch.no_grad():
+            keep = _cuda_kept_set(x.detach().reshape(-1, vocab), top_k if use_top_k else 0, top_p)
+        return x.masked_fill(~keep.reshape(x.shape), -float("inf"))
     with torch.no_grad():
         flat = x.detach().reshape(-1, vocab)
         if not use_top_p:  # vLLM apply_top_k_only: no full sort
@@ -380,6 +395,29 @@ def sampling_logits(logits, temperature=1.0, top_k=-1, top_p=1.0):
     return x.masked_fill(~keep, -float("inf"))
 
 
+def _cuda_kept_set(flat, top_k, top_p):
+    """(N, V) bool: the tokens vLLM 0.32's Triton kernel (topk_topp_triton.py) keeps on CUDA, top_k 0: off.
+    Top-k: exactly k, every logit above the k-th and, of those equal to it, the lowest vocabulary indices
+    (the kernel walks the row in index order, keeping ties until k are kept). Top-p, on that set: the
+    smallest top set whose mass reaches top_p, ties at the boundary again by lowest index; a boundary at
+    the k-th logit keeps every token equal to it (the kernel's last pass keeps every logit above its
+    top-p pivot, which then lies below the k-th logit)."""
+    vocab = flat.shape[-1]
+    # a stable descending sort orders ties by index: its first k positions are the kernel's top-k set
+    values, order = flat.sort(dim=-1, descending=True, stable=True)
+    ranked_keep = torch.ones_like(values, dtype=torch.bool)
+    if top_k:
+        ranked_keep[:, top_k:] = False
+    if top_p < 1.0:
+        probs = values.masked_fill(~ranked_keep, -float("inf")).softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs  # of the tokens ranked above
+        ranked_keep &= mass_before < torch.tensor(top_p, dtype=torch.float32, device=flat.device)
+        if top_k:  # the boundary token's value: at the k-th logit, every token equal to it survives
+            boundary = values.gather(-1, (ranked_keep.sum(-1, keepdim=True) - 1).clamp(min=0))
+            ranked_keep |= (boundary == values[:, top_k - 1:top_k]) & (values == boundary)
+    return torch.zeros_like(ranked_keep).scatter_(-1, order, ranked_keep)
+
+
 # ---------------------------------------------------------------------------
 # Log-probs straight from hidden states, a chunk of tokens at a time
 # ---------------------------------------------------------------------------
@@ -390,22 +428,41 @@ def sampling_logits(logits, temperature=1.0, top_k=-1, top_p=1.0):
 LOGIT_CHUNK_ELEMENTS = 2**24
 
 
-def chunked_logprobs(hidden, weight, bias, tokens, temperature=1.0, top_k=-1, top_p=1.0,
-                     chunk_elements=LOGIT_CHUNK_ELEMENTS):
-    """`token_logprobs(hidden @ weight.T + bias, tokens, ...)` and the entropy of the same distribution,
-    without ever holding more than ~`chunk_elements` logits.
+def chunked_logprobs(hidden, weight, bias, tokens, temperature=1.0, top_k=-1, top_p=1.0, hidden_scale=1.0,
+                     logit_scale=1.0, softcap=0.0, chunk_elements=LOGIT_CHUNK_ELEMENTS):
+    """`token_logprobs(head(hidden), tokens, ...)` and the entropy of the same distribution, without ever
+    holding more than ~`chunk_elements` logits. The head is the model family's (heads.HeadTransform):
+        head(h) = logit_scale * softcap * tanh(((hidden_scale * h) @ weight.T + bias) / softcap)
+    (softcap 0: no tanh), computed in float32, then / temperature and top-k/top-p as vLLM samples.
 
     hidden (N, H) final hidden states at the positions to score, weight (V, H) and bias (V,) or None the
     LM head, tokens (N,) long -> (logp (N,) float32 with a gradient to hidden, weight and bias; entropy
     (N,) float32, detached: H = -sum_v p_v log p_v of the sampling distribution, 0 outside its support).
 
-    Tokens are processed in chunks of max(1, chunk_elements // V); the logits are upcast to float32 as
-    vLLM's sampler does. The backward recomputes each chunk's logits (one extra matmul) and applies the
-    gradient of log-softmax in closed form, d logp_t / d x = onehot(t) - p (p: the kept-set softmax,
-    0 elsewhere), times 1/temperature: no chunk's logits outlive its iteration.
+    Tokens are processed in chunks of max(1, chunk_elements // V). The backward recomputes each chunk's
+    logits (one extra matmul) and applies the gradient in closed form: d logp_t / d x = (onehot(t) - p) /
+    temperature (p: the kept-set softmax, 0 elsewhere) through the transform, d x / d z = logit_scale *
+    (1 - tanh^2(z / softcap)) at z = (hidden_scale * h) @ weight.T + bias: no chunk's logits outlive its
+    iteration.
     """
     chunk = max(1, chunk_elements // weight.shape[0])
-    return _ChunkedLogprobs.apply(hidden, weight, bias, tokens, (temperature, top_k, top_p), chunk)
+    return _ChunkedLogprobs.apply(hidden, weight, bias, tokens, (temperature, top_k, top_p),
+                                  (hidden_scale, logit_scale, softcap), chunk)
+
+
+def _head_logits(h, weight, bias, head, slope=False):
+    """float32 logits of a chunk through the family's transform `head` = (hidden_scale, logit_scale,
+    softcap); with slope, also d logits / d z (None where it is the constant logit_scale)."""
+    hidden_scale, logit_scale, softcap = head
+    x = torch.nn.functional.linear(h * hidden_scale if hidden_scale != 1 else h, weight, bias).float()
+    dx_dz = None
+    if softcap:
+        x = x.div_(softcap).tanh_()
+        dx_dz = (1 - x.square()).mul_(logit_scale) if slope else None
+        x.mul_(softcap)
+    if logit_scale != 1:
+        x.mul_(logit_scale)
+    return (x, dx_dz) if slope else x
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
@@ -413,10 +470,10 @@ class _ChunkedLogprobs(torch.autograd.Function):
     nothing inside a Function's forward and backward)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, tokens, sampling, chunk):
+    def forward(ctx, hidden, weight, bias, tokens, sampling, head, chunk):
         logp, entropy, lse = [], [], []
         for h, t in zip(hidden.split(chunk), tokens.split(chunk)):
-            x = sampling_logits(torch.nn.functional.linear(h, weight, bias), *sampling)
+            x = sampling_logits(_head_logits(h, weight, bias, head), *sampling)
             top = x.max(dim=-1, keepdim=True).values
             e = (x - top).exp_()
             total = e.sum(dim=-1, keepdim=True)
@@ -429,7 +486,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         empty = hidden.new_zeros(0, dtype=torch.float32)
         lse = torch.cat(lse) if lse else empty
         ctx.save_for_backward(hidden, weight, bias, tokens, lse)
-        ctx.sampling, ctx.chunk = sampling, chunk
+        ctx.sampling, ctx.head, ctx.chunk = sampling, head, chunk
         entropy = torch.cat(entropy) if entropy else empty
         ctx.mark_non_differentiable(entropy)
         return (torch.cat(logp) if logp else empty), entropy
@@ -441,19 +498,23 @@ class _ChunkedLogprobs(torch.autograd.Function):
         grad_hidden = torch.zeros_like(hidden) if need_hidden else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if need_weight else None
         grad_bias = torch.zeros_like(bias, dtype=torch.float32) if need_bias else None
-        temperature = ctx.sampling[0]
+        temperature, (hidden_scale, logit_scale, _) = ctx.sampling[0], ctx.head
         start = 0
         for h, t, norm, g in zip(hidden.split(ctx.chunk), tokens.split(ctx.chunk), lse.split(ctx.chunk),
                                  grad_logp.split(ctx.chunk)):
-            x = sampling_logits(torch.nn.functional.linear(h, weight, bias), *ctx.sampling)
+            x, dx_dz = _head_logits(h, weight, bias, ctx.head, slope=True)
+            x = sampling_logits(x, *ctx.sampling)
             # d logp / d logits = (onehot(t) - p) / temperature, times the incoming gradient g
             g = (g / temperature)[:, None]
             grad_x = x.sub_(norm[:, None]).exp_().mul_(-g)  # p, in place of the recomputed logits
             grad_x.scatter_add_(-1, t[:, None], g)
+            # through the transform: d logp / d z, z = (hidden_scale * h) @ weight.T + bias
+            if dx_dz is not None or logit_scale != 1:
+                grad_x.mul_(dx_dz if dx_dz is not None else logit_scale)
             if need_hidden:
-                grad_hidden[start:start + len(h)] = grad_x.to(weight.dtype) @ weight
+                grad_hidden[start:start + len(h)] = (grad_x.to(weight.dtype) @ weight) * hidden_scale
             if need_weight:
-                grad_weight.addmm_(grad_x.T, h.float())
+                grad_weight.addmm_(grad_x.T, h.float(), alpha=hidden_scale)
             if need_bias:
                 grad_bias += grad_x.sum(0)
             start += len(h)
@@ -461,7 +522,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
             grad_weight = grad_weight.to(weight.dtype)
         if need_bias:
             grad_bias = grad_bias.to(bias.dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None
 
 
 def entropy_from_logits(logits, temperature=1.0):

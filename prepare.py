@@ -2,8 +2,8 @@
 
 Role: `resolve` turns the validated flags into the run's final, frozen `Config` (--dtype auto, the ranks the
 devices give, the threads, no evaluation without held-out prompts); `prepare_run` finds or builds the
-model, resolves --resume, checks the tokenizer and that vLLM can serve the model, and writes
-OUT/config.json; `generator_settings` is what the generator process starts with.
+model, resolves --resume, checks the tokenizer, the LM head (heads.py) and that vLLM can serve the model,
+and writes OUT/config.json; `generator_settings` is what the generator process starts with.
 Data contract: `Prepared` (the weights to start from, the original model, where a resume continues, the
 device layout) is computed once in the parent and passed to every child.
 May touch: OUT/config.json and OUT/init_model (the tiny default model); reads the checkpoint it resumes.
@@ -20,6 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 import checkpoint
 import data
 import devices
+import heads
 from config import Config
 from rollout import GeneratorSettings, engine_problems
 from sync import SharedWeights, named_shapes_of
@@ -77,6 +78,7 @@ def prepare_run(cfg: Config, engine_here: bool = True) -> Prepared:
     else:
         model_path = base_model = prepare_model(cfg)
     check_tokenizer(model_path)
+    check_head(model_path)
     layout = devices.layout_for(cfg)
     if engine_here:
         check_engine(model_path, cfg, layout)
@@ -114,6 +116,14 @@ def check_tokenizer(model_path) -> None:
         raise SystemExit(f"error: the tokenizer in {model_path} has no eos token the model knows (eos "
                          f"{tokenizer.eos_token!r}, id {eos}, model vocabulary {vocab}): completions could "
                          "never stop; set eos_token in its tokenizer_config.json")
+
+
+def check_head(model_path) -> None:
+    """The trainer scores tokens through the model's LM head as vLLM samples them: a head (a family's transform
+    of the logits) it does not know would train on another distribution, silently. One line, now."""
+    problem = heads.head_problem(AutoConfig.from_pretrained(model_path))
+    if problem:
+        raise SystemExit(f"error: {model_path}: {problem}")
 
 
 def check_engine(model_path, cfg, layout) -> None:

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 import buffer
+import heads
 import lora
 from config import Config
 from losses import behaviour_weights, chunked_logprobs, kl_penalty, overlong_penalty, policy_loss
@@ -59,9 +60,9 @@ class TokenScores:
 def completion_logprobs(model, batch, temperature, top_k=-1, top_p=1.0, untruncated=False) -> TokenScores:
     """Score a (micro-)batch's completion tokens with the generator's sampling distribution.
 
-    The model runs without its LM head; the head is applied to the final hidden states at completion
-    positions only, a chunk of tokens at a time (`losses.chunked_logprobs`), so no (B, T, V) logits exist
-    in the forward or the backward. Works with gradients, or under `torch.no_grad()` for a reference or
+    The model runs without its LM head; the head, with the family's transform of it (heads.py), is applied
+    to the final hidden states at completion positions only, a chunk of tokens at a time
+    (`losses.chunked_logprobs`), so no (B, T, V) logits exist in the forward or the backward. Works with gradients, or under `torch.no_grad()` for a reference or
     proximal policy; `model` is a causal LM or a PEFT wrapper of one, under FSDP2 or plain."""
     # The whole model runs (under FSDP2 only its call gathers the weights), with logits_to_keep=[]: no logits;
     # the decoder's output is caught on the way. FSDP2's root keeps the LM head's weight gathered from its
@@ -81,15 +82,18 @@ def completion_logprobs(model, batch, temperature, top_k=-1, top_p=1.0, untrunca
     if hasattr(weight, "full_tensor"):  # a model whose root reshards after its forward (the KL reference): gather
         weight, bias = weight.full_tensor(), None if bias is None else bias.full_tensor()
 
+    # the family's transform after the head (Granite's scaling, Gemma-2's soft cap, ...), as vLLM applies it
+    head = dataclasses.asdict(heads.head_transform(base.config))
+
     def scored(values):  # (N,) -> (B, T), 0 off the mask
         return values.new_zeros(batch.mask.shape).masked_scatter(batch.mask, values)
 
-    logp, entropy = chunked_logprobs(hidden, weight, bias, targets, temperature, top_k, top_p)
+    logp, entropy = chunked_logprobs(hidden, weight, bias, targets, temperature, top_k, top_p, **head)
     scores = TokenScores(scored(logp), scored(entropy))
     if untruncated:
         truncated = 0 < top_k < weight.shape[0] or top_p < 1
         scores.logp_untruncated = scores.logp if not truncated else scored(
-            chunked_logprobs(hidden, weight, bias, targets, temperature)[0])
+            chunked_logprobs(hidden, weight, bias, targets, temperature, **head)[0])
     return scores
 
 

@@ -1,0 +1,81 @@
+"""heads.py — what each model family does between its final hidden state and the logits vLLM samples from.
+
+Role: the trainer scores tokens with its own chunked LM head (losses.chunked_logprobs), so it must apply the
+family's transform exactly as vLLM 0.32 and transformers do: `head_transform(config)` reads it from a Hugging
+Face config, `head_problem(config)` says in one line why a model's head is not known (prepare.py refuses the
+run before anything starts). The math itself lives in losses.py, as plain numbers.
+Data contract: a `transformers.PretrainedConfig` in, a frozen `HeadTransform` out. Touches nothing.
+
+The table below was read from vLLM 0.32 (model_executor/models/*.py: `LogitsProcessor(scale=..., soft_cap=...)`,
+applied as soft-cap first, then scale) and from each family's `*ForCausalLM.forward` in transformers 5; every
+family in it is checked against transformers' logits by tests/test_heads.py. A family not in it is refused:
+its head may hide a transform (MiniCPM divides the hidden state by hidden_size / dim_model_base, Falcon-H1
+multiplies the logits by lm_head_multiplier, ...) that would make the trainer train on another distribution.
+"""
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class HeadTransform:
+    """logits = logit_scale * softcap * tanh(((hidden_scale * hidden) @ W.T + b) / softcap); then float32,
+    / temperature, top-k/top-p (vLLM's sampler). softcap 0: no soft-capping."""
+    hidden_scale: float = 1.0  # on the final hidden state, before the head
+    logit_scale: float = 1.0  # on the logits, after the soft cap (vLLM's LogitsProcessor `scale`)
+    softcap: float = 0.0  # cap * tanh(x / cap) (Gemma-2/3's final_logit_softcapping)
+
+
+PLAIN = HeadTransform()
+
+# model_type (config.json) -> the architecture vLLM serves it as, and how its head's transform is read
+PLAIN_HEADS = {
+    "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM", "phi3": "Phi3ForCausalLM", "olmo2": "Olmo2ForCausalLM",
+    "gemma": "GemmaForCausalLM",
+}
+TRANSFORMED_HEADS = {
+    # logits / logits_scaling (vLLM: scale = 1 / logits_scaling)
+    "granite": ("GraniteForCausalLM", lambda c: HeadTransform(logit_scale=1.0 / c.logits_scaling)),
+    "granitemoe": ("GraniteMoeForCausalLM", lambda c: HeadTransform(logit_scale=1.0 / c.logits_scaling)),
+    # final_logit_softcapping * tanh(logits / final_logit_softcapping), None: off
+    "gemma2": ("Gemma2ForCausalLM", lambda c: HeadTransform(softcap=c.final_logit_softcapping or 0.0)),
+    "gemma3_text": ("Gemma3ForCausalLM", lambda c: HeadTransform(softcap=c.final_logit_softcapping or 0.0)),
+    # logits * logit_scale
+    "cohere": ("CohereForCausalLM", lambda c: HeadTransform(logit_scale=c.logit_scale)),
+    "cohere2": ("Cohere2ForCausalLM", lambda c: HeadTransform(logit_scale=c.logit_scale)),
+}
+# Attributes vLLM reads on families that do not define them (LlamaForCausalLM, and so Mistral and Phi-3, takes
+# `logit_scale`; its Transformers backend, used for OLMo-2, takes both), which transformers then ignores:
+# a config that sets one is refused, since the two would sample from different distributions.
+STRAY = {"logit_scale": 1.0, "final_logit_softcapping": None, "logits_scaling": 1.0}
+
+
+def head_problem(config) -> str:
+    """Why the trainer cannot score this model's tokens as vLLM samples them ("" when it can)."""
+    model_type = getattr(config, "model_type", None)
+    if model_type in TRANSFORMED_HEADS:
+        transform = TRANSFORMED_HEADS[model_type][1](config)
+        if transform.logit_scale <= 0 or transform.softcap < 0:
+            return f"model type {model_type!r}: a head transform with a non-positive scale or cap ({transform})"
+        if model_type.startswith("granite") and getattr(config, "logit_scale", 1.0) not in (1, 1.0):
+            return f"model type {model_type!r} sets logit_scale, which vLLM applies and transformers does not"
+        return ""
+    if model_type not in PLAIN_HEADS:
+        known = ", ".join(sorted({**PLAIN_HEADS, **TRANSFORMED_HEADS}))
+        return (f"model type {model_type!r} (architectures {getattr(config, 'architectures', None)}): its LM head "
+                f"is not one this trainer knows how to score as vLLM samples (known: {known})")
+    stray = [f"{name}={getattr(config, name)!r}" for name, neutral in STRAY.items()
+             if getattr(config, name, neutral) not in (neutral, None)]
+    if stray:
+        return (f"model type {model_type!r} sets {', '.join(stray)}: vLLM would apply it to the logits and "
+                "transformers would not")
+    return ""
+
+
+def head_transform(config) -> HeadTransform:
+    """The transform of this config's head; ValueError (head_problem's line) for a head not in the table."""
+    problem = head_problem(config)
+    if problem:
+        raise ValueError(problem)
+    entry = TRANSFORMED_HEADS.get(config.model_type)
+    return entry[1](config) if entry else PLAIN

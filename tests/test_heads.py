@@ -1,0 +1,193 @@
+"""The trainer scores tokens with the model family's own distribution (heads.py, update.completion_logprobs).
+
+- For a tiny random model of every family in heads.py's table, `completion_logprobs` (log-probs, untruncated
+  log-probs, entropy) equals `log_softmax(model(...).logits.float() / T)` at the targets, with and without
+  top-k/top-p; the transforms are sharp (Granite logits_scaling 0.25, soft cap 2.0, Cohere logit_scale 4.0,
+  a head whose raw logits spread over ~+-10), and without them the same comparison fails.
+- Gradients through the chunked head equal autograd's through the model's logits, once per transform.
+- A head the code does not know (or a stray transform attribute) is refused in one line before anything starts.
+- One real run per transformed family vLLM's CPU engine serves: the trainer's and vLLM's log-probs agree
+  on-policy after a weight sync.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import transformers
+
+import buffer
+import heads
+import losses
+import update
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VOCAB = 300
+SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+             head_dim=32, max_position_embeddings=64, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+             pad_token_id=0)
+MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+# model_type -> config values; the transformed ones sharp enough that leaving the transform out shows
+FAMILIES = {
+    "llama": {}, "mistral": {}, "qwen2": {}, "qwen3": {}, "phi3": {}, "olmo2": {}, "gemma": {},
+    "qwen2_moe": dict(num_experts=4, shared_expert_intermediate_size=32, **MOE),
+    "qwen3_moe": dict(num_experts=4, **MOE), "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "granite": dict(logits_scaling=0.25), "granitemoe": dict(logits_scaling=0.25, num_local_experts=4,
+                                                             num_experts_per_tok=2),
+    "gemma2": dict(final_logit_softcapping=2.0), "gemma3_text": dict(final_logit_softcapping=2.0),
+    "cohere": dict(logit_scale=4.0), "cohere2": dict(logit_scale=4.0),
+}
+HEAD_GAIN = 40.0  # the random head's logits (std ~0.16) times this: a softcap at 2.0 bites
+SAMPLINGS = {"plain": (1.0, -1, 1.0), "T, top-k, top-p": (0.7, 40, 0.9)}
+
+
+def tiny_model(model_type, vocab=VOCAB, seed=0):
+    config = transformers.AutoConfig.for_model(model_type, vocab_size=vocab, **SHAPE, **FAMILIES[model_type])
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(HEAD_GAIN)
+    return model
+
+
+def tiny_batch(model, vocab=VOCAB, seed=0):
+    """Prompts and completions of different lengths, right-padded: greedy completions (inside every top-k/top-p
+    set), a random one (mostly outside: -inf) and an empty one."""
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for prompt_len, completion_len, greedy in [(3, 6, True), (5, 3, False), (2, 0, True), (4, 5, True)]:
+        ids = torch.randint(3, vocab, (prompt_len + completion_len,), generator=g)
+        for i in range(prompt_len, prompt_len + completion_len) if greedy else ():
+            with torch.no_grad():
+                ids[i] = model(input_ids=ids[None, :i]).logits[0, -1].argmax()
+        ids = ids.tolist()
+        samples.append(buffer.Sample(ids[:prompt_len], ids[prompt_len:], [0.0] * completion_len,
+                                     [0] * completion_len, 0.0, 1.0))
+    return buffer.collate(samples, pad_id=0)
+
+
+def expected_scores(model, batch, temperature, top_k, top_p):
+    """From the model's own logits (B, L-1, V): what the trainer must give, by the generator's rules."""
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1].float()
+    sampled = losses.sampling_logits(logits, temperature, top_k, top_p)
+    logp = torch.log_softmax(sampled, -1).gather(-1, batch.targets[..., None]).squeeze(-1)
+    untruncated = torch.log_softmax(logits / temperature, -1).gather(-1, batch.targets[..., None]).squeeze(-1)
+    entropy = losses.entropy_from_logits(sampled.detach())
+    zero = torch.zeros_like(logp)
+    return [torch.where(batch.mask, t, zero) for t in (logp, untruncated, entropy)]
+
+
+def largest_difference(model, batch, sampling):
+    with torch.no_grad():
+        got = update.completion_logprobs(model, batch, *sampling, untruncated=True)
+        want = expected_scores(model, batch, *sampling)
+    m = batch.mask
+    assert torch.isfinite(got.logp[m]).sum() >= 10  # the greedy rows' tokens, at least
+    # equal where both are -inf (a token outside the top-k/top-p set)
+    return max(float(torch.where(a[m] == b[m], 0.0, a[m] - b[m]).abs().max())
+               for a, b in zip((got.logp, got.logp_untruncated, got.entropy), want))
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_scores_equal_the_models_own_distribution(model_type, monkeypatch):
+    model = tiny_model(model_type)
+    batch = tiny_batch(model)
+    transform = heads.head_transform(model.config)
+    assert (transform != heads.PLAIN) == (model_type in heads.TRANSFORMED_HEADS)
+    for name, sampling in SAMPLINGS.items():
+        assert largest_difference(model, batch, sampling) < 1e-4, name
+    if transform != heads.PLAIN:  # the transform is what makes them equal
+        monkeypatch.setattr(heads, "head_transform", lambda config: heads.PLAIN)
+        assert largest_difference(model, batch, SAMPLINGS["plain"]) > 0.1
+
+
+@pytest.mark.parametrize("model_type,sampling", [("llama", "T, top-k, top-p"), ("granite", "plain"),
+                                                 ("gemma2", "T, top-k, top-p"), ("cohere", "plain")])
+def test_gradients_through_the_head_equal_autograd_through_the_logits(model_type, sampling):
+    model = tiny_model(model_type)
+    batch = tiny_batch(model)
+    weights = torch.randn(batch.mask.shape, generator=torch.Generator().manual_seed(1))
+
+    def gradients(loss):
+        model.zero_grad()
+        loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    logp = update.completion_logprobs(model, batch, *SAMPLINGS[sampling]).logp
+    got = gradients((torch.where(batch.mask & torch.isfinite(logp), logp, 0.0) * weights).sum())
+    reference, _, _ = expected_scores(model, batch, *SAMPLINGS[sampling])
+    want = gradients((torch.where(torch.isfinite(reference), reference, 0.0) * weights).sum())
+    assert got.keys() == want.keys() and "lm_head.weight" in got
+    for name in want:  # float32 rounding, relative to the largest entry (the sharp head's gradients are large)
+        scale = float(want[name].abs().max())
+        assert float((got[name] - want[name]).abs().max()) <= 2e-5 * scale + 1e-7, name
+
+
+def test_the_transform_of_a_chunked_head_in_forward_and_backward():
+    """Every parameter of the transform (the hidden-state scale too, which no family in the table uses),
+    against autograd through the same formula on full logits, across chunks."""
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(7, 8, generator=g, requires_grad=True)
+    weight = (3 * torch.randn(11, 8, generator=g)).requires_grad_()
+    bias = torch.randn(11, generator=g, requires_grad=True)
+    tokens = torch.randint(0, 11, (7,), generator=g)
+    head = dict(hidden_scale=0.5, logit_scale=1.5, softcap=3.0)
+    logp, entropy = losses.chunked_logprobs(hidden, weight, bias, tokens, 0.8, 6, 0.95, **head, chunk_elements=30)
+    logits = 1.5 * 3.0 * torch.tanh((0.5 * hidden @ weight.T + bias) / 3.0)
+    full = losses.token_logprobs(logits, tokens, 0.8, 6, 0.95)
+    torch.testing.assert_close(logp, full)
+    torch.testing.assert_close(entropy, losses.entropy_from_logits(losses.sampling_logits(logits, 0.8, 6, 0.95)))
+    finite = torch.isfinite(full)
+    got = torch.autograd.grad(logp[finite].sum(), (hidden, weight, bias))
+    want = torch.autograd.grad(full[finite].sum(), (hidden, weight, bias))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+
+
+def test_a_head_the_code_does_not_know_is_refused_in_one_line(tmp_path):
+    import tasks
+    import train
+
+    assert "not one this trainer knows" in heads.head_problem(transformers.AutoConfig.for_model("stablelm"))
+    llama = transformers.AutoConfig.for_model("llama", logit_scale=2.0)  # vLLM's Llama scales, HF's does not
+    assert "logit_scale=2.0" in heads.head_problem(llama)
+    with pytest.raises(ValueError, match="not one this trainer knows"):
+        heads.head_transform(transformers.AutoConfig.for_model("falcon_h1"))
+    model = tasks.build_tiny_model(str(tmp_path / "stablelm"))  # its tokenizer, then an unknown family's config
+    transformers.AutoConfig.for_model("stablelm", vocab_size=26, **{k: v for k, v in SHAPE.items()
+                                                                    if k != "head_dim"}).save_pretrained(model)
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as err:
+        train.main(["--model", model, "--out", str(out), "--steps", "1"])
+    message = str(err.value)
+    assert message.startswith("error: ") and "'stablelm'" in message and "\n" not in message
+    assert not out.exists() or not (out / "config.json").exists()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Real runs: vLLM samples, the trainer scores, after a weight sync
+# ----------------------------------------------------------------------------------------------------
+# The transformed families vLLM 0.32's CPU engine serves (each of the table's runs; see README).
+ENGINE_FAMILIES = ["granite", "gemma2", "cohere"]
+
+
+@pytest.mark.parametrize("model_type", ENGINE_FAMILIES)
+def test_trainer_and_vllm_agree_after_a_sync(model_type, tmp_path):
+    import tasks
+
+    model_dir = tasks.build_tiny_model(str(tmp_path / "model"))  # the copy task's tokenizer (26 tokens)
+    tiny_model(model_type, vocab=26).save_pretrained(model_dir)
+    out = str(tmp_path / "run")
+    proc = subprocess.run([sys.executable, "train.py", "--out", out, "--model", model_dir, "--steps", "2",
+                           "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "5", "--max-lag", "0",
+                           "--eval-every", "0", "--dtype", "fp32", "--lr", "1e-3", "--log-every", "1"],
+                          cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl")) if line.strip()]
+    after_sync = [r for r in rows if r["version"] >= 2]  # trained on tokens the once-updated weights sampled
+    assert after_sync and all(r["logprob_diff_on_policy"] is not None for r in after_sync), rows
+    diff = max(r["logprob_diff_on_policy"] for r in after_sync)
+    print(f"{model_type}: on-policy |trainer - vLLM| log-prob after a sync {diff:.2e}")
+    assert diff < 1e-3
