@@ -48,6 +48,9 @@ TRANSFORMED_HEADS = {
 # `logit_scale`; its Transformers backend, used for OLMo-2, takes both), which transformers then ignores:
 # a config that sets one is refused, since the two would sample from different distributions.
 STRAY = {"logit_scale": 1.0, "final_logit_softcapping": None, "logits_scaling": 1.0}
+# vLLM's Cohere (commandr.py) and Gemma-2 always use the input embedding as the LM head: an untied lm_head is
+# dropped (Cohere, silently) or fails the load (Gemma-2), where transformers uses it.
+TIED_ONLY = ("cohere", "cohere2", "gemma2")
 
 
 def head_problem(config) -> str:
@@ -59,6 +62,9 @@ def head_problem(config) -> str:
             return f"model type {model_type!r}: a head transform with a non-positive scale or cap ({transform})"
         if model_type.startswith("granite") and getattr(config, "logit_scale", 1.0) not in (1, 1.0):
             return f"model type {model_type!r} sets logit_scale, which vLLM applies and transformers does not"
+        if model_type in TIED_ONLY and not getattr(config, "tie_word_embeddings", True):
+            return (f"model type {model_type!r} with tie_word_embeddings false: vLLM serves its LM head as the input "
+                    "embedding, transformers as lm_head")
         return ""
     if model_type not in PLAIN_HEADS:
         known = ", ".join(sorted({**PLAIN_HEADS, **TRANSFORMED_HEADS}))

@@ -62,8 +62,8 @@ def completion_logprobs(model, batch, temperature, top_k=-1, top_p=1.0, untrunca
 
     The model runs without its LM head; the head, with the family's transform of it (heads.py), is applied
     to the final hidden states at completion positions only, a chunk of tokens at a time
-    (`losses.chunked_logprobs`), so no (B, T, V) logits exist in the forward or the backward. Works with gradients, or under `torch.no_grad()` for a reference or
-    proximal policy; `model` is a causal LM or a PEFT wrapper of one, under FSDP2 or plain."""
+    (`losses.chunked_logprobs`), so no (B, T, V) logits exist in the forward or the backward. Works with
+    gradients, or under `torch.no_grad()` for a reference or proximal policy; `model` is a causal LM or a PEFT wrapper of one, under FSDP2 or plain."""
     # The whole model runs (under FSDP2 only its call gathers the weights), with logits_to_keep=[]: no logits;
     # the decoder's output is caught on the way. FSDP2's root keeps the LM head's weight gathered from its
     # forward to the end of the backward, so the head can be applied after the call.

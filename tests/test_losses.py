@@ -497,6 +497,70 @@ def test_token_logprobs_gradient_only_through_kept_set():
     assert logits.grad[0].tolist() == pytest.approx([1 - pa, -(1 - pa), 0.0, 0.0], abs=1e-6)
 
 
+def vllm_cuda_kept(row, top_k=0, top_p=1.0):
+    """vLLM 0.32's Triton top-k/top-p kernel (topk_topp_triton.py), read as plain python on one row: the
+    k-th value's ties are kept in index order while the budget k - (tokens above it) lasts; top-p, over
+    that set, takes value groups from the top until their mass reaches p and keeps of the boundary group
+    n - floor((S - p) / m) tokens in index order (S the mass so far, m the group's probability), or all of
+    it when the boundary is the k-th value (its last pass keeps every logit above its pivot)."""
+    V = len(row)
+    keep = [True] * V
+    kth = None
+    if 0 < top_k < V:
+        kth = sorted(row, reverse=True)[top_k - 1]
+        budget, seen = top_k - sum(v > kth for v in row), 0
+        for i, v in enumerate(row):
+            seen += v == kth
+            keep[i] = v > kth or (v == kth and seen <= budget)
+    if top_p < 1:
+        mx = max(v for v, k in zip(row, keep) if k)
+        z = sum(math.exp(v - mx) for v, k in zip(row, keep) if k)
+        mass = 0.0
+        for value in sorted({v for v, k in zip(row, keep) if k}, reverse=True):
+            group = [i for i in range(V) if keep[i] and row[i] == value]
+            m = math.exp(value - mx) / z
+            if mass + len(group) * m >= top_p or value == min(v for v, k in zip(row, keep) if k):
+                break
+            mass += len(group) * m
+        if value == kth:
+            return [v >= kth for v in row]
+        budget = len(group) - math.floor((mass + len(group) * m - top_p) / m)
+        seen, kept = 0, []
+        for i, v in enumerate(row):
+            seen += v == value and keep[i]
+            kept.append(keep[i] and (v > value or (v == value and seen <= budget)))
+        return kept
+    return keep
+
+
+@pytest.mark.parametrize("top_k,top_p", [(k, 1.0) for k in (1, 2, 3, 5, 9)] + [(0, p) for p in (0.3, 0.55, 0.8)]
+                         + [(k, p) for k in (2, 4, 7) for p in (0.35, 0.7, 0.97)])
+def test_the_cuda_rule_keeps_the_kernels_set_with_ties(top_k, top_p):
+    """Logits of few distinct values (ties everywhere), on CPU tensors with exact_top_k=True: the kept set is
+    the kernel's (above), exactly k tokens with top-k alone; the CPU rule keeps every k-th tie instead."""
+    g = torch.Generator().manual_seed(top_k * 100 + int(top_p * 100))
+    logits = torch.randint(0, 4, (40, 10), generator=g).float() * 0.7
+    kept = torch.isfinite(losses.sampling_logits(logits, 1.0, top_k or -1, top_p, exact_top_k=True))
+    for r, row in enumerate(logits.tolist()):
+        assert kept[r].tolist() == vllm_cuda_kept(row, top_k, top_p), (row, top_k, top_p)
+    if top_p == 1.0:
+        assert (kept.sum(-1) == top_k).all()
+        on_cpu = torch.isfinite(losses.sampling_logits(logits, 1.0, top_k, exact_top_k=False))
+        assert (on_cpu.sum(-1) > top_k).any() and (on_cpu >= kept).all()
+
+
+def test_the_cuda_rule_by_hand():
+    logits = torch.tensor([[3.0, 1.0, 1.0, 1.0, 0.0]])
+    cuda = losses.token_logprobs(logits.expand(5, 5), torch.arange(5), top_k=2, exact_top_k=True)
+    z = math.exp(3.0) + math.exp(1.0)  # the top logit and the first of the three tied at the 2nd value
+    assert cuda.tolist() == pytest.approx([3.0 - math.log(z), 1.0 - math.log(z)] + [-math.inf] * 3)
+    cpu = losses.token_logprobs(logits.expand(5, 5), torch.arange(5), top_k=2, exact_top_k=False)
+    assert torch.isfinite(cpu).tolist() == [True] * 4 + [False]  # every tie at the 2nd value
+    # top-p over the exact top-2, reaching its mass at the k-th value: every token equal to it comes back
+    both = losses.sampling_logits(logits, 1.0, 2, 0.99, exact_top_k=True)
+    assert torch.isfinite(both).tolist() == [[True] * 4 + [False]]
+
+
 def test_token_logprobs_errors():
     with pytest.raises(ValueError, match="temperature must be > 0"):
         losses.token_logprobs(torch.zeros(1, 3), torch.zeros(1, dtype=torch.long), temperature=0.0)
