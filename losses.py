@@ -313,44 +313,32 @@ def token_logprobs(logits, tokens, temperature=1.0, top_k=-1, top_p=1.0, exact_t
 
     logits (..., V), tokens (...) long -> (...) float32 log-probs.
 
-    Mirrors vLLM 0.32's sampler (vllm/v1/sample/sampler.py: logits to float32,
-    divided by the temperature, then vllm/v1/sample/ops/topk_topp_sampler.py
-    apply_top_k_top_p_pytorch, the path used on CPU and whenever triton is
-    absent):
-      * top_k is on iff 0 < top_k < V (0 and -1 mean off; vLLM's input batch
-        treats top_k >= V as off too). Kept: every logit >= the k-th largest
-        logit, so ties at the k-th value are all kept (`logits_sort <
+    Mirrors vLLM 0.32's sampler (vllm/v1/sample/sampler.py: logits to float32, divided by the temperature,
+    then vllm/v1/sample/ops/topk_topp_sampler.py apply_top_k_top_p_pytorch, its path on CPU):
+      * top_k is on iff 0 < top_k < V (0 and -1 mean off; vLLM's input batch treats top_k >= V as off too).
+        Kept: every logit >= the k-th largest logit, so ties at the k-th value are all kept (`logits_sort <
         kth_value` is masked), possibly more than k tokens.
-      * top_p is on iff top_p < 1. On the top-k-filtered logits: sort
-        ascending, softmax, cumulative sum; a token is removed iff its
-        cumulative sum (its own mass plus all smaller ones) <= 1 - top_p,
-        computed in float32 exactly as vLLM does; the largest token is always
-        kept. So the kept set is the smallest top set whose mass reaches
-        top_p, including the token that crosses the threshold; if the mass
-        reaches top_p exactly, the next token is dropped. Among tokens tied
-        at the boundary, which survive follows the sort order (we issue the
-        same `sort(descending=False)` call; in practice ties are ordered by
-        vocabulary index, so lower indices are dropped first).
+      * top_p is on iff top_p < 1. On the top-k-filtered logits: sort ascending, softmax, cumulative sum; a
+        token is removed iff its cumulative sum (its own mass plus all smaller ones) <= 1 - top_p, in float32
+        exactly as vLLM does; the largest token is always kept. So the kept set is the smallest top set whose
+        mass reaches top_p, including the token that crosses the threshold; if the mass reaches top_p exactly,
+        the next token is dropped. Among tokens tied at the boundary, which survive follows the sort order
+        (the same `sort(descending=False)` call; in practice by vocabulary index, lower indices dropped first).
       * log_softmax over the kept set (vLLM's "processed_logprobs").
-    Numerically the trainer's logits are not bit-identical to the
-    generator's, so a sampled token near a boundary can fall outside the
-    kept set here: it then gets -inf (no crash); callers should mask or
-    weight such tokens. vLLM's default logprobs_mode is "raw_logprobs"
-    (log_softmax of the unscaled, unfiltered logits): recorded behaviour
-    log-probs only match this function with logprobs_mode="processed_logprobs".
-    On CUDA (exact_top_k None and CUDA logits, or exact_top_k=True) the kept
-    set is that of vLLM's Triton kernel (topk_topp_triton.py), which vLLM
-    0.32 runs on CUDA whenever triton is there: with logprobs_mode
-    "processed_logprobs" (this project's) FlashInfer's sampler is never used.
-    It keeps exactly k tokens: of those tied at the k-th logit, the lowest
-    vocabulary indices; top-p ties at the boundary likewise (`_cuda_kept_set`
-    has the rules). Where the kernel is not deterministic in the data alone,
-    this differs: its monolithic path (top-k with top-p, or top-p over more
-    than 64 rows) matches top-p boundary ties through a log/exp round trip of
-    the logit within 1e-9, so it usually keeps them all; its pivot searches
-    stop after 18 steps, so logits closer than ~range / 3^18 may split
-    differently. This CUDA rule is checked on CPU tensors against a
-    transcription of the kernel's rule, not on a GPU.
+    The trainer's logits are not bit-identical to the generator's, so a sampled token near a boundary can fall
+    outside the kept set here: it then gets -inf (no crash); callers should mask or weight such tokens.
+    vLLM's default logprobs_mode is "raw_logprobs" (log_softmax of the unscaled, unfiltered logits): recorded
+    behaviour log-probs only match this function with logprobs_mode="processed_logprobs".
+
+    On CUDA (exact_top_k None and CUDA logits, or exact_top_k=True) the kept set is that of vLLM's Triton
+    kernel (topk_topp_triton.py), which vLLM 0.32 runs on CUDA whenever triton is there (with this project's
+    "processed_logprobs" FlashInfer's sampler is never used): exactly k tokens, of those tied at the k-th
+    logit the lowest vocabulary indices; top-p boundary ties likewise (`_cuda_kept_set` has the rules). Where
+    the kernel's choice is not deterministic in the data alone this may differ: its monolithic path (top-k
+    with top-p, or top-p over more than 64 rows) matches top-p boundary ties through a log/exp round trip of
+    the logit within 1e-9, so it usually keeps them all; its pivot searches stop after 18 steps, so logits
+    closer than ~range / 3^18 may split otherwise. This CUDA rule is checked on CPU tensors against a reading
+    of the kernel, never yet on a GPU.
     """
     x = sampling_logits(logits, temperature, top_k, top_p, exact_top_k)
     return torch.log_softmax(x, dim=-1).gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
@@ -396,12 +384,11 @@ def sampling_logits(logits, temperature=1.0, top_k=-1, top_p=1.0, exact_top_k=No
 
 
 def _cuda_kept_set(flat, top_k, top_p):
-    """(N, V) bool: the tokens vLLM 0.32's Triton kernel (topk_topp_triton.py) keeps on CUDA, top_k 0: off.
-    Top-k: exactly k, every logit above the k-th and, of those equal to it, the lowest vocabulary indices
-    (the kernel walks the row in index order, keeping ties until k are kept). Top-p, on that set: the
-    smallest top set whose mass reaches top_p, ties at the boundary again by lowest index; a boundary at
-    the k-th logit keeps every token equal to it (the kernel's last pass keeps every logit above its
-    top-p pivot, which then lies below the k-th logit)."""
+    """(N, V) bool: what vLLM 0.32's Triton kernel (topk_topp_triton.py) keeps on CUDA, top_k 0: off. Top-k:
+    exactly k, every logit above the k-th and, of those equal to it, the lowest indices (the kernel walks the
+    row in index order until k are kept). Top-p, on that set: the smallest top set whose mass reaches top_p,
+    boundary ties again by lowest index; a boundary at the k-th logit keeps every token equal to it (the
+    kernel's last pass keeps every logit above its top-p pivot, which then lies below the k-th logit)."""
     vocab = flat.shape[-1]
     # a stable descending sort orders ties by index: its first k positions are the kernel's top-k set
     values, order = flat.sort(dim=-1, descending=True, stable=True)
@@ -439,11 +426,10 @@ def chunked_logprobs(hidden, weight, bias, tokens, temperature=1.0, top_k=-1, to
     LM head, tokens (N,) long -> (logp (N,) float32 with a gradient to hidden, weight and bias; entropy
     (N,) float32, detached: H = -sum_v p_v log p_v of the sampling distribution, 0 outside its support).
 
-    Tokens are processed in chunks of max(1, chunk_elements // V). The backward recomputes each chunk's
-    logits (one extra matmul) and applies the gradient in closed form: d logp_t / d x = (onehot(t) - p) /
-    temperature (p: the kept-set softmax, 0 elsewhere) through the transform, d x / d z = logit_scale *
-    (1 - tanh^2(z / softcap)) at z = (hidden_scale * h) @ weight.T + bias: no chunk's logits outlive its
-    iteration.
+    Tokens go in chunks of max(1, chunk_elements // V). The backward recomputes each chunk's logits (one extra
+    matmul) and applies the gradient in closed form, d logp_t / d x = (onehot(t) - p) / temperature (p: the
+    kept-set softmax) through d x / d z = logit_scale * (1 - tanh^2(z / softcap)), z = (hidden_scale * h) @
+    weight.T + bias: no chunk's logits outlive its iteration.
     """
     chunk = max(1, chunk_elements // weight.shape[0])
     return _ChunkedLogprobs.apply(hidden, weight, bias, tokens, (temperature, top_k, top_p),
