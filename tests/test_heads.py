@@ -174,9 +174,15 @@ def test_a_head_the_code_does_not_know_is_refused_in_one_line(tmp_path):
 # ----------------------------------------------------------------------------------------------------
 # Real runs: vLLM samples, the trainer scores, after a weight sync
 # ----------------------------------------------------------------------------------------------------
-# The transformed families vLLM 0.32's CPU engine serves (each of the table's runs; see README).
-ENGINE_FAMILIES = ["granite", "gemma2", "gemma3_text", "cohere"]
-RUN_HEAD_GAIN = 10.0  # sharp, yet sampling stays random (entropy > 0.3): log-probs of ~0 would agree trivially
+# One run per kind of transform in the suite (~40 s each on 2 idle cores): a logit scale (Granite) and a soft cap
+# (Gemma-2, with attention soft-capping too); Gemma-3 and Cohere pass the same way, run with
+# ASYNCGRPO_ALL_HEAD_RUNS=1 (suite time).
+ALL_HEAD_RUNS = os.environ.get("ASYNCGRPO_ALL_HEAD_RUNS") == "1"
+ENGINE_FAMILIES = ["granite", "gemma2"] + [
+    pytest.param(f, marks=pytest.mark.skipif(not ALL_HEAD_RUNS, reason="suite time: ASYNCGRPO_ALL_HEAD_RUNS=1"))
+    for f in ("gemma3_text", "cohere")]
+# sharp, yet sampling stays random (entropy > 0.3 at a 26-token vocabulary): log-probs of ~0 agree trivially
+RUN_HEAD_GAIN = {"granite": 4.0, "gemma2": 10.0, "gemma3_text": 10.0, "cohere": 1.0}
 
 
 @pytest.mark.parametrize("model_type", ENGINE_FAMILIES)
@@ -184,13 +190,13 @@ def test_trainer_and_vllm_agree_after_a_sync(model_type, tmp_path):
     import tasks
 
     model_dir = tasks.build_tiny_model(str(tmp_path / "model"))  # the copy task's tokenizer (26 tokens)
-    tiny_model(model_type, vocab=26, gain=RUN_HEAD_GAIN).save_pretrained(model_dir)
+    tiny_model(model_type, vocab=26, gain=RUN_HEAD_GAIN[model_type]).save_pretrained(model_dir)
     out = str(tmp_path / "run")
-    # AdamW's decoupled decay shrinks every weight by 5% in the first step whatever the rewards (often all 0
-    # here): the second step's tokens come from weights vLLM holds only through the sync
+    # AdamW's decoupled decay (lr x weight decay) shrinks every weight by 5% in the first step whatever the
+    # rewards (often all 0 here): the second step's tokens come from weights vLLM holds only through the sync
     proc = subprocess.run([sys.executable, "train.py", "--out", out, "--model", model_dir, "--steps", "2",
                            "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "5", "--max-lag", "0",
-                           "--eval-every", "0", "--dtype", "fp32", "--lr", "0.05", "--weight-decay", "1.0"],
+                           "--eval-every", "0", "--dtype", "fp32", "--lr", "1e-3", "--weight-decay", "50"],
                           cwd=REPO, capture_output=True, text=True, timeout=420)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl")) if line.strip()]
