@@ -22,7 +22,7 @@ import data
 import devices
 from config import Config
 from rollout import GeneratorSettings, engine_problems
-from sync import SharedWeights, named_shapes_of
+from sync import SharedWeights, make_layout, named_shapes_of, packed_numel
 from tasks import build_tiny_model
 
 
@@ -78,6 +78,12 @@ def prepare_run(cfg: Config, engine_here: bool = True) -> Prepared:
         model_path = base_model = prepare_model(cfg)
     check_tokenizer(model_path)
     layout = devices.layout_for(cfg)
+    if layout.shared_gpus and not cfg.lora_rank:  # the full weights' buffer lies on vLLM's GPU: leave it room
+        nbytes = packed_numel(make_layout(model_shapes(model_path))) * devices.torch_dtype(cfg.dtype).itemsize
+        try:
+            layout = devices.layout_for(cfg, devices.gpu_fraction(nbytes, layout.buffer_device))
+        except devices.DeviceError as err:
+            raise SystemExit(f"error: {err}") from None
     if engine_here:
         check_engine(model_path, cfg, layout)
     if layout.notice:
@@ -124,11 +130,15 @@ def check_engine(model_path, cfg, layout) -> None:
         raise SystemExit("error: " + "\nerror: ".join(problems))
 
 
+def model_shapes(model_path) -> list[tuple[str, tuple[int, ...]]]:
+    """The model's parameter names and shapes, from its config alone (a skeleton on the meta device)."""
+    with torch.device("meta"):
+        return named_shapes_of(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path)))
+
+
 def allocate_shared_weights(model_path, device="cpu", dtype=devices.MASTER_DTYPE):
     """The packed buffer for the full weights, in the serving dtype (the trainer casts into it on publish)."""
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path), dtype=dtype)
-    return SharedWeights.allocate(named_shapes_of(skeleton), dtype=dtype, device=device)
+    return SharedWeights.allocate(model_shapes(model_path), dtype=dtype, device=device)
 
 
 def generator_settings(cfg: Config, prepared: Prepared, lora_dir: str = "") -> GeneratorSettings:

@@ -152,8 +152,7 @@ class SharedWeights:
     @staticmethod
     def allocate(named_shapes, dtype=torch.float32, device="cpu") -> "SharedWeights":
         layout = make_layout(named_shapes)
-        total = layout[-1].offset + layout[-1].numel if layout else 0
-        buffer = torch.zeros(total, dtype=dtype, device=device)
+        buffer = torch.zeros(packed_numel(layout), dtype=dtype, device=device)
         if buffer.device.type == "cpu":
             buffer.share_memory_()
         header = torch.zeros(3, dtype=torch.int64).share_memory_()
@@ -275,6 +274,11 @@ def _rebuild_shared(buffer_or_handle, header, layout, dtype=torch.float32) -> Sh
 def _synchronize(*devices: torch.device) -> None:
     for device in dict.fromkeys(d for d in devices if d.type == "cuda"):
         torch.cuda.synchronize(device)
+
+
+def packed_numel(layout) -> int:
+    """Elements of the packed buffer of a `make_layout` layout (what a GPU must hold before it is allocated)."""
+    return layout[-1].offset + layout[-1].numel if layout else 0
 
 
 def named_shapes_of(model: torch.nn.Module) -> list[tuple[str, tuple[int, ...]]]:
