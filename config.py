@@ -105,7 +105,7 @@ class Config:
     # LoRA (lora.py): train an adapter on the frozen base model and sync only the adapter
     lora_rank: int = 0  # > 0: LoRA of this rank (0: full fine-tuning)
     lora_alpha: int = 16  # the adapter's scale is alpha / rank
-    lora_dropout: float = 0.0  # dropout on the adapter's input
+    lora_dropout: float = 0.0  # dropout on the adapter's input: 0 (RL scores each token twice; masks would differ)
     lora_targets: str = "all-linear"  # the modules the adapter wraps: all-linear, or names such as q_proj,v_proj
     merge_at_end: bool = False  # with --lora-rank: also write OUT/model, the base model with the adapter merged in
     # checkpoints and faults
@@ -241,8 +241,10 @@ def validate(cfg: Config) -> None:
         problems.append(f"--lora-rank must be in 0..512 (got {cfg.lora_rank})")
     if cfg.lora_rank and cfg.lora_alpha <= 0:
         problems.append(f"--lora-alpha must be > 0 (got {cfg.lora_alpha})")
-    if not 0 <= cfg.lora_dropout < 1:
-        problems.append(f"--lora-dropout must be in [0, 1) (got {cfg.lora_dropout})")
+    if cfg.lora_dropout != 0:  # each pass would draw its own masks: the ratio to the proximal policy is noise
+        problems.append(f"--lora-dropout {cfg.lora_dropout}: RL fine-tuning runs without dropout (each scoring pass "
+                        "draws its own masks, so ratios, importance weights and clips measure the masks, not the "
+                        "policy); use 0")
     if cfg.lora_rank and "lm_head" in cfg.lora_targets.replace(" ", "").split(","):
         problems.append("--lora-targets lm_head: the LM head cannot take an adapter here (the trainer applies "
                         "its weight directly, a chunk of tokens at a time); adapt the other layers")

@@ -247,8 +247,6 @@ def start_rank(cfg: Config, prepared: prepare.Prepared, rank: int, world_size: i
                                 compute_dtype=serving_dtype)
     if cfg.grad_checkpointing:
         checkpoint_layers(model)
-    if cfg.lora_dropout > 0:
-        model.train()  # dropout on the adapter's input (the base models we load have no other dropout active)
     # Build the optimizer before any forward pass (FSDP2 pitfall: see shared notes). Only what trains has state.
     optimizer = torch.optim.AdamW([p for _, p in synced_parameters(model)], lr=cfg.lr, weight_decay=cfg.weight_decay)
     if resume_dir:  # the model came from the checkpoint's (with LoRA: the base; the adapter is loaded)
