@@ -20,6 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 import checkpoint
 import data
 import devices
+import tools
 from config import Config
 from rollout import GeneratorSettings, engine_problems
 from sync import SharedWeights, named_shapes_of
@@ -76,7 +77,7 @@ def prepare_run(cfg: Config, engine_here: bool = True) -> Prepared:
                       groups_dropped=saved.get("groups_dropped", 0))
     else:
         model_path = base_model = prepare_model(cfg)
-    check_tokenizer(model_path)
+    check_tokenizer(model_path, cfg.tools)
     layout = devices.layout_for(cfg)
     if engine_here:
         check_engine(model_path, cfg, layout)
@@ -102,8 +103,9 @@ def prepare_model(cfg) -> str:
     return path
 
 
-def check_tokenizer(model_path) -> None:
-    """The run needs an end-of-sequence token (completions must be able to stop)."""
+def check_tokenizer(model_path, tool_spec: str = "") -> None:
+    """The run needs an end-of-sequence token (completions must be able to stop); --tools a chat template
+    that renders tools."""
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_path)
     except Exception as err:
@@ -114,6 +116,9 @@ def check_tokenizer(model_path) -> None:
         raise SystemExit(f"error: the tokenizer in {model_path} has no eos token the model knows (eos "
                          f"{tokenizer.eos_token!r}, id {eos}, model vocabulary {vocab}): completions could "
                          "never stop; set eos_token in its tokenizer_config.json")
+    problem = tools.tokenizer_problem(tokenizer, model_path) if tool_spec else None
+    if problem:
+        raise SystemExit(f"error: {problem}")
 
 
 def check_engine(model_path, cfg, layout) -> None:
