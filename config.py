@@ -20,6 +20,7 @@ from typing import Optional
 import data
 import devices
 import rewards
+import tools
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,7 @@ class Config:
     max_new_tokens: int = 5  # longest completion, in tokens
     micro_batch_tokens: int = 4096  # each rank's forward/backward takes at most this many padded tokens at once (0: all its rows)
     # data and reward (data.py; the defaults are the built-in copy task)
-    task: str = "auto"  # auto (dataset with --dataset, else copy) | copy | dataset | gsm8k (a preset)
+    task: str = "auto"  # auto (dataset with --dataset, else copy) | copy | dataset | gsm8k (a preset) | rg:NAME (reasoning-gym's dataset NAME, generated)
     dataset: str = ""  # a .jsonl/.json/.parquet file, or a Hugging Face dataset NAME[:CONFIG]
     split: str = "train"  # the split of a Hugging Face dataset
     prompt_column: str = "prompt"  # text, or a list of chat messages (rendered with the chat template)
@@ -54,6 +55,7 @@ class Config:
     system_prompt: str = ""  # added as a system message (chat template) or a prefix (plain text)
     reward_workers: int = 0  # 0: rewards run in a thread of the generator; N: a pool of N processes
     max_prompt_tokens: int = 0  # drop longer prompts before training starts (counted); 0: only the context limits them
+    tools: str = ""  # FILE.py:fn1,fn2 | module:fn1,fn2: functions the model may call (TRL's tools=; a tool-capable chat template)
     # sampling (the trainer scores tokens with the same temperature/top-k/top-p)
     temperature: float = 1.0  # sampling temperature (> 0)
     top_k: int = -1  # keep the k most likely tokens; -1: off
@@ -258,6 +260,7 @@ def validate(cfg: Config) -> None:
         problems.append(f"--model {cfg.model}: no such directory")
     problems += data.check_flags(cfg)  # data flags: files exist, rows complete
     problems += rewards.check(cfg)  # --reward: every function imports
+    problems += tools.check(cfg)  # --tools: every function imports and has a schema
     problems += remote_problems(cfg)
     problems += devices.problems(cfg)  # --gen-devices/--train-devices: parse, GPUs exist, one rank per GPU
     if problems:

@@ -20,6 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 import checkpoint
 import data
 import devices
+import tools
 from config import Config
 from rollout import GeneratorSettings, engine_problems
 from sync import SharedWeights, make_layout, named_shapes_of, packed_numel
@@ -76,7 +77,7 @@ def prepare_run(cfg: Config, engine_here: bool = True) -> Prepared:
                       groups_dropped=saved.get("groups_dropped", 0))
     else:
         model_path = base_model = prepare_model(cfg)
-    check_tokenizer(model_path)
+    check_tokenizer(model_path, cfg.tools)
     layout = devices.layout_for(cfg)
     if layout.shared_gpus and not cfg.lora_rank:  # the full weights' buffer lies on vLLM's GPU: leave it room
         nbytes = packed_numel(make_layout(model_shapes(model_path))) * devices.torch_dtype(cfg.dtype).itemsize
@@ -108,8 +109,9 @@ def prepare_model(cfg) -> str:
     return path
 
 
-def check_tokenizer(model_path) -> None:
-    """The run needs an end-of-sequence token (completions must be able to stop)."""
+def check_tokenizer(model_path, tool_spec: str = "") -> None:
+    """The run needs an end-of-sequence token (completions must be able to stop); --tools a chat template
+    that renders tools."""
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_path)
     except Exception as err:
@@ -120,6 +122,9 @@ def check_tokenizer(model_path) -> None:
         raise SystemExit(f"error: the tokenizer in {model_path} has no eos token the model knows (eos "
                          f"{tokenizer.eos_token!r}, id {eos}, model vocabulary {vocab}): completions could "
                          "never stop; set eos_token in its tokenizer_config.json")
+    problem = tools.tokenizer_problem(tokenizer, model_path) if tool_spec else None
+    if problem:
+        raise SystemExit(f"error: {problem}")
 
 
 def check_engine(model_path, cfg, layout) -> None:
