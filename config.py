@@ -20,6 +20,7 @@ from typing import Optional
 import data
 import devices
 import rewards
+import tools
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,7 @@ class Config:
     max_new_tokens: int = 5  # longest completion, in tokens
     micro_batch_tokens: int = 4096  # each rank's forward/backward takes at most this many padded tokens at once (0: all its rows)
     # data and reward (data.py; the defaults are the built-in copy task)
-    task: str = "auto"  # auto (dataset with --dataset, else copy) | copy | dataset | gsm8k (a preset)
+    task: str = "auto"  # auto (dataset with --dataset, else copy) | copy | dataset | gsm8k (a preset) | rg:NAME (reasoning-gym's dataset NAME, generated)
     dataset: str = ""  # a .jsonl/.json/.parquet file, or a Hugging Face dataset NAME[:CONFIG]
     split: str = "train"  # the split of a Hugging Face dataset
     prompt_column: str = "prompt"  # text, or a list of chat messages (rendered with the chat template)
@@ -54,6 +55,7 @@ class Config:
     system_prompt: str = ""  # added as a system message (chat template) or a prefix (plain text)
     reward_workers: int = 0  # 0: rewards run in a thread of the generator; N: a pool of N processes
     max_prompt_tokens: int = 0  # drop longer prompts before training starts (counted); 0: only the context limits them
+    tools: str = ""  # FILE.py:fn1,fn2 | module:fn1,fn2: functions the model may call (TRL's tools=; a tool-capable chat template)
     # sampling (the trainer scores tokens with the same temperature/top-k/top-p)
     temperature: float = 1.0  # sampling temperature (> 0)
     top_k: int = -1  # keep the k most likely tokens; -1: off
@@ -105,7 +107,7 @@ class Config:
     # LoRA (lora.py): train an adapter on the frozen base model and sync only the adapter
     lora_rank: int = 0  # > 0: LoRA of this rank (0: full fine-tuning)
     lora_alpha: int = 16  # the adapter's scale is alpha / rank
-    lora_dropout: float = 0.0  # dropout on the adapter's input
+    lora_dropout: float = 0.0  # dropout on the adapter's input: 0 (RL scores each token twice; masks would differ)
     lora_targets: str = "all-linear"  # the modules the adapter wraps: all-linear, or names such as q_proj,v_proj
     merge_at_end: bool = False  # with --lora-rank: also write OUT/model, the base model with the adapter merged in
     # checkpoints and faults
@@ -241,8 +243,10 @@ def validate(cfg: Config) -> None:
         problems.append(f"--lora-rank must be in 0..512 (got {cfg.lora_rank})")
     if cfg.lora_rank and cfg.lora_alpha <= 0:
         problems.append(f"--lora-alpha must be > 0 (got {cfg.lora_alpha})")
-    if not 0 <= cfg.lora_dropout < 1:
-        problems.append(f"--lora-dropout must be in [0, 1) (got {cfg.lora_dropout})")
+    if cfg.lora_dropout != 0:  # each pass would draw its own masks: the ratio to the proximal policy is noise
+        problems.append(f"--lora-dropout {cfg.lora_dropout}: RL fine-tuning runs without dropout (each scoring pass "
+                        "draws its own masks, so ratios, importance weights and clips measure the masks, not the "
+                        "policy); use 0")
     if cfg.lora_rank and "lm_head" in cfg.lora_targets.replace(" ", "").split(","):
         problems.append("--lora-targets lm_head: the LM head cannot take an adapter here (the trainer applies "
                         "its weight directly, a chunk of tokens at a time); adapt the other layers")
@@ -256,6 +260,7 @@ def validate(cfg: Config) -> None:
         problems.append(f"--model {cfg.model}: no such directory")
     problems += data.check_flags(cfg)  # data flags: files exist, rows complete
     problems += rewards.check(cfg)  # --reward: every function imports
+    problems += tools.check(cfg)  # --tools: every function imports and has a schema
     problems += remote_problems(cfg)
     problems += devices.problems(cfg)  # --gen-devices/--train-devices: parse, GPUs exist, one rank per GPU
     if problems:

@@ -3,14 +3,17 @@
 Role: from a researcher's files to rows and token ids, with no engine and no trainer in sight (importable
 without vLLM or torch): `load_rows`/`check_rows`/`eval_source` (JSONL, JSON, Parquet, or a Hugging Face
 dataset), `walk` (the order prompts are used in), `encode_prompt` (chat template for message lists,
-`--system-prompt`), the built-in `GSM8K` task, `resolve_model`. Reward functions: rewards.py.
+`--system-prompt`), the built-in `GSM8K` task, reasoning-gym's procedural datasets (`--task rg:NAME`, rows
+generated here: `rg_rows`), `resolve_model`. Reward functions: rewards.py.
 Data contract: a row is a dict; its prompt column holds a string or a list of {"role", "content"}
 messages. `walk(g, n, seed)` gives group id g the row of epoch g // n.
 May touch: the files it is pointed at (and the Hugging Face cache). Nothing of the engine or the trainer.
 """
 from __future__ import annotations
 
+import difflib
 import functools
+import importlib
 import json
 import logging
 import math
@@ -24,13 +27,19 @@ from urllib.parse import urlparse
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-BUILTIN_REWARDS = {"math": "rewards:math_reward"}  # --reward NAME
+BUILTIN_REWARDS = {"math": "rewards:math_reward", "rg": "rewards:reasoning_gym_reward"}  # --reward NAME
 GSM8K_SYSTEM_PROMPT = ("Solve the math problem step by step. "
                        "End with the final answer on its own line, as '#### <number>'.")
 # The GSM8K-style task (`--task gsm8k`): a preset for the dataset task; flags given explicitly win.
 GSM8K = {"dataset": os.path.join(HERE, "data", "gsm8k_sample.jsonl"), "prompt_column": "question",
          "answer_column": "answer", "reward": "math", "system_prompt": GSM8K_SYSTEM_PROMPT}
-TASKS = ("auto", "copy", "dataset", "gsm8k")
+TASKS = ("auto", "copy", "dataset", "gsm8k")  # and rg:NAME
+# `--task rg:NAME`: reasoning-gym's dataset NAME, generated (no download): the training rows from one seed, the
+# held-out rows from another (less any question the training rows hold). reasoning-gym seeds row i with
+# seed + i, so the two seeds lie further apart than a split is long.
+RG = "rg:"
+RG_SIZES = {"train": 1000, "test": 200}
+RG_SEEDS = {"train": 0, "test": 1_000_000}
 LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
 
 
@@ -63,8 +72,8 @@ def split_list(text: str) -> list[str]:
 def resolve(task="auto", dataset="", split="train", prompt_column="prompt", answer_column="answer", reward="",
             reward_weights="", system_prompt="", reward_workers=0, eval_dataset="", eval_split="") -> DataSpec | None:
     """The task's data settings from the flags; None for the built-in copy task. Raises DataError."""
-    if task not in TASKS:
-        raise DataError(f"--task must be one of {', '.join(TASKS)} (got {task!r})")
+    if task not in TASKS and not task.startswith(RG):
+        raise DataError(f"--task must be one of {', '.join(TASKS)} or rg:NAME (got {task!r})")
     if task == "auto":
         task = "dataset" if dataset else "copy"
     if task == "copy":
@@ -77,6 +86,13 @@ def resolve(task="auto", dataset="", split="train", prompt_column="prompt", answ
         prompt_column = GSM8K["prompt_column"] if prompt_column == "prompt" else prompt_column
         reward = reward or GSM8K["reward"]
         system_prompt = system_prompt or GSM8K["system_prompt"]
+    if task.startswith(RG):  # reasoning-gym: its rows, its system prompt (answers in <answer> tags), its scorer
+        if dataset or eval_dataset or eval_split:
+            raise DataError(f"--task {task} generates its own training and held-out rows: --dataset, --eval-dataset "
+                            "and --eval-split do not apply")
+        dataset, prompt_column, answer_column = RG + rg_name(task), "question", "answer"
+        reward = reward or "rg"
+        system_prompt = system_prompt or rg_module("utils").SYSTEM_PROMPTS["default"]
     if not dataset:
         raise DataError("--task dataset needs --dataset (a .jsonl/.json/.parquet file or a Hugging Face "
                         "dataset name)")
@@ -132,6 +148,12 @@ def check_flags(cfg) -> list[str]:
     if spec is None:
         refused = "--stop: the copy task ends its answers with <eos>; stop strings are for dataset tasks"
         return [refused] if cfg.stop else []
+    if is_rg(spec.dataset):  # rows it generates are always complete: only whether the dataset builds
+        try:
+            rg_dataset(spec.dataset, spec.split)
+            return []
+        except DataError as e:
+            return [str(e)]
     problems = []
     sources = [("--dataset", spec.dataset, spec.split)]
     try:
@@ -175,6 +197,8 @@ def eval_source(spec: DataSpec) -> tuple[str, str] | None:
     """(dataset, split) of the held-out prompts; None when there are none. Raises DataError when the split
     asked for does not exist. A file has no splits: it is held out only when given as --eval-dataset."""
     dataset = spec.eval_dataset or spec.dataset
+    if is_rg(dataset):
+        return dataset, "test"
     if is_file(dataset):
         if spec.eval_split and not spec.eval_dataset:
             raise DataError(f"--eval-split {spec.eval_split}: {dataset} is a file, it has no splits; give the "
@@ -218,6 +242,8 @@ def held_out_order(n: int) -> list[int]:
 # ----------------------------------------------------------------------------------------------------
 def load_rows(dataset: str, split: str = "train") -> list[tuple[str, dict]]:
     """[(where, row)]: `where` names the row for error messages ("file.jsonl line 7", "NAME[split] row 7")."""
+    if is_rg(dataset):
+        return rg_rows(dataset, split)
     path = os.path.expanduser(dataset)
     if path.endswith(".parquet"):
         try:
@@ -300,6 +326,52 @@ def load_splits(dataset: str) -> dict:
     if isinstance(loaded, datasets.Dataset):
         return {"train": loaded}
     return dict(loaded)
+
+
+def is_rg(dataset: str) -> bool:
+    return dataset.startswith(RG)
+
+
+def rg_module(name: str = ""):
+    """reasoning_gym (or its submodule `name`), or the one-line DataError saying how to install it."""
+    try:
+        return importlib.import_module("reasoning_gym" + (f".{name}" if name else ""))
+    except ImportError:
+        raise DataError("--task rg:NAME needs reasoning-gym: pip install reasoning-gym") from None
+
+
+def rg_name(task: str) -> str:
+    """NAME of `rg:NAME`, checked against reasoning-gym's registry (DataError naming close or a few valid ones)."""
+    name, known = task[len(RG):], rg_module().factory.DATASETS
+    if name not in known:
+        near = difflib.get_close_matches(name, known, n=3) or ["leg_counting", "basic_arithmetic", "countdown"]
+        raise DataError(f"--task {task}: reasoning-gym has no dataset {name!r} (e.g. {', '.join(near)}; "
+                        f"{len(known)} in all: reasoning_gym.factory.DATASETS)")
+    return name
+
+
+def rg_dataset(dataset: str, split: str):
+    """reasoning-gym's generator for `rg:NAME`'s split (its default configuration), or a DataError."""
+    if split not in RG_SIZES:
+        raise DataError(f"--task {dataset}: the splits are {' and '.join(RG_SIZES)} (got --split {split})")
+    try:
+        return rg_module().create_dataset(rg_name(dataset), seed=RG_SEEDS[split], size=RG_SIZES[split])
+    except DataError:
+        raise
+    except Exception as e:
+        raise DataError(f"--task {dataset}: reasoning-gym cannot build it with its default configuration "
+                        f"({type(e).__name__}: {e})") from None
+
+
+@functools.lru_cache(maxsize=4)
+def rg_rows(dataset: str, split: str) -> list[tuple[str, dict]]:
+    """The rows of `rg:NAME` ({question, answer, metadata}, as reasoning-gym makes them); the held-out split
+    ("test") without the questions of the training one."""
+    entries = list(rg_dataset(dataset, split))
+    if split != "train":
+        seen = {row["question"] for _, row in rg_rows(dataset, "train")}
+        entries = [entry for entry in entries if entry["question"] not in seen]
+    return [(f"{dataset}[{split}] row {i + 1}", entry) for i, entry in enumerate(entries)]
 
 
 def load_failure(error: Exception, offline: bool) -> str:

@@ -8,6 +8,9 @@ Data contract
     - The generator gets CUDA_VISIBLE_DEVICES = its GPUs, then the buffer's GPU if not among them.
     - A GPU both sides use is shared: vLLM gets SHARED_GEN_FRACTION of it, the trainer rank a cap on the rest
       of SHARED_BUDGET, and touches no GPU until vLLM has started (vLLM measures free memory at start).
+    - vLLM starts only if its share of a GPU is free when it starts. The packed weight buffer is there first
+      where it lies on vLLM's GPU (a shared GPU; the generator node's), so the shares leave it room
+      (`buffer_fraction`: its size over the GPU's memory) and RESERVED_FRACTION for CUDA contexts.
     - `--dtype auto` resolves here: bf16 on GPUs, CPU_DEFAULT_DTYPE on the CPU. Errors: `DeviceError`.
 May touch: nothing (reads the CUDA device count and the environment). Used by train.py and tests.
 """
@@ -23,6 +26,8 @@ SHARED_BUDGET = 0.85  # vLLM's share + the trainer rank's cap on a shared GPU; 0
 MIN_SHARED_TRAIN_FRACTION = 0.2  # the least a trainer rank gets on a shared GPU, whatever --gpu-memory-utilization
 SHARED_TRAIN_FRACTION = round(SHARED_BUDGET - SHARED_GEN_FRACTION, 4)  # the trainer rank's cap there, by default (0.55)
 DEDICATED_GEN_FRACTION = 0.9  # vLLM's default, on a GPU of its own
+RESERVED_FRACTION = 0.05  # of a GPU holding the weight buffer and vLLM: CUDA contexts, allocator slack
+MIN_GEN_FRACTION = 0.1  # the least share vLLM is given where the weight buffer shares its GPU
 # --dtype auto: bf16 where the hardware runs it fast (GPUs); on CPU what measured faster here (bench/README.md:
 # bench/dtype.py on the 2-core AMD EPYC with avx512_bf16)
 GPU_DEFAULT_DTYPE = "bf16"
@@ -108,12 +113,13 @@ def visible_tokens(count: int, env: str | None) -> list[str]:
 
 
 def plan(gen_devices: str, train_devices: str, train_ranks: int = 1, cuda_count: int | None = None,
-         visible_env: str | None = None, gpu_memory_utilization: float = 0.0) -> DeviceLayout:
+         visible_env: str | None = None, gpu_memory_utilization: float = 0.0,
+         buffer_fraction: float = 0.0) -> DeviceLayout:
     """Decide the layout. `cuda_count` None: ask torch (only when a GPU is asked for).
     `visible_env`: the launcher's CUDA_VISIBLE_DEVICES (None: read it from the environment).
     `gpu_memory_utilization`: vLLM's share of each of its GPUs (0: DEDICATED_GEN_FRACTION, or on a GPU shared
     with a trainer rank SHARED_GEN_FRACTION); on a shared GPU the trainer rank is capped at the rest of
-    SHARED_BUDGET."""
+    SHARED_BUDGET, which leaves the weight buffer (`buffer_fraction` of that GPU) room too."""
     if not 0 <= gpu_memory_utilization < 1:
         raise DeviceError(f"--gpu-memory-utilization must be in (0, 1), or 0 for the default "
                           f"(got {gpu_memory_utilization})")
@@ -145,12 +151,15 @@ def plan(gen_devices: str, train_devices: str, train_ranks: int = 1, cuda_count:
     gen_fraction = gpu_memory_utilization or (SHARED_GEN_FRACTION if shared else DEDICATED_GEN_FRACTION)
     train_fraction = None
     if shared:  # both sides on one GPU: vLLM gets its share, the trainer rank the rest of the budget
-        train_fraction = round(SHARED_BUDGET - gen_fraction, 4)
+        budget = round(min(SHARED_BUDGET, 1 - RESERVED_FRACTION - buffer_fraction), 4)  # the buffer is on train[0]
+        train_fraction = round(budget - gen_fraction, 4)
         if train_fraction < MIN_SHARED_TRAIN_FRACTION:
             raise DeviceError(
-                f"--gpu-memory-utilization {gen_fraction} on GPU {shared[0]}, which a trainer rank shares, leaves "
-                f"the trainer {train_fraction:.0%} of it: give at most {SHARED_BUDGET - MIN_SHARED_TRAIN_FRACTION:.2f} "
-                f"there (0: {SHARED_GEN_FRACTION})")
+                f"--gpu-memory-utilization {gen_fraction} on GPU {shared[0]}, which a trainer rank shares"
+                + (f" with the weight buffer ({buffer_fraction:.0%} of it)" if buffer_fraction else "")
+                + f", leaves the trainer {train_fraction:.0%} of it: give at most "
+                f"{budget - MIN_SHARED_TRAIN_FRACTION:.2f} there (0: {SHARED_GEN_FRACTION}), or give the trainer "
+                "a GPU of its own")
     return DeviceLayout(
         "cuda", world_size=len(train), gen_devices=gen, train_devices=train, shared_gpus=shared,
         backend=GPU_BACKEND, buffer_device=f"cuda:{buffer_gpu}",
@@ -158,11 +167,30 @@ def plan(gen_devices: str, train_devices: str, train_ranks: int = 1, cuda_count:
         gpu_memory_utilization=gen_fraction, train_memory_fraction=train_fraction)
 
 
-def layout_for(cfg) -> DeviceLayout:
+def generator_share_beside_buffer(requested: float, buffer_fraction: float) -> float:
+    """vLLM's share of a GPU of its own that also holds the packed weight buffer (the generator node's GPU):
+    `requested` (0: DEDICATED_GEN_FRACTION, lowered to fit) at most 1 - buffer - RESERVED_FRACTION, since vLLM
+    refuses to start unless its share is free. A requested share that does not fit is refused."""
+    room = round(1 - RESERVED_FRACTION - buffer_fraction, 4)
+    if room < MIN_GEN_FRACTION:
+        raise DeviceError(f"the weight buffer takes {buffer_fraction:.0%} of the generator's GPU: too little is left "
+                          "for vLLM (use --dtype bf16, or a GPU with more memory)")
+    if requested > room:
+        raise DeviceError(f"--gpu-memory-utilization {requested} does not fit beside the weight buffer "
+                          f"({buffer_fraction:.0%} of the GPU): give at most {room} (0: the most that fits)")
+    return requested or min(DEDICATED_GEN_FRACTION, room)
+
+
+def layout_for(cfg, buffer_fraction: float = 0.0) -> DeviceLayout:
     """The layout of a config.Config (reads cfg.gen_devices, cfg.train_devices, cfg.train_ranks,
-    cfg.gpu_memory_utilization)."""
+    cfg.gpu_memory_utilization); `buffer_fraction`: the packed weight buffer over its GPU's memory."""
     return plan(getattr(cfg, "gen_devices", ""), getattr(cfg, "train_devices", ""), cfg.train_ranks,
-                gpu_memory_utilization=getattr(cfg, "gpu_memory_utilization", 0.0))
+                gpu_memory_utilization=getattr(cfg, "gpu_memory_utilization", 0.0), buffer_fraction=buffer_fraction)
+
+
+def gpu_fraction(nbytes: int, device: str) -> float:
+    """`nbytes` over the total memory of GPU `device` ("cuda:N")."""
+    return nbytes / torch.cuda.get_device_properties(torch.device(device)).total_memory
 
 
 def resolve_dtype(choice: str, layout: DeviceLayout) -> str:

@@ -3,9 +3,11 @@
 Role: `Link`, one ZMQ DEALER socket a side (pyzmq: vLLM's own dependency), owned by one thread that sends,
 receives and heartbeats; `weight_group`, a 2-member torch.distributed group (gloo on CPU, NCCL on GPUs) on
 a TCPStore; `send_weights` / `receive_weights` move a packed buffer in buckets over it.
-Data contract: messages are pickled tuples (kind, *args) — keep the port inside the cluster; a dropped
-connection not back within RECONNECT_S, silence over `silence_limit(--timeout-s)`, or an `error` message
-ends the link (`failed` set, `on_fail(why)` called once). Sends never block.
+Data contract: messages are pickled tuples (seq, kind, *args) — keep the port inside the cluster. Each is
+delivered once or the link ends: ZMQ drops what was queued for a connection that broke, so every message
+(heartbeats too) carries its number and a gap ends the link. A dropped connection not back within
+RECONNECT_S, silence over `silence_limit(--timeout-s)`, or an `error` message also end it (`failed` set,
+`on_fail(why)` called once). Sends never block.
 May touch: its socket, its thread, the group it builds, the buffers it is handed.
 """
 from __future__ import annotations
@@ -37,7 +39,7 @@ def silence_limit(timeout_s: float) -> float:
 # ----------------------------------------------------------------------------------------------------
 # The link: one ZMQ socket, one thread. Messages are tuples (kind, *args):
 #   trainer -> generator node: hello(settings, layout, ...), credit(n), control(stop, interrupted,
-#       groups_dropped, eval_request), weights(version, nbytes: the bytes follow on the weight group), bye
+#       groups_dropped, steps_skipped, eval_request), weights(version, nbytes: the bytes follow on the weight group), bye
 #   generator node -> trainer: welcome(store_port), group(RolloutGroup), state(ready, loaded_version),
 #       eval(EvalResult), bye
 #   both ways: ping (a heartbeat), error(text: why this side ends; the other side ends too)
@@ -87,6 +89,7 @@ class Link:
         monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         last_heard = last_sent = time.monotonic()
         pending, closing_since, lost_since = None, None, None
+        sent_seq, heard_seq = 0, 0  # numbers of the last message sent and received (the first is 1)
         try:
             while True:
                 if self.closed.is_set() and closing_since is None:
@@ -98,27 +101,35 @@ class Link:
                 while True:  # never block: with no peer connected (yet, or any more) a message waits here
                     if pending is None:
                         try:
-                            pending = self.out.get_nowait()
+                            pending = (sent_seq + 1, *self.out.get_nowait())
                         except queue.Empty:
                             break
                     try:
                         sock.send_pyobj(pending, zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    pending, last_sent = None, time.monotonic()
+                    pending, last_sent, sent_seq = None, time.monotonic(), pending[0]
                 if closing_since is not None and (pending is None or time.monotonic() - closing_since > 2):
                     return
                 if time.monotonic() - last_sent > HEARTBEAT_S:
                     try:
-                        sock.send_pyobj(("ping",), zmq.NOBLOCK)
-                        last_sent = time.monotonic()
+                        sock.send_pyobj((sent_seq + 1, "ping"), zmq.NOBLOCK)
+                        last_sent, sent_seq = time.monotonic(), sent_seq + 1
                     except zmq.Again:
                         pass
                 if sock.poll(POLL_MS):
                     while sock.poll(0):
-                        kind, *args = sock.recv_pyobj()
+                        seq, kind, *args = sock.recv_pyobj()
                         last_heard = time.monotonic()
                         self.heard.set()
+                        if seq != heard_seq + 1:  # nothing after a gap is trusted: a group, credit or header is gone
+                            self.fail(f"lost {seq - heard_seq - 1} message(s) across a reconnect (message {seq} "
+                                      f"came after {heard_seq}): the run cannot continue consistently")
+                            heard_seq = -1  # every later message is a gap too
+                        elif heard_seq >= 0:
+                            heard_seq = seq
+                        if heard_seq < 0:
+                            continue
                         if kind == "error":
                             self.fail(args[0])
                         elif kind != "ping":

@@ -21,9 +21,10 @@ import checkpoint
 import data
 import devices
 import heads
+import tools
 from config import Config
 from rollout import GeneratorSettings, engine_problems
-from sync import SharedWeights, named_shapes_of
+from sync import SharedWeights, make_layout, named_shapes_of, packed_numel
 from tasks import build_tiny_model
 
 
@@ -77,9 +78,15 @@ def prepare_run(cfg: Config, engine_here: bool = True) -> Prepared:
                       groups_dropped=saved.get("groups_dropped", 0))
     else:
         model_path = base_model = prepare_model(cfg)
-    check_tokenizer(model_path)
+    check_tokenizer(model_path, cfg.tools)
     check_head(model_path)
     layout = devices.layout_for(cfg)
+    if layout.shared_gpus and not cfg.lora_rank:  # the full weights' buffer lies on vLLM's GPU: leave it room
+        nbytes = packed_numel(make_layout(model_shapes(model_path))) * devices.torch_dtype(cfg.dtype).itemsize
+        try:
+            layout = devices.layout_for(cfg, devices.gpu_fraction(nbytes, layout.buffer_device))
+        except devices.DeviceError as err:
+            raise SystemExit(f"error: {err}") from None
     if engine_here:
         check_engine(model_path, cfg, layout)
     if layout.notice:
@@ -104,8 +111,9 @@ def prepare_model(cfg) -> str:
     return path
 
 
-def check_tokenizer(model_path) -> None:
-    """The run needs an end-of-sequence token (completions must be able to stop)."""
+def check_tokenizer(model_path, tool_spec: str = "") -> None:
+    """The run needs an end-of-sequence token (completions must be able to stop); --tools a chat template
+    that renders tools."""
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_path)
     except Exception as err:
@@ -116,6 +124,9 @@ def check_tokenizer(model_path) -> None:
         raise SystemExit(f"error: the tokenizer in {model_path} has no eos token the model knows (eos "
                          f"{tokenizer.eos_token!r}, id {eos}, model vocabulary {vocab}): completions could "
                          "never stop; set eos_token in its tokenizer_config.json")
+    problem = tools.tokenizer_problem(tokenizer, model_path) if tool_spec else None
+    if problem:
+        raise SystemExit(f"error: {problem}")
 
 
 def check_head(model_path) -> None:
@@ -134,11 +145,15 @@ def check_engine(model_path, cfg, layout) -> None:
         raise SystemExit("error: " + "\nerror: ".join(problems))
 
 
+def model_shapes(model_path) -> list[tuple[str, tuple[int, ...]]]:
+    """The model's parameter names and shapes, from its config alone (a skeleton on the meta device)."""
+    with torch.device("meta"):
+        return named_shapes_of(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path)))
+
+
 def allocate_shared_weights(model_path, device="cpu", dtype=devices.MASTER_DTYPE):
     """The packed buffer for the full weights, in the serving dtype (the trainer casts into it on publish)."""
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path), dtype=dtype)
-    return SharedWeights.allocate(named_shapes_of(skeleton), dtype=dtype, device=device)
+    return SharedWeights.allocate(model_shapes(model_path), dtype=dtype, device=device)
 
 
 def generator_settings(cfg: Config, prepared: Prepared, lora_dir: str = "") -> GeneratorSettings:

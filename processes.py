@@ -25,6 +25,7 @@ class Control:
     stop: object  # Event: everyone winds down
     ready: object  # Event: the generator's engine is up
     groups_dropped: object  # Value: groups the trainer rejected entirely (the generator replaces them)
+    steps_skipped: object  # Value: steps that made no new version (every update NaN/inf): version = step - this
     loaded_version: object  # Value: the version the generator serves now
     interrupted: object  # Event: a signal asked the run to stop (the trainer checkpoints)
     eval_request: object  # Array [step, version]: the newest evaluation the trainer asked for (step -1: none)
@@ -32,8 +33,9 @@ class Control:
 
 
 def make_control(ctx) -> Control:
-    return Control(ctx.Event(), ctx.Event(), ctx.Value("q", 0), ctx.Value("q", 0), ctx.Event(),
-                   ctx.Array("q", [-1, 0]), ctx.Queue())
+    return Control(stop=ctx.Event(), ready=ctx.Event(), groups_dropped=ctx.Value("q", 0),
+                   steps_skipped=ctx.Value("q", 0), loaded_version=ctx.Value("q", 0), interrupted=ctx.Event(),
+                   eval_request=ctx.Array("q", [-1, 0]), eval_results=ctx.Queue())
 
 
 def child_entry(name, fn, args, errors, own_process_group):

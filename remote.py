@@ -34,7 +34,7 @@ import train
 from config import split_addr
 from link import Link, receive_weights, send_weights, silence_limit, weight_group
 from rollout import engine_problems
-from sync import SharedWeights
+from sync import SharedWeights, make_layout, packed_numel
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -63,8 +63,9 @@ class Pair(list):
 
 def thread_control():
     """A processes.Control built from threading primitives (what trainer_main reads on a torchrun rank)."""
-    return processes.Control(threading.Event(), threading.Event(), Counter(), Counter(), threading.Event(), Pair([-1, 0]),
-                   queue.Queue())
+    return processes.Control(stop=threading.Event(), ready=threading.Event(), groups_dropped=Counter(),
+                             steps_skipped=Counter(), loaded_version=Counter(), interrupted=threading.Event(),
+                             eval_request=Pair([-1, 0]), eval_results=queue.Queue())
 
 
 class RemoteWeights:
@@ -135,7 +136,7 @@ class TrainerLink:
         with c.eval_request.get_lock():
             request = tuple(c.eval_request)
         state = dict(stop=c.stop.is_set(), interrupted=c.interrupted.is_set(), groups_dropped=c.groups_dropped.value,
-                     eval_request=request)
+                     steps_skipped=c.steps_skipped.value, eval_request=request)
         if state != self.sent_state:
             self.link.send("control", state)
             self.sent_state = state
@@ -158,6 +159,7 @@ class TrainerLink:
         self.link.send("hello", dict(settings=settings, shapes=shapes, dtype=str(dtype).removeprefix("torch."),
                                      hub_id=hub_id,
                                      groups_dropped=self.control.groups_dropped.value,
+                                     steps_skipped=self.control.steps_skipped.value,
                                      credits=self.cfg.queue_size - 1, timeout_s=self.cfg.timeout_s))
         deadline = time.monotonic() + self.cfg.timeout_s
         while not self.link.failed.is_set():
@@ -238,6 +240,7 @@ def run_trainer(cfg) -> int:
             settings = prepare.generator_settings(cfg, dataclasses.replace(prepared, model_path=prepared.base_model))
             settings = dataclasses.replace(settings, load_first=True)
             control.groups_dropped.value = prepared.groups_dropped
+            control.steps_skipped.value = prepared.start_step - prepared.start_version
             ok = trainer_link.handshake(settings, [(s.name, s.shape) for s in shared.layout], shared.dtype, device)
             box = [(prepared, cfg, shared.layout) if ok else None]
         except BaseException:
@@ -295,6 +298,7 @@ class GeneratorBridge:
             c, state = self.control, args[0]
             with c.groups_dropped.get_lock():
                 c.groups_dropped.value = state["groups_dropped"]
+            c.steps_skipped.value = state["steps_skipped"]
             with c.eval_request.get_lock():
                 c.eval_request[0], c.eval_request[1] = state["eval_request"]
             if state["interrupted"]:
@@ -347,14 +351,16 @@ class GeneratorBridge:
                 return
 
 
-def generator_placement(cfg) -> tuple[dict, str]:
-    """This node's own GeneratorSettings placement fields and the packed buffer's device."""
+def generator_placement(cfg, buffer_nbytes: int) -> tuple[dict, str]:
+    """This node's own GeneratorSettings placement fields and the packed buffer's device. The buffer is on
+    vLLM's first GPU, allocated before vLLM starts: vLLM's share leaves it room (devices.DeviceError if none)."""
     gen = devices.parse_devices(cfg.gen_devices, "--gen-devices")
     if gen and devices.cuda_device_count():
         names = devices.visible_tokens(devices.cuda_device_count(), os.environ.get("CUDA_VISIBLE_DEVICES"))
+        share = devices.generator_share_beside_buffer(
+            cfg.gpu_memory_utilization, devices.gpu_fraction(buffer_nbytes, f"cuda:{gen[0]}"))
         return dict(device="cuda", cuda_visible_devices=",".join(names[d] for d in gen),
-                    gpu_memory_utilization=cfg.gpu_memory_utilization or devices.DEDICATED_GEN_FRACTION,
-                    tensor_parallel_size=len(gen)), f"cuda:{gen[0]}"
+                    gpu_memory_utilization=share, tensor_parallel_size=len(gen)), f"cuda:{gen[0]}"
     return dict(device="cpu", cuda_visible_devices="", tensor_parallel_size=1), "cpu"
 
 
@@ -377,12 +383,16 @@ def run_generator(cfg) -> int:
                       "(--timeout-s)", file=sys.stderr, flush=True)
                 bridge.link.close()
                 return 1
-    placement, buffer_device = generator_placement(cfg)
+    problem = ""
+    buffer_nbytes = packed_numel(make_layout(hello["shapes"])) * getattr(torch, hello["dtype"]).itemsize
+    try:
+        placement, buffer_device = generator_placement(cfg, buffer_nbytes)
+    except devices.DeviceError as err:  # refused below, in one line
+        (placement, buffer_device), problem = generator_placement(dataclasses.replace(cfg, gen_devices=""), 0), str(err)
     settings = hello["settings"]  # the trainer's config; this node's own devices and threads
     threads = cfg.gen_threads or max(1, len(os.sched_getaffinity(0)))
     settings = dataclasses.replace(settings, cfg=dataclasses.replace(settings.cfg, gen_threads=threads), **placement)
-    problem = ""
-    if not os.path.isdir(settings.model) and hello["hub_id"]:  # the trainer's copy is in its own hub cache
+    if not problem and not os.path.isdir(settings.model) and hello["hub_id"]:  # the trainer's copy: its hub cache
         try:
             settings = dataclasses.replace(settings, model=data.resolve_model(hello["hub_id"]))
         except data.DataError as err:
@@ -404,6 +414,7 @@ def run_generator(cfg) -> int:
     errors = ctx.Queue()
     control = processes.make_control(ctx)
     control.groups_dropped.value = hello["groups_dropped"]
+    control.steps_skipped.value = hello["steps_skipped"]
     bridge.credits = hello["credits"]
     _, port = split_addr(cfg.generator_addr)
     store = TCPStore("0.0.0.0", port + 1, 2, True, timedelta(seconds=hello["timeout_s"]), wait_for_workers=False)

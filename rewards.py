@@ -2,7 +2,8 @@
 
 Role: `load_reward` (`module:function`, `path/file.py:function` or a built-in name such as `math`),
 `Scorer` (every --reward function on a group's completions, in a thread or a process pool; weighted sum),
-`math_reward` (the final number against the answer), `summarize` (per-function counters for metrics).
+`math_reward` (the final number against the answer), `reasoning_gym_reward` (reasoning-gym's own scorer, for
+`--task rg:NAME`), `summarize` (per-function counters for metrics).
 Data contract: functions are called as TRL's GRPOTrainer calls them, `f(prompts=, completions=,
 completion_ids=, trainer_state=, **columns)` (the answer column also as `answer`), and return one
 float | None each. None, NaN or a raise leave the function out of that sample's weighted sum, counted; a
@@ -11,6 +12,7 @@ May touch: the modules it is pointed at. Importable without vLLM or torch.
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -44,17 +46,14 @@ def check(cfg) -> list[str]:
     return problems
 
 
-def load_reward(spec: str):
-    """`module:function`, `path/to/file.py:function` or a built-in name -> the function. Raises DataError."""
-    spec = BUILTIN_REWARDS.get(spec, spec)
-    module_name, _, func_name = spec.rpartition(":")
-    if not module_name or not func_name:
-        raise DataError(f"--reward {spec!r}: expected module:function or path/to/file.py:function")
+def load_module(module_name: str, what: str):
+    """`path/to/file.py` or an importable module name -> the module (a file is loaded once per process, as
+    `reward_<file name>`). `what` names the flag and value in the one-line DataError ("--reward x.py:f")."""
     try:
         if module_name.endswith(".py"):
             path = os.path.abspath(os.path.expanduser(module_name))
             if not os.path.isfile(path):
-                raise DataError(f"--reward {spec}: no such file {module_name}")
+                raise DataError(f"{what}: no such file {module_name}")
             name = "reward_" + os.path.splitext(os.path.basename(path))[0]
             module = sys.modules.get(name)
             if module is None or getattr(module, "__file__", None) != path:
@@ -62,14 +61,23 @@ def load_reward(spec: str):
                 module = importlib.util.module_from_spec(loader_spec)
                 loader_spec.loader.exec_module(module)
                 sys.modules[name] = module
-        else:
-            if os.getcwd() not in sys.path:  # `--reward my_rewards:f` with my_rewards.py where you run from
-                sys.path.append(os.getcwd())
-            module = importlib.import_module(module_name)
+            return module
+        if os.getcwd() not in sys.path:  # `--reward my_rewards:f` with my_rewards.py where you run from
+            sys.path.append(os.getcwd())
+        return importlib.import_module(module_name)
     except DataError:
         raise
     except Exception as e:
-        raise DataError(f"--reward {spec}: cannot import {module_name} ({type(e).__name__}: {e})") from None
+        raise DataError(f"{what}: cannot import {module_name} ({type(e).__name__}: {e})") from None
+
+
+def load_reward(spec: str):
+    """`module:function`, `path/to/file.py:function` or a built-in name -> the function. Raises DataError."""
+    spec = BUILTIN_REWARDS.get(spec, spec)
+    module_name, _, func_name = spec.rpartition(":")
+    if not module_name or not func_name:
+        raise DataError(f"--reward {spec!r}: expected module:function or path/to/file.py:function")
+    module = load_module(module_name, f"--reward {spec}")
     func = getattr(module, func_name, None)
     if func is None:
         raise DataError(f"--reward {spec}: {module_name} has no {func_name!r}")
@@ -289,4 +297,32 @@ def math_reward(completions, answer=None, solution=None, **kwargs) -> list[float
             continue
         pred = parse(final_answer(text), parsing_timeout=timeout)
         rewards.append(1.0 if pred and verify(gold_parsed, pred, timeout_seconds=timeout) else 0.0)
+    return rewards
+
+
+# ----------------------------------------------------------------------------------------------------
+# reasoning-gym's scorers (`--task rg:NAME`, `--reward rg`)
+# ----------------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def reasoning_gym_scorer(name: str):
+    import reasoning_gym  # only runs that use it load it
+
+    return reasoning_gym.get_score_answer_fn(name)
+
+
+def reasoning_gym_reward(prompts, completions, answer, metadata, **kwargs) -> list[float | None]:
+    """reasoning-gym's own `score_answer(answer, entry)` (in [0, 1]) of the dataset that made the row (its
+    `metadata["source_dataset"]`): the answer is the completion's last `<answer>...</answer>` (reasoning-gym's
+    `extract_answer`, as its system prompt asks; none scores as reasoning-gym scores None, 0). None where the
+    scorer raises (that sample is counted, not scored)."""
+    from reasoning_gym.utils import extract_answer
+
+    rewards = []
+    for prompt, completion, gold, meta in zip(prompts, completions, answer, metadata):
+        text = completion[-1]["content"] if isinstance(completion, list) else str(completion)
+        entry = {"question": prompt, "answer": gold, "metadata": meta}
+        try:
+            rewards.append(float(reasoning_gym_scorer(meta["source_dataset"])(extract_answer(text), entry)))
+        except Exception:
+            rewards.append(None)
     return rewards

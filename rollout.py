@@ -6,7 +6,7 @@ buffer (sync.py) between engine steps, requests kept in flight ("inflight") or l
 held-out evaluations (evaluation.py) run beside training requests.
 Data contract: writes `buffer.RolloutGroup`s with vLLM's processed log-probs (the behaviour policy) and, per
 token, the version of the weights that sampled it; a group starts only if the loaded weights are at most
---max-lag versions behind the trainer step that will consume it. Reads the buffer's version and `Control`.
+--max-lag versions behind the trainer version that will consume it (its step less the steps skipped). Reads the buffer's version and `Control`.
 May touch: its engine, the queue, the shared buffer (read only), `Control`. Nothing of the trainer.
 """
 from __future__ import annotations
@@ -363,8 +363,11 @@ class Generator:
         max_running = self.cfg.max_inflight_groups or self.cfg.prompts_per_step
         if len(self.running) >= max_running:
             return False
+        # The trainer's version when this group lands: its step, less the steps skipped so far (a skipped step
+        # keeps the version; skips still to come only lower it, so the bound holds).
         landing_step = (self.issued - self.control.groups_dropped.value) // self.cfg.prompts_per_step
-        return self.loaded_version >= landing_step - self.cfg.max_lag
+        landing_version = landing_step - self.control.steps_skipped.value
+        return self.loaded_version >= landing_version - self.cfg.max_lag
 
     def _done(self, task: asyncio.Task):
         self.running.discard(task)

@@ -31,7 +31,12 @@ import lora
 SEQ, VERSION, PUBLISH_NS = 0, 1, 2
 VIEW_TRIES = 3  # torn in-place reloads before the worker falls back to a snapshot copy (CPU)
 GPU_VIEW_TRIES = 20  # torn in-place reloads before a GPU worker gives up (it has no snapshot to fall back to)
-GPU_MAX_WAITS = 240_000  # x 0.5 ms: how long a GPU worker waits for a publish (a gather over NCCL) to finish
+GPU_MIN_WAIT_S = 120.0  # the least a GPU worker waits for a publish (a gather over NCCL) to finish
+MIN_WAIT_S = 1.0  # the least a reader waits for a writer inside the buffer
+# A reader waits for a writer at least as long as a publish of the whole buffer takes at this rate, so large and
+# remote publishes (bytes arriving over the network between begin_write and end_write) are waited for: the
+# cross-machine publish measured 1.6 GB/s over loopback (bench/README.md); 50 MB/s leaves a wide margin.
+SLOWEST_PUBLISH_BYTES_PER_S = 50e6
 
 # Share CPU tensors by file name, from the start: a storage first shared by file descriptor and later
 # pickled by name is silently *moved* to a new segment, and the two sides would stop seeing each other.
@@ -152,8 +157,7 @@ class SharedWeights:
     @staticmethod
     def allocate(named_shapes, dtype=torch.float32, device="cpu") -> "SharedWeights":
         layout = make_layout(named_shapes)
-        total = layout[-1].offset + layout[-1].numel if layout else 0
-        buffer = torch.zeros(total, dtype=dtype, device=device)
+        buffer = torch.zeros(packed_numel(layout), dtype=dtype, device=device)
         if buffer.device.type == "cpu":
             buffer.share_memory_()
         header = torch.zeros(3, dtype=torch.int64).share_memory_()
@@ -204,17 +208,33 @@ class SharedWeights:
     def publish_time_ns(self) -> int:
         return int(self.header[PUBLISH_NS])
 
-    def read_snapshot(self, out: torch.Tensor, max_tries: int = 1000) -> int:
+    def writer_wait_s(self, floor_s: float = MIN_WAIT_S) -> float:
+        """How long a reader waits for a writer inside the buffer: scaled with its size (see
+        SLOWEST_PUBLISH_BYTES_PER_S), at least `floor_s`."""
+        return max(floor_s, self.nbytes / SLOWEST_PUBLISH_BYTES_PER_S)
+
+    def _wait_while_written(self, wait_s: float) -> int | None:
+        """The even seq once no writer is inside; None if one stays inside for `wait_s`."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            seq = int(self.header[SEQ])
+            if seq % 2 == 0:
+                return seq
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.0005)
+
+    def read_snapshot(self, out: torch.Tensor, max_tries: int = 1000, max_wait_s: float | None = None) -> int:
         """Copy a consistent snapshot of the buffer into `out`; return its version.
 
         Seqlock: read seq (must be even), copy, read seq again; equal means no writer touched the copy.
-        Raises after `max_tries` (a writer that never finishes, or publishes back to back forever).
+        Raises after `max_tries` torn copies, or a writer inside for `max_wait_s` (default `writer_wait_s()`).
         """
+        wait_s = self.writer_wait_s() if max_wait_s is None else max_wait_s
         for _ in range(max_tries):
-            seq_before = int(self.header[SEQ])
-            if seq_before % 2:
-                time.sleep(0.0005)
-                continue
+            seq_before = self._wait_while_written(wait_s)
+            if seq_before is None:
+                raise TimeoutError(f"read_snapshot: a writer stayed inside the buffer for {wait_s:.1f} s (writer stuck?)")
             version = int(self.header[VERSION])
             out.copy_(self.buffer)
             if out.device.type == "cuda" or self.device_type == "cuda":
@@ -223,24 +243,20 @@ class SharedWeights:
                 return version
         raise TimeoutError(f"read_snapshot: no consistent snapshot after {max_tries} tries (writer stuck?)")
 
-    def read_in_place(self, read, max_tries: int = 3, max_waits: int = 1000) -> int | None:
+    def read_in_place(self, read, max_tries: int = 3, max_wait_s: float | None = None) -> int | None:
         """Call `read(buffer)` straight on the shared buffer (CPU), with no copy; return the version it read.
 
         The same seqlock as `read_snapshot`: read seq (waiting while it is odd), read, re-check seq. A writer
         that touched the buffer meanwhile means `read` saw a torn mix, and it is called again. `read` must
         therefore be safe to repeat, and its result must not be used before this returns. Returns None when
-        every one of `max_tries` reads was torn, or a writer stayed inside for `max_waits` x 0.5 ms: the
-        caller falls back to `read_snapshot`, whose copy is short enough to get through.
+        every one of `max_tries` reads was torn, or a writer stayed inside for `max_wait_s` (default
+        `writer_wait_s()`): the caller falls back to `read_snapshot`, whose copy is short enough to get through.
         """
-        waits = 0
+        wait_s = self.writer_wait_s() if max_wait_s is None else max_wait_s
         for _ in range(max_tries):
-            seq_before = int(self.header[SEQ])
-            while seq_before % 2:
-                waits += 1
-                if waits > max_waits:
-                    return None
-                time.sleep(0.0005)
-                seq_before = int(self.header[SEQ])
+            seq_before = self._wait_while_written(wait_s)
+            if seq_before is None:
+                return None
             version = int(self.header[VERSION])
             read(self.buffer)
             if self.device_type == "cuda":
@@ -275,6 +291,11 @@ def _rebuild_shared(buffer_or_handle, header, layout, dtype=torch.float32) -> Sh
 def _synchronize(*devices: torch.device) -> None:
     for device in dict.fromkeys(d for d in devices if d.type == "cuda"):
         torch.cuda.synchronize(device)
+
+
+def packed_numel(layout) -> int:
+    """Elements of the packed buffer of a `make_layout` layout (what a GPU must hold before it is allocated)."""
+    return layout[-1].offset + layout[-1].numel if layout else 0
 
 
 def named_shapes_of(model: torch.nn.Module) -> list[tuple[str, tuple[int, ...]]]:
@@ -398,10 +419,11 @@ class WeightSyncWorker:
         """
         shared = self._shared
         if shared.device_type == "cuda":
-            version = shared.read_in_place(self._reload_from, max_tries=GPU_VIEW_TRIES, max_waits=GPU_MAX_WAITS)
+            wait_s = shared.writer_wait_s(GPU_MIN_WAIT_S)
+            version = shared.read_in_place(self._reload_from, max_tries=GPU_VIEW_TRIES, max_wait_s=wait_s)
             if version is None:
                 raise RuntimeError(f"load_shared_weights: no untorn reload in {GPU_VIEW_TRIES} tries within "
-                                   f"{GPU_MAX_WAITS * 0.0005:.0f} s (is the trainer publishing back to back?)")
+                                   f"{wait_s:.0f} s (is the trainer publishing back to back?)")
         else:
             version = shared.read_in_place(self._reload_from, max_tries=VIEW_TRIES)
             if version is None:

@@ -35,6 +35,20 @@ COPY_LENGTH = 3
 # A chat template that uses only printable ASCII (so the "ascii" tiny tokenizer encodes it faithfully).
 TINY_CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
                       "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+# The same with tool use (tools.py): the schemas in a system block, an assistant's calls in the Hermes format
+# tools.parse_tool_calls reads (so a call the model writes renders back to the same text), tool results as
+# `tool` messages. Without tools it renders exactly as TINY_CHAT_TEMPLATE; the "ascii" tiny model has it.
+# (transformers renders templates with trim_blocks: a newline right after a block tag is dropped.)
+TINY_TOOL_CHAT_TEMPLATE = (
+    "{% if tools %}<|system|>\n{% if messages and messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n"
+    "{% endif %}Tools:\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}"
+    "To call a tool write <tool_call>{\"name\": NAME, \"arguments\": {...}}</tool_call>\n{% endif %}"
+    "{% for m in messages %}{% if not (tools and loop.first and m['role'] == 'system') %}"
+    "<|{{ m['role'] }}|>\n{{ m['content'] if m['content'] is not none else '' }}"
+    "{% for call in m['tool_calls'] or [] %}{% set f = call['function'] if call['function'] is defined else call %}"
+    "<tool_call>{\"name\": {{ f['name'] | tojson }}, \"arguments\": "
+    "{{ f['arguments'] if f['arguments'] is string else f['arguments'] | tojson }}}</tool_call>{% endfor %}{{ '\\n' }}"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 
 
 def build_tiny_model(path: str, seed: int = 0, hidden: int = 128, layers: int = 2, heads: int = 4,
@@ -43,8 +57,9 @@ def build_tiny_model(path: str, seed: int = 0, hidden: int = 128, layers: int = 
 
     alphabet="copy": the default 26 symbols (the copy task's), 64 positions.
     alphabet="ascii": one token per printable ASCII character plus newline and tab (100 tokens with the
-    specials), 1024 positions and a small chat template: for trying datasets, prompts and rewards on real
-    text (it is random-init: it writes garbage, but the whole path runs). Llama architecture, not Qwen2:
+    specials), 1024 positions and a small chat template with tool use (TINY_TOOL_CHAT_TEMPLATE): for trying
+    datasets, prompts, rewards and tools on real text (it is random-init: it writes garbage, but the whole
+    path runs). Llama architecture, not Qwen2:
     transformers 5 loads any tokenizer saved next to a Qwen2 config as `Qwen2Tokenizer`, whose byte-level
     pre-tokenizer would drop every space and newline of a character vocabulary.
     vocab_size > the alphabet's: the vocabulary is filled up to that size with tokens `<|N|>` that text
@@ -61,7 +76,7 @@ def build_tiny_model(path: str, seed: int = 0, hidden: int = 128, layers: int = 
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>",
                                         pad_token="<pad>")
     if ascii_:
-        tokenizer.chat_template = TINY_CHAT_TEMPLATE
+        tokenizer.chat_template = TINY_TOOL_CHAT_TEMPLATE
     config_class, model_class = (LlamaConfig, LlamaForCausalLM) if ascii_ else (Qwen2Config, Qwen2ForCausalLM)
     config = config_class(vocab_size=len(vocab), hidden_size=hidden, num_hidden_layers=layers,
                           num_attention_heads=heads, num_key_value_heads=heads, intermediate_size=4 * hidden,

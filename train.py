@@ -134,6 +134,8 @@ def train(r: Rank) -> int:
         skipped = result.applied == 0  # every update had a NaN/inf loss or gradient: nothing changed
         if not skipped:
             r.version += 1  # one version per rollout batch, however many updates it took
+        elif r.rank == 0:
+            count_skipped_step(r.control)
         t_publish = time.perf_counter()
         last = step + 1 == cfg.steps  # the final evaluation must see the final weights: publish them
         if (r.version % cfg.sync_every == 0 or (last and cfg.eval_every > 0)) and not skipped:
@@ -177,6 +179,12 @@ def count_dropped_group(control) -> None:
         control.groups_dropped.value += 1
 
 
+def count_skipped_step(control) -> None:
+    """A step that kept the version: the generator's staleness gate reads versions from steps less these."""
+    with control.steps_skipped.get_lock():
+        control.steps_skipped.value += 1
+
+
 def broadcast(value, world_size: int):
     """Rank 0's `value` on every rank."""
     if world_size == 1:
@@ -187,7 +195,8 @@ def broadcast(value, world_size: int):
 
 
 def count_bad_steps(r: Rank, skipped_updates: int) -> None:
-    r.bad_steps += skipped_updates
+    """A bad step: one with any update skipped for a NaN/inf loss or gradient (however many of its updates)."""
+    r.bad_steps += skipped_updates > 0
     if r.bad_steps > r.cfg.max_bad_steps:
         raise RuntimeError(f"{r.bad_steps} steps with NaN/inf loss or gradients (--max-bad-steps "
                            f"{r.cfg.max_bad_steps}): lower --lr or check the rewards")
@@ -238,8 +247,6 @@ def start_rank(cfg: Config, prepared: prepare.Prepared, rank: int, world_size: i
                                 compute_dtype=serving_dtype)
     if cfg.grad_checkpointing:
         checkpoint_layers(model)
-    if cfg.lora_dropout > 0:
-        model.train()  # dropout on the adapter's input (the base models we load have no other dropout active)
     # Build the optimizer before any forward pass (FSDP2 pitfall: see shared notes). Only what trains has state.
     optimizer = torch.optim.AdamW([p for _, p in synced_parameters(model)], lr=cfg.lr, weight_decay=cfg.weight_decay)
     if resume_dir:  # the model came from the checkpoint's (with LoRA: the base; the adapter is loaded)
@@ -331,6 +338,7 @@ def run(cfg: Config) -> int:
     errors = ctx.Queue()
     control = make_control(ctx)
     control.groups_dropped.value = prepared.groups_dropped  # the generator's staleness gate counts from here
+    control.steps_skipped.value = prepared.start_step - prepared.start_version  # (and from here)
     settings = prepare.generator_settings(cfg, prepared, lora_dir)
     init_file = tempfile.mktemp(prefix="asyncgrpo-dist-")
     children = {"generator": (generator_entry, (settings, shared, rollout_queue, control), True)}

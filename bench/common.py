@@ -469,6 +469,13 @@ def steady(rows: list[dict], warmup: int) -> dict:
 # ----------------------------------------------------------------------------------------------------
 # The project's stages, each run alone
 # ----------------------------------------------------------------------------------------------------
+def typical_mean(values, outlier: float = 3.0) -> float:
+    """The mean of `values` without those above `outlier` x their median (one stalled step, a page-in, another
+    job's burst): what a stage costs per step in steady state."""
+    median = statistics.median(values)
+    return statistics.fmean(v for v in values if v <= outlier * median)
+
+
 def default_config(**changes):
     """The run's config with `changes`, validated and resolved as `train.run` resolves it (prepare.resolve)."""
     import config
@@ -606,7 +613,8 @@ def train_alone(cfg, model_path: str, groups: list, out_dir: Path, timeout_s: fl
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    cfg = dataclasses.replace(cfg, out=str(out_dir), max_lag=10**6, queue_size=len(groups) + 1,
+    # no held-out evaluation: no generator would answer, and its last step would wait --timeout-s for one
+    cfg = dataclasses.replace(cfg, out=str(out_dir), max_lag=10**6, queue_size=len(groups) + 1, eval_every=0,
                               steps=len(groups) // cfg.prompts_per_step, timeout_s=min(cfg.timeout_s, 60.0))
     ctx = mp.get_context("spawn")
     shared = prepare.allocate_shared_weights(model_path)

@@ -14,7 +14,8 @@ trainer):
    1, 2 and 4, same seed and model, `--steps` steps each.
 Rates are steady-state: the first `--warmup` steps of every run are left out.
 
-bound = (t_gen + t_train) / max(t_gen, t_train): the best speedup two overlapped stages can give.
+bound = (t_gen + t_train) / max(t_gen, t_train): the best speedup two overlapped stages can give (t: the mean
+seconds per step without outliers above 3x the median, `common.typical_mean`; training alone evaluates nothing).
 speedup = steps/s of a mode / steps/s of sync; share_of_bound = speedup / bound.
 Also reported: the fraction of time the trainer waited for data and the generator for queue space or
 weights; the cores each process used (trainer, generator, vLLM's EngineCore and worker) over the steady
@@ -44,6 +45,7 @@ def measure(args, bench, model: str, rep: int) -> dict:
     gen = common.generate_alone(cfg, model, steps=args.steps, cpu_from_step=args.warmup)
     gen_steps = common.intervals(gen["step_end_s"], args.warmup)
     out["gen_alone"] = {"step_s_mean": statistics.fmean(gen_steps), "step_s_median": statistics.median(gen_steps),
+                        "step_s_typical": common.typical_mean(gen_steps),
                         "tokens_per_step": statistics.fmean(gen["tokens"][args.warmup:]),
                         "sync_ms_median": statistics.median(gen["sync_ms"]) if gen["sync_ms"] else None,
                         "engine_ready_wait_s": gen["ready_wait_s"], "process_s": time.perf_counter() - t,
@@ -56,6 +58,7 @@ def measure(args, bench, model: str, rep: int) -> dict:
     train_steps = common.intervals([r["wall_s"] for r in rows], args.warmup)
     out["train_alone"] = {"step_s_mean": statistics.fmean(train_steps),
                           "step_s_median": statistics.median(train_steps),
+                          "step_s_typical": common.typical_mean(train_steps),
                           "train_s_mean": statistics.fmean(r["train_s"] for r in rows[args.warmup:]),
                           "tokens_per_step": statistics.fmean(r["tokens"] for r in rows[args.warmup:]),
                           "process_s": time.perf_counter() - t, "cores_by_role": train_cores,
@@ -99,7 +102,7 @@ def main(argv=None) -> int:
         vals = [r[key][field] for r in reps if r[key].get(field) is not None]
         return statistics.median(vals) if vals else None
 
-    t_gen, t_train = med("gen_alone", "step_s_mean"), med("train_alone", "step_s_mean")
+    t_gen, t_train = med("gen_alone", "step_s_typical"), med("train_alone", "step_s_typical")
     bound = (t_gen + t_train) / max(t_gen, t_train)
     # What the CPU allows: each stage needs (cores it keeps busy alone) x (its time alone) CPU-seconds per step;
     # overlapped, both must fit in the machine's cores.

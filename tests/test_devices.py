@@ -311,6 +311,34 @@ def test_gpu_memory_utilization_flag_is_vllms_share_and_bounds_a_shared_trainer(
     assert devices.plan("", "", gpu_memory_utilization=0.5) == devices.DeviceLayout("cpu", world_size=1)
 
 
+def test_vllms_share_leaves_room_for_the_weight_buffer_on_its_gpu():
+    """vLLM starts only if its share of the GPU is free at its start, and the packed buffer is there first. A
+    7B model in bf16 (15.2 GB) on an 80 GB GPU: 19% of it. vLLM's default 0.9 beside it would not start."""
+    seven_b = 7.6e9 * 2 / 80e9
+    for buffer in (0.0, 0.02, seven_b, 0.5):  # vLLM + buffer + contexts fit, and the default is kept while it fits
+        share = devices.generator_share_beside_buffer(0.0, buffer)
+        assert share + buffer + devices.RESERVED_FRACTION <= 1 + 1e-9
+        assert share == min(devices.DEDICATED_GEN_FRACTION, round(1 - devices.RESERVED_FRACTION - buffer, 4))
+    assert devices.generator_share_beside_buffer(0.0, 0.0) == devices.DEDICATED_GEN_FRACTION
+    assert devices.generator_share_beside_buffer(0.6, seven_b) == 0.6  # asked for, and it fits
+    for requested, buffer, needle in ((0.9, seven_b, "give at most 0.76"), (0.0, 0.9, "too little is left")):
+        with pytest.raises(devices.DeviceError) as err:
+            devices.generator_share_beside_buffer(requested, buffer)
+        assert needle in str(err.value) and "\n" not in str(err.value)
+    # a GPU shared with a trainer rank: vLLM + the trainer's cap + the buffer + contexts fit
+    small = devices.plan("0", "0", cuda_count=1, visible_env="", buffer_fraction=0.01)
+    assert small.train_memory_fraction == devices.SHARED_TRAIN_FRACTION  # a small buffer changes nothing
+    big = devices.plan("0", "0", cuda_count=1, visible_env="", buffer_fraction=seven_b)
+    assert big.gpu_memory_utilization == devices.SHARED_GEN_FRACTION
+    assert big.gpu_memory_utilization + big.train_memory_fraction + seven_b + devices.RESERVED_FRACTION <= 1 + 1e-9
+    with pytest.raises(devices.DeviceError) as err:
+        devices.plan("0", "0", cuda_count=1, visible_env="", gpu_memory_utilization=0.6, buffer_fraction=seven_b)
+    assert "with the weight buffer (19% of it)" in str(err.value)
+    # a trainer GPU of its own holds the buffer: vLLM's share is untouched
+    split = devices.plan("0", "1", cuda_count=2, visible_env="", buffer_fraction=seven_b)
+    assert split.gpu_memory_utilization == devices.DEDICATED_GEN_FRACTION
+
+
 def test_dtype_auto_is_bf16_on_gpus_and_the_measured_choice_on_cpu():
     gpu = devices.plan("0", "1", cuda_count=2, visible_env="")
     cpu = devices.plan("", "")

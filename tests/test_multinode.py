@@ -143,6 +143,33 @@ def test_an_error_or_silence_from_the_other_side_ends_the_link(capsys):
     assert f"error: the trainer at {bridge.addr} sent nothing for" in capsys.readouterr().err
 
 
+def test_a_message_lost_across_a_reconnect_ends_the_link_instead_of_being_skipped():
+    """ZMQ drops what was queued for a broken connection: a peer whose message 2 never arrived (a credit, a
+    group, a weights header) must end the link at message 3, and nothing from message 3 on is delivered."""
+    import zmq
+
+    addr = f"127.0.0.1:{free_port()}"
+    received, failures = [], []
+    receiver = link.Link(addr, True, 30.0, lambda kind, *args: received.append((kind, *args)),
+                         on_fail=failures.append)
+    context = zmq.Context()
+    peer = context.socket(zmq.DEALER)
+    peer.linger = 0
+    try:
+        peer.connect(f"tcp://{addr}")
+        peer.send_pyobj((1, "credit", 1))
+        peer.send_pyobj((3, "credit", 1))  # message 2 was lost
+        peer.send_pyobj((4, "credit", 1))
+        assert receiver.failed.wait(10)
+        time.sleep(0.2)
+    finally:
+        peer.close()
+        context.term()
+        receiver.close()
+    assert received == [("credit", 1)]
+    assert len(failures) == 1 and "lost 1 message(s) across a reconnect" in failures[0]
+
+
 # ----------------------------------------------------------------------------------------------------
 # Two "nodes" on 127.0.0.1, with vLLM
 # ----------------------------------------------------------------------------------------------------

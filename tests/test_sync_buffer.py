@@ -109,9 +109,29 @@ def test_read_in_place_repeats_a_torn_read_and_gives_up_after_its_tries():
 
     assert shared.read_in_place(always_torn, max_tries=3) is None
     shared.begin_write()  # a writer that stays inside: never read
-    assert shared.read_in_place(lambda buf: seen.append("read"), max_waits=5) is None and seen[-1] != "read"
+    assert shared.read_in_place(lambda buf: seen.append("read"), max_wait_s=0.01) is None and seen[-1] != "read"
     shared.end_write(9)
     assert shared.read_in_place(lambda buf: None) == 9
+
+
+def test_readers_wait_for_a_writer_as_long_as_a_publish_of_the_buffers_size_takes():
+    """A large or remote publish keeps the seqlock odd for seconds (remote.py receives the bytes from the network
+    between begin_write and end_write): the wait scales with the buffer, so such a publish is waited for."""
+    small = small_shared()
+    assert small.writer_wait_s() == sync.MIN_WAIT_S
+    large = sync.SharedWeights.allocate([("w", (25_000_000,))])  # 100 MB: 2 s at the slowest publish rate
+    assert large.writer_wait_s() == pytest.approx(large.nbytes / sync.SLOWEST_PUBLISH_BYTES_PER_S) == 2.0
+    for read in (lambda: large.read_snapshot(torch.empty_like(large.buffer)), lambda: large.read_in_place(lambda b: None)):
+        large.begin_write()
+        writer = threading.Timer(1.5, large.end_write, args=(large.version() + 1,))  # longer than the 1 s floor
+        writer.start()
+        try:
+            assert read() == large.version()
+        finally:
+            writer.join()
+    large.begin_write()  # a writer that never leaves still ends the wait, with the reason
+    with pytest.raises(TimeoutError, match="stayed inside the buffer"):
+        large.read_snapshot(torch.empty_like(large.buffer), max_wait_s=0.05)
 
 
 def _child_reads(data, result_queue):
