@@ -21,6 +21,7 @@ import time
 import torch
 
 import buffer
+import envs
 import evaluation
 import plots
 from rewards import summarize as summarize_rewards
@@ -133,7 +134,9 @@ class RunLog:
         row.update(summarize_rewards([g.reward_stats for g in taken.groups]), completion_len_min=int(lengths.min()),
                    completion_len_max=int(lengths.max()), unscored=sum(g.unscored for g in taken.groups),
                    gen_reward_s=gen.get("reward_s"), **{f"lag_hist/{k}": int(n) for k, n in enumerate(lags)},
-                   epoch=max(g.epoch for g in taken.groups))
+                   epoch=max(g.epoch for g in taken.groups), **envs.episode_metrics(taken.groups))
+        # what staleness cost, by model-token length bucket and by turns: [samples, dropped, tokens, stale tokens]
+        row.update(stale_by_len=taken.stale.get("len", {}), stale_by_turns=taken.stale.get("turns", {}))
         for result in evals:  # usually none; two answers in one step: the row keeps the newer
             self.evals.append(evaluation.summarize(result, self.cfg.eval_pass_reward))
             row.update(self.evals[-1])
