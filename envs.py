@@ -113,27 +113,28 @@ def as_messages(value) -> list[dict]:
 
 class Renderer:
     """Initial contexts and observations as token ids. Text mode: plain text, tokenized. Chat mode (a prompt
-    or an observation made of messages): the chat template, rendering only what is new (suffix-diff
-    against a fixed dummy conversation cut at its last EOS, so the template's separator after an
-    assistant turn belongs to the observation, and earlier turns are never rendered again)."""
+    or an observation made of messages, or tools): the chat template, rendering only what is new: a fixed
+    dummy conversation is rendered with and without the observation (and the next generation prompt), and
+    the text after the dummy assistant's content is the observation's, so the template's end of turn and
+    separator belong to it and earlier turns are never rendered again (a template that rewrites history
+    cannot change what was trained). The end-of-turn token the model sampled itself is not repeated."""
 
-    DUMMY = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+    MARK = "#y#"  # the dummy assistant turn's content: where the model's own tokens end
+    DUMMY = [{"role": "user", "content": "x"}, {"role": "assistant", "content": MARK}]
 
     def __init__(self, tokenizer, system_prompt: str = ""):
         self.tokenizer, self.system_prompt = tokenizer, system_prompt
-        self.eos_id = tokenizer.eos_token_id
-        self.bases: dict[str, list[int]] = {}  # the dummy conversation rendered, per set of tools
+        self.special = set(tokenizer.all_special_ids)
 
     def encode(self, text: str, special: bool = False) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=special)["input_ids"])
 
-    def chat(self, messages, tools, generation_prompt: bool) -> list[int]:
+    def chat_text(self, messages, tools, generation_prompt: bool) -> str:
         if not getattr(self.tokenizer, "chat_template", None):
             raise DataError("chat messages need a tokenizer with a chat template")
         extra = {"tools": tools} if tools else {}  # the one place tool schemas reach the template
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
                                                   **extra)
-        return self.encode(text)
 
     def initial(self, prompt, reset_out, tools=None) -> tuple[list[int], bool]:
         """(ids of the prompt followed by what reset returned, chat mode?)."""
@@ -143,26 +144,24 @@ class Renderer:
         messages = (as_messages(prompt) if prompt else []) + (as_messages(reset_out) if reset_out else [])
         if self.system_prompt and (not messages or messages[0].get("role") != "system"):
             messages.insert(0, {"role": "system", "content": self.system_prompt})
-        return self.chat(messages, tools, True), True
+        return self.encode(self.chat_text(messages, tools, True)), True
 
-    def observation(self, observation, chat: bool, ended_with_eos: bool, tools=None) -> list[int]:
-        """The ids appended after a model turn: the observation (and, in chat mode, the next generation prompt)."""
+    def observation(self, observation, chat: bool, last_token: int | None, tools=None) -> list[int]:
+        """The ids appended after a model turn that ended with `last_token`: the observation (in chat mode
+        with the template's end of turn before it and the next generation prompt after it)."""
         if not chat:
             text = observation if isinstance(observation, str) else "\n".join(m["content"] for m in observation)
             return self.encode(text)
-        key = repr(tools)
-        if key not in self.bases:
-            self.bases[key] = self.chat(self.DUMMY, tools, False)
-        base = self.bases[key]
-        full = self.chat(self.DUMMY + as_messages(observation), tools, True)
-        if full[:len(base)] != base:
+        base = self.chat_text(self.DUMMY, tools, False)
+        full = self.chat_text(self.DUMMY + as_messages(observation), tools, True)
+        cut = base.rfind(self.MARK) + len(self.MARK)
+        if cut < len(self.MARK) or full[:cut] != base[:cut]:
             raise RuntimeError("the chat template renders the conversation differently once an observation "
                                "follows: cannot append observations token by token")
-        cut = max((i + 1 for i, t in enumerate(base) if t == self.eos_id), default=len(base))
-        suffix = full[cut:]
-        if not ended_with_eos and self.eos_id in base:
-            suffix = [self.eos_id] + suffix  # the turn was cut: the template's end of turn, as an env token
-        return suffix
+        ids = self.encode(full[cut:])
+        if ids and ids[0] == last_token and last_token in self.special:
+            ids = ids[1:]  # the model ended its turn with the template's own end-of-turn token
+        return ids
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -295,8 +294,7 @@ async def run_episode(gen, env, prompt, turns: Turns) -> Episode:
                 ep.truncated = "max_turns"
                 break
             try:
-                new = task.renderer.observation(observation, ep.chat, bool(ids) and ids[-1] == task.renderer.eos_id,
-                                                tools)
+                new = task.renderer.observation(observation, ep.chat, ids[-1] if ids else None, tools)
             except Exception as e:
                 raise EnvFault(f"the observation could not be rendered ({type(e).__name__}: {first_line(e)})")
             if len(ep.ids) + len(new) >= budget:  # no room for the observation and a turn after it

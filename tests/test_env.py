@@ -137,6 +137,36 @@ def test_a_bad_env_is_one_error_line(tmp_path):
     assert "--env need" in str(e.value)
 
 
+EOS_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<eos>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")  # Qwen-like: a turn ends with EOS
+
+
+@pytest.mark.parametrize("template", ["tiny", "eos"])
+def test_observations_render_only_what_is_new(tmp_path, template):
+    """Chat mode: prompt ids + the model's turn (as sampled) + the observation's ids are the template's rendering
+    of the whole conversation (the tiny template has no end-of-turn token: the sampled <eos> is the one extra)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tasks.build_tiny_model(str(tmp_path / "ascii"), alphabet="ascii"))
+    if template == "eos":
+        tokenizer.chat_template = EOS_TEMPLATE
+    renderer = envs.Renderer(tokenizer)
+    eos, encode = tokenizer.eos_token_id, renderer.encode
+    prompt = [{"role": "user", "content": "hi"}]
+    for obs in ("a hint", [{"role": "tool", "content": "42"}]):
+        whole = prompt + [{"role": "assistant", "content": "ok"}] + envs.as_messages(obs)
+        expected = encode(tokenizer.apply_chat_template(whole, tokenize=False, add_generation_prompt=True))
+        initial, chat = renderer.initial(prompt, None)
+        assert chat and initial == encode(tokenizer.apply_chat_template(prompt, tokenize=False,
+                                                                        add_generation_prompt=True))
+        turn = encode("ok") + [eos]  # the turn ended by sampling <eos>
+        sequence = initial + turn + renderer.observation(obs, True, eos)
+        at = len(initial) + 2
+        assert sequence == (expected if template == "eos" else expected[:at] + [eos] + expected[at:])
+        cut = encode("ok")  # a turn cut by --max-new-tokens: the template's end of turn comes from the env
+        assert initial + cut + renderer.observation(obs, True, cut[-1]) == expected
+
+
 def test_environment_tokens_get_no_gradient(tmp_path):
     """Perturbing the final hidden states (so the logits) at environment-token positions changes neither the
     loss nor the gradient; perturbing a model-token position does."""
