@@ -186,7 +186,8 @@ def take_groups(q, num_groups: int, trainer_version: int, max_lag: int, timeout_
         if stale_rule == "group":
             stale = any(sample_lag(trainer_version, v) > max_lag for v in group.token_versions)
         else:
-            stale = not any(fresh_tokens(trainer_version, v, max_lag) for v in group.token_versions)
+            stale = any(t >= 0 for v in group.token_versions for t in v) and \
+                not any(fresh_tokens(trainer_version, v, max_lag) for v in group.token_versions)
         stale_census([group], trainer_version, max_lag, stale, census)
         if stale:
             dropped += len(group.token_versions)

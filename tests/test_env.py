@@ -315,3 +315,31 @@ def test_the_reveal_task_runs_end_to_end(tmp_path):
     assert all(1 <= r["env/turns_mean"] <= 4 and 0 < r["env/token_frac"] < 1 for r in rows)
     assert rows[-1]["eval/prompts"] == 4 and "eval/turns_mean" in rows[-1]
     assert os.path.exists(out / "plots.png")
+
+
+def test_stale_tokens_are_masked_not_their_group(monkeypatch):
+    """--stale-rule tokens keeps the group of a long sample whose first tokens are too old and masks exactly
+    those; --stale-rule group drops it. Either way no trained token is older than --max-lag."""
+    import queue
+
+    def group(gid):  # sample 0: 6 tokens from versions 3..5 (2 env tokens in between), sample 1: fresh
+        return buffer.RolloutGroup(gid, [1, 12], [[13] * 8, [14] * 2], [[-0.5] * 8, [-0.5] * 2],
+                                   [[3, 3, -1, -1, 4, 4, 5, 5], [5, 5]], [1.0, 0.0],
+                                   model_masks=[[True, True, False, False, True, True, True, True], [True, True]])
+    for rule, kept in (("tokens", 1), ("group", 0)):
+        q = queue.Queue()
+        for gid in range(2):
+            q.put(group(gid))
+        taken = buffer.take_groups(q, 1, trainer_version=5, max_lag=1, timeout_s=0.5, stale_rule=rule) \
+            if kept else None
+        if not kept:
+            with pytest.raises(TimeoutError):  # both groups dropped: none to fill the step
+                buffer.take_groups(q, 1, trainer_version=5, max_lag=1, timeout_s=0.5, stale_rule=rule)
+            continue
+        assert taken.groups_dropped == 0 and taken.stale["len"]["4"] == [1, 0, 6, 2]
+        batch = buffer.collate(buffer.to_samples(taken.groups, torch.zeros(1, 2)), pad_id=0)
+        stale = buffer.stale_mask(batch, 5, 1)
+        assert int(stale.sum()) == 2 and bool(stale[0, 1:3].all())  # the two version-3 tokens
+        batch.mask &= ~stale
+        assert buffer.staleness_stats(batch, 5)["lag_max"] <= 1 and int(batch.mask.sum()) == 6
+    assert buffer.sample_lag(5, [-1, 4, 5]) == 1  # environment tokens have no age
