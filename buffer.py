@@ -124,18 +124,20 @@ def length_bucket(n: int) -> int:
 
 
 def stale_census(groups, trainer_version: int, max_lag: int, dropped: bool, census: dict) -> None:
-    """Add the samples of `groups` to `census` = {"len": {bucket: [samples, dropped, tokens, stale tokens]},
-    "turns": {turns: [...]}}: what staleness cost, by model-token length and by turns per episode."""
+    """Add the samples of `groups` to `census` = {"len": {bucket: [samples, dropped, tokens, stale tokens,
+    tokens dropped]}, "turns": {turns: [...]}}: what staleness cost, by model-token length and by turns per
+    episode (tokens: model tokens; stale: older than `max_lag`; dropped: of the samples dropped whole)."""
     for group in groups:
         for versions, turns in zip(group.token_versions, group.turns()):
             model = sum(1 for v in versions if v >= 0)
             stale = model - fresh_tokens(trainer_version, versions, max_lag)
             for kind, key in (("len", length_bucket(model)), ("turns", turns)):
-                row = census.setdefault(kind, {}).setdefault(str(key), [0, 0, 0, 0])
+                row = census.setdefault(kind, {}).setdefault(str(key), [0, 0, 0, 0, 0])
                 row[0] += 1
                 row[1] += int(dropped)
                 row[2] += model
                 row[3] += stale
+                row[4] += model if dropped else 0
 
 
 @dataclass

@@ -135,7 +135,7 @@ class RunLog:
                    completion_len_max=int(lengths.max()), unscored=sum(g.unscored for g in taken.groups),
                    gen_reward_s=gen.get("reward_s"), **{f"lag_hist/{k}": int(n) for k, n in enumerate(lags)},
                    epoch=max(g.epoch for g in taken.groups), **envs.episode_metrics(taken.groups))
-        # what staleness cost, by model-token length bucket and by turns: [samples, dropped, tokens, stale tokens]
+        # what staleness cost, by model-token length bucket and by turns (buffer.stale_census)
         row.update(stale_by_len=taken.stale.get("len", {}), stale_by_turns=taken.stale.get("turns", {}))
         for result in evals:  # usually none; two answers in one step: the row keeps the newer
             self.evals.append(evaluation.summarize(result, self.cfg.eval_pass_reward))

@@ -3,12 +3,14 @@
     python bench/stale_bias.py --out DIR       # writes DIR/stale_bias.json and DIR/stale_bias.png
 
 Two runs of `python train.py` on the default copy task with a long tail of completion lengths: the random-init
-tiny model with --max-new-tokens 48 (it stops only when it samples <eos>, so lengths spread from 1 to 48 until
-it learns to stop), in-flight swaps, --max-lag 1, the same seed: `--stale-rule group` (a group is dropped when
+tiny model with --max-new-tokens 48 (it stops only when it samples <eos>, so lengths spread from 1 to 48; a
+small --lr 1e-5 keeps that spread, and the two runs' length distributions alike, over the run), in-flight swaps,
+--max-lag 1, groups of 2, 4 prompts per step and up to 32 groups in flight (so groups often land a step later than
+planned, the way long groups do), the same seed: `--stale-rule group` (a group is dropped when
 any of its samples has a token older than --max-lag: the rule before issue 22) and `--stale-rule tokens` (only
 the stale tokens are masked; a group is dropped only when none of its tokens is fresh enough). From each step's
 `stale_by_len` census: per length bucket (model tokens, powers of two), the share of samples dropped whole and
-the share of their tokens left out of training (dropped or masked). Both rules keep every trained token within
+the share of their tokens left out of training (those of dropped samples, and the masked stale ones). Both rules keep every trained token within
 --max-lag (`max_token_lag` in the summary).
 """
 from __future__ import annotations
@@ -23,11 +25,11 @@ RULES = ("group", "tokens")
 
 
 def census(rows: list[dict]) -> dict:
-    """{bucket: [samples, samples dropped, tokens, stale tokens]} summed over the steps."""
+    """{bucket: [samples, samples dropped, tokens, stale tokens, tokens dropped]} summed over the steps."""
     total: dict[int, list] = {}
     for row in rows:
         for bucket, counts in (row.get("stale_by_len") or {}).items():
-            acc = total.setdefault(int(bucket), [0, 0, 0, 0])
+            acc = total.setdefault(int(bucket), [0, 0, 0, 0, 0])
             for k, v in enumerate(counts):
                 acc[k] += v
     return dict(sorted(total.items()))
@@ -35,7 +37,7 @@ def census(rows: list[dict]) -> dict:
 
 def main(argv=None) -> int:
     p = common.parser(__doc__)
-    p.add_argument("--steps", type=int, default=40, help="optimizer steps per run")
+    p.add_argument("--steps", type=int, default=150, help="optimizer steps per run")
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--max-lag", type=int, default=1)
     args = common.parse_args(p, argv)
@@ -46,7 +48,8 @@ def main(argv=None) -> int:
             run = common.run_train_cli(bench.work / rule, [
                 "--steps", str(args.steps), "--max-new-tokens", str(args.max_new_tokens), "--max-lag",
                 str(args.max_lag), "--stale-rule", rule, "--model", model, "--seed", str(args.seed),
-                "--prompts-per-step", "16", "--eval-every", "0"])
+                "--prompts-per-step", "4", "--group-size", "2", "--max-inflight-groups", "32", "--lr", "1e-5",
+                "--eval-every", "0"])
             buckets = census(run["rows"])
             s = run["summary"]
             runs[rule] = {
@@ -56,25 +59,30 @@ def main(argv=None) -> int:
                 "masked_tokens": sum(r.get("stale_masked_tokens", 0) for r in run["rows"]),
                 "buckets": {str(b): {"samples": c[0], "dropped": c[1], "tokens": c[2], "stale_tokens": c[3],
                                      "drop_rate": c[1] / c[0] if c[0] else None,
-                                     "stale_token_share": c[3] / c[2] if c[2] else None}
+                                     # left out of training: every token of a dropped sample, the stale
+                                     # tokens of a kept one (the rule "tokens" masks them)
+                                     "tokens_lost": c[4] + (c[3] if rule == "tokens" else 0),
+                                     "tokens_lost_share": (c[4] + (c[3] if rule == "tokens" else 0)) / c[2]
+                                     if c[2] else None}
                             for b, c in buckets.items()}}
             print(f"[stale_bias] {rule}: {len(run['rows'])} steps, {s['dropped_stale']} samples dropped, "
                   f"max token lag {s['max_token_lag']}", flush=True)
     data = {"settings": {"steps": args.steps, "seed": args.seed, "max_new_tokens": args.max_new_tokens,
                          "max_lag": args.max_lag, "update_mode": "inflight",
-                         "workload": "copy task, random-init tiny model, long --max-new-tokens"},
+                         "workload": "copy task, random-init tiny model, --max-new-tokens 48, --lr 1e-5, "
+                                     "4 prompts x 2 per step, 32 groups in flight"},
             "rules": list(RULES), "runs": runs}
     path = bench.save(data, plot)
     print()
     buckets = sorted({int(b) for rule in RULES for b in runs[rule]["buckets"]})
     hdr = ["length bucket (tokens)"] + [f"{rule}: {what}" for rule in RULES for what in ("samples", "drop rate",
-                                                                                       "stale token share")]
+                                                                                       "tokens lost")]
     table_rows = []
     for b in buckets:
         row = [f"{b}-{2 * b - 1}" if b > 1 else str(b)]
         for rule in RULES:
             e = runs[rule]["buckets"].get(str(b))
-            row += [e["samples"], e["drop_rate"], e["stale_token_share"]] if e else [0, None, None]
+            row += [e["samples"], e["drop_rate"], e["tokens_lost_share"]] if e else [0, None, None]
         table_rows.append(row)
     print(common.table(hdr, table_rows))
     print("max token lag: " + ", ".join(f"{rule} {runs[rule]['max_token_lag']}" for rule in RULES))

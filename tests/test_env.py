@@ -336,7 +336,7 @@ def test_stale_tokens_are_masked_not_their_group(monkeypatch):
             with pytest.raises(TimeoutError):  # both groups dropped: none to fill the step
                 buffer.take_groups(q, 1, trainer_version=5, max_lag=1, timeout_s=0.5, stale_rule=rule)
             continue
-        assert taken.groups_dropped == 0 and taken.stale["len"]["4"] == [1, 0, 6, 2]
+        assert taken.groups_dropped == 0 and taken.stale["len"]["4"] == [1, 0, 6, 2, 0]
         batch = buffer.collate(buffer.to_samples(taken.groups, torch.zeros(1, 2)), pad_id=0)
         stale = buffer.stale_mask(batch, 5, 1)
         assert int(stale.sum()) == 2 and bool(stale[0, 1:3].all())  # the two version-3 tokens
