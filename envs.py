@@ -4,8 +4,8 @@ Role
     `load_env`/`check` (config.validate: one line per problem), `Renderer` (observations to token ids: the
     model's tokens are never re-tokenized), `run_episode` (reset -> model turn -> step -> ... -> close, with
     --max-turns, --max-episode-tokens, --env-timeout-s and the fault rules), `run_env_group` /
-    `eval_env_prompt` (what rollout.Generator calls for an env task), `EnvTask` (rows, held-out rows, scoring),
-    `episode_metrics` (the env/... keys of a step).
+    `eval_env_prompt` (what rollout.Generator calls for an env task), `EnvTask` (rows, held-out rows, scoring);
+    `episode_stats` (a group's counters; metrics.episode_metrics sums them into the env/... keys).
 Data contract
     An env is one instance per episode of a class or zero-argument factory with `reset(**row) -> str |
     list[message] | None` (what it returns follows the prompt), `step(action: str) -> (observation, reward,
@@ -25,7 +25,6 @@ import functools
 import inspect
 import math
 import numbers
-import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -510,24 +509,3 @@ class EnvTask:
     def close(self):
         self.scorer.close()
         self.env_threads.shutdown(wait=False, cancel_futures=True)
-
-
-def episode_metrics(groups) -> dict:
-    """The env/... keys of one step (empty for a run without envs)."""
-    stats = [g.episode_stats for g in groups if g.episode_stats]
-    if not stats:
-        return {}
-    turns = [t for s in stats for t in s["turns"]]
-    env_ms = sorted(1e3 * t for s in stats for t in s["env_s"])
-    tokens = sum(s["episode_tokens"] for s in stats)
-    out = {"env/turns_mean": sum(turns) / len(turns), "env/turns_max": max(turns),
-           "env/time_ms_median": statistics.median(env_ms) if env_ms else None,
-           "env/time_ms_p95": env_ms[min(len(env_ms) - 1, int(0.95 * len(env_ms)))] if env_ms else None,
-           "env/errors": sum(s["errors"] for s in stats), "env/timeouts": sum(s["timeouts"] for s in stats),
-           "env/token_frac": sum(s["env_tokens"] for s in stats) / tokens if tokens else None}
-    for reason in ("max_turns", "max_episode_tokens"):
-        out[f"env/truncated_{reason}"] = sum(s["truncated"].get(reason, 0) for s in stats)
-    lines = [line for s in stats for line in s["error_lines"]]
-    if lines:
-        out["env/error"] = lines[0]
-    return out

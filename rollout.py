@@ -3,7 +3,8 @@
 Role: streams the task's prompts (tasks.py) into the engine with continuous batching; each finished group
 is scored in a worker thread and put on the rollout queue at once. New weights are loaded from the shared
 buffer (sync.py) between engine steps, requests kept in flight ("inflight") or let finish ("drain");
-held-out evaluations (evaluation.py) run beside training requests.
+held-out evaluations (evaluation.py) run beside training requests. An env task (--env, --task reveal) runs
+each of a group's G samples as an episode, a chain of requests (envs.py: `run_env_group`, `eval_env_prompt`).
 Data contract: writes `buffer.RolloutGroup`s with vLLM's processed log-probs (the behaviour policy) and, per
 token, the version of the weights that sampled it; a group starts only if the loaded weights are at most
 --max-lag versions behind the trainer step that will consume it. Reads the buffer's version and `Control`.

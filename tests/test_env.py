@@ -17,6 +17,7 @@ import rollout
 import tasks
 import train
 from losses import policy_loss
+from metrics import episode_metrics
 from test_engine import engine_env  # noqa: F401  (the module-scoped engine: one for this module)
 from test_engine import FORCED_A, FORCED_B, drain, forcing_weights, new_generator, wait_until
 from update import completion_logprobs
@@ -297,7 +298,7 @@ def test_a_faulty_env_ends_only_its_episode(engine_env, monkeypatch):
         assert any(line == "step raised ValueError: boom" for line in stats["error_lines"])
         assert any("timed out after 0.5 s" in line for line in stats["error_lines"])
         assert any("step returned str" in line for line in stats["error_lines"])
-    metrics = envs.episode_metrics(groups)
+    metrics = episode_metrics(groups)
     assert metrics["env/errors"] == 2 * len(groups) and metrics["env/timeouts"] == len(groups)
 
 
