@@ -7,8 +7,9 @@ worker threads), 4 turns per episode, on one vLLM engine (the tiny model, 8 toke
 the same episodes on it, each for a fixed window after a warm-up:
 - pipeline: the project's generator (rollout.Generator with an env task, envs.py): every episode is its own
   chain of requests and env calls, up to 32 groups of 8 episodes in flight, the staleness gate open;
-- sync: a synchronous turn-by-turn rollout loop: a batch of 256 episodes, each turn one batched engine call for
-  every live episode, then every env step (in parallel threads), and the next turn waits for all of them.
+- sync: a synchronous turn-by-turn rollout loop: a batch of 256 episodes (sync32: of 32), each turn one batched
+  engine call for every live episode, then every env step (in parallel threads), and the next turn waits for
+  all of them.
 Reported: model tokens/s for each D and the ratio to D = 0 (goal: the pipeline keeps >= 0.9 at D = 100 ms).
 """
 from __future__ import annotations
@@ -66,7 +67,7 @@ def measure(model_path: str, warmup_s: float, window_s: float) -> dict:
     shared = prepare.allocate_shared_weights(model_path)
     engine = Generator(settings, shared, ctx.Queue(), train.make_control(ctx)).build_engine()
     loop = asyncio.new_event_loop()
-    results = {"pipeline": {}, "sync": {}}
+    results = {"pipeline": {}, "sync": {}, "sync32": {}}
 
     def pipeline(delay_ms: int) -> float:
         gen = Generator(settings, shared, queue_lib.Queue(), train.make_control(ctx))
@@ -98,7 +99,7 @@ def measure(model_path: str, warmup_s: float, window_s: float) -> dict:
         finally:
             done.set()
 
-    def sync(delay_ms: int) -> float:
+    def sync(delay_ms: int, batch_size: int = GROUP * GROUPS_IN_FLIGHT) -> float:
         gen = Generator(settings, shared, queue_lib.Queue(), train.make_control(ctx))
         gen.engine, gen.lora_request, gen.max_model_len = engine, None, 64
         tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -109,7 +110,7 @@ def measure(model_path: str, warmup_s: float, window_s: float) -> dict:
         counter = [0]
 
         async def one_batch(batch: int) -> int:
-            episodes = [SleepEnv() for _ in range(GROUP * GROUPS_IN_FLIGHT)]
+            episodes = [SleepEnv() for _ in range(batch_size)]
             for env in episodes:
                 env.reset()
             seqs, tokens = [list(start_ids) for _ in episodes], 0
@@ -144,7 +145,7 @@ def measure(model_path: str, warmup_s: float, window_s: float) -> dict:
     try:
         for delay_ms in DELAYS_MS:
             SleepEnv.delay_s = delay_ms / 1e3
-            for mode, fn in (("pipeline", pipeline), ("sync", sync)):
+            for mode, fn in (("pipeline", pipeline), ("sync", sync), ("sync32", lambda d: sync(d, 32))):
                 results[mode][str(delay_ms)] = fn(delay_ms)
                 print(f"[env_latency] {mode} D={delay_ms} ms: {results[mode][str(delay_ms)]:.0f} tokens/s",
                       flush=True)
@@ -164,13 +165,13 @@ def main(argv=None) -> int:
     ratios = {mode: {d: rates[mode][d] / rates[mode]["0"] for d in rates[mode]} for mode in rates}
     data = {"settings": {"delays_ms": list(DELAYS_MS), "turns": TURNS, "tokens_per_turn": TOKENS,
                          "episodes_in_flight": GROUP * GROUPS_IN_FLIGHT, "warmup_s": args.warmup_s,
-                         "window_s": args.window_s},
+                 "window_s": args.window_s},
             "tokens_per_s": rates, "ratio_to_d0": ratios}
     path = bench.save(data, plot)
     print()
-    print(common.table(["D (ms)", "pipeline tokens/s", "pipeline / D=0", "sync tokens/s", "sync / D=0"],
-                       [[d, rates["pipeline"][str(d)], ratios["pipeline"][str(d)], rates["sync"][str(d)],
-                         ratios["sync"][str(d)]] for d in DELAYS_MS]))
+    modes = list(rates)
+    print(common.table(["D (ms)"] + [f"{m} {what}" for m in modes for what in ("tokens/s", "/ D=0")],
+                       [[d] + [x for m in modes for x in (rates[m][str(d)], ratios[m][str(d)])] for d in DELAYS_MS]))
     print(f"goal: the pipeline keeps >= 0.9 of its D=0 throughput at D=100 ms: "
           f"{ratios['pipeline']['100']:.2f} ({'met' if ratios['pipeline']['100'] >= 0.9 else 'not met'})")
     print(bench.closing_line(path))
@@ -180,7 +181,7 @@ def main(argv=None) -> int:
 def plot(data: dict, path: Path) -> None:
     plt = common.plt()
     fig, ax = plt.subplots(1, 1, figsize=(6, 4))
-    for mode, color in (("pipeline", "#1f77b4"), ("sync", "#7f7f7f")):
+    for mode, color in (("pipeline", "#1f77b4"), ("sync", "#7f7f7f"), ("sync32", "#bcbd22")):
         ds = data["settings"]["delays_ms"]
         ax.plot(ds, [data["tokens_per_s"][mode][str(d)] for d in ds], marker="o", color=color, label=mode)
     ax.set(xlabel="env step latency D (ms)", ylabel="model tokens/s", title="generation against env latency")
