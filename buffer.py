@@ -6,10 +6,14 @@ Role
 Data contract
     - A `multiprocessing` queue of `--queue-size` groups: a full queue blocks the generator (a first bound on
       staleness and memory). Groups hold plain lists: the sender may exit before the receiver unpickles.
-    - A sample's lag = trainer version - the version of its oldest token. A group is trained whole only if
-      every sample's lag <= max_lag; otherwise it is dropped and counted (`dropped_stale`), never silently.
+    - A completion may hold environment tokens (multi-turn episodes, envs.py): `model_masks` marks the tokens
+      the model sampled; the others carry version -1 and log-prob 0 and are never trained.
+    - A token's lag = trainer version - its version; --max-lag bounds the lag of every trained token.
+      --stale-rule tokens: the tokens beyond it are masked (`stale_mask`) and a group is dropped only when
+      none of its model tokens is fresh enough; group: a group with any stale sample is dropped. Drops are
+      counted (`dropped_stale`), never silent.
     - `Batch` tensors are (num_samples, seq_len - 1), aligned with targets `input_ids[:, 1:]`; `mask` is True
-      on completion tokens. Every rank gets the same number of micro-batches (`rank_micro_batches`).
+      on model-sampled completion tokens. Every rank gets the same number of micro-batches (`rank_micro_batches`).
 May touch: the queue it is handed. Nothing of the trainer's model or the engine.
 """
 from __future__ import annotations
@@ -37,6 +41,11 @@ class RolloutGroup:
     unscored: int = 0  # samples no reward function scored (given the group's mean reward: zero advantage)
     finish_reasons: list[str] = field(default_factory=list)  # per completion: "stop" (eos or a stop string) | "length"
     epoch: int = 0  # the pass over the training prompts this group's prompt was taken in (data.walk)
+    model_masks: list[list[bool]] | None = None  # per completion token: sampled by the model (None: all were)
+    episode_stats: dict = field(default_factory=dict)  # multi-turn episodes: turns, env time, faults (envs.py)
+
+    def turns(self) -> list[int]:
+        return self.episode_stats.get("turns") or [1] * len(self.completion_ids)
 
 
 @dataclass
@@ -47,6 +56,7 @@ class Sample:
     token_versions: list[int]
     reward: float
     advantage: float
+    model_mask: list[bool] | None = None  # None: every completion token was sampled by the model
 
 
 @dataclass
@@ -97,8 +107,37 @@ def put_group(q, group: RolloutGroup, should_stop, timeout_s: float) -> float:
 
 
 def sample_lag(trainer_version: int, token_versions: list[int]) -> int:
-    """Versions between the trainer and the oldest token of a sample (0 for an empty completion)."""
-    return trainer_version - min(token_versions) if token_versions else 0
+    """Versions between the trainer and the oldest model token of a sample (0 for none; environment
+    tokens, version -1, have no age)."""
+    model = [v for v in token_versions if v >= 0]
+    return trainer_version - min(model) if model else 0
+
+
+def fresh_tokens(trainer_version: int, token_versions: list[int], max_lag: int) -> int:
+    """Model tokens of a sample at most `max_lag` versions old."""
+    return sum(1 for v in token_versions if v >= 0 and trainer_version - v <= max_lag)
+
+
+def length_bucket(n: int) -> int:
+    """The lower bound of n's power-of-two bucket (0, 1, 2, 4, 8, ...): how staleness is logged by length."""
+    return 0 if n <= 0 else 1 << (n.bit_length() - 1)
+
+
+def stale_census(groups, trainer_version: int, max_lag: int, dropped: bool, census: dict) -> None:
+    """Add the samples of `groups` to `census` = {"len": {bucket: [samples, dropped, tokens, stale tokens,
+    tokens dropped]}, "turns": {turns: [...]}}: what staleness cost, by model-token length and by turns per
+    episode (tokens: model tokens; stale: older than `max_lag`; dropped: of the samples dropped whole)."""
+    for group in groups:
+        for versions, turns in zip(group.token_versions, group.turns()):
+            model = sum(1 for v in versions if v >= 0)
+            stale = model - fresh_tokens(trainer_version, versions, max_lag)
+            for kind, key in (("len", length_bucket(model)), ("turns", turns)):
+                row = census.setdefault(kind, {}).setdefault(str(key), [0, 0, 0, 0, 0])
+                row[0] += 1
+                row[1] += int(dropped)
+                row[2] += model
+                row[3] += stale
+                row[4] += model if dropped else 0
 
 
 @dataclass
@@ -109,6 +148,7 @@ class TakeResult:
     groups_dropped: int  # groups dropped as stale (a group with any stale sample)
     wait_s: float
     groups_filtered: int = 0  # --filter-groups: groups whose rewards were all equal (no learning signal)
+    stale: dict = field(default_factory=dict)  # stale_census of every group taken, kept or dropped
 
 
 class Stopped(Exception):
@@ -117,19 +157,21 @@ class Stopped(Exception):
 
 def take_groups(q, num_groups: int, trainer_version: int, max_lag: int, timeout_s: float,
                 should_stop=lambda: False, filter_groups: bool = False, max_groups_per_step: int = 0,
-                on_drop=lambda: None) -> TakeResult:
+                on_drop=lambda: None, stale_rule: str = "group") -> TakeResult:
     """Take groups from the queue until `num_groups` of them are kept.
 
-    A group is trained whole or not at all: one with any sample older than `max_lag` is dropped (its samples
-    counted as stale), so a group's advantages are always computed over exactly the samples trained, and the
-    logged reward is the reward of what was trained. With `filter_groups` (DAPO's dynamic sampling) a group
+    stale_rule "group": a group is trained whole or not at all: one with any sample older than `max_lag` is
+    dropped (its samples counted as stale), so a group's advantages are always computed over exactly the
+    samples trained, and the logged reward is the reward of what was trained. That drops long completions
+    more often (their first tokens are the oldest). stale_rule "tokens": a group is dropped only when none
+    of its model tokens is within `max_lag`; the trainer masks the stale tokens of the others (`stale_mask`). With `filter_groups` (DAPO's dynamic sampling) a group
     whose rewards are all equal is dropped too (its advantages would all be 0). Both are replaced by the
     generator, which must learn of each one at once (`on_drop()`): its staleness gate counts the groups the
     trainer still needs, and waiting for this step's end would deadlock both. Raises TimeoutError if no group arrives for `timeout_s` seconds, `Stopped` if `should_stop()`
     turns True meanwhile, and RuntimeError if `max_groups_per_step` groups (default 20 x `num_groups`)
     arrive without enough informative ones (every prompt solved, or none ever).
     """
-    kept_groups, kept, dropped, groups_dropped, filtered, wait = [], 0, 0, 0, 0, 0.0
+    kept_groups, kept, dropped, groups_dropped, filtered, wait, census = [], 0, 0, 0, 0, 0.0, {}
     max_groups_per_step = max_groups_per_step or 20 * num_groups
     while len(kept_groups) < num_groups:
         start = time.monotonic()
@@ -143,7 +185,13 @@ def take_groups(q, num_groups: int, trainer_version: int, max_lag: int, timeout_
                 if time.monotonic() - start > timeout_s:
                     raise TimeoutError(f"no rollout group arrived for {timeout_s:.0f} s: is the generator alive?")
         wait += time.monotonic() - start
-        if any(sample_lag(trainer_version, v) > max_lag for v in group.token_versions):
+        if stale_rule == "group":
+            stale = any(sample_lag(trainer_version, v) > max_lag for v in group.token_versions)
+        else:
+            stale = any(t >= 0 for v in group.token_versions for t in v) and \
+                not any(fresh_tokens(trainer_version, v, max_lag) for v in group.token_versions)
+        stale_census([group], trainer_version, max_lag, stale, census)
+        if stale:
             dropped += len(group.token_versions)
             groups_dropped += 1
             on_drop()
@@ -157,18 +205,19 @@ def take_groups(q, num_groups: int, trainer_version: int, max_lag: int, timeout_
         else:
             kept_groups.append(group)
             kept += len(group.token_versions)
-    return TakeResult(kept_groups, kept, dropped, groups_dropped, wait, filtered)
+    return TakeResult(kept_groups, kept, dropped, groups_dropped, wait, filtered, census)
 
 
 def to_samples(groups: list[RolloutGroup], advantages: torch.Tensor) -> list[Sample]:
     """Flatten groups into samples; `advantages[g, j]` is sample j's of group g."""
     return [Sample(group.prompt_ids, group.completion_ids[j], group.behaviour_logprobs[j], group.token_versions[j],
-                   group.rewards[j], float(advantages[g, j]))
+                   group.rewards[j], float(advantages[g, j]),
+                   None if group.model_masks is None else group.model_masks[j])
             for g, group in enumerate(groups) for j in range(len(group.completion_ids))]
 
 
 def collate(samples: list[Sample], pad_id: int) -> Batch:
-    """Right-pad prompt + completion; the mask marks completion targets."""
+    """Right-pad prompt + completion; the mask marks model-sampled completion targets."""
     length = max(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
     n = len(samples)
     input_ids = torch.full((n, length), pad_id, dtype=torch.long)
@@ -181,13 +230,18 @@ def collate(samples: list[Sample], pad_id: int) -> Batch:
         input_ids[i, : p + c] = torch.tensor(s.prompt_ids + s.completion_ids, dtype=torch.long)
         attention[i, : p + c] = 1
         # the completion token at position p + t is predicted at position p + t - 1
-        mask[i, p - 1 : p - 1 + c] = True
+        mask[i, p - 1 : p - 1 + c] = True if s.model_mask is None else torch.tensor(s.model_mask, dtype=torch.bool)
         if c:
             behaviour[i, p - 1 : p - 1 + c] = torch.tensor(s.behaviour_logprobs, dtype=torch.float32)
             versions[i, p - 1 : p - 1 + c] = torch.tensor(s.token_versions, dtype=torch.long)
     advantages = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
     return Batch(input_ids, attention, input_ids[:, 1:].clone(), mask, behaviour, versions, advantages, rewards)
+
+
+def stale_mask(batch: Batch, trainer_version: int, max_lag: int) -> torch.Tensor:
+    """(B, L-1) True on trained tokens older than `max_lag` versions (stale_rule "tokens" masks them out)."""
+    return batch.mask & (trainer_version - batch.token_versions > max_lag)
 
 
 def staleness_stats(batch: Batch, trainer_version: int) -> dict:

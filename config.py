@@ -19,6 +19,7 @@ from typing import Optional
 
 import data
 import devices
+import envs
 import rewards
 import tools
 
@@ -38,6 +39,7 @@ class Config:
     sync_every: int = 1  # publish weights every N steps
     update_mode: str = "inflight"  # inflight: swap weights with requests kept running; drain: let them finish
     max_inflight_groups: int = 0  # groups generating at once; 0 = --prompts-per-step
+    stale_rule: str = "tokens"  # tokens: mask trained tokens older than --max-lag (drop a group only if none is fresh) | group: drop any group with one
     # sizes
     train_ranks: int = 1  # FSDP2 trainer ranks (processes; on GPUs one per --train-devices GPU)
     group_size: int = 8  # G completions per prompt
@@ -55,6 +57,12 @@ class Config:
     system_prompt: str = ""  # added as a system message (chat template) or a prefix (plain text)
     reward_workers: int = 0  # 0: rewards run in a thread of the generator; N: a pool of N processes
     max_prompt_tokens: int = 0  # drop longer prompts before training starts (counted); 0: only the context limits them
+    # multi-turn environments (envs.py): an episode = reset, then model turn / step until done or a limit
+    env: str = ""  # FILE.py:NAME or module:NAME: a class (or zero-argument factory) with reset(**row) and step(action)
+    max_turns: int = 4  # model turns per episode, at most (an episode cut here is truncated)
+    max_episode_tokens: int = 0  # prompt + every turn and observation of an episode, at most; 0: the model's context
+    env_timeout_s: float = 30.0  # a reset/step/get_reward/close slower than this ends its episode (counted)
+    env_workers: int = 32  # worker threads for environments whose methods are not async
     tools: str = ""  # FILE.py:fn1,fn2 | module:fn1,fn2: functions the model may call (TRL's tools=; a tool-capable chat template)
     # sampling (the trainer scores tokens with the same temperature/top-k/top-p)
     temperature: float = 1.0  # sampling temperature (> 0)
@@ -131,7 +139,7 @@ CHOICES = {"update_mode": ("inflight", "drain"), "loss": ("grpo", "dapo", "dr_gr
            "kl_kind": ("k1", "k2", "k3"), "is_level": ("token", "sequence"),
            "is_mode": ("truncate", "mask", "off"), "log_level": ("debug", "info", "warning"),
            "lr_schedule": ("constant", "linear", "cosine"), "dtype": ("auto", "bf16", "fp32"),
-           "role": ("all", "generator", "trainer")}
+           "role": ("all", "generator", "trainer"), "stale_rule": ("tokens", "group")}
 
 
 def field_help(cls) -> dict[str, tuple[str, str]]:
@@ -258,9 +266,13 @@ def validate(cfg: Config) -> None:
         problems.append(f"--model {cfg.model} is a file; give a Hugging Face model directory")
     elif cfg.model and not os.path.exists(cfg.model) and (cfg.model.startswith((".", "/", "~"))):
         problems.append(f"--model {cfg.model}: no such directory")
+    if cfg.max_turns < 1 or cfg.max_episode_tokens < 0 or cfg.env_workers < 1 or not cfg.env_timeout_s > 0:
+        problems.append(f"--max-turns and --env-workers must be >= 1, --max-episode-tokens >= 0 and --env-timeout-s "
+                        f"> 0 (got {cfg.max_turns}, {cfg.env_workers}, {cfg.max_episode_tokens}, {cfg.env_timeout_s})")
     problems += data.check_flags(cfg)  # data flags: files exist, rows complete
     problems += rewards.check(cfg)  # --reward: every function imports
     problems += tools.check(cfg)  # --tools: every function imports and has a schema
+    problems += envs.check(cfg)  # --env: it loads, has reset, and step (or tools)
     problems += remote_problems(cfg)
     problems += devices.problems(cfg)  # --gen-devices/--train-devices: parse, GPUs exist, one rank per GPU
     if problems:

@@ -33,7 +33,7 @@ GSM8K_SYSTEM_PROMPT = ("Solve the math problem step by step. "
 # The GSM8K-style task (`--task gsm8k`): a preset for the dataset task; flags given explicitly win.
 GSM8K = {"dataset": os.path.join(HERE, "data", "gsm8k_sample.jsonl"), "prompt_column": "question",
          "answer_column": "answer", "reward": "math", "system_prompt": GSM8K_SYSTEM_PROMPT}
-TASKS = ("auto", "copy", "dataset", "gsm8k")  # and rg:NAME
+TASKS = ("auto", "copy", "dataset", "gsm8k", "reveal")  # and rg:NAME; reveal: the built-in multi-turn task
 # `--task rg:NAME`: reasoning-gym's dataset NAME, generated (no download): the training rows from one seed, the
 # held-out rows from another (less any question the training rows hold). reasoning-gym seeds row i with
 # seed + i, so the two seeds lie further apart than a split is long.
@@ -70,16 +70,18 @@ def split_list(text: str) -> list[str]:
 
 
 def resolve(task="auto", dataset="", split="train", prompt_column="prompt", answer_column="answer", reward="",
-            reward_weights="", system_prompt="", reward_workers=0, eval_dataset="", eval_split="") -> DataSpec | None:
-    """The task's data settings from the flags; None for the built-in copy task. Raises DataError."""
+            reward_weights="", system_prompt="", reward_workers=0, eval_dataset="", eval_split="",
+            env="") -> DataSpec | None:
+    """The task's data settings from the flags; None for the built-in copy and reveal tasks. With `env`
+    (--env) the dataset (rows for reset) and the reward functions are optional. Raises DataError."""
     if task not in TASKS and not task.startswith(RG):
         raise DataError(f"--task must be one of {', '.join(TASKS)} or rg:NAME (got {task!r})")
     if task == "auto":
-        task = "dataset" if dataset else "copy"
-    if task == "copy":
-        if dataset or reward or eval_dataset or eval_split:
-            raise DataError("the copy task has its own data and reward (and held-out set): --dataset, --reward, "
-                            "--eval-dataset and --eval-split need --task auto, dataset or gsm8k")
+        task = "dataset" if dataset or env else "copy"
+    if task in ("copy", "reveal"):
+        if dataset or reward or eval_dataset or eval_split or env:
+            raise DataError(f"the {task} task has its own data and reward (and held-out set): --dataset, --reward, "
+                            "--eval-dataset, --eval-split and --env need --task auto, dataset or gsm8k")
         return None
     if task == "gsm8k":  # preset values for whatever was left at its default
         dataset = dataset or GSM8K["dataset"]
@@ -93,10 +95,12 @@ def resolve(task="auto", dataset="", split="train", prompt_column="prompt", answ
         dataset, prompt_column, answer_column = RG + rg_name(task), "question", "answer"
         reward = reward or "rg"
         system_prompt = system_prompt or rg_module("utils").SYSTEM_PROMPTS["default"]
-    if not dataset:
+    if not dataset and not env:
         raise DataError("--task dataset needs --dataset (a .jsonl/.json/.parquet file or a Hugging Face "
                         "dataset name)")
-    if not reward:
+    if not dataset and (eval_dataset or eval_split):
+        raise DataError("--eval-dataset / --eval-split: an --env without --dataset has its own held-out rows")
+    if not reward and not env:
         raise DataError("a dataset task needs --reward module:function (or --reward math)")
     specs = [BUILTIN_REWARDS.get(s, s) for s in split_list(reward)]
     for spec in specs:
@@ -125,7 +129,7 @@ def spec_of(settings) -> DataSpec | None:
     """`resolve` for an object with the flags as attributes (config.Config)."""
     return resolve(settings.task, settings.dataset, settings.split, settings.prompt_column, settings.answer_column,
                    settings.reward, settings.reward_weights, settings.system_prompt, settings.reward_workers,
-                   settings.eval_dataset, settings.eval_split)
+                   settings.eval_dataset, settings.eval_split, getattr(settings, "env", ""))
 
 
 def is_local(dataset: str) -> bool:
@@ -148,6 +152,8 @@ def check_flags(cfg) -> list[str]:
     if spec is None:
         refused = "--stop: the copy task ends its answers with <eos>; stop strings are for dataset tasks"
         return [refused] if cfg.stop else []
+    if not spec.dataset:  # an --env without a dataset: its rows are seeds (envs.EnvTask)
+        return []
     if is_rg(spec.dataset):  # rows it generates are always complete: only whether the dataset builds
         try:
             rg_dataset(spec.dataset, spec.split)
@@ -169,7 +175,7 @@ def check_flags(cfg) -> list[str]:
             problems.append(flagged(flag, e))
             continue
         try:
-            check_rows(rows, spec.prompt_column, spec.answer_column)
+            check_rows(rows, spec.prompt_column, spec.answer_column, required=not getattr(cfg, "env", ""))
         except DataError as e:
             problems.append(str(e).replace("\n", "\n  "))
     return list(dict.fromkeys(problems))  # the training set and the held-out set may share a problem
@@ -190,7 +196,7 @@ def has_eval_set(cfg) -> bool:
     """Whether the run has held-out prompts: the copy task always; a dataset task with --eval-dataset, or
     with a Hugging Face dataset that has a test split (or the --eval-split asked for)."""
     spec = spec_of(cfg)
-    return spec is None or eval_source(spec) is not None
+    return spec is None or not spec.dataset or eval_source(spec) is not None
 
 
 def eval_source(spec: DataSpec) -> tuple[str, str] | None:
@@ -393,15 +399,20 @@ def is_conversation(prompt) -> bool:
                                             for m in prompt)
 
 
-def check_rows(rows: list[tuple[str, dict]], prompt_column: str, answer_column: str, show: int = 5) -> None:
-    """Raise DataError naming every row (up to `show`, then a count) that lacks a usable prompt or answer."""
+def check_rows(rows: list[tuple[str, dict]], prompt_column: str, answer_column: str, show: int = 5,
+               required: bool = True) -> None:
+    """Raise DataError naming every row (up to `show`, then a count) that lacks a usable prompt or answer
+    (`required` False, for an --env's rows: either may be absent, a prompt present must be usable)."""
     bad = []
     for where, row in rows:
         if not isinstance(row, dict):
             bad.append(f"{where}: not an object (got {type(row).__name__})")
             continue
         missing = [c for c in (prompt_column, answer_column) if row.get(c) is None]
-        if missing:
+        if missing and not required:
+            if row.get(prompt_column) is None:
+                continue
+        elif missing:
             have = ", ".join(sorted(row)) or "none"
             bad.append(f"{where}: no {' and no '.join(repr(c) for c in missing)} field (columns: {have})")
             continue

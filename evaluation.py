@@ -8,7 +8,8 @@ Data contract
     - The request, `control.eval_request` = [step, version]: evaluate the weights of `version` or newer;
       only the newest request counts.
     - `EvalResult`: the step asked for, the one version evaluated, and per held-out prompt the reward of its
-      greedy completion then those of S sampled ones; pass@k is Chen et al.'s unbiased estimator.
+      greedy completion then those of S sampled ones (an env task: of its greedy and S sampled episodes, and
+      their mean turns); pass@k is Chen et al.'s unbiased estimator.
 May touch: the two eval fields of `processes.Control`. No engine, no model.
 """
 from __future__ import annotations
@@ -17,7 +18,7 @@ import math
 import queue as queue_lib
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -27,6 +28,7 @@ class EvalResult:
     rewards: list[list[float]]  # per held-out prompt: [greedy completion's reward, then the S samples' rewards]
     time_s: float = 0.0
     tokens: int = 0
+    turns: list[float] = field(default_factory=list)  # an env task: per held-out prompt, its episodes' mean turns
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -58,6 +60,8 @@ def summarize(result: EvalResult, pass_reward: float = 1.0) -> dict:
     for k in ks_for(samples):
         out[f"eval/pass@{k}"] = sum(pass_at_k(samples, sum(x >= pass_reward for x in r[1:samples + 1]), k)
                                     for r in prompts) / n
+    if result.turns:  # an env task: the greedy pass@1 is its success rate
+        out["eval/turns_mean"] = sum(result.turns) / len(result.turns)
     out["eval/time_s"] = result.time_s
     out["eval/tokens"] = result.tokens
     return out

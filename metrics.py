@@ -5,8 +5,9 @@ Role: `RunLog` lives in trainer rank 0: each step it writes a row to OUT/metrics
 Data contract
     - A row: step, version, reward, loss and the loss family's diagnostics, grad norm, lengths, per-token lag
       (mean, max, histogram), dropped samples, wait/train/publish times, generator counters, sync latency,
-      logprob_diff_on_policy, reward/<name>/... per reward function, epoch, and the eval/... keys of any
-      evaluation answered during the step (the final one lands in the last row).
+      logprob_diff_on_policy, reward/<name>/... per reward function, epoch, what staleness cost by length and
+      turns (`stale_by_len`, `stale_by_turns`), env/... for env tasks (`episode_metrics`), and the eval/...
+      keys of any evaluation answered during the step (the final one lands in the last row).
     - The summary: steps, wall_s, reward_first10 / reward_last20, token, wait, sync and eval figures, config.
     - On a resume, the rows of the steps already done are kept and the totals continue from them.
 May touch: files under `--out` only.
@@ -55,6 +56,27 @@ def evaluation_line(keys: dict) -> str:
     passes = "  ".join(f"{k[5:]} {show(v)}" for k, v in keys.items() if k.startswith("eval/pass@"))
     return (f"eval at step {keys['eval/step']} (v{keys['eval/version']}, {keys['eval/prompts']} held-out prompts): "
             f"greedy pass@1 {show(keys['eval/greedy_pass@1'])}  reward {show(keys['eval/reward'])}  {passes}")
+
+
+def episode_metrics(groups) -> dict:
+    """The env/... keys of one step (empty for a run without envs)."""
+    stats = [g.episode_stats for g in groups if g.episode_stats]
+    if not stats:
+        return {}
+    turns = [t for s in stats for t in s["turns"]]
+    env_ms = sorted(1e3 * t for s in stats for t in s["env_s"])
+    tokens = sum(s["episode_tokens"] for s in stats)
+    out = {"env/turns_mean": sum(turns) / len(turns), "env/turns_max": max(turns),
+           "env/time_ms_median": statistics.median(env_ms) if env_ms else None,
+           "env/time_ms_p95": env_ms[min(len(env_ms) - 1, int(0.95 * len(env_ms)))] if env_ms else None,
+           "env/errors": sum(s["errors"] for s in stats), "env/timeouts": sum(s["timeouts"] for s in stats),
+           "env/token_frac": sum(s["env_tokens"] for s in stats) / tokens if tokens else None}
+    for reason in ("max_turns", "max_episode_tokens"):
+        out[f"env/truncated_{reason}"] = sum(s["truncated"].get(reason, 0) for s in stats)
+    lines = [line for s in stats for line in s["error_lines"]]
+    if lines:
+        out["env/error"] = lines[0]
+    return out
 
 
 class RunLog:
@@ -133,7 +155,9 @@ class RunLog:
         row.update(summarize_rewards([g.reward_stats for g in taken.groups]), completion_len_min=int(lengths.min()),
                    completion_len_max=int(lengths.max()), unscored=sum(g.unscored for g in taken.groups),
                    gen_reward_s=gen.get("reward_s"), **{f"lag_hist/{k}": int(n) for k, n in enumerate(lags)},
-                   epoch=max(g.epoch for g in taken.groups))
+                   epoch=max(g.epoch for g in taken.groups), **episode_metrics(taken.groups))
+        # what staleness cost, by model-token length bucket and by turns (buffer.stale_census)
+        row.update(stale_by_len=taken.stale.get("len", {}), stale_by_turns=taken.stale.get("turns", {}))
         for result in evals:  # usually none; two answers in one step: the row keeps the newer
             self.evals.append(evaluation.summarize(result, self.cfg.eval_pass_reward))
             row.update(self.evals[-1])

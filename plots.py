@@ -4,8 +4,8 @@ Role: called by train.py when a run finishes (a failure only warns), or by hand 
 while it runs: `python plots.py runs/latest`. Matplotlib (Agg); needs neither vLLM nor torch.
 Data contract: reads the rows metrics.py writes: `step`, `reward`, `reward/<name>/mean`, `eval/...` (plotted
 at `eval/step`), `completion_len` (+ `_min`, `_max`), `lag_hist/<k>` (older runs: `lag_max`), `sync_ms`,
-`epoch`. A missing key leaves its panel empty. Six panels: reward, held-out evaluation, completion length,
-staleness, sync latency, epochs.
+`epoch`, `env/...` and `stale_by_turns` (env runs). A missing key leaves its panel empty. Six panels: reward,
+held-out evaluation, completion length, staleness, sync latency, epochs (env runs: episodes instead).
 May touch: OUT/plots.png only.
 """
 from __future__ import annotations
@@ -85,21 +85,43 @@ def plot_run(out_dir: str) -> str | None:
     ax_sync.set(title="sync latency (publish -> serving)", xlabel="step", ylabel="ms")
 
     epochs = [(r["step"], r["epoch"]) for r in rows if r.get("epoch") is not None]
-    if epochs:
+    if any("env/turns_mean" in r for r in rows):  # an env run: its episodes in place of the epochs
+        plot_episodes(ax_epoch, rows)
+    elif epochs:
         xs, ys = zip(*epochs)
         ax_epoch.step(xs, ys, where="post", color="tab:brown")
         ax_epoch.set_ylim(-0.1, max(ys) + 0.5)
-    ax_epoch.set(title="epoch (passes over the training prompts)", xlabel="step")
+        ax_epoch.set(title="epoch (passes over the training prompts)", xlabel="step")
 
     for ax in (ax_reward, ax_eval, ax_len, ax_lag, ax_sync, ax_epoch):
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax_epoch.yaxis.set_major_locator(MaxNLocator(integer=True))
     fig.suptitle(os.path.abspath(out_dir), fontsize=9)
     fig.tight_layout()
     path = os.path.join(out_dir, "plots.png")
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def plot_episodes(ax, rows: list[dict]) -> None:
+    """The episodes panel (env runs): turns per episode, the share of tokens the env wrote, faults and cuts."""
+    steps = [r["step"] for r in rows if "env/turns_mean" in r]
+    env_rows = [r for r in rows if "env/turns_mean" in r]
+    ax.plot(steps, [r["env/turns_mean"] for r in env_rows], color="tab:brown", lw=1.5, label="turns per episode")
+    ax.set(title="episodes", xlabel="step", ylabel="turns")
+    right = ax.twinx()
+    right.plot(steps, [r.get("env/token_frac") or 0 for r in env_rows], color="tab:gray", lw=1, label="env token share")
+    episodes = [sum(v[0] for v in (r.get("stale_by_turns") or {}).values()) or 1 for r in env_rows]
+    for key, color, label in (("env/truncated_max_turns", "tab:red", "cut by --max-turns"),
+                              ("env/truncated_max_episode_tokens", "tab:orange", "cut by --max-episode-tokens"),
+                              ("env/errors", "k", "env errors + timeouts")):
+        values = [(r.get(key) or 0) + (r.get("env/timeouts") or 0 if key == "env/errors" else 0) for r in env_rows]
+        right.plot(steps, [v / n for v, n in zip(values, episodes)], color=color, lw=1, ls="--", label=label)
+    right.set_ylim(0, 1.02)
+    right.set_ylabel("share of episodes / tokens")
+    lines = ax.get_legend_handles_labels()
+    more = right.get_legend_handles_labels()
+    ax.legend(lines[0] + more[0], lines[1] + more[1], fontsize=7)
 
 
 def plot_reward(ax_reward, rows: list[dict], steps: list[int], window: int) -> None:

@@ -27,6 +27,7 @@ from torch.distributed import TCPStore
 
 import data
 import devices
+import envs
 import metrics
 import prepare
 import processes
@@ -403,7 +404,9 @@ def run_generator(cfg) -> int:
     if not problem:
         run = settings.cfg
         problem = "; ".join(engine_problems(settings.model, placement["device"] == "cuda", run.max_model_len,
-                                            run.max_new_tokens, run.kv_cache_mb, run.dtype))
+                                            run.max_new_tokens, run.kv_cache_mb, run.dtype)
+                            # episodes run here: the --env must load on this machine too
+                            + [f"on the generator node: {p}" for p in envs.check(run)])
     if problem:
         print(f"error: {problem}", file=sys.stderr, flush=True)
         bridge.link.close("error", f"cannot serve: {problem}")

@@ -48,19 +48,20 @@ def check(cfg) -> list[str]:
 
 def load_module(module_name: str, what: str):
     """`path/to/file.py` or an importable module name -> the module (a file is loaded once per process, as
-    `reward_<file name>`). `what` names the flag and value in the one-line DataError ("--reward x.py:f")."""
+    `user_<file name>`: --reward, --env and --tools naming one file share it). `what` names the flag and value
+    in the one-line DataError ("--reward x.py:f")."""
     try:
         if module_name.endswith(".py"):
             path = os.path.abspath(os.path.expanduser(module_name))
             if not os.path.isfile(path):
                 raise DataError(f"{what}: no such file {module_name}")
-            name = "reward_" + os.path.splitext(os.path.basename(path))[0]
-            module = sys.modules.get(name)
+            key = "user_" + os.path.splitext(os.path.basename(path))[0]
+            module = sys.modules.get(key)
             if module is None or getattr(module, "__file__", None) != path:
-                loader_spec = importlib.util.spec_from_file_location(name, path)
+                loader_spec = importlib.util.spec_from_file_location(key, path)
                 module = importlib.util.module_from_spec(loader_spec)
                 loader_spec.loader.exec_module(module)
-                sys.modules[name] = module
+                sys.modules[key] = module
             return module
         if os.getcwd() not in sys.path:  # `--reward my_rewards:f` with my_rewards.py where you run from
             sys.path.append(os.getcwd())
@@ -71,18 +72,23 @@ def load_module(module_name: str, what: str):
         raise DataError(f"{what}: cannot import {module_name} ({type(e).__name__}: {e})") from None
 
 
+def load_object(spec: str, flag: str, what: str = "function"):
+    """`module:NAME` or `path/to/file.py:NAME` -> the object it names (a --reward function, an --env class).
+    Raises DataError in one line, worded with `flag`."""
+    module_name, _, name = spec.rpartition(":")
+    if not module_name or not name:
+        raise DataError(f"{flag} {spec!r}: expected module:{what} or path/to/file.py:{what}")
+    found = getattr(load_module(module_name, f"{flag} {spec}"), name, None)
+    if found is None:
+        raise DataError(f"{flag} {spec}: {module_name} has no {name!r}")
+    return found
+
+
 def load_reward(spec: str):
     """`module:function`, `path/to/file.py:function` or a built-in name -> the function. Raises DataError."""
-    spec = BUILTIN_REWARDS.get(spec, spec)
-    module_name, _, func_name = spec.rpartition(":")
-    if not module_name or not func_name:
-        raise DataError(f"--reward {spec!r}: expected module:function or path/to/file.py:function")
-    module = load_module(module_name, f"--reward {spec}")
-    func = getattr(module, func_name, None)
-    if func is None:
-        raise DataError(f"--reward {spec}: {module_name} has no {func_name!r}")
+    func = load_object(BUILTIN_REWARDS.get(spec, spec), "--reward", "function")
     if not callable(func):
-        raise DataError(f"--reward {spec}: {module_name}.{func_name} is not callable")
+        raise DataError(f"--reward {spec}: {spec.rpartition(':')[2]} is not callable")
     return func
 
 
@@ -212,16 +218,20 @@ class Scorer:
                                             initializer=_worker_init, initargs=(self.specs, os.getcwd()))
 
     def score(self, prompt, completions: list[str], completion_ids: list[list[int]], columns: dict,
-              step: int = 0) -> tuple[list[float], dict, int]:
-        """(rewards, {name: stats}, unscored) for one group. Never raises for a faulty reward function."""
+              step: int = 0, first: tuple = (), extra: dict | None = None) -> tuple[list[float], dict, int]:
+        """(rewards, {name: stats}, unscored) for one group. Never raises for a faulty reward function.
+        `first`: (name, weight, values) terms added before the functions' (an episode's environment reward);
+        `extra`: keyword arguments for the functions beyond TRL's (in a thread only: `environments=`)."""
         n = len(completions)
         kwargs = reward_kwargs(prompt, completions, completion_ids, columns, step)
         if self.pool is not None:
-            results = self.pool.submit(_worker_score, kwargs, n).result()
+            results = self.pool.submit(_worker_score, kwargs, n).result() if self.funcs else []
         else:
-            results = _score_all(self.funcs, kwargs, n)
+            results = _score_all(self.funcs, {**kwargs, **(extra or {})}, n)
+        names, weights = [t[0] for t in first] + self.names, [t[1] for t in first] + self.weights
+        results = [call_reward(lambda values=t[2]: values, n, {}) for t in first] + results
         stats = {}
-        for name, (values, st, fault) in zip(self.names, results):
+        for name, (values, st, fault) in zip(names, results):
             stats[name] = st
             kinds = [("error", fault)] if fault else []
             if st["invalid"]:
@@ -231,7 +241,7 @@ class Scorer:
                     self.warned.add((name, kind))
                     self.log(f"[reward] {name}: {message}\n[reward] (those samples get no value from {name}; "
                              f"counted in reward/{name}/errors and none_frac, reported once)")
-        rewards, unscored = combine([r[0] for r in results], self.weights, n)
+        rewards, unscored = combine([r[0] for r in results], weights, n)
         return rewards, stats, unscored
 
     def close(self):

@@ -3,7 +3,8 @@
 Role: streams the task's prompts (tasks.py) into the engine with continuous batching; each finished group
 is scored in a worker thread and put on the rollout queue at once. New weights are loaded from the shared
 buffer (sync.py) between engine steps, requests kept in flight ("inflight") or let finish ("drain");
-held-out evaluations (evaluation.py) run beside training requests.
+held-out evaluations (evaluation.py) run beside training requests. An env task (--env, --task reveal) runs
+each of a group's G samples as an episode, a chain of requests (envs.py: `run_env_group`, `eval_env_prompt`).
 Data contract: writes `buffer.RolloutGroup`s with vLLM's processed log-probs (the behaviour policy) and, per
 token, the version of the weights that sampled it; a group starts only if the loaded weights are at most
 --max-lag versions behind the trainer version that will consume it (its step less the steps skipped). Reads the buffer's version and `Control`.
@@ -12,6 +13,7 @@ May touch: its engine, the queue, the shared buffer (read only), `Control`. Noth
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import queue as queue_lib
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 from transformers import AutoConfig, AutoTokenizer
 
 import data
+import envs
 from buffer import RolloutGroup, put_group
 from config import Config
 from devices import torch_dtype
@@ -174,14 +177,16 @@ class Generator:
         self.engine = AsyncLLM.from_engine_args(args)
         return self.engine
 
-    def request_params(self, **sampling):
-        """vLLM's SamplingParams for one request: final output only, the run's stop strings and length."""
+    def request_params(self, max_tokens: int | None = None, **sampling):
+        """vLLM's SamplingParams for one request: final output only, the run's stop strings and length
+        (an episode's turn: what is left of its budget, at most --max-new-tokens)."""
         from vllm import SamplingParams  # the generator process only (see build_engine)
         from vllm.sampling_params import RequestOutputKind
 
         # Detokenizing every token costs the front end CPU time; a task scored by token ids skips it (stop
         # strings are matched in the text: they need it).
-        return SamplingParams(**sampling, max_tokens=self.cfg.max_new_tokens, output_kind=RequestOutputKind.FINAL_ONLY,
+        return SamplingParams(**sampling, max_tokens=max_tokens or self.cfg.max_new_tokens,
+                              output_kind=RequestOutputKind.FINAL_ONLY,
                               stop=list(self.s.stop) or None, detokenize=self.task.needs_text or bool(self.s.stop))
 
     def sampling_params(self, group_id: int):
@@ -215,11 +220,12 @@ class Generator:
         control.eval_results (never the rollout queue). The loop loads no weights while this runs."""
         t0, version = time.perf_counter(), self.loaded_version
         prompts = self.task.held_out[: self.cfg.eval_prompts]
-        rewards = await asyncio.gather(*(self.eval_prompt(step, i, p, version) for i, p in enumerate(prompts)))
-        tokens = sum(n for _, n in rewards)
+        evaluate = functools.partial(envs.eval_env_prompt, self) if self.task.is_env else self.eval_prompt
+        results = await asyncio.gather(*(evaluate(step, i, p, version) for i, p in enumerate(prompts)))
+        tokens = sum(r[1] for r in results)
         self.stats["eval_tokens"] = self.stats.get("eval_tokens", 0) + tokens
-        self.control.eval_results.put(EvalResult(step, version, [r for r, _ in rewards],
-                                                 time.perf_counter() - t0, tokens))
+        self.control.eval_results.put(EvalResult(step, version, [r[0] for r in results], time.perf_counter() - t0,
+                                                 tokens, [r[2] for r in results if len(r) > 2]))
 
     async def eval_prompt(self, step: int, i: int, prompt: Prompt, version: int) -> tuple[list[float], int]:
         """[reward of the greedy completion, rewards of the samples] for one held-out prompt, and its tokens."""
@@ -260,6 +266,9 @@ class Generator:
             self.wake.set()
 
     async def run_group(self, group_id: int, prompt: Prompt, epoch: int = 0):
+        if self.task.is_env:  # G episodes, each its own chain of requests (envs.py)
+            await self.enqueue(await envs.run_env_group(self, group_id, prompt, epoch))
+            return
         final = None
         self._count_generating(+1)
         try:
@@ -279,15 +288,20 @@ class Generator:
         # Rewards run in worker threads (or the task's process pool), never on this event loop.
         rewards, reward_stats, unscored = await asyncio.get_running_loop().run_in_executor(
             self.reward_threads, self.task.score, prompt, texts, completions, self.loaded_version)
-        self.stats["reward_s"] = self.stats.get("reward_s", 0.0) + sum(s["time_s"] for s in reward_stats.values())
-        self.stats["unscored"] = self.stats.get("unscored", 0) + unscored
-        self.stats["groups"] += 1  # counted with its tokens once scored (a run stopping mid-score drops it)
-        self.stats["tokens"] += sum(map(len, completions))
-        gen_stats = dict(self.stats, sync_ms=self.sync_ms, sync_parts=self.sync_parts,
-                         loaded_version=self.loaded_version)
         group = RolloutGroup(group_id, prompt.prompt_ids, completions, logprobs, versions, rewards, prompt.answer,
-                             gen_stats=gen_stats, reward_stats=reward_stats, unscored=unscored, epoch=epoch,
+                             reward_stats=reward_stats, unscored=unscored, epoch=epoch,
                              finish_reasons=[c.finish_reason for c in sorted(final.outputs, key=lambda c: c.index)])
+        await self.enqueue(group)
+
+    async def enqueue(self, group: RolloutGroup):
+        """Count a scored group and put it on the rollout queue, stamped with the generator's counters."""
+        self.stats["reward_s"] = self.stats.get("reward_s", 0.0) + sum(s["time_s"] for s in group.reward_stats.values())
+        self.stats["unscored"] = self.stats.get("unscored", 0) + group.unscored
+        self.stats["groups"] += 1  # counted with its tokens once scored (a run stopping mid-score drops it)
+        self.stats["tokens"] += sum(map(sum, group.model_masks)) if group.model_masks is not None else \
+            sum(map(len, group.completion_ids))
+        group.gen_stats = dict(self.stats, sync_ms=self.sync_ms, sync_parts=self.sync_parts,
+                               loaded_version=self.loaded_version)
         self.sync_ms, self.sync_parts = [], []
         try:  # usually there is room: no thread hop (mp.Queue.put only hands the group to its feeder thread)
             self.queue.put_nowait(group)
@@ -377,8 +391,8 @@ class Generator:
             self.wake.set()
 
     async def run(self):
-        max_len = getattr(getattr(self.engine, "model_config", None), "max_model_len", None)
-        self.task = make_task(self.cfg, AutoTokenizer.from_pretrained(self.s.model), max_len)
+        self.max_model_len = getattr(getattr(self.engine, "model_config", None), "max_model_len", None)
+        self.task = make_task(self.cfg, AutoTokenizer.from_pretrained(self.s.model), self.max_model_len)
         self.stats.update(train_prompts=len(self.task.prompts), held_out_prompts=len(self.task.held_out),
                           prompts_dropped_long=self.task.dropped_long)
         # One scoring thread (user reward functions need not be thread-safe); with a process pool, one

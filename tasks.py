@@ -1,7 +1,8 @@
 """tasks.py — what the generator trains on: the built-in copy task, dataset tasks, and the tiny model.
 
 Role
-    `make_task(settings, tokenizer, max_len)` returns the task the flags ask for; the generator sees only
+    `make_task(settings, tokenizer, max_len)` returns the task the flags ask for (an --env or the built-in
+    multi-turn `reveal` task: envs.EnvTask, `is_env` True, scored per episode); the generator sees only
         prompts: list[Prompt]   training prompts, encoded, too-long ones dropped (walked in epochs, data.walk)
         held_out: list[Prompt]  held-out prompts in a fixed order (evaluation takes the first K)
         score(prompt, completion_texts, completion_ids, step) -> (rewards, {name: stats}, unscored)
@@ -97,6 +98,7 @@ class Prompt:
     answer: str
     columns: dict = field(default_factory=dict)  # keyword arguments for reward functions (the row's columns)
     prompt: object = None  # the prompt as the dataset gives it (text or messages): what rewards see
+    row: dict = field(default_factory=dict)  # an env task: reset's keyword arguments (the row's columns)
 
 
 def is_held_out(letters: str) -> bool:
@@ -123,6 +125,12 @@ def drop_long(prompts: list[Prompt], limit: int | None, what: str) -> tuple[list
     return kept, dropped
 
 
+def match_score(prediction, answer: str) -> float:
+    """Matching positions / max(len(prediction), len(answer)): partial credit, and never stopping does not pay."""
+    matches = sum(p == a for p, a in zip(prediction, answer))
+    return matches / max(len(prediction), len(answer), 1)
+
+
 class CopyTask:
     """Copy 3 letters: `<bos>abc=` -> `abc<eos>`. Reward: matching positions / max(len(prediction), len(answer)),
     the prediction being the tokens before the first `<eos>` (never stopping does not pay). Of the 1000 triples
@@ -130,6 +138,7 @@ class CopyTask:
 
     names = ["copy"]
     needs_text = False  # scored by token ids: vLLM need not detokenize
+    is_env = False
 
     def __init__(self, tokenizer, limit: int | None = None):
         self.tokenizer = tokenizer
@@ -153,8 +162,7 @@ class CopyTask:
             if token_id == self.eos_id:
                 break
             prediction.append(self.id_to_token.get(token_id, "?"))
-        matches = sum(p == a for p, a in zip(prediction, answer))
-        return matches / max(len(prediction), len(answer), 1)
+        return match_score(prediction, answer)
 
     def score(self, prompt: Prompt, completion_texts, completion_ids, step: int = 0):
         t0 = time.perf_counter()
@@ -175,6 +183,7 @@ class DatasetTask:
     tokens are dropped up front, counted and reported once. Held-out prompts come from data.eval_source."""
 
     needs_text = True  # reward functions get completion texts (TRL's convention)
+    is_env = False
 
     def __init__(self, spec, tokenizer, limit: int | None = None):
         self.spec, self.tokenizer = spec, tokenizer
@@ -207,8 +216,42 @@ class DatasetTask:
         self.scorer.close()
 
 
+class RevealEnv:
+    """The built-in multi-turn task (`--task reveal`): a hidden word of 3 letters that only the environment
+    shows, and only when asked. The prompt is `<bos>=`. A model turn that contains `+` asks: the env answers
+    with the word and `=` (`abc=`), and scores the next turn like the copy task (partial credit; done). Any
+    other turn gets `_=` (nothing shown) and costs a turn of --max-turns. So the reward can only be earned by
+    acting (asking), then using what the env revealed. The words are the copy task's triples and split."""
+
+    async def reset(self, secret: str, **row):  # async: pure Python, no thread hop per call
+        self.secret, self.revealed = secret, False
+        return "<bos>="
+
+    async def step(self, action: str):
+        if self.revealed:
+            return None, match_score(action, self.secret), True
+        if "+" in action:
+            self.revealed = True
+            return f"{self.secret}=", 0.0, False
+        return "_=", 0.0, False
+
+
+def reveal_rows() -> tuple[list[dict], list[dict]]:
+    """(training rows, held-out rows) of the reveal task: {"secret": triple}, held out as the copy task."""
+    triples = ["".join(t) for t in itertools.product(LETTERS, repeat=COPY_LENGTH)]
+    return ([{"secret": t} for t in triples if not is_held_out(t)],
+            [{"secret": t} for t in triples if is_held_out(t)])
+
+
 def make_task(settings, tokenizer, max_len: int | None = None):
-    """The task the run's flags ask for: the copy task (default) or a dataset task (--dataset / --task)."""
+    """The task the run's flags ask for: the copy task (default), a dataset task (--dataset / --task), or an
+    env task (--env, --task reveal)."""
+    if settings.task == "reveal" or settings.env:
+        import envs  # (it imports this module's Prompt)
+
+        if settings.task == "reveal":
+            return envs.EnvTask(settings, tokenizer, RevealEnv, reveal_rows())
+        return envs.EnvTask(settings, tokenizer)
     spec = data.spec_of(settings)
     limit = prompt_limit(settings.max_prompt_tokens, max_len, settings.max_new_tokens)
     if spec is None:

@@ -123,6 +123,8 @@ def train(r: Rank) -> int:
         rewards, truncated = shaped_rewards(taken.groups, cfg)
         advantages = group_advantages(rewards, scale=cfg.adv_scale)
         batch = buffer.collate(buffer.to_samples(taken.groups, advantages), r.pad_id)
+        stale = buffer.stale_mask(batch, r.version, cfg.max_lag)  # (none left with --stale-rule group)
+        batch.mask &= ~stale  # --max-lag bounds every trained token's age
         if cfg.overlong_filter:  # cut completions add no loss (and no tokens to the normalisation)
             batch.mask &= ~truncated.flatten()[:, None]
         lr = learning_rate(step, cfg)
@@ -145,7 +147,7 @@ def train(r: Rank) -> int:
         train_s = time.perf_counter() - t_step
         evals = evaluate(r, step, last)
         if r.log is not None:
-            result.metrics.update(lr=lr, truncated_frac=float(truncated.float().mean()),
+            result.metrics.update(lr=lr, truncated_frac=float(truncated.float().mean()), stale_masked_tokens=int(stale.sum()),
                                   groups_filtered=taken.groups_filtered,
                                   overlong_penalty=float((rewards - torch.tensor([g.rewards for g in taken.groups])).mean()))
             if hasattr(r.rollout_queue, "metrics"):  # remote.TrainerLink: the queue bound, the weights' send
@@ -166,7 +168,7 @@ def take_batch(r: Rank):
         try:
             taken = buffer.take_groups(r.rollout_queue, r.cfg.prompts_per_step, r.version, r.cfg.max_lag,
                                        r.cfg.timeout_s, should_stop=r.control.stop.is_set,
-                                       filter_groups=r.cfg.filter_groups,
+                                       filter_groups=r.cfg.filter_groups, stale_rule=r.cfg.stale_rule,
                                        on_drop=functools.partial(count_dropped_group, r.control))
         except buffer.Stopped:
             taken = None

@@ -37,13 +37,17 @@ def learning_rate(step: int, cfg: Config) -> float:
 
 def shaped_rewards(groups, cfg: Config):
     """(num_groups, group_size) rewards the advantages are computed from: the task's, plus DAPO's soft overlong
-    penalty with --overlong-penalty; and which samples were cut at --max-new-tokens."""
+    penalty with --overlong-penalty; and which samples were cut at --max-new-tokens (an episode: cut by
+    --max-turns or --max-episode-tokens; its penalty counts model tokens against --max-turns x --max-new-tokens)."""
     rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)
-    lengths = torch.tensor([[len(c) for c in g.completion_ids] for g in groups], dtype=torch.float32)
+    lengths = torch.tensor([[len(c) for c in g.completion_ids] if g.model_masks is None else list(map(sum, g.model_masks))
+                            for g in groups], dtype=torch.float32)
+    episodes = any(g.model_masks is not None for g in groups)
     truncated = torch.tensor([[reason == "length" for reason in g.finish_reasons or ["stop"] * len(g.rewards)]
                               for g in groups])
     if cfg.overlong_penalty:
-        rewards = rewards + overlong_penalty(lengths, cfg.max_new_tokens, cfg.overlong_penalty)
+        budget = cfg.max_new_tokens * (cfg.max_turns if episodes else 1)
+        rewards = rewards + overlong_penalty(lengths, budget, cfg.overlong_penalty)
     return rewards, truncated
 
 

@@ -304,7 +304,7 @@ def test_stop_strings_end_generation_and_reach_the_reward_and_the_mask(engine_en
         await task
 
     env["loop"].run_until_complete(scenario())
-    seen = dict((ids, text) for text, ids in sys.modules["reward_capture_rewards"].SEEN)
+    seen = dict((ids, text) for text, ids in sys.modules["user_capture_rewards"].SEEN)
     groups = drain(gen.queue)
     tok = tokenizer
     stopped = 0
