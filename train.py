@@ -20,7 +20,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint as recompute
@@ -66,31 +66,41 @@ def build_reference_model(model_path, world_size, device="cpu", dtype=devices.MA
 
 
 def load_sharded(model_path, world_size, device, dtype, wrap=None, **shard_options):
-    """Rank 0 reads the weights; the other ranks build the same model on the meta device (no memory), then
-    every rank shards it (FSDP2) and receives its own rows of rank 0's weights, and rank 0's buffers (the
-    rotary `inv_freq` is in no state dict: built on the meta device it would be garbage). `wrap` (LoRA)
-    runs before sharding, on every rank: rank 0's initial adapter is the one every rank gets."""
+    """Rank 0 reads the weights; every rank builds the same model on the meta device, shards it (FSDP2),
+    allocates its own shards only and receives them from rank 0, one tensor at a time (rank 0 frees each
+    as it goes), then rank 0's buffers (the rotary `inv_freq` is in no state dict: built on the meta device
+    it would be garbage). `wrap` (LoRA) runs before sharding: rank 0's initial adapter is every rank's."""
     device = torch.device(device)
     reads = world_size == 1 or dist.get_rank() == 0
-    if reads:
+    if world_size == 1:
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
-    else:
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path), dtype=dtype)
+        model = wrap(model) if wrap is not None else model
+        return shard_layers_and_root(model, lora.base_model_of(model).model.layers, 1, device, **shard_options)
+    full, buffers = {}, {}
+    if reads:
+        loaded = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+        loaded = wrap(loaded) if wrap is not None else loaded
+        full, buffers = dict(loaded.state_dict()), dict(loaded.named_buffers())
+        del loaded  # only `full` holds the weights now: each goes once it is sent
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path), dtype=dtype)
     model.eval()  # as from_pretrained leaves it (dropout off)
-    if wrap is not None:
-        model = wrap(model)
-    full = dict(model.state_dict()) if reads else {}  # rank 0's whole tensors, before sharding replaces them
+    model = wrap(model) if wrap is not None else model
     model = shard_layers_and_root(model, lora.base_model_of(model).model.layers, world_size, device,
                                   **shard_options)
-    if world_size == 1:
-        return model
-    if not reads:
-        model.to_empty(device=device)
-    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    del full
-    for buffer in model.buffers():
-        dist.broadcast(buffer, src=0)
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, param in model.state_dict(keep_vars=True).items():
+            if not isinstance(param, DTensor):
+                continue  # buffers: below
+            value = full.pop(name) if reads else torch.empty(param.shape, dtype=param.dtype)
+            shard = distribute_tensor(value.to(device), param.device_mesh, param.placements, src_data_rank=0)
+            param.to_local().copy_(shard.to_local())
+            del value, shard
+        for name, buffer in model.named_buffers():
+            if reads:
+                buffer.copy_(buffers[name])
+            dist.broadcast(buffer, src=0)
     return model
 
 
