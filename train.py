@@ -93,7 +93,7 @@ def load_sharded(model_path, world_size, device, dtype, wrap=None, **shard_optio
         for name, param in model.state_dict(keep_vars=True).items():
             if not isinstance(param, DTensor):
                 continue  # buffers: below
-            value = full.pop(name) if reads else torch.empty(param.shape, dtype=param.dtype)
+            value = full.pop(name) if reads else torch.empty(param.shape, dtype=param.dtype, device=device)
             shard = distribute_tensor(value.to(device), param.device_mesh, param.placements, src_data_rank=0)
             param.to_local().copy_(shard.to_local())
             del value, shard
