@@ -164,7 +164,7 @@ def test_sigkill_while_writing_or_replacing_leaves_complete_checkpoints_only(tmp
     out = str(tmp_path / "run")
     script = tmp_path / "writer.py"
     script.write_text(WRITER.format(repo=REPO))
-    for delay in (0.15, 0.45, 0.8):
+    for delay in (0.2, 0.6):
         proc = subprocess.Popen([sys.executable, str(script), out], stdout=subprocess.PIPE, text=True)
         for line in proc.stdout:  # wait for one complete checkpoint, then kill inside a later write
             if line.startswith("saved"):
