@@ -44,14 +44,18 @@ from update import learning_rate, shaped_rewards, update_on_batch
 # ----------------------------------------------------------------------------------------------------
 # The trainer's models
 # ----------------------------------------------------------------------------------------------------
-def build_trainer_model(model_path, world_size, device="cpu", lora_config=None, seed=0,
+def build_trainer_model(model_path, world_size, device="cpu", lora_config=None, adapter_dir="", seed=0,
                         compute_dtype=devices.MASTER_DTYPE):
     """The model under FSDP2 (one copy of the weights per node while loading: see `load_sharded`); with a
-    LoRA config, wrapped in a trainable adapter first and the base weights frozen. The parameters (master
+    LoRA config, wrapped in a trainable adapter first (its weights from `adapter_dir` if given) and the
+    base weights frozen. The parameters (master
     weights), their gradients and the optimizer state stay fp32; with `compute_dtype` bf16, FSDP2's mixed
     precision gathers the parameters in bf16 for forward and backward and reduces gradients in fp32 (verl's
     recipe). A resume loads its checkpoint into this model afterwards (checkpoint.load_trainer_state)."""
-    wrap = (lambda model: lora.wrap(model, lora_config, seed)) if lora_config is not None else None
+    def wrap(model):  # the rank that reads the weights reads the adapter's too; it sends both
+        return lora.wrap(model, lora_config, seed, "" if model.device.type == "meta" else adapter_dir)
+
+    wrap = wrap if lora_config is not None else None
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=devices.MASTER_DTYPE)
     return load_sharded(model_path, world_size, device, devices.MASTER_DTYPE, wrap, mp_policy=policy)
 
@@ -287,7 +291,7 @@ def start_rank(cfg: Config, prepared: prepare.Prepared, rank: int, world_size: i
     lora_config = lora.peft_config(cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets) \
         if cfg.lora_rank else None
     resume_dir = prepared.resume_dir
-    model = build_trainer_model(prepared.base_model, world_size, device, lora_config, cfg.seed,
+    model = build_trainer_model(prepared.base_model, world_size, device, lora_config, seed=cfg.seed,
                                 compute_dtype=serving_dtype)
     if cfg.grad_checkpointing:
         checkpoint_layers(model)
