@@ -119,8 +119,10 @@ class Config:
     lora_targets: str = "all-linear"  # the modules the adapter wraps: all-linear, or names such as q_proj,v_proj
     merge_at_end: bool = False  # with --lora-rank: also write OUT/model, the base model with the adapter merged in
     # checkpoints and faults
-    save_every: int = 0  # write a checkpoint every N steps (0: only when interrupted)
+    save_every: int = 0  # write a checkpoint every N steps (0: only when interrupted); each rank writes its own shards
     keep_checkpoints: int = 2  # newest checkpoints kept (0: all)
+    save_hf_every: int = 0  # also write OUT/model (with --lora-rank OUT/adapter) every N steps (0: at the end only)
+    save_timeout_s: float = 1800.0  # longest a save may take: ranks wait this long for each other around one, and a stopping run for it
     resume: str = ""  # a checkpoint folder, or "latest" (the newest under OUT/checkpoints)
     max_bad_steps: int = 10  # steps skipped for NaN/inf loss or gradients before the run stops
     # logging
@@ -208,8 +210,10 @@ def validate(cfg: Config) -> None:
             problems.append(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(cfg, name)})")
     if cfg.micro_batch_tokens < 0:
         problems.append(f"--micro-batch-tokens must be >= 0 (0: each rank's whole share at once; got {cfg.micro_batch_tokens})")
-    if cfg.save_every < 0 or cfg.keep_checkpoints < 0 or cfg.max_bad_steps < 0:
-        problems.append("--save-every, --keep-checkpoints and --max-bad-steps must be >= 0")
+    if cfg.save_every < 0 or cfg.keep_checkpoints < 0 or cfg.max_bad_steps < 0 or cfg.save_hf_every < 0:
+        problems.append("--save-every, --keep-checkpoints, --save-hf-every and --max-bad-steps must be >= 0")
+    if cfg.save_timeout_s <= 0:
+        problems.append(f"--save-timeout-s must be > 0 (got {cfg.save_timeout_s})")
     if cfg.max_model_len < 0:
         problems.append(f"--max-model-len must be >= 0 (got {cfg.max_model_len})")
     elif cfg.max_model_len and cfg.max_model_len <= cfg.max_new_tokens:

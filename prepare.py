@@ -6,7 +6,7 @@ model, resolves --resume, checks the tokenizer, the LM head (heads.py) and that 
 and writes OUT/config.json; `generator_settings` is what the generator process starts with.
 Data contract: `Prepared` (the weights to start from, the original model, where a resume continues, the
 device layout) is computed once in the parent and passed to every child.
-May touch: OUT/config.json and OUT/init_model (the tiny default model); reads the checkpoint it resumes.
+May touch: OUT/config.json and OUT/init_model (the tiny default model); reads the checkpoint's trainer_state.json.
 """
 import dataclasses
 import json
@@ -47,7 +47,7 @@ def resolve(cfg: Config) -> Config:
 @dataclass(frozen=True)
 class Prepared:
     """What `prepare_run` found; the same for every process of the run."""
-    model_path: str  # the weights to start from (a resume: the checkpoint's model; with LoRA the base)
+    model_path: str  # the weights the processes load: the original model (a resume's come from its checkpoint)
     base_model: str  # the model the run first started from (tokenizer, LoRA base, KL reference)
     layout: devices.DeviceLayout
     resume_dir: str = ""
@@ -72,8 +72,9 @@ def prepare_run(cfg: Config, engine_here: bool = True) -> Prepared:
         if not os.path.isdir(base_model):
             raise SystemExit(f"error: the model {resume_dir} was trained from ({base_model or 'not recorded'}) is "
                              "gone: it holds the tokenizer (and the LoRA base / KL reference)")
-        # The weights to start from: the checkpoint's (LoRA checkpoints hold the adapter only: the base's)
-        model_path = base_model if cfg.lora_rank else os.path.join(resume_dir, "model")
+        # Every process loads the original model; the trainer then loads the checkpoint's sharded state into
+        # its ranks and publishes it to the generator first (generator_settings: load_first)
+        model_path = base_model
         resume = dict(resume_dir=resume_dir, start_step=saved["step"], start_version=saved["version"],
                       groups_dropped=saved.get("groups_dropped", 0))
     else:
@@ -158,9 +159,11 @@ def allocate_shared_weights(model_path, device="cpu", dtype=devices.MASTER_DTYPE
 
 def generator_settings(cfg: Config, prepared: Prepared, lora_dir: str = "") -> GeneratorSettings:
     """The generator's start: the run's config and what the parent derived for it. A resumed run continues
-    the sequence of group ids after the last one consumed (and so the walk of prompts)."""
+    the sequence of group ids after the last one consumed (and so the walk of prompts), and serves the
+    checkpoint's weights, which the trainer publishes at its start."""
     return GeneratorSettings(
         cfg, model=prepared.model_path, initial_version=prepared.start_version,
         first_group_id=prepared.start_step * cfg.prompts_per_step + prepared.groups_dropped,
         eval_at_start=cfg.eval_every > 0 and prepared.start_step == 0, lora_dir=lora_dir,
-        stop=data.stop_strings(cfg.stop), **prepared.layout.generator_settings())
+        stop=data.stop_strings(cfg.stop), load_first=bool(prepared.resume_dir),
+        **prepared.layout.generator_settings())

@@ -3,13 +3,16 @@
 Role: children start from the spawn context; one that raises sends its traceback to the parent and exits 1,
 and the parent prints `error: NAME died (...)` with it, kills the rest and returns 1 within seconds (a
 SIGKILL the run did not send gets a line naming the memory flag to lower). Ctrl-C or SIGTERM stop the run
-after the current step with a checkpoint (130 / 143); a second Ctrl-C stops at once. The generator has its
-own process group, so killing it also kills vLLM's EngineCore: nothing is left behind.
+after the current step with a checkpoint (130 / 143); a second Ctrl-C stops at once. A SIGTERM sent to a
+child is forwarded to the parent (SLURM signals every process of a job step): any number of them is one
+stop. While a trainer saves (`saving`), the parent waits for it up to --save-timeout-s before it kills.
+The generator has its own process group, so killing it also kills vLLM's EngineCore: nothing is left behind.
 Data contract: `Control`, the flags and counters every child shares; `run_children(ctx, children, errors,
 control)`, children by name -> (function, args, own_process_group) ("trainer*" ranks end the run; a
 generator node, remote.py, runs the generator alone); (name, traceback) pairs on `errors`.
 May touch: the processes it starts, the parent's signal handlers while the run lasts.
 """
+import contextlib
 import multiprocessing.connection
 import os
 import signal
@@ -30,12 +33,34 @@ class Control:
     interrupted: object  # Event: a signal asked the run to stop (the trainer checkpoints)
     eval_request: object  # Array [step, version]: the newest evaluation the trainer asked for (step -1: none)
     eval_results: object  # Queue: evaluation.EvalResult from the generator to the trainer's rank 0
+    saving: object  # Value: trainer ranks inside a save now (the parent's grace lasts while it is > 0)
 
 
 def make_control(ctx) -> Control:
     return Control(stop=ctx.Event(), ready=ctx.Event(), groups_dropped=ctx.Value("q", 0),
                    steps_skipped=ctx.Value("q", 0), loaded_version=ctx.Value("q", 0), interrupted=ctx.Event(),
-                   eval_request=ctx.Array("q", [-1, 0]), eval_results=ctx.Queue())
+                   eval_request=ctx.Array("q", [-1, 0]), eval_results=ctx.Queue(), saving=ctx.Value("q", 0))
+
+
+@contextlib.contextmanager
+def saving(control):
+    """Mark a save in progress for the parent's grace (see run_children)."""
+    with control.saving.get_lock():
+        control.saving.value += 1
+    try:
+        yield
+    finally:
+        with control.saving.get_lock():
+            control.saving.value -= 1
+
+
+def forward_to(parent_pid: int):
+    """A signal handler that passes the signal on to the parent, which decides what it means (and to no
+    one once the parent is gone: the pid may belong to another process by then)."""
+    def forward(signum, frame):
+        if os.getppid() == parent_pid:
+            os.kill(parent_pid, signum)
+    return forward
 
 
 def child_entry(name, fn, args, errors, own_process_group):
@@ -43,7 +68,8 @@ def child_entry(name, fn, args, errors, own_process_group):
     if own_process_group:
         os.setpgrp()  # the parent can kill this child and every process it starts (vLLM's EngineCore)
     else:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides what Ctrl-C means
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides what Ctrl-C means (it gets it too)
+    signal.signal(signal.SIGTERM, forward_to(os.getppid()))
     try:
         fn(*args)
     except BaseException:
@@ -77,19 +103,23 @@ def kill_tree(proc, own_group: bool):
         pass
 
 
-def run_children(ctx, children: dict, errors, control: Control, failed=None, on_failure=None) -> int:
+def run_children(ctx, children: dict, errors, control: Control, failed=None, on_failure=None,
+                 save_grace_s: float = 0.0) -> int:
     """Start every child, supervise them until the trainers finish or something fails, then make sure
     none is left. Returns 0, 1 (a child failed), or 128 + the signal that stopped the run. Without trainer
     children (a generator node, remote.py) the run ends when the generator does; `failed` (an Event another
     thread of this process sets, having printed why) ends it with 1; `on_failure(report)` also gets the
-    failure report printed for a child."""
+    failure report printed for a child. While the run ends, trainers get GRACE_S to exit, longer while one
+    saves (`control.saving`), up to `save_grace_s` (--save-timeout-s)."""
     procs = {name: (ctx.Process(target=child_entry, name=name, args=(name, fn, args, errors, own_group)),
                     own_group) for name, (fn, args, own_group) in children.items()}
     interrupted = []
 
     def on_signal(signum, frame):
-        if interrupted:  # second Ctrl-C: stop now
-            raise KeyboardInterrupt
+        if interrupted:  # a second Ctrl-C stops now; more SIGTERMs are the same stop (SLURM, forwarded ones)
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            return
         interrupted.append(signum)
         print(f"\n{signal.Signals(signum).name}: stopping after the current step and writing a checkpoint "
               "(press Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
@@ -111,15 +141,23 @@ def run_children(ctx, children: dict, errors, control: Control, failed=None, on_
         generator, own_group = procs["generator"]
         if code != 0:
             kill_tree(generator, own_group)
-        deadline = time.monotonic() + 20
+        now = time.monotonic()
+        deadline, save_deadline = now + GRACE_S, now + max(GRACE_S, save_grace_s)
         for name, (proc, own_group) in reversed(list(procs.items())):
-            proc.join(timeout=max(0.1, deadline - time.monotonic()))
+            while proc.exitcode is None:
+                limit = save_deadline if control.saving.value > 0 else deadline
+                if time.monotonic() >= limit:
+                    break
+                proc.join(timeout=min(0.5, max(0.1, limit - time.monotonic())))
             kill_tree(proc, own_group)  # also reaps vLLM's EngineCore left in the generator's group
         for s, h in old_handlers.items():
             signal.signal(s, h)
     if interrupted and code == 0:
         code = 128 + interrupted[0]  # 130 for SIGINT, 143 for SIGTERM, as a shell reports them
     return code
+
+
+GRACE_S = 20  # what a child gets to exit once the run ends (a trainer inside a save: up to --save-timeout-s)
 
 
 def supervise(procs, errors, control, failed=None, on_failure=None) -> int:
@@ -129,6 +167,8 @@ def supervise(procs, errors, control, failed=None, on_failure=None) -> int:
         sentinels = [p.sentinel for p, _ in procs.values() if p.exitcode is None]
         multiprocessing.connection.wait(sentinels, timeout=0.2 if failed is not None else 1.0)
         for name, (proc, _) in procs.items():
+            if name == "generator" and trainers and control.interrupted.is_set():
+                continue  # stopping on a signal (SLURM sends it to vLLM too): the trainers' checkpoint matters
             if proc.exitcode is not None and proc.exitcode != 0:
                 report = failure_report(name, proc.exitcode, errors)
                 print(report, file=sys.stderr, flush=True)
@@ -143,7 +183,7 @@ def supervise(procs, errors, control, failed=None, on_failure=None) -> int:
         elif all(p.exitcode == 0 for p in trainers):
             generator = procs["generator"][0]
             generator.join(timeout=60)  # it stops on control.stop and shuts its engine down
-            if generator.exitcode not in (0, None):
+            if generator.exitcode not in (0, None) and not control.interrupted.is_set():
                 print(failure_report("generator", generator.exitcode, errors), file=sys.stderr, flush=True)
             return 0
         if procs["generator"][0].exitcode == 0 and not control.stop.is_set():

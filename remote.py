@@ -66,7 +66,7 @@ def thread_control():
     """A processes.Control built from threading primitives (what trainer_main reads on a torchrun rank)."""
     return processes.Control(stop=threading.Event(), ready=threading.Event(), groups_dropped=Counter(),
                              steps_skipped=Counter(), loaded_version=Counter(), interrupted=threading.Event(),
-                             eval_request=Pair([-1, 0]), eval_results=queue.Queue())
+                             eval_request=Pair([-1, 0]), eval_results=queue.Queue(), saving=Counter())
 
 
 class RemoteWeights:
@@ -219,8 +219,10 @@ def run_trainer(cfg) -> int:
     caught = []
     if rank == 0:  # a stop with a checkpoint, as on one node; the other ranks follow rank 0 through it
         def on_signal(signum, frame):
-            if caught:
-                raise KeyboardInterrupt
+            if caught:  # a second Ctrl-C stops now; more SIGTERMs (SLURM signals every process) are one stop
+                if signum == signal.SIGINT:
+                    raise KeyboardInterrupt
+                return
             caught.append(signum)
             print(f"\n{signal.Signals(signum).name}: stopping after the current step and writing a checkpoint",
                   file=sys.stderr, flush=True)

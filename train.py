@@ -20,11 +20,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint as recompute
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import buffer
 import checkpoint
@@ -35,7 +35,7 @@ import metrics
 import prepare
 from config import Config, inactive_flags, parse_args
 from losses import group_advantages
-from processes import make_control, run_children, wait_for
+from processes import make_control, run_children, saving, wait_for
 from rollout import generator_main
 from sync import SharedWeights, publish_model, synced_parameters
 from update import learning_rate, shaped_rewards, update_on_batch
@@ -46,26 +46,18 @@ from update import learning_rate, shaped_rewards, update_on_batch
 # ----------------------------------------------------------------------------------------------------
 def build_trainer_model(model_path, world_size, device="cpu", lora_config=None, adapter_dir="", seed=0,
                         compute_dtype=devices.MASTER_DTYPE):
-    """The model under FSDP2; with a LoRA config, wrapped in a trainable adapter first (from `adapter_dir`
-    on a resume) and the base weights frozen. The parameters (master weights), their gradients and the
-    optimizer state stay fp32; with `compute_dtype` bf16, FSDP2's mixed precision gathers the parameters
-    in bf16 for forward and backward and reduces gradients in fp32 (verl's recipe)."""
-    device = torch.device(device)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=devices.MASTER_DTYPE).to(device)
-    if lora_config is not None:
-        model = lora.wrap(model, lora_config, seed, adapter_dir)
+    """The model under FSDP2 (one copy of the weights per node while loading: see `load_sharded`); with a
+    LoRA config, wrapped in a trainable adapter first (its weights from `adapter_dir` if given) and the
+    base weights frozen. The parameters (master
+    weights), their gradients and the optimizer state stay fp32; with `compute_dtype` bf16, FSDP2's mixed
+    precision gathers the parameters in bf16 for forward and backward and reduces gradients in fp32 (verl's
+    recipe). A resume loads its checkpoint into this model afterwards (checkpoint.load_trainer_state)."""
+    def wrap(model):  # the rank that reads the weights reads the adapter's too; it sends both
+        return lora.wrap(model, lora_config, seed, "" if model.device.type == "meta" else adapter_dir)
+
+    wrap = wrap if lora_config is not None else None
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=devices.MASTER_DTYPE)
-    return shard_layers_and_root(model, lora.base_model_of(model).model.layers, world_size, device, mp_policy=policy)
-
-
-def shard_layers_and_root(model, layers, world_size, device, **options):
-    """fully_shard each decoder layer, then the root (FSDP2's usual wrapping)."""
-    # An explicit mesh: with a CUDA build of torch, fully_shard's default mesh is on the GPU even on the CPU path.
-    mesh = init_device_mesh(torch.device(device).type, (world_size,))
-    for layer in layers:
-        fully_shard(layer, mesh=mesh, **options)
-    fully_shard(model, mesh=mesh, **options)
-    return model
+    return load_sharded(model_path, world_size, device, devices.MASTER_DTYPE, wrap, mp_policy=policy)
 
 
 def build_reference_model(model_path, world_size, device="cpu", dtype=devices.MASTER_DTYPE):
@@ -73,9 +65,58 @@ def build_reference_model(model_path, world_size, device="cpu", dtype=devices.MA
     sharded under FSDP2 like the policy, so each rank holds 1/world_size of it. The root reshards after
     each forward too (FSDP2 keeps a root's parameters gathered for the backward that a no-grad reference
     never runs: the embedding and output head, the largest tensors, would stay whole on every rank)."""
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
-    model.requires_grad_(False)
-    return shard_layers_and_root(model, model.model.layers, world_size, device, reshard_after_forward=True)
+    model = load_sharded(model_path, world_size, device, dtype, reshard_after_forward=True)
+    return model.requires_grad_(False)
+
+
+def load_sharded(model_path, world_size, device, dtype, wrap=None, **shard_options):
+    """Rank 0 reads the weights; every rank builds the same model on the meta device, shards it (FSDP2),
+    allocates its own shards only and receives them from rank 0, one tensor at a time (rank 0 frees each
+    as it goes), then rank 0's buffers (the rotary `inv_freq` is in no state dict: built on the meta device
+    it would be garbage). `wrap` (LoRA) runs before sharding: rank 0's initial adapter is every rank's."""
+    device = torch.device(device)
+    reads = world_size == 1 or dist.get_rank() == 0
+    if world_size == 1:
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+        model = wrap(model) if wrap is not None else model
+        return shard_layers_and_root(model, lora.base_model_of(model).model.layers, 1, device, **shard_options)
+    full, buffers = {}, {}
+    if reads:
+        loaded = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+        loaded = wrap(loaded) if wrap is not None else loaded
+        full, buffers = dict(loaded.state_dict()), dict(loaded.named_buffers())
+        del loaded  # only `full` holds the weights now: each goes once it is sent
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path), dtype=dtype)
+    model.eval()  # as from_pretrained leaves it (dropout off)
+    model = wrap(model) if wrap is not None else model
+    model = shard_layers_and_root(model, lora.base_model_of(model).model.layers, world_size, device,
+                                  **shard_options)
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, param in model.state_dict(keep_vars=True).items():
+            if not isinstance(param, DTensor):
+                continue  # buffers: below
+            value = full.pop(name) if reads else torch.empty(param.shape, dtype=param.dtype, device=device)
+            shard = distribute_tensor(value.to(device), param.device_mesh, param.placements, src_data_rank=0)
+            param.to_local().copy_(shard.to_local())
+            del value, shard
+        for name, buffer in model.named_buffers():
+            if reads:
+                buffer.copy_(buffers[name])
+            dist.broadcast(buffer, src=0)
+    return model
+
+
+def shard_layers_and_root(model, layers, world_size, device, **options):
+    """fully_shard each decoder layer, then the root (FSDP2's usual wrapping; it moves each layer onto the
+    device as it shards it)."""
+    # An explicit mesh: with a CUDA build of torch, fully_shard's default mesh is on the GPU even on the CPU path.
+    mesh = init_device_mesh(torch.device(device).type, (world_size,))
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, **options)
+    fully_shard(model, mesh=mesh, **options)
+    return model
 
 
 def checkpoint_layers(model) -> None:
@@ -105,6 +146,7 @@ class Rank:
     shared: object  # sync.SharedWeights (or a remote sender with its interface)
     rollout_queue: object
     control: object  # processes.Control
+    save_group: object = None  # the gloo group of every collective around a save (timeout --save-timeout-s)
     log: metrics.RunLog | None = None  # rank 0 only
     version: int = 0
     published: int = 0  # what the generator holds or will load next: what an evaluation asked for now sees
@@ -157,6 +199,8 @@ def train(r: Rank) -> int:
                        skipped=skipped, evals=evals)
         if cfg.save_every and (step + 1) % cfg.save_every == 0:
             save_checkpoint(r, step + 1)
+        if cfg.save_hf_every and (step + 1) % cfg.save_hf_every == 0 and not last:  # (the end writes it anyway)
+            save_hf_model(r)
     return cfg.steps
 
 
@@ -215,8 +259,20 @@ def evaluate(r: Rank, step: int, last: bool) -> list:
 
 
 def save_checkpoint(r: Rank, step: int) -> str:
-    return checkpoint.save_trainer_state(r.model, r.optimizer, r.prepared.base_model, r.cfg, step, r.version,
-                                         r.rank, groups_dropped=r.control.groups_dropped.value)
+    """A sharded checkpoint (every rank writes); the parent waits for it if the run is ending meanwhile."""
+    t0 = time.perf_counter()
+    with saving(r.control):
+        where = checkpoint.save_trainer_state(r.model, r.optimizer, r.prepared.base_model, r.cfg, step, r.version,
+                                              r.rank, r.save_group, groups_dropped=r.control.groups_dropped.value)
+    if r.rank == 0:
+        print(f"checkpoint {where} written in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    return where
+
+
+def save_hf_model(r: Rank) -> None:
+    """OUT/model (with LoRA OUT/adapter): gathered, written by rank 0."""
+    with saving(r.control):
+        checkpoint.save_final_model(r.model, r.prepared.base_model, r.cfg, r.rank, r.save_group)
 
 
 def start_rank(cfg: Config, prepared: prepare.Prepared, rank: int, world_size: int, shared, rollout_queue,
@@ -240,29 +296,26 @@ def start_rank(cfg: Config, prepared: prepare.Prepared, rank: int, world_size: i
     if not dist.is_initialized():  # (--role trainer: torchrun's env:// group, made by remote.run_trainer)
         dist.init_process_group(layout.backend, init_method=f"file://{init_file}", rank=rank,
                                 world_size=world_size, timeout=timedelta(seconds=cfg.timeout_s + 60))
+    # Saves wait on their own group: a rank that finished writing its shards waits for the slowest one.
+    save_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.save_timeout_s))
     serving_dtype = devices.torch_dtype(cfg.dtype)
     lora_config = lora.peft_config(cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets) \
         if cfg.lora_rank else None
     resume_dir = prepared.resume_dir
-    model = build_trainer_model(prepared.model_path, world_size, device, lora_config,
-                                os.path.join(resume_dir, "adapter") if resume_dir and cfg.lora_rank else "", cfg.seed,
+    model = build_trainer_model(prepared.base_model, world_size, device, lora_config, seed=cfg.seed,
                                 compute_dtype=serving_dtype)
     if cfg.grad_checkpointing:
         checkpoint_layers(model)
     # Build the optimizer before any forward pass (FSDP2 pitfall: see shared notes). Only what trains has state.
     optimizer = torch.optim.AdamW([p for _, p in synced_parameters(model)], lr=cfg.lr, weight_decay=cfg.weight_decay)
-    if resume_dir:  # the model came from the checkpoint's (with LoRA: the base; the adapter is loaded)
-        full = torch.load(os.path.join(resume_dir, "optimizer.pt"), weights_only=False) if rank == 0 else {}
-        set_optimizer_state_dict(model, optimizer, optim_state_dict=full, options=StateDictOptions(
-            full_state_dict=True, broadcast_from_rank0=world_size > 1))
-        if rank == 0:
-            checkpoint.restore_rng(resume_dir)
+    if resume_dir:  # the trained weights (with LoRA the adapter) and the optimizer, resharded to these ranks
+        checkpoint.load_trainer_state(model, optimizer, resume_dir, save_group)
     if [name for name, _ in synced_parameters(model)] != [slot.name for slot in shared.layout]:
         raise RuntimeError("trainer parameters do not match the shared buffer's layout")
     version = prepared.start_version
     # the generator serves no adapter until this first publish (a new adapter is the base model); a remote
-    # generator serves nothing until it has these start weights
-    if cfg.lora_rank or shared.device_type == "remote":
+    # generator, or one resuming (it starts from the original model), serves nothing until it has these weights
+    if cfg.lora_rank or shared.device_type == "remote" or resume_dir:
         publish_model(model, shared, version, rank, world_size)
     ref_model = build_reference_model(prepared.base_model, world_size, device, serving_dtype) \
         if cfg.kl_coef > 0 and not cfg.lora_rank else None
@@ -278,7 +331,7 @@ def start_rank(cfg: Config, prepared: prepare.Prepared, rank: int, world_size: i
     if log is not None:
         log.sync_mb = shared.nbytes / 2**20  # in the serving dtype
     return Rank(cfg, prepared, rank, world_size, device, model, ref_model, optimizer, pad_id, shared, rollout_queue,
-                control, log, version, published=version)
+                control, save_group, log, version, published=version)
 
 
 def finish_rank(r: Rank, step: int) -> None:
@@ -288,7 +341,7 @@ def finish_rank(r: Rank, step: int) -> None:
     if r.rank == 0:
         r.control.stop.set()  # the generator can stop now
     if finished:
-        checkpoint.save_final_model(r.model, r.prepared.base_model, r.cfg, r.rank)
+        save_hf_model(r)
     else:
         where = save_checkpoint(r, step)
         if r.rank == 0:
@@ -348,7 +401,7 @@ def run(cfg: Config) -> int:
         children[f"trainer{rank}"] = (trainer_main, (cfg, prepared, rank, cfg.train_ranks, shared, rollout_queue,
                                                      control, init_file), False)
     try:
-        return run_children(ctx, children, errors, control)
+        return run_children(ctx, children, errors, control, save_grace_s=cfg.save_timeout_s)
     finally:
         if os.path.exists(init_file):
             os.unlink(init_file)

@@ -1,5 +1,6 @@
-"""Signals, checkpoints and resume, for real: signals sent to a running train.py, a checkpoint writer
-SIGKILLed mid-write, and a resumed run compared with an uninterrupted one."""
+"""Signals, checkpoints and resume, for real: signals sent to a running train.py (its parent, or a trainer
+rank), a checkpoint writer SIGKILLed mid-write, and a resumed run (on another number of ranks) compared
+with an uninterrupted one."""
 import json
 import os
 import signal
@@ -50,15 +51,16 @@ def wait_rows(out, n, proc, timeout=180):
 
 
 def test_sigint_then_two_resumes_survive_rotation_and_continue_like_an_uninterrupted_run(tmp_path):
-    """Ctrl-C, resume, save and rotate well past the checkpoint resumed from (--keep-checkpoints 1), resume
-    again, finish: every step equals the uninterrupted run's, the final model loads, and with --kl-coef the
-    reference stays the original model (were it the checkpoint, kl_ref would restart at 0 after each resume)."""
+    """Ctrl-C a 2-rank run, resume on 1 rank (the sharded checkpoint reshards), save and rotate well past the
+    checkpoint resumed from (--keep-checkpoints 1), resume again on 2 ranks, finish: every step equals the
+    uninterrupted (1-rank) run's, the final model loads, and with --kl-coef the reference stays the original
+    model (were it the checkpoint, kl_ref would restart at 0 after each resume)."""
     from transformers import AutoModelForCausalLM
 
     steps, kl = 16, ["--kl-coef", "0.05", "--save-every", "2", "--keep-checkpoints", "1"]
     full, cut = str(tmp_path / "full"), str(tmp_path / "cut")
     full_proc, full_log = start(full, "--steps", str(steps), *kl)  # both at once: --max-lag 0 leaves cores idle
-    proc, log = start(cut, "--steps", str(steps), *kl)
+    proc, log = start(cut, "--steps", str(steps), "--train-ranks", "2", *kl)
     wait_rows(cut, 3, proc)
     os.kill(proc.pid, signal.SIGINT)
     t0 = time.monotonic()
@@ -71,12 +73,12 @@ def test_sigint_then_two_resumes_survive_rotation_and_continue_like_an_uninterru
     state = checkpoint.load_state(saved[-1])
     first_stop = state["step"]
     assert 3 <= first_stop <= steps - 8 and state["version"] == first_stop  # max-lag 0: one version per step
-    assert state["base_model"] == os.path.abspath(os.path.join(cut, "init_model"))
+    assert state["base_model"] == os.path.abspath(os.path.join(cut, "init_model")) and state["world_size"] == 2
     assert finish(full_proc, 300) == 0, open(full_log).read()[-3000:]
     reference = {r["step"]: r for r in rows(full)}
 
     # First resume: several saves after the checkpoint it resumed from, which rotation deletes.
-    proc, log = start(cut, "--steps", str(first_stop + 5), "--resume", "latest", *kl)
+    proc, log = start(cut, "--steps", str(first_stop + 5), "--resume", "latest", "--train-ranks", "1", *kl)
     assert finish(proc, 300) == 0, open(log).read()[-3000:]
     assert not os.path.exists(saved[-1])
     second = checkpoint.list_checkpoints(checkpoint.checkpoint_root(cut))
@@ -85,7 +87,7 @@ def test_sigint_then_two_resumes_survive_rotation_and_continue_like_an_uninterru
     second_stop = checkpoint.load_state(second[0])["step"]
 
     # Second resume, to the end.
-    proc, log = start(cut, "--steps", str(steps), "--resume", "latest", *kl)
+    proc, log = start(cut, "--steps", str(steps), "--resume", "latest", "--train-ranks", "2", *kl)
     assert finish(proc, 300) == 0, open(log).read()[-3000:]
     resumed = rows(cut)
     assert [r["step"] for r in resumed] == list(range(steps))
@@ -103,17 +105,28 @@ def test_sigint_then_two_resumes_survive_rotation_and_continue_like_an_uninterru
     AutoModelForCausalLM.from_pretrained(os.path.join(cut, "model"))
 
 
-def test_sigterm_stops_with_a_checkpoint_and_nothing_left(tmp_path):
+def test_sigterm_to_a_trainer_rank_stops_with_a_checkpoint_and_nothing_left(tmp_path):
+    """SLURM sends SIGTERM to every process of a job step: a trainer rank forwards it to the parent, which
+    stops the run as on Ctrl-C (a repeated SIGTERM is the same stop, not a stop at once)."""
     import psutil
 
     out = str(tmp_path / "run")
-    proc, log = start(out, "--steps", "1000")
+    proc, log = start(out, "--steps", "1000", "--train-ranks", "2")
     wait_rows(out, 2, proc)
     family = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
-    os.kill(proc.pid, signal.SIGTERM)
+    # the trainer ranks: spawned children in the parent's process group (the generator has its own), started
+    # after the generator, trainer1 last
+    ranks = sorted(p.pid for p in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(p.cmdline())
+                   and os.getpgid(p.pid) == os.getpgid(proc.pid))
+    assert len(ranks) == 2, ranks
+    os.kill(ranks[1], signal.SIGTERM)
+    os.kill(ranks[1], signal.SIGTERM)
     t0 = time.monotonic()
-    assert finish(proc, 60) == 143 and time.monotonic() - t0 < 30
-    assert checkpoint.list_checkpoints(checkpoint.checkpoint_root(out))
+    assert finish(proc, 90) == 143 and time.monotonic() - t0 < 60, open(log).read()[-3000:]
+    text = open(log).read()
+    assert "SIGTERM: stopping after the current step" in text and "--resume latest" in text
+    latest = checkpoint.resolve("latest", out)  # complete: its sharded state is there (the resume test resumes one)
+    assert checkpoint.load_state(latest)["world_size"] == 2
     deadline = time.monotonic() + 10  # torch_shm_manager exits on its own once its clients are gone
     while True:
         alive = [pid for pid in family if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
@@ -126,48 +139,50 @@ def test_sigterm_stops_with_a_checkpoint_and_nothing_left(tmp_path):
 WRITER = r"""
 import sys, torch
 sys.path.insert(0, {repo!r})
-import checkpoint
+import checkpoint, config
 from transformers import Qwen2Config, Qwen2ForCausalLM
-base = sys.argv[1]
 model = Qwen2ForCausalLM(Qwen2Config(vocab_size=1000, hidden_size=512, num_hidden_layers=6,
                                      num_attention_heads=8, num_key_value_heads=8, intermediate_size=2048))
-model.save_pretrained(base)
-from tasks import build_tiny_model
-from transformers import AutoTokenizer
-build_tiny_model(base + "-tok")
-AutoTokenizer.from_pretrained(base + "-tok").save_pretrained(base)
-state = model.state_dict()
-optimizer = {{"state": {{k: {{"exp_avg": v.clone()}} for k, v in list(state.items())[:20]}}}}
-step = 0
-while True:
-    step += 1
-    checkpoint.save(sys.argv[2], step, step, state, optimizer, base, {{"step": step}}, keep=2)
+optimizer = torch.optim.AdamW(model.parameters())
+ids = torch.tensor([[1, 2, 3, 4]])
+model(input_ids=ids, labels=ids).loss.backward()
+optimizer.step()
+cfg = config.Config(out=sys.argv[1], keep_checkpoints=2)
+n = 0
+while True:  # each step written twice: the second write replaces the first
+    step = 1 + n // 2
+    checkpoint.save_trainer_state(model, optimizer, sys.argv[1], cfg, step, step, 0, None)
     print("saved", step, flush=True)
+    n += 1
 """
 
 
-def test_sigkill_while_writing_leaves_the_previous_checkpoint_loadable(tmp_path):
-    from transformers import AutoModelForCausalLM
+def test_sigkill_while_writing_or_replacing_leaves_complete_checkpoints_only(tmp_path):
+    """A kill inside a write, or inside the replacing of a checkpoint of the same step, leaves every
+    step_* folder complete: the newest loads (model and optimizer)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    root = str(tmp_path / "ckpts")
+    out = str(tmp_path / "run")
     script = tmp_path / "writer.py"
     script.write_text(WRITER.format(repo=REPO))
-    for delay in (0.15, 0.45):
-        proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "base"), root],
-                                stdout=subprocess.PIPE, text=True)
+    for delay in (0.2, 0.6):
+        proc = subprocess.Popen([sys.executable, str(script), out], stdout=subprocess.PIPE, text=True)
         for line in proc.stdout:  # wait for one complete checkpoint, then kill inside a later write
             if line.startswith("saved"):
                 break
         time.sleep(delay)
         proc.kill()
         proc.wait(timeout=30)
-        found = checkpoint.list_checkpoints(root)
+        found = checkpoint.list_checkpoints(checkpoint.checkpoint_root(out))
         assert found
-        latest = found[-1]
+        latest = checkpoint.resolve("latest", out)
         state = checkpoint.load_state(latest)
         assert os.path.basename(latest) == f"step_{state['step']:08d}"
-        AutoModelForCausalLM.from_pretrained(os.path.join(latest, "model"))
-        torch.load(os.path.join(latest, "optimizer.pt"), weights_only=False)
+        model = Qwen2ForCausalLM(Qwen2Config(vocab_size=1000, hidden_size=512, num_hidden_layers=6,
+                                             num_attention_heads=8, num_key_value_heads=8, intermediate_size=2048))
+        optimizer = torch.optim.AdamW(model.parameters())
+        checkpoint.load_trainer_state(model, optimizer, latest, None)
+        assert all(float(s["exp_avg"].abs().sum()) > 0 for s in optimizer.state.values())
 
 
 def test_bad_model_inputs_get_one_clear_line(tmp_path):

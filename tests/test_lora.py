@@ -173,6 +173,7 @@ def run_train(out, *args, timeout=300):
 
 
 def test_lora_run_checkpoints_resumes_and_merges(tmp_path):
+    import torch.distributed.checkpoint as dcp
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -184,18 +185,18 @@ def test_lora_run_checkpoints_resumes_and_merges(tmp_path):
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     ids = torch.tensor([[1, 13, 14, 15, 25]])
 
-    # the final adapter and a checkpoint's adapter load in PEFT; the adapter has moved from its start
+    # a checkpoint holds the adapter and its optimizer state; the final adapter loads in PEFT and has moved
     saved = checkpoint.list_checkpoints(checkpoint.checkpoint_root(out))
     assert [os.path.basename(p) for p in saved] == ["step_00000003", "step_00000006"]
-    assert not os.path.exists(os.path.join(saved[0], "model"))
-    optimizer_state = torch.load(os.path.join(saved[0], "optimizer.pt"), weights_only=False)
-    assert len(optimizer_state["state"]) == 28  # adapter tensors only
+    stored = dcp.FileSystemReader(os.path.join(saved[0], "dcp")).read_metadata().state_dict_metadata
+    model_keys = [k for k in stored if k.startswith("model.")]
+    assert len(model_keys) == 28 and all("lora_" in k for k in model_keys)  # adapter tensors only
+    assert {k.rsplit(".", 1)[0].removeprefix("optimizer.state.") for k in stored if k.endswith(".exp_avg")} \
+        == {k.removeprefix("model.") for k in model_keys}  # and their optimizer state
     assert checkpoint.load_state(saved[0])["base_model"] == os.path.abspath(base_dir)
-    for adapter_dir in (os.path.join(saved[0], "adapter"), os.path.join(out, "adapter")):
-        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32),
-                                          adapter_dir)
-        b_norm = sum(p.norm() for n, p in model.named_parameters() if "lora_B" in n)
-        assert b_norm > 0
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32),
+                                      os.path.join(out, "adapter"))
+    assert sum(p.norm() for n, p in model.named_parameters() if "lora_B" in n) > 0
     with torch.no_grad():
         adapted = model(input_ids=ids).logits
         merged = AutoModelForCausalLM.from_pretrained(os.path.join(out, "model"), dtype=torch.float32)

@@ -237,7 +237,7 @@ def test_generator_node_killed_ends_the_trainer_with_a_checkpoint(start_run):
     assert code != 0 and time.monotonic() - killed_at < 60
     err = trainer.stderr()
     assert f"error: the generator at {addr} " in err, trainer.tail()  # disconnected, or gone mid-send
-    assert list((trainer.out / "checkpoints").glob("step_*/model/config.json")), trainer.tail()
+    assert list((trainer.out / "checkpoints").glob("step_*/dcp/.metadata")), trainer.tail()
     assert trainer.leftovers(grace_s=10) == [] and generator.leftovers(grace_s=5) == []
 
 

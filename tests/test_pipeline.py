@@ -363,4 +363,4 @@ def test_sigkill_of_a_child_ends_the_run_with_nothing_left(victim, start_run):
     if victim == "trainer0":
         assert not (run.out / "summary.json").exists()
     else:  # the trainer outlives the failure: it stops cleanly and keeps what it learned
-        assert list((run.out / "checkpoints").glob("step_*/model/config.json")), run.tail()
+        assert list((run.out / "checkpoints").glob("step_*/dcp/.metadata")), run.tail()
