@@ -26,7 +26,8 @@ from dataclasses import dataclass
 class Control:
     """Shared flags and counters (from the spawn context, so children can use them)."""
     stop: object  # Event: everyone winds down
-    ready: object  # Event: the generator's engine is up
+    ready: object  # Event: the generator's engine is up and serving (start weights loaded, step 0 evaluated)
+    engine_started: object  # Event: vLLM has started and measured its GPU (a GPU it shares is free to use now)
     groups_dropped: object  # Value: groups the trainer rejected entirely (the generator replaces them)
     steps_skipped: object  # Value: steps that made no new version (every update NaN/inf): version = step - this
     loaded_version: object  # Value: the version the generator serves now
@@ -37,7 +38,7 @@ class Control:
 
 
 def make_control(ctx) -> Control:
-    return Control(stop=ctx.Event(), ready=ctx.Event(), groups_dropped=ctx.Value("q", 0),
+    return Control(stop=ctx.Event(), ready=ctx.Event(), engine_started=ctx.Event(), groups_dropped=ctx.Value("q", 0),
                    steps_skipped=ctx.Value("q", 0), loaded_version=ctx.Value("q", 0), interrupted=ctx.Event(),
                    eval_request=ctx.Array("q", [-1, 0]), eval_results=ctx.Queue(), saving=ctx.Value("q", 0))
 

@@ -64,7 +64,8 @@ class Pair(list):
 
 def thread_control():
     """A processes.Control built from threading primitives (what trainer_main reads on a torchrun rank)."""
-    return processes.Control(stop=threading.Event(), ready=threading.Event(), groups_dropped=Counter(),
+    return processes.Control(stop=threading.Event(), ready=threading.Event(), engine_started=threading.Event(),
+                             groups_dropped=Counter(),
                              steps_skipped=Counter(), loaded_version=Counter(), interrupted=threading.Event(),
                              eval_request=Pair([-1, 0]), eval_results=queue.Queue(), saving=Counter())
 

@@ -400,6 +400,9 @@ class Generator:
         self.reward_threads = ThreadPoolExecutor(max(1, self.cfg.reward_workers), thread_name_prefix="reward")
         await self.engine.update_weight_version(str(self.loaded_version))
         await self.engine.collective_rpc("attach_shared_weights", args=(self.shared.to_bytes(),))
+        # The trainer may use a GPU it shares with vLLM from now on; it must, before its first publish, which
+        # a LoRA run or a resume waits for below.
+        self.control.engine_started.set()
         if self.cfg.lora_rank or self.s.load_first:
             await self.load_first_publish()
         if self.s.eval_at_start:  # alone on the engine it takes a fraction of what it takes beside the first steps

@@ -287,7 +287,7 @@ def start_rank(cfg: Config, prepared: prepare.Prepared, rank: int, world_size: i
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     if layout.on_gpu:
         # vLLM measures a GPU's free memory while it starts: on a shared GPU, keep off it until vLLM is up.
-        if layout.shared_gpus and not wait_for(control.ready, control.stop, cfg.timeout_s,
+        if layout.shared_gpus and not wait_for(control.engine_started, control.stop, cfg.timeout_s,
                                                "the generator's engine to start"):
             return None
         torch.cuda.set_device(device)
