@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import data
 import rewards
+import tools as tools_lib
 from buffer import RolloutGroup
 from data import DataError, is_conversation
 
@@ -75,12 +76,9 @@ def check(cfg) -> list[str]:
     elif not callable(getattr(target, "step", None)):
         if not public_methods(target):
             problems.append(f"--env {cfg.env}: {name} has neither step(action) nor public methods (tools)")
-        else:
-            try:
-                import tools  # noqa: F401  TRL's environment_factory classes: tools.ToolEnv adapts them
-            except ImportError:
-                problems.append(f"--env {cfg.env}: {name} has no step(action): TRL environment_factory classes "
-                                "need the tool adapter (tools.py), which this checkout lacks")
+    elif getattr(cfg, "tools", ""):
+        problems.append(f"--env {cfg.env}: {name} has step(action), so it answers the model's turns itself; "
+                        "--tools goes with a dataset task or a TRL environment class (no step: its methods are tools)")
     if not inspect.isclass(target) and callable(getattr(target, "close", None)):
         try:
             target.close()
@@ -89,14 +87,27 @@ def check(cfg) -> list[str]:
     return problems
 
 
-def as_env(instance):
-    """The reset/step object of one episode: the instance itself, or (no `step`: a TRL environment_factory
-    class) the tool adapter around it, which parses tool calls and sets `tools`."""
+def episode_factory(cfg):
+    """What makes one episode's env: --env's class or factory; one whose instances have no `step` (TRL's
+    environment_factory) is wrapped by tools.TrlEnvironment (its public methods, and any --tools functions,
+    are the tools); --tools alone: a tools.ToolEnv (the model's turns are tool calls, or its answer)."""
+    functions = tuple(tools_lib.load_functions(cfg.tools)) if getattr(cfg, "tools", "") else ()
+    if not getattr(cfg, "env", ""):
+        return functools.partial(tools_lib.ToolEnv, functions)
+    return functools.partial(make_env, load_env(cfg.env), functions)
+
+
+def make_env(factory, functions=()):
+    """One instance of `factory`, as an env of the contract (reset/step)."""
+    instance = factory()
     if callable(getattr(instance, "step", None)):
         return instance
-    import tools  # (config.validate said so, in one line, when it is missing)
+    return tools_lib.TrlEnvironment(lambda: instance, functions)
 
-    return tools.ToolEnv(instance)
+
+def trl_instance(env):
+    """What reward functions get as `environments=`: the user's own instance (TRL passes its instances)."""
+    return getattr(env, "env", env) if isinstance(env, tools_lib.TrlEnvironment) else env
 
 
 def first_line(error: BaseException) -> str:
@@ -280,7 +291,9 @@ async def run_episode(gen, env, prompt, turns: Turns) -> Episode:
             ep.append(ids, [out.logprobs[i][t].logprob for i, t in enumerate(ids)] if out.logprobs is not None
                       else [0.0] * len(ids), tag_versions(out.weight_versions, len(ids)))
             ep.turns += 1
-            ep.transcript.append({"role": "assistant", "content": out.text or ""} if ep.chat else out.text or "")
+            text = out.text or ""  # (the history reward functions see: a tool call as tool_calls, as TRL's)
+            ep.transcript.append((tools_lib.assistant_message(text) if tools else {"role": "assistant", "content": text})
+                                 if ep.chat else text)
             if out.finish_reason == "length" and max_tokens < cfg.max_new_tokens:
                 ep.truncated = "max_episode_tokens"  # the budget cut the turn: no step on half an action
                 break
@@ -340,7 +353,7 @@ async def run_episodes(gen, prompt, sampling: dict, request_id: str, count: int,
     envs_ = []
     for _ in range(count):
         try:
-            envs_.append(as_env(gen.task.factory()))
+            envs_.append(gen.task.factory())
         except Exception as e:  # the factory itself failed: that episode ends before it starts
             envs_.append(FailedEnv(f"creating the env raised {type(e).__name__}: {first_line(e)}"))
     episodes = await asyncio.gather(*(
@@ -388,13 +401,19 @@ def group_of(prompt, episodes: list[Episode]) -> tuple[list[int], list]:
     return shared, parts
 
 
-def episode_stats(episodes: list[Episode]) -> dict:
-    """A group's episode counters (RolloutGroup.episode_stats; summed over a step by `episode_metrics`)."""
+TOOL_COUNTERS = ("tool_calls", "tool_call_parse_failures", "tool_errors")  # tools.ToolEnv's
+
+
+def episode_stats(episodes: list[Episode], envs_=()) -> dict:
+    """A group's episode counters (RolloutGroup.episode_stats; summed over a step by `episode_metrics`),
+    with the tool counters of envs that keep them."""
     truncated = {}
     for ep in episodes:
         if ep.truncated:
             truncated[ep.truncated] = truncated.get(ep.truncated, 0) + 1
-    return {"turns": [ep.turns for ep in episodes], "env_s": [t for ep in episodes for t in ep.env_s],
+    counted = [env for env in envs_ if hasattr(env, TOOL_COUNTERS[0])]
+    tool_stats = {name: sum(getattr(env, name) for env in counted) for name in TOOL_COUNTERS} if counted else {}
+    return {**tool_stats, "turns": [ep.turns for ep in episodes], "env_s": [t for ep in episodes for t in ep.env_s],
             "errors": sum(bool(ep.error) and not ep.timed_out for ep in episodes),
             "timeouts": sum(ep.timed_out for ep in episodes),
             "error_lines": list(dict.fromkeys(ep.error for ep in episodes if ep.error))[:3],
@@ -415,7 +434,7 @@ async def run_env_group(gen, group_id: int, prompt, epoch: int) -> RolloutGroup:
     return RolloutGroup(group_id, shared, [p[0] for p in parts], [p[2] for p in parts], [p[3] for p in parts],
                         scores, prompt.answer, reward_stats=reward_stats, unscored=unscored, epoch=epoch,
                         finish_reasons=["length" if ep.truncated else "stop" for ep in episodes],
-                        model_masks=[p[1] for p in parts], episode_stats=episode_stats(episodes))
+                        model_masks=[p[1] for p in parts], episode_stats=episode_stats(episodes, envs_))
 
 
 async def eval_env_prompt(gen, step: int, i: int, prompt, version: int):
@@ -450,7 +469,7 @@ class EnvTask:
 
     def __init__(self, cfg, tokenizer, factory=None, rows=None):
         spec = data.spec_of(cfg)
-        self.factory = factory or load_env(cfg.env)
+        self.factory = factory or episode_factory(cfg)
         self.names = ["env"] + (rewards.reward_names(spec.rewards) if spec else [])
         self.scorer = rewards.Scorer(spec.rewards if spec else (), spec.weights if spec else (),
                                      workers=spec.reward_workers if spec else 0)
@@ -498,7 +517,7 @@ class EnvTask:
         chat = any(ep.chat for ep in episodes)
         texts = ["".join(t for t in ep.transcript if isinstance(t, str)) if not ep.chat else
                  (ep.transcript[-1]["content"] if ep.transcript else "") for ep in episodes]
-        extra = {"environments": list(envs_)}
+        extra = {"environments": [trl_instance(env) for env in envs_]}
         if chat:
             extra["completions"] = [ep.transcript for ep in episodes]
         return self.scorer.score(prompt.prompt if prompt.prompt is not None else "", texts,

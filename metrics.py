@@ -71,6 +71,9 @@ def episode_metrics(groups) -> dict:
            "env/time_ms_p95": env_ms[min(len(env_ms) - 1, int(0.95 * len(env_ms)))] if env_ms else None,
            "env/errors": sum(s["errors"] for s in stats), "env/timeouts": sum(s["timeouts"] for s in stats),
            "env/token_frac": sum(s["env_tokens"] for s in stats) / tokens if tokens else None}
+    for name in ("tool_calls", "tool_call_parse_failures", "tool_errors"):  # --tools, TRL environment classes
+        if any(name in s for s in stats):
+            out[f"env/{name}"] = sum(s.get(name, 0) for s in stats)
     for reason in ("max_turns", "max_episode_tokens"):
         out[f"env/truncated_{reason}"] = sum(s["truncated"].get(reason, 0) for s in stats)
     lines = [line for s in stats for line in s["error_lines"]]

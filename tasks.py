@@ -246,7 +246,7 @@ def reveal_rows() -> tuple[list[dict], list[dict]]:
 def make_task(settings, tokenizer, max_len: int | None = None):
     """The task the run's flags ask for: the copy task (default), a dataset task (--dataset / --task), or an
     env task (--env, --task reveal)."""
-    if settings.task == "reveal" or settings.env:
+    if settings.task == "reveal" or settings.env or settings.tools:
         import envs  # (it imports this module's Prompt)
 
         if settings.task == "reveal":

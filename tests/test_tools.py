@@ -265,3 +265,75 @@ def test_a_trl_environment_class_runs_unchanged():
         tools.from_trl_environment(type("NoReset", (), {"go": lambda self: 1}))
     with pytest.raises(ValueError, match="two tools are named 'increment'"):
         tools.from_trl_environment(IncrementEnv, [IncrementEnv().increment])()
+
+
+# ----------------------------------------------------------------------------------------------------
+# --tools through the episode runner (envs.run_episode), with a scripted engine
+# ----------------------------------------------------------------------------------------------------
+class ScriptedEngine:
+    """Stands in for vLLM: each request "samples" the next scripted text (one token per character on the
+    ascii tokenizer), tagged version 0, and records the prompt it was given."""
+
+    def __init__(self, tokenizer, texts):
+        self.tokenizer, self.texts, self.prompts = tokenizer, list(texts), []
+
+    def generate(self, prompt, params, request_id, lora_request=None):
+        from types import SimpleNamespace
+
+        self.prompts.append(list(prompt["prompt_token_ids"]))
+        text = self.texts.pop(0)
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
+        out = SimpleNamespace(token_ids=ids, text=text, finish_reason="stop",
+                              logprobs=[{t: SimpleNamespace(logprob=-0.5)} for t in ids],
+                              weight_versions=[SimpleNamespace(start=0, end=len(ids), version=0)])
+
+        async def stream():
+            yield SimpleNamespace(outputs=[out])
+        return stream()
+
+
+def test_tools_round_trip_through_the_episode_runner(tmp_path, ascii_model, tokenizer):
+    """--tools on a tool-capable template: the prompt shows the schemas, the model's call runs, its result comes
+    back as a tool message (environment tokens, no loss), the next turn answers and ends the episode; the tool
+    counters reach the metrics and the reward function sees the transcript and the environments."""
+    import envs
+    from metrics import episode_metrics
+    from types import SimpleNamespace
+
+    (tmp_path / "fns.py").write_text(inspect.getsource(add) + "\n\n" + inspect.getsource(divide))
+    (tmp_path / "r.py").write_text(
+        "SEEN = []\n\n\ndef right(completions, environments, **kw):\n"
+        "    SEEN.append((completions, environments))\n"
+        "    return [1.0 if '5' in c[-1]['content'] else 0.0 for c in completions]\n")
+    cfg = config.Config(model=ascii_model, dataset="examples/chat_prompts.jsonl", answer_column="solution",
+                        reward=f"{tmp_path / 'r.py'}:right", tools=f"{tmp_path / 'fns.py'}:add,divide",
+                        max_turns=4, max_new_tokens=80, group_size=1)
+    assert tools.check(cfg) == []
+    row = {"prompt": [{"role": "user", "content": "What is 2 + 3?"}], "solution": "5"}
+    task = envs.EnvTask(cfg, tokenizer, rows=([row], [row]))
+    call = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+    engine = ScriptedEngine(tokenizer, [call, '<tool_call>{"name": "nope"</tool_call>', "The sum is 5."])
+    gen = SimpleNamespace(cfg=cfg, task=task, engine=engine, max_model_len=4096, lora_request=None,
+                          request_params=lambda **k: k, _count_generating=lambda d: None)
+    env = task.factory()
+    assert isinstance(env, tools.ToolEnv) and [t["function"]["name"] for t in env.tools] == ["add", "divide"]
+    ep = asyncio.run(envs.run_episode(gen, env, task.prompts[0], envs.Turns({}, "t")))
+    assert not ep.error and ep.turns == 3 and not ep.truncated, (ep.error, ep.turns, ep.truncated)
+    first = tokenizer.decode(engine.prompts[0])
+    assert '"name": "add"' in first and "What is 2 + 3?" in first  # the schemas, rendered with the prompt
+    tail = ep.ids[len(engine.prompts[0]):]  # turn 1 as sampled, then the tool's answer, then turn 2 ...
+    sampled = tokenizer(call, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    assert tail[:len(sampled)] == sampled and ep.model_mask[:len(sampled)] == [True] * len(sampled)
+    observation = tokenizer.decode(ep.ids[len(engine.prompts[0]) + len(sampled):len(engine.prompts[1])])
+    assert "5" in observation and "tool" in observation  # add(2, 3), as a tool message
+    assert not any(ep.model_mask[len(sampled):len(engine.prompts[1]) - len(engine.prompts[0])])
+    assert ep.transcript[0]["tool_calls"][0]["function"]["name"] == "add"
+    assert (env.tool_calls, env.tool_errors, env.tool_call_parse_failures) == (1, 0, 1)
+    stats = envs.episode_stats([ep], [env])
+    keys = episode_metrics([SimpleNamespace(episode_stats=stats)])
+    assert keys["env/tool_calls"] == 1 and keys["env/tool_call_parse_failures"] == 1
+    rewards_, _, unscored = task.score_episodes(task.prompts[0], [ep], [env])
+    assert rewards_ == [1.0] and unscored == 0
+    import sys
+    completions, environments = sys.modules["user_r"].SEEN[-1]
+    assert environments == [env] and completions[0][-1]["content"] == "The sum is 5."
