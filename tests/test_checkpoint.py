@@ -66,6 +66,19 @@ def all_ranks_agree(flag: bool) -> bool:
     return bool(value.item())
 
 
+def report(rank, results, value) -> None:
+    """Rank 0 sends the worker's result (as arrays: tensors do not outlive their process)."""
+    if rank == 0:
+        results.put(as_arrays(value))
+
+
+def leave_group() -> None:
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def _start_worker(rank, world, init_file, model_path, results):
     import torch.distributed as dist
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -92,11 +105,9 @@ def _start_worker(rank, world, init_file, model_path, results):
                              loss=loss.item(), state=gathered(model))
             out[kind]["same_loss"] = all_ranks_agree(abs(loss.item() - out[kind]["loss"]) == 0)
             del model
-        if rank == 0:
-            results.put(as_arrays(out))
+        report(rank, results, out)
     finally:
-        dist.barrier()
-        dist.destroy_process_group()
+        leave_group()
 
 
 def test_a_two_rank_start_holds_the_pretrained_weights_on_every_rank(model_path, tmp_path):
@@ -164,12 +175,9 @@ def _save_worker(rank, world, init_file, model_path, out, task, results):
         else:
             checkpoint.load_trainer_state(model, optimizer, task.removeprefix("load:"), save_group)
             checkpoint.save_trainer_state(model, optimizer, model_path, cfg, 9, 1, rank, save_group)
-        state = trained_state(model, optimizer)
-        if rank == 0:
-            results.put(as_arrays(state))
+        report(rank, results, trained_state(model, optimizer))
     finally:
-        dist.barrier()
-        dist.destroy_process_group()
+        leave_group()
 
 
 def test_a_slow_save_does_not_time_out_and_a_checkpoint_reshards_from_2_ranks_to_1_and_back(model_path, tmp_path):
