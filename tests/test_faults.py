@@ -50,11 +50,35 @@ def wait_rows(out, n, proc, timeout=180):
         time.sleep(0.2)
 
 
-def test_sigint_then_two_resumes_survive_rotation_and_continue_like_an_uninterrupted_run(tmp_path):
-    """Ctrl-C a 2-rank run, resume on 1 rank (the sharded checkpoint reshards), save and rotate well past the
-    checkpoint resumed from (--keep-checkpoints 1), resume again on 2 ranks, finish: every step equals the
+def trainer_ranks(proc) -> list[int]:
+    """The trainer ranks of a run: spawned children in the parent's process group (the generator has its own),
+    started after the generator, trainer1 last."""
+    import psutil
+
+    return sorted(p.pid for p in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(p.cmdline())
+                  and os.getpgid(p.pid) == os.getpgid(proc.pid))
+
+
+def assert_nothing_left(family) -> None:
+    import psutil
+
+    deadline = time.monotonic() + 10  # torch_shm_manager exits on its own once its clients are gone
+    while True:
+        alive = [pid for pid in family if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
+        if not alive or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert not alive, [psutil.Process(pid).name() for pid in alive]
+
+
+def test_sigterm_then_sigint_and_two_resumes_on_other_rank_counts_continue_like_an_uninterrupted_run(tmp_path):
+    """SLURM sends SIGTERM to every process of a job step: SIGTERM (twice: the same stop, not a stop at once) to
+    trainer rank 1 of a 2-rank run stops it after the step with a checkpoint, exit 143, nothing left running.
+    Resume on 1 rank (the sharded checkpoint reshards), save and rotate well past the checkpoint resumed from
+    (--keep-checkpoints 1), Ctrl-C (exit 130), resume again on 2 ranks, finish: every step equals the
     uninterrupted (1-rank) run's, the final model loads, and with --kl-coef the reference stays the original
     model (were it the checkpoint, kl_ref would restart at 0 after each resume)."""
+    import psutil
     from transformers import AutoModelForCausalLM
 
     steps, kl = 16, ["--kl-coef", "0.05", "--save-every", "2", "--keep-checkpoints", "1"]
@@ -62,14 +86,18 @@ def test_sigint_then_two_resumes_survive_rotation_and_continue_like_an_uninterru
     full_proc, full_log = start(full, "--steps", str(steps), *kl)  # both at once: --max-lag 0 leaves cores idle
     proc, log = start(cut, "--steps", str(steps), "--train-ranks", "2", *kl)
     wait_rows(cut, 3, proc)
-    os.kill(proc.pid, signal.SIGINT)
+    family = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+    ranks = trainer_ranks(proc)
+    assert len(ranks) == 2, ranks
+    os.kill(ranks[1], signal.SIGTERM)
+    os.kill(ranks[1], signal.SIGTERM)
     t0 = time.monotonic()
-    code = finish(proc, 60)
-    assert code == 130 and time.monotonic() - t0 < 30
+    assert finish(proc, 90) == 143 and time.monotonic() - t0 < 60, open(log).read()[-3000:]
     text = open(log).read()
-    assert "SIGINT" in text and "--resume latest" in text
+    assert "SIGTERM: stopping after the current step" in text and "--resume latest" in text
+    assert_nothing_left(family)
     saved = checkpoint.list_checkpoints(checkpoint.checkpoint_root(cut))
-    assert len(saved) == 1, "no checkpoint written on SIGINT (or rotation kept more than one)"
+    assert len(saved) == 1, "no checkpoint written on SIGTERM (or rotation kept more than one)"
     state = checkpoint.load_state(saved[-1])
     first_stop = state["step"]
     assert 3 <= first_stop <= steps - 8 and state["version"] == first_stop  # max-lag 0: one version per step
@@ -77,16 +105,20 @@ def test_sigint_then_two_resumes_survive_rotation_and_continue_like_an_uninterru
     assert finish(full_proc, 300) == 0, open(full_log).read()[-3000:]
     reference = {r["step"]: r for r in rows(full)}
 
-    # First resume: several saves after the checkpoint it resumed from, which rotation deletes.
-    proc, log = start(cut, "--steps", str(first_stop + 5), "--resume", "latest", "--train-ranks", "1", *kl)
-    assert finish(proc, 300) == 0, open(log).read()[-3000:]
+    # First resume, on 1 rank: several saves after the checkpoint it resumed from, which rotation deletes; Ctrl-C.
+    proc, log = start(cut, "--steps", str(steps), "--resume", "latest", "--train-ranks", "1", *kl)
+    wait_rows(cut, first_stop + 5, proc)
+    os.kill(proc.pid, signal.SIGINT)
+    assert finish(proc, 90) == 130, open(log).read()[-3000:]
+    assert "SIGINT" in open(log).read()
     assert not os.path.exists(saved[-1])
     second = checkpoint.list_checkpoints(checkpoint.checkpoint_root(cut))
     assert len(second) == 1 and checkpoint.load_state(second[0])["step"] > first_stop + 2
     assert checkpoint.load_state(second[0])["base_model"] == state["base_model"]  # carried, not the checkpoint
     second_stop = checkpoint.load_state(second[0])["step"]
+    assert second_stop <= steps - 2, "the run finished before Ctrl-C reached it"
 
-    # Second resume, to the end.
+    # Second resume, on 2 ranks, to the end.
     proc, log = start(cut, "--steps", str(steps), "--resume", "latest", "--train-ranks", "2", *kl)
     assert finish(proc, 300) == 0, open(log).read()[-3000:]
     resumed = rows(cut)
@@ -103,37 +135,6 @@ def test_sigint_then_two_resumes_survive_rotation_and_continue_like_an_uninterru
     summary = json.load(open(os.path.join(cut, "summary.json")))
     assert summary["steps"] == steps
     AutoModelForCausalLM.from_pretrained(os.path.join(cut, "model"))
-
-
-def test_sigterm_to_a_trainer_rank_stops_with_a_checkpoint_and_nothing_left(tmp_path):
-    """SLURM sends SIGTERM to every process of a job step: a trainer rank forwards it to the parent, which
-    stops the run as on Ctrl-C (a repeated SIGTERM is the same stop, not a stop at once)."""
-    import psutil
-
-    out = str(tmp_path / "run")
-    proc, log = start(out, "--steps", "1000", "--train-ranks", "2")
-    wait_rows(out, 2, proc)
-    family = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
-    # the trainer ranks: spawned children in the parent's process group (the generator has its own), started
-    # after the generator, trainer1 last
-    ranks = sorted(p.pid for p in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(p.cmdline())
-                   and os.getpgid(p.pid) == os.getpgid(proc.pid))
-    assert len(ranks) == 2, ranks
-    os.kill(ranks[1], signal.SIGTERM)
-    os.kill(ranks[1], signal.SIGTERM)
-    t0 = time.monotonic()
-    assert finish(proc, 90) == 143 and time.monotonic() - t0 < 60, open(log).read()[-3000:]
-    text = open(log).read()
-    assert "SIGTERM: stopping after the current step" in text and "--resume latest" in text
-    latest = checkpoint.resolve("latest", out)  # complete: its sharded state is there (the resume test resumes one)
-    assert checkpoint.load_state(latest)["world_size"] == 2
-    deadline = time.monotonic() + 10  # torch_shm_manager exits on its own once its clients are gone
-    while True:
-        alive = [pid for pid in family if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
-        if not alive or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    assert not alive, [psutil.Process(pid).name() for pid in alive]
 
 
 WRITER = r"""

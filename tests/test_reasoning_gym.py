@@ -68,7 +68,7 @@ def test_bad_rg_flags_are_one_line_each(ascii_model):
              ("--task", "rg:composite"): "cannot build it with its default configuration",
              ("--task", "rg:leg_counting", "--dataset", "x.jsonl"): "generates its own training and held-out rows",
              ("--task", "rg:leg_counting", "--split", "validation"): "the splits are train and test",
-             ("--task", "nonsense"): "must be one of auto, copy, dataset, gsm8k or rg:NAME"}
+             ("--task", "nonsense"): "must be one of auto, copy, dataset, gsm8k, reveal or rg:NAME"}
     for argv, expected in cases.items():
         with pytest.raises(SystemExit, match=f"^error: --task.*{expected}") as info:
             config.parse_args(["--model", ascii_model, *argv])
