@@ -51,12 +51,6 @@ def load_env(spec: str):
     return factory
 
 
-def public_methods(obj) -> list[str]:
-    """The methods TRL's environment_factory turns into tools: public, not the episode's own."""
-    return [n for n in dir(obj) if not n.startswith("_") and n not in ("reset", "close", "get_reward", "step", "tools")
-            and callable(getattr(obj, n, None))]
-
-
 def check(cfg) -> list[str]:
     """config.validate(): what keeps --env from running, in one line. A factory function is called once
     here (and its instance closed) to see what it makes."""
@@ -74,7 +68,8 @@ def check(cfg) -> list[str]:
     if not callable(getattr(target, "reset", None)):
         problems.append(f"--env {cfg.env}: {name} has no reset(**row) method")
     elif not callable(getattr(target, "step", None)):
-        if not public_methods(target):
+        if not [n for n in dir(target) if not n.startswith("_") and n not in tools_lib.RESERVED_METHODS
+                and callable(getattr(target, n, None))]:  # TRL's environment_factory: its public methods are tools
             problems.append(f"--env {cfg.env}: {name} has neither step(action) nor public methods (tools)")
     elif getattr(cfg, "tools", ""):
         problems.append(f"--env {cfg.env}: {name} has step(action), so it answers the model's turns itself; "
@@ -88,9 +83,8 @@ def check(cfg) -> list[str]:
 
 
 def episode_factory(cfg):
-    """What makes one episode's env: --env's class or factory; one whose instances have no `step` (TRL's
-    environment_factory) is wrapped by tools.TrlEnvironment (its public methods, and any --tools functions,
-    are the tools); --tools alone: a tools.ToolEnv (the model's turns are tool calls, or its answer)."""
+    """What makes one episode's env: --env's class or factory (instances without `step`, TRL's, wrapped by
+    tools.TrlEnvironment with any --tools functions); --tools alone: a tools.ToolEnv."""
     functions = tuple(tools_lib.load_functions(cfg.tools)) if getattr(cfg, "tools", "") else ()
     if not getattr(cfg, "env", ""):
         return functools.partial(tools_lib.ToolEnv, functions)
@@ -103,11 +97,6 @@ def make_env(factory, functions=()):
     if callable(getattr(instance, "step", None)):
         return instance
     return tools_lib.TrlEnvironment(lambda: instance, functions)
-
-
-def trl_instance(env):
-    """What reward functions get as `environments=`: the user's own instance (TRL passes its instances)."""
-    return getattr(env, "env", env) if isinstance(env, tools_lib.TrlEnvironment) else env
 
 
 def first_line(error: BaseException) -> str:
@@ -517,7 +506,8 @@ class EnvTask:
         chat = any(ep.chat for ep in episodes)
         texts = ["".join(t for t in ep.transcript if isinstance(t, str)) if not ep.chat else
                  (ep.transcript[-1]["content"] if ep.transcript else "") for ep in episodes]
-        extra = {"environments": [trl_instance(env) for env in envs_]}
+        # reward functions get the user's own instances (TRL passes its instances), not our wrappers
+        extra = {"environments": [env.env if isinstance(env, tools_lib.TrlEnvironment) else env for env in envs_]}
         if chat:
             extra["completions"] = [ep.transcript for ep in episodes]
         return self.scorer.score(prompt.prompt if prompt.prompt is not None else "", texts,

@@ -330,15 +330,11 @@ def token_logprobs(logits, tokens, temperature=1.0, top_k=-1, top_p=1.0, exact_t
     vLLM's default logprobs_mode is "raw_logprobs" (log_softmax of the unscaled, unfiltered logits): recorded
     behaviour log-probs only match this function with logprobs_mode="processed_logprobs".
 
-    On CUDA (exact_top_k None and CUDA logits, or exact_top_k=True) the kept set is that of vLLM's Triton
-    kernel (topk_topp_triton.py), which vLLM 0.32 runs on CUDA whenever triton is there (with this project's
-    "processed_logprobs" FlashInfer's sampler is never used): exactly k tokens, of those tied at the k-th
-    logit the lowest vocabulary indices; top-p boundary ties likewise (`_cuda_kept_set` has the rules). Where
-    the kernel's choice is not deterministic in the data alone this may differ: its monolithic path (top-k
-    with top-p, or top-p over more than 64 rows) matches top-p boundary ties through a log/exp round trip of
-    the logit within 1e-9, so it usually keeps them all; its pivot searches stop after 18 steps, so logits
-    closer than ~range / 3^18 may split otherwise. This CUDA rule is checked on CPU tensors against a reading
-    of the kernel, never yet on a GPU.
+    On CUDA (exact_top_k None and CUDA logits, or True) the kept set is vLLM 0.32's Triton kernel's
+    (topk_topp_triton.py; FlashInfer is never used with "processed_logprobs"): exactly k tokens, ties by lowest
+    index (`_cuda_kept_set`). It may differ where the kernel is not exact: its monolithic path matches top-p
+    boundary ties within 1e-9 (usually keeping them all); its pivot searches stop after 18 steps. Checked on
+    CPU tensors against a reading of the kernel, never yet on a GPU.
     """
     x = sampling_logits(logits, temperature, top_k, top_p, exact_top_k)
     return torch.log_softmax(x, dim=-1).gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
@@ -384,11 +380,9 @@ def sampling_logits(logits, temperature=1.0, top_k=-1, top_p=1.0, exact_top_k=No
 
 
 def _cuda_kept_set(flat, top_k, top_p):
-    """(N, V) bool: what vLLM 0.32's Triton kernel (topk_topp_triton.py) keeps on CUDA, top_k 0: off. Top-k:
-    exactly k, every logit above the k-th and, of those equal to it, the lowest indices (the kernel walks the
-    row in index order until k are kept). Top-p, on that set: the smallest top set whose mass reaches top_p,
-    boundary ties again by lowest index; a boundary at the k-th logit keeps every token equal to it (the
-    kernel's last pass keeps every logit above its top-p pivot, which then lies below the k-th logit)."""
+    """(N, V) bool: what vLLM 0.32's Triton kernel keeps on CUDA (top_k 0: off). Top-k: exactly k, ties at the
+    k-th logit by lowest index (the kernel walks the row in index order). Top-p on that set: the smallest top
+    set reaching top_p, ties by lowest index, but a boundary at the k-th logit keeps every token equal to it."""
     vocab = flat.shape[-1]
     # a stable descending sort orders ties by index: its first k positions are the kernel's top-k set
     values, order = flat.sort(dim=-1, descending=True, stable=True)
