@@ -34,7 +34,7 @@ import lora
 import metrics
 import prepare
 from config import Config, inactive_flags, parse_args
-from losses import group_advantages
+from losses import estimate_advantages
 from processes import make_control, run_children, saving, wait_for
 from rollout import generator_main
 from sync import SharedWeights, publish_model, synced_parameters
@@ -163,7 +163,7 @@ def train(r: Rank) -> int:
             return step
         wait_s, t_step = time.perf_counter() - t_wait, time.perf_counter()
         rewards, truncated = shaped_rewards(taken.groups, cfg)
-        advantages = group_advantages(rewards, scale=cfg.adv_scale)
+        advantages = estimate_advantages(rewards, cfg.adv_estimator, cfg.adv_scale)
         batch = buffer.collate(buffer.to_samples(taken.groups, advantages), r.pad_id)
         stale = buffer.stale_mask(batch, r.version, cfg.max_lag)  # (none left with --stale-rule group)
         batch.mask &= ~stale  # --max-lag bounds every trained token's age

@@ -20,7 +20,8 @@ import buffer
 import heads
 import lora
 from config import Config
-from losses import behaviour_weights, chunked_logprobs, kl_penalty, overlong_penalty, policy_loss
+from losses import (behaviour_weights, chunked_logprobs, dsv32_sequence_mask, geometric_mean_mask, icepop_mask,
+                    kl_penalty, mismatch_k3, overlong_penalty, policy_loss)
 
 
 def learning_rate(step: int, cfg: Config) -> float:
@@ -144,6 +145,45 @@ class StepStats:
         return out
 
 
+def off_policy_mask(cfg, trained, trainer_old, logp, mb, weights, version, stats: StepStats):
+    """The trained tokens less those the off-policy masks drop (losses.py: --geo-mask-*, --dsv32-mask-kl,
+    --icepop-*), and the step's mismatch metrics, kept as tensors until the step's reduction: the
+    behaviour-to-trainer k3 (trainer: the current log-probs) overall and by lag, the share each rule
+    dropped or truncated (of trained tokens; of trained sequences for the sequence masks), and the
+    normalised effective sample size (sum w)^2 / (n sum w^2) of the per-token weights the loss applies
+    (importance weight x masks; at --is-level sequence each token carries its sequence's weight)."""
+    n, rows = trained.sum(), trained.any(1)
+    k3 = mismatch_k3(logp, mb.behaviour_logp, trained)
+    stats.mean("mismatch_k3", k3.sum(), n)
+    lag = version - mb.token_versions
+    for age in range(cfg.max_lag + 1):  # every trained token's lag is within --max-lag (buffer.stale_mask)
+        at = trained & (lag == age)
+        stats.mean(f"mismatch_k3/lag{age}", (k3 * at).sum(), at.sum())
+        stats.add(f"mismatch_tokens/lag{age}", at.sum())
+    if weights is not None and cfg.is_mode == "truncate":
+        stats.mean("is_truncated_frac", (trained & (weights >= cfg.is_high)).sum(), n)
+    elif weights is not None:
+        stats.mean("is_masked_frac", (trained & (weights == 0)).sum(), n)
+    keep = trained
+    if cfg.geo_mask_high is not None:
+        kept = geometric_mean_mask(trainer_old, mb.behaviour_logp, trained, cfg.geo_mask_low, cfg.geo_mask_high)
+        stats.mean("geo_masked_seq_frac", (rows & ~kept.any(1)).sum(), rows.sum())
+        keep = keep & kept
+    if cfg.dsv32_mask_kl is not None:
+        kept = dsv32_sequence_mask(logp, mb.behaviour_logp, mb.advantages, trained, cfg.dsv32_mask_kl)
+        stats.mean("dsv32_masked_seq_frac", (rows & ~kept.any(1)).sum(), rows.sum())
+        keep = keep & kept
+    if cfg.icepop_high is not None:
+        kept = icepop_mask(trainer_old, mb.behaviour_logp, trained, cfg.icepop_low, cfg.icepop_high)
+        stats.mean("icepop_masked_frac", (trained & ~kept).sum(), n)
+        keep = keep & kept
+    applied = torch.where(keep, weights if weights is not None else 1.0, 0.0)
+    stats.add("ess_w", applied.sum())
+    stats.add("ess_w2", applied.square().sum())
+    stats.add("ess_n", n)
+    return keep
+
+
 def micro_batch_loss(model, ref_model, mb, cfg, units, tokens, version, stats: StepStats):
     """One micro-batch's term of the step's loss: its share of the whole batch's loss (normalised by the
     step's `units`, and its KL term by the step's completion `tokens`). Its metrics go into `stats`."""
@@ -155,15 +195,17 @@ def micro_batch_loss(model, ref_model, mb, cfg, units, tokens, version, stats: S
         outside |= mb.mask & ~torch.isfinite(proximal)
     mask = mb.mask & ~outside
     logp = torch.where(mask, scores.logp, torch.zeros_like(scores.logp))
+    # The decoupled objective (AReaL): the ratio against the proximal policy, the weights before the batch's
+    # first update; the importance weight proximal / behaviour. With one update per batch the proximal
+    # policy is the current one, and its log-probs need no pass of their own.
+    trainer_old = torch.where(mask, proximal, 0.0) if proximal is not None else logp.detach()
     if cfg.is_mode == "off":
         old_logp, weights = mb.behaviour_logp, None  # ratio against the generator (PipelineRL style)
     else:
-        # The decoupled objective (AReaL): the ratio against the proximal policy, the weights before the batch's
-        # first update; the importance weight proximal / behaviour. With one update per batch the proximal
-        # policy is the current one, and its log-probs need no pass of their own.
-        old_logp = torch.where(mask, proximal, 0.0) if proximal is not None else logp.detach()
+        old_logp = trainer_old
         weights = behaviour_weights(old_logp, mb.behaviour_logp, mask, level=cfg.is_level,
                                     mode=cfg.is_mode, low=cfg.is_low, high=cfg.is_high)
+    trained, mask = mask, off_policy_mask(cfg, mask, trainer_old, logp, mb, weights, version, stats)
     loss, metrics = policy_loss(logp, old_logp, mb.advantages, mask, variant=cfg.loss,
                                 eps_low=cfg.eps_low, eps_high=cfg.eps_high, dual_clip=cfg.dual_clip,
                                 agg=cfg.agg, max_len=cfg.max_new_tokens, weights=weights, units=units)
@@ -183,8 +225,8 @@ def micro_batch_loss(model, ref_model, mb, cfg, units, tokens, version, stats: S
     stats.add("positions", mb.attention_mask.numel())
     stats.add("padding", int((mb.attention_mask == 0).sum()))
     # Agreement with the generator, on completions sampled entirely by the weights we hold now.
-    on_policy_rows = ((mb.token_versions == version) | ~mask).all(dim=1) & mask.any(dim=1)
-    diff = (logp.detach() - mb.behaviour_logp).abs()[mask & on_policy_rows[:, None]]
+    on_policy_rows = ((mb.token_versions == version) | ~trained).all(dim=1) & trained.any(dim=1)
+    diff = (logp.detach() - mb.behaviour_logp).abs()[trained & on_policy_rows[:, None]]
     stats.max("logprob_diff_on_policy", float(diff.max()) if diff.numel() else -1.0)
     # bf16 makes the max a tail; the mean says how far the two sides typically disagree
     stats.mean("logprob_diff_mean", float(diff.sum()), diff.numel())
@@ -218,6 +260,12 @@ def train_on_batch(model, ref_model, batch, cfg, rank, world_size, version, devi
     if not on_policy:
         step.pop("logprob_diff_mean")
     positions, padding = step.pop("positions"), step.pop("padding")
+    for age in range(cfg.max_lag + 1):  # a lag no trained token has: no figure (not a 0)
+        if not step.pop(f"mismatch_tokens/lag{age}"):
+            step.pop(f"mismatch_k3/lag{age}")
+    w, w2, n = step.pop("ess_w"), step.pop("ess_w2"), step.pop("ess_n")
+    if n:
+        step["is_ess"] = w * w / (n * w2) if w2 > 0 else 0.0
     step.update(outside_support_tokens=int(step["outside_support_tokens"]), pad_frac=padding / positions,
                 micro_batches=len(micro_batches))
     return StepResult(step.pop("loss"), diff if on_policy else None, step)
@@ -290,7 +338,7 @@ def update_on_batch(model, ref_model, optimizer, batch, cfg, rank, world_size, v
             optimizer.zero_grad(set_to_none=True)
             results.append(result)
     metrics = {}
-    for name in results[0].metrics:
+    for name in dict.fromkeys(name for r in results for name in r.metrics):  # (a lag may be in some only)
         values = [r.metrics[name] for r in results if name in r.metrics]
         combine = max if name == "ratio_max" else sum if name in ("outside_support_tokens", "micro_batches") else \
             (lambda v: sum(v) / len(v))
