@@ -216,7 +216,7 @@ def test_a_run_with_every_flag_logs_the_mismatch(start_run):  # noqa: F811
                     "--geo-mask-high", "1.05", "--dsv32-mask-kl", "0.01", "--icepop-high", "5", *SMALL)
     rows, _ = finish_ok(run, steps)
     for row in rows:
-        assert 0 <= row["mismatch_k3"] < 0.1, row  # fp32 on both sides: close agreement
+        assert 0 <= row["mismatch_k3"] < 0.5, row  # fp32 on both sides, lag <= 1: close agreement
         assert 0 < row["is_ess"] <= 1 + 1e-9
         for share in ("is_truncated_frac", "geo_masked_seq_frac", "dsv32_masked_seq_frac", "icepop_masked_frac"):
             assert 0 <= row[share] <= 1, (share, row[share])
