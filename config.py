@@ -301,12 +301,13 @@ def off_policy_problems(cfg: Config) -> list[str]:
                    "has its own baseline and scale)")
     if cfg.adv_estimator == "rloo" and cfg.group_size < 2:
         out.append("--adv-estimator rloo's leave-one-out baseline needs --group-size >= 2")
-    for name, low, high in (("geo-mask", cfg.geo_mask_low, cfg.geo_mask_high), ("icepop", cfg.icepop_low, cfg.icepop_high)):
-        if high is None:
-            if name == "geo-mask" and low is not None:
-                out.append("--geo-mask-low needs --geo-mask-high (the geometric mask is off without it)")
-        elif not (0 < (1 / high if low is None else low) <= 1 <= high):
-            out.append(f"--{name}-low and --{name}-high must bound the ratio 1: 0 < low <= 1 <= high (got {low}, {high})")
+    if cfg.geo_mask_low is not None and cfg.geo_mask_high is None:
+        out.append("--geo-mask-low needs --geo-mask-high (the geometric mask is off without it)")
+    for name, low, high in (("geo-mask", cfg.geo_mask_low, cfg.geo_mask_high),
+                            ("icepop", cfg.icepop_low, cfg.icepop_high)):
+        if high is not None and not (high >= 1 and 0 < (1 / high if low is None else low) <= 1):
+            out.append(f"--{name}-low and --{name}-high must bound the ratio 1: 0 < low <= 1 <= high "
+                       f"(got {low}, {high})")
     if cfg.dsv32_mask_kl is not None and not cfg.dsv32_mask_kl >= 0:
         out.append(f"--dsv32-mask-kl must be >= 0, a KL threshold (got {cfg.dsv32_mask_kl})")
     return out
