@@ -89,6 +89,8 @@ class Config:
     dual_clip: Optional[float] = None  # dual-clip constant c > 1 for negative advantages; none: off
     kl_coef: float = 0.0  # weight of the KL penalty to the original model (> 0 keeps a frozen reference)
     kl_kind: str = "k3"  # KL estimator: k1 | k2 | k3 (Schulman's)
+    teacher: str = ""  # on-policy distillation: a Hugging Face model directory or hub id with the student's tokenizer; it scores every sampled token
+    distill_coef: float = 0.0  # C > 0 (needs --teacher): each sampled token's advantage gets -C x (student - teacher log-prob), the per-token reverse KL; a dataset task may then omit --reward (rewards 0: distillation alone)
     is_level: str = "token"  # behaviour-policy importance weights per token or per sequence
     is_mode: str = "truncate"  # truncate (TIS) | mask (MIS) | off (the ratio is taken against the generator)
     is_low: Optional[float] = None  # with --is-mode mask: weights below this are masked; none: no lower bound
@@ -276,10 +278,11 @@ def validate(cfg: Config) -> None:
         problems.append("--lora-targets is empty: give all-linear or module names such as q_proj,v_proj")
     if cfg.merge_at_end and not cfg.lora_rank:
         problems.append("--merge-at-end merges a LoRA adapter: it needs --lora-rank")
-    if cfg.model and not os.path.isdir(cfg.model) and os.path.exists(cfg.model):
-        problems.append(f"--model {cfg.model} is a file; give a Hugging Face model directory")
-    elif cfg.model and not os.path.exists(cfg.model) and (cfg.model.startswith((".", "/", "~"))):
-        problems.append(f"--model {cfg.model}: no such directory")
+    problems += model_path_problems("--model", cfg.model)
+    if cfg.distill_coef < 0 or (cfg.distill_coef > 0) != bool(cfg.teacher):
+        problems.append(f"--distill-coef {cfg.distill_coef} and --teacher {cfg.teacher!r}: distillation needs both, a "
+                        "teacher and a coefficient > 0 (neither: off)")
+    problems += model_path_problems("--teacher", cfg.teacher)  # (its tokenizer: prepare.check_teacher)
     if cfg.max_turns < 1 or cfg.max_episode_tokens < 0 or cfg.env_workers < 1 or not cfg.env_timeout_s > 0:
         problems.append(f"--max-turns and --env-workers must be >= 1, --max-episode-tokens >= 0 and --env-timeout-s "
                         f"> 0 (got {cfg.max_turns}, {cfg.env_workers}, {cfg.max_episode_tokens}, {cfg.env_timeout_s})")
@@ -311,6 +314,15 @@ def off_policy_problems(cfg: Config) -> list[str]:
     if cfg.dsv32_mask_kl is not None and not cfg.dsv32_mask_kl >= 0:
         out.append(f"--dsv32-mask-kl must be >= 0, a KL threshold (got {cfg.dsv32_mask_kl})")
     return out
+
+
+def model_path_problems(flag: str, path: str) -> list[str]:
+    """A --model/--teacher that names a file, or a local path that does not exist (else: a hub id)."""
+    if path and not os.path.isdir(path) and os.path.exists(path):
+        return [f"{flag} {path} is a file; give a Hugging Face model directory"]
+    if path and not os.path.exists(path) and path.startswith((".", "/", "~")):
+        return [f"{flag} {path}: no such directory"]
+    return []
 
 
 def split_addr(addr: str) -> tuple[str, int]:

@@ -78,6 +78,17 @@ def overlong_penalty(lengths, max_len: int, cache: int):
                        torch.where(lengths <= max_len, soft, -torch.ones_like(lengths)))
 
 
+def distill_advantages(advantages, logp, teacher_logp, mask, coef: float):
+    """On-policy distillation (Thinking Machines 2025, "On-Policy Distillation"; tinker-cookbook's
+    distillation/train_on_policy.py `incorporate_kl_penalty`, undiscounted). On tokens the student sampled,
+    k_t = logp_t - teacher_logp_t estimates the reverse KL(student || teacher); A_t = A - coef * k_t, detached (an
+    advantage, not a loss term). advantages: (B,) or (B, T). Returns (A_t, k), both (B, T), 0 off the mask."""
+    m_bool, zeros = mask.bool(), torch.zeros_like(logp)
+    k = torch.where(m_bool, logp.detach() - teacher_logp.detach(), zeros)
+    task = (advantages[:, None].expand_as(k) if advantages.dim() == 1 else advantages).to(k.dtype)
+    return torch.where(m_bool, task - coef * k, zeros), k
+
+
 # ---------- Policy losses -------------------------------------------------------------------------
 
 
@@ -88,16 +99,13 @@ def _masked_mean(x, m_bool):
 
 
 def aggregate(loss_tok, mask, agg="token-mean", max_len=None, units=None):
-    """Reduce a per-token loss (B, T) to a scalar.
-    token-mean              sum over all masked tokens / number of masked tokens (DAPO's token-level loss)
-    seq-mean-token-mean     mean over sequences of each sequence's token mean (original GRPO)
-    seq-mean-token-sum      mean over sequences of each sequence's token sum
-    seq-mean-token-sum-norm seq-mean-token-sum / max_len, max_len defaulting to T = mask.shape[-1] (Dr. GRPO:
-                            a constant normaliser instead of the length |y_i|)
-    Fully masked sequences are left out of sequence means; an all-masked batch gives 0 with the graph (no NaN).
-    units: the count to divide by, masked tokens (token-mean) or non-empty sequences (the others); default:
-    this mask's. A micro-batch passes its whole step's count (every micro-batch, every rank), so that the
-    micro-batches' losses add up to the loss of the whole batch."""
+    """Reduce a per-token loss (B, T) to a scalar. token-mean: sum over masked tokens / their number (DAPO's
+    token-level loss); seq-mean-token-mean: mean over sequences of each one's token mean (original GRPO);
+    seq-mean-token-sum: of each one's token sum; seq-mean-token-sum-norm: seq-mean-token-sum / max_len, default
+    T = mask.shape[-1] (Dr. GRPO: a constant normaliser instead of |y_i|). Fully masked sequences are left out
+    of sequence means; an all-masked batch gives 0 with the graph attached (no NaN). units: the count to divide
+    by (masked tokens for token-mean, else non-empty sequences), default this mask's; a micro-batch passes its
+    whole step's (every micro-batch, every rank), so that the micro-batches' losses add up to the whole batch's."""
     if agg not in AGGS:
         raise ValueError(f"unknown agg {agg!r}; expected one of {AGGS}")
     m_bool = mask.bool()

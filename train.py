@@ -149,6 +149,7 @@ class Rank:
     save_group: object = None  # the gloo group of every collective around a save (timeout --save-timeout-s)
     log: metrics.RunLog | None = None  # rank 0 only
     version: int = 0
+    teacher: torch.nn.Module | None = None  # --teacher (frozen, sharded like the reference)
     published: int = 0  # what the generator holds or will load next: what an evaluation asked for now sees
     bad_steps: int = 0
 
@@ -173,7 +174,7 @@ def train(r: Rank) -> int:
         for group in r.optimizer.param_groups:
             group["lr"] = lr
         result = update_on_batch(r.model, r.ref_model, r.optimizer, batch, cfg, r.rank, r.world_size, r.version,
-                                 step, r.device)
+                                 step, r.device, teacher=r.teacher)
         count_bad_steps(r, result.skipped)
         skipped = result.applied == 0  # every update had a NaN/inf loss or gradient: nothing changed
         if not skipped:
@@ -319,6 +320,9 @@ def start_rank(cfg: Config, prepared: prepare.Prepared, rank: int, world_size: i
         publish_model(model, shared, version, rank, world_size)
     ref_model = build_reference_model(prepared.base_model, world_size, device, serving_dtype) \
         if cfg.kl_coef > 0 and not cfg.lora_rank else None
+    # on-policy distillation's teacher: a second frozen model built as the reference is (its own, with LoRA too)
+    teacher = build_reference_model(prepared.teacher_model, world_size, device, serving_dtype) \
+        if cfg.distill_coef > 0 else None
     tokenizer = AutoTokenizer.from_pretrained(prepared.base_model)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     # the run's clock starts when the engine is up, not while vLLM starts
@@ -331,7 +335,7 @@ def start_rank(cfg: Config, prepared: prepare.Prepared, rank: int, world_size: i
     if log is not None:
         log.sync_mb = shared.nbytes / 2**20  # in the serving dtype
     return Rank(cfg, prepared, rank, world_size, device, model, ref_model, optimizer, pad_id, shared, rollout_queue,
-                control, save_group, log, version, published=version)
+                control, save_group, log, version, teacher=teacher, published=version)
 
 
 def finish_rank(r: Rank, step: int) -> None:

@@ -20,7 +20,7 @@ import buffer
 import heads
 import lora
 from config import Config
-from losses import (behaviour_weights, chunked_logprobs, dsv32_sequence_mask, geometric_mean_mask, icepop_mask,
+from losses import (behaviour_weights, chunked_logprobs, distill_advantages, dsv32_sequence_mask, geometric_mean_mask, icepop_mask,
                     kl_penalty, mismatch_k3, overlong_penalty, policy_loss)
 
 
@@ -184,7 +184,7 @@ def off_policy_mask(cfg, trained, trainer_old, logp, mb, weights, version, stats
     return keep
 
 
-def micro_batch_loss(model, ref_model, mb, cfg, units, tokens, version, stats: StepStats):
+def micro_batch_loss(model, ref_model, mb, cfg, units, tokens, version, stats: StepStats, teacher=None):
     """One micro-batch's term of the step's loss: its share of the whole batch's loss (normalised by the
     step's `units`, and its KL term by the step's completion `tokens`). Its metrics go into `stats`."""
     scores = completion_logprobs(model, mb, cfg.temperature, cfg.top_k, cfg.top_p, untruncated=cfg.kl_coef > 0)
@@ -206,7 +206,13 @@ def micro_batch_loss(model, ref_model, mb, cfg, units, tokens, version, stats: S
         weights = behaviour_weights(old_logp, mb.behaviour_logp, mask, level=cfg.is_level,
                                     mode=cfg.is_mode, low=cfg.is_low, high=cfg.is_high)
     trained, mask = mask, off_policy_mask(cfg, mask, trainer_old, logp, mb, weights, version, stats)
-    loss, metrics = policy_loss(logp, old_logp, mb.advantages, mask, variant=cfg.loss,
+    advantages = mb.advantages
+    if cfg.distill_coef > 0:  # the teacher scores the sampled (mask True) tokens, never an environment's, untruncated
+        with torch.no_grad():  # against the current student's sampling log-probs (Tinker: the sampler's)
+            teacher_logp = completion_logprobs(teacher, mb, cfg.temperature).logp
+        advantages, reverse_kl = distill_advantages(advantages, logp, teacher_logp, mask, cfg.distill_coef)
+        stats.mean("distill_reverse_kl", float(reverse_kl.sum()), int(mask.sum()))
+    loss, metrics = policy_loss(logp, old_logp, advantages, mask, variant=cfg.loss,
                                 eps_low=cfg.eps_low, eps_high=cfg.eps_high, dual_clip=cfg.dual_clip,
                                 agg=cfg.agg, max_len=cfg.max_new_tokens, weights=weights, units=units)
     n = int(mask.sum())
@@ -241,7 +247,7 @@ class StepResult:
     metrics: dict  # the per-step row's loss diagnostics, entropy, pad_frac, micro_batches
 
 
-def train_on_batch(model, ref_model, batch, cfg, rank, world_size, version, device="cpu") -> StepResult:
+def train_on_batch(model, ref_model, batch, cfg, rank, world_size, version, device="cpu", teacher=None) -> StepResult:
     """Forward and backward over this rank's rows of the step's `batch`, one micro-batch at a time
     (`--micro-batch-tokens`): gradients accumulate, and the caller clips and steps once. Every term is
     normalised by the whole step's count (tokens for token-mean, non-empty sequences for the sequence
@@ -252,7 +258,7 @@ def train_on_batch(model, ref_model, batch, cfg, rank, world_size, version, devi
     units = tokens if cfg.agg == "token-mean" else int((batch.mask.sum(1) > 0).sum())
     stats = StepStats()
     for mb in micro_batches:
-        loss = micro_batch_loss(model, ref_model, mb.to(device), cfg, units, tokens, version, stats)
+        loss = micro_batch_loss(model, ref_model, mb.to(device), cfg, units, tokens, version, stats, teacher)
         (loss * world_size).backward()  # FSDP2 averages gradients over ranks: the factor makes it their sum
     step = stats.reduced(world_size)
     on_policy = step.pop("on_policy_rows") > 0
@@ -309,7 +315,7 @@ class UpdateResult:
 
 
 def update_on_batch(model, ref_model, optimizer, batch, cfg, rank, world_size, version, step,
-                    device="cpu") -> UpdateResult:
+                    device="cpu", teacher=None) -> UpdateResult:
     """PPO's update on one rollout batch: --ppo-epochs passes, each of --mini-batches optimizer steps on a part
     of the batch (each normalised over its own part). With more than one update, the proximal policy's
     log-probs are computed first, once; the ratio then moves between updates and the clips act. An update
@@ -327,7 +333,8 @@ def update_on_batch(model, ref_model, optimizer, batch, cfg, rank, world_size, v
     results, norms, skipped = [], [], 0
     for epoch in range(cfg.ppo_epochs):
         for rows in mini_batch_rows(len(batch), cfg, step, epoch):
-            result = train_on_batch(model, ref_model, batch.select(rows), cfg, rank, world_size, version, device)
+            result = train_on_batch(model, ref_model, batch.select(rows), cfg, rank, world_size, version, device,
+                                    teacher)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
             if math.isfinite(grad_norm) and math.isfinite(result.loss):
