@@ -1,17 +1,11 @@
-"""losses.py — the GRPO loss family: pure functions on tensors (no model, optimizer, process, I/O or state).
+"""losses.py — the GRPO loss family: functions on tensors (no optimizer, process, I/O or state; torch only).
 
-Role: train.py takes advantages from `estimate_advantages`, log-probs from `chunked_logprobs`, off-policy
+Role: train.py takes advantages from `estimate_advantages`, log-probs from `score_tokens` (no logits), off-policy
 corrections from `behaviour_weights` and the masks beside it, the loss from `policy_loss` (+ `kl_penalty`).
-Data contract (B sequences, T padded completion length, V vocabulary):
-    rewards (groups, G); logp, old_logp, behaviour_logp, ref_logp, weights (B, T) float; advantages (B,) or
-    (B, T); mask (B, T), True on completion tokens; logits (..., V). Values at masked-out positions are never
-    read into a result, and results there are 0. A loss is a scalar with its graph, plus a dict of floats.
-Variants of `policy_loss` (all minimise; A the advantage, r the ratio):
-    grpo     PPO clipped surrogate per token (+ optional dual clip)
-    dapo     grpo with clip-higher (eps_high defaults to 0.28)
-    dr_grpo  grpo, meant with scale="none" and agg="seq-mean-token-sum-norm"
-    gspo     sequence-level ratio, clipped per sequence;  cispo  clipped, detached IS weight x REINFORCE
-"""
+Data contract (B sequences, T padded completion length, V vocabulary): rewards (groups, G); log-probs, weights
+(B, T) float; advantages (B,) or (B, T); mask (B, T), True on completion tokens; logits (..., V). Masked-out
+positions never reach a result, and results there are 0. A loss: a scalar with its graph, a dict of 0-d tensors.
+Variants of `policy_loss`: grpo, dapo, dr_grpo, gspo, cispo (all minimise; formulas in its docstring)."""
 
 import torch
 
@@ -66,18 +60,6 @@ def estimate_advantages(rewards, estimator="grpo", scale="group", eps=1e-6):
     return (rewards - rewards.mean()) / (std + eps)
 
 
-def overlong_penalty(lengths, max_len: int, cache: int):
-    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), added to each completion's reward; lengths
-    any shape, L_max = max_len, L_cache = cache: 0 if |y| <= L_max - L_cache; ((L_max - L_cache) - |y|) /
-    L_cache if L_max - L_cache < |y| <= L_max (from 0 down to -1); -1 if |y| > L_max."""
-    if not 0 < cache <= max_len:
-        raise ValueError(f"the overlong cache must be in (0, max_len], got {cache} (max_len {max_len})")
-    lengths = lengths.float()
-    soft = ((max_len - cache) - lengths) / cache
-    return torch.where(lengths <= max_len - cache, torch.zeros_like(lengths),
-                       torch.where(lengths <= max_len, soft, -torch.ones_like(lengths)))
-
-
 def distill_advantages(advantages, logp, teacher_logp, mask, coef: float):
     """On-policy distillation (Thinking Machines 2025, "On-Policy Distillation"; tinker-cookbook's
     distillation/train_on_policy.py `incorporate_kl_penalty`, undiscounted). On tokens the student sampled,
@@ -93,9 +75,8 @@ def distill_advantages(advantages, logp, teacher_logp, mask, coef: float):
 
 
 def _masked_mean(x, m_bool):
-    """Mean of x over True positions of m_bool, as a python float (0 if none)."""
-    n = int(m_bool.sum())
-    return float(x[m_bool].sum() / n) if n > 0 else 0.0
+    """0-d tensor: the mean of x over True positions of m_bool (0 if none); never read back to the host here."""
+    return torch.where(m_bool, x, torch.zeros_like(x)).sum() / m_bool.sum().clamp(min=1)
 
 
 def aggregate(loss_tok, mask, agg="token-mean", max_len=None, units=None):
@@ -194,7 +175,7 @@ def policy_loss(logp, old_logp, advantages, mask, variant="grpo", eps_low=0.2, e
 
 @torch.no_grad()
 def _clip_metrics(ratio, log_ratio, adv, m_bool, variant, eps_low, eps_high, dual_clip) -> dict:
-    """policy_loss's metrics (python floats, over masked tokens):
+    """policy_loss's metrics (0-d tensors, over masked tokens: a caller reads them back once per step):
       clip_frac_high  share where the upper clip acts: r > 1 + eps_high and A > 0 (cispo: any A, its cap
                       acts on both signs);  clip_frac_low  r < 1 - eps_low and A < 0 (cispo: 0)
       ratio_mean, ratio_max  of the ratio the variant clips (gspo: s_i, once per token of its sequence)
@@ -209,12 +190,11 @@ def _clip_metrics(ratio, log_ratio, adv, m_bool, variant, eps_low, eps_high, dua
         low = (r < 1.0 - eps_low) & (adv < 0)
     d = log_ratio.detach()
     k3 = torch.expm1(d) - d
-    n = int(m_bool.sum())
     metrics = {
         "clip_frac_high": _masked_mean(high.float(), m_bool),
         "clip_frac_low": _masked_mean(low.float(), m_bool),
         "ratio_mean": _masked_mean(r, m_bool),
-        "ratio_max": float(r[m_bool].max()) if n > 0 else 0.0,
+        "ratio_max": torch.where(m_bool, r, torch.zeros_like(r)).max(),  # (ratios are > 0: 0 when none)
         "approx_kl": _masked_mean(k3, m_bool),
     }
     if dual_clip is not None:
@@ -328,29 +308,18 @@ def mismatch_k3(logp, behaviour_logp, mask):
 
 def token_logprobs(logits, tokens, temperature=1.0, top_k=-1, top_p=1.0, exact_top_k=None):
     """log p(tokens) under the distribution vLLM samples from: logits (..., V), tokens (...) long -> (...) float32.
-    Mirrors vLLM 0.32's sampler (vllm/v1/sample/sampler.py: logits to float32, divided by the temperature,
-    then vllm/v1/sample/ops/topk_topp_sampler.py apply_top_k_top_p_pytorch, its path on CPU):
-      * top_k is on iff 0 < top_k < V (0 and -1 mean off; vLLM's input batch treats top_k >= V as off too).
-        Kept: every logit >= the k-th largest logit, so ties at the k-th value are all kept (`logits_sort <
-        kth_value` is masked), possibly more than k tokens.
-      * top_p is on iff top_p < 1. On the top-k-filtered logits: sort ascending, softmax, cumulative sum; a
-        token is removed iff its cumulative sum (its own mass plus all smaller ones) <= 1 - top_p, in float32
-        exactly as vLLM does; the largest token is always kept. So the kept set is the smallest top set whose
-        mass reaches top_p, including the token that crosses the threshold; if the mass reaches top_p exactly,
-        the next token is dropped. Among tokens tied at the boundary, which survive follows the sort order
-        (the same `sort(descending=False)` call; in practice by vocabulary index, lower indices dropped first).
-      * log_softmax over the kept set (vLLM's "processed_logprobs").
-    The trainer's logits are not bit-identical to the generator's, so a sampled token near a boundary can fall
-    outside the kept set here: it then gets -inf (no crash); callers should mask or weight such tokens.
-    vLLM's default logprobs_mode is "raw_logprobs" (log_softmax of the unscaled, unfiltered logits): recorded
-    behaviour log-probs only match this function with logprobs_mode="processed_logprobs".
-
-    On CUDA (exact_top_k None and CUDA logits, or True) the kept set is vLLM 0.32's Triton kernel's
-    (topk_topp_triton.py; FlashInfer is never used with "processed_logprobs"): exactly k tokens, ties by lowest
-    index (`_cuda_kept_set`). It may differ where the kernel is not exact: its monolithic path matches top-p
-    boundary ties within 1e-9 (usually keeping them all); its pivot searches stop after 18 steps. Checked on
-    CPU tensors against a reading of the kernel, never yet on a GPU.
-    """
+    Mirrors vLLM 0.32's sampler (v1/sample/sampler.py: float32 logits / temperature; then, on CPU,
+    ops/topk_topp_sampler.py apply_top_k_top_p_pytorch), then log_softmax over the kept set ("processed_logprobs").
+      top_k on iff 0 < top_k < V: every logit >= the k-th largest is kept (ties at the k-th all kept).
+      top_p on iff top_p < 1, on the top-k set: sort ascending, softmax, cumsum; a token is removed iff its
+        cumsum <= 1 - top_p (float32, as vLLM), the largest always kept: the smallest top set reaching top_p;
+        boundary ties follow the sort order (lower vocabulary indices dropped first).
+    A sampled token just outside the kept set here (the two sides' logits differ in the last bits) gets -inf:
+    callers mask or weight it. Recorded log-probs match this only with logprobs_mode="processed_logprobs".
+    On CUDA (exact_top_k None and CUDA logits, or True) the kept set is vLLM's Triton kernel's
+    (topk_topp_triton.py; FlashInfer is never used with processed log-probs): exactly k tokens, ties by lowest
+    index (`_cuda_kept_set`); where the kernel is inexact (top-p ties within 1e-9, pivot searches of 18 steps)
+    it may differ. Checked on CPU tensors against a reading of the kernel, never yet on a GPU."""
     x = sampling_logits(logits, temperature, top_k, top_p, exact_top_k)
     return torch.log_softmax(x, dim=-1).gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
 
@@ -423,23 +392,45 @@ LOGIT_CHUNK_ELEMENTS = 2**24
 
 def chunked_logprobs(hidden, weight, bias, tokens, temperature=1.0, top_k=-1, top_p=1.0, hidden_scale=1.0,
                      logit_scale=1.0, softcap=0.0, chunk_elements=LOGIT_CHUNK_ELEMENTS):
-    """`token_logprobs(head(hidden), tokens, ...)` and the entropy of the same distribution, without ever
-    holding more than ~`chunk_elements` logits. The head is the model family's (heads.HeadTransform):
-        head(h) = logit_scale * softcap * tanh(((hidden_scale * h) @ weight.T + bias) / softcap)
-    (softcap 0: no tanh), computed in float32, then / temperature and top-k/top-p as vLLM samples.
-
-    hidden (N, H) final hidden states at the positions to score, weight (V, H) and bias (V,) or None the
-    LM head, tokens (N,) long -> (logp (N,) float32 with a gradient to hidden, weight and bias; entropy
-    (N,) float32, detached: H = -sum_v p_v log p_v of the sampling distribution, 0 outside its support).
-
-    Tokens go in chunks of max(1, chunk_elements // V). The backward recomputes each chunk's logits (one extra
-    matmul) and applies the gradient in closed form, d logp_t / d x = (onehot(t) - p) / temperature (p: the
-    kept-set softmax) through d x / d z = logit_scale * (1 - tanh^2(z / softcap)), z = (hidden_scale * h) @
-    weight.T + bias: no chunk's logits outlive its iteration.
-    """
+    """`token_logprobs(head(hidden), tokens, ...)` and the entropy of the same distribution, never holding more
+    than ~`chunk_elements` logits. The family's head (heads.HeadTransform), in float32, then / temperature and
+    top-k/top-p as vLLM samples:  head(h) = logit_scale * softcap * tanh(((hidden_scale * h) @ weight.T + bias) / softcap)
+    (softcap 0: no tanh). hidden (N, H) at the positions to score, weight (V, H), bias (V,) or None, tokens (N,)
+    long -> logp (N,) float32 (a gradient to hidden, weight, bias) and the detached entropy (N,) of the sampling
+    distribution. Chunks of max(1, chunk_elements // V) tokens; the backward recomputes each chunk's logits and
+    applies the gradient in closed form, d logp_t / d x = (onehot(t) - p) / temperature (p: the kept-set
+    softmax), through d x / d z = logit_scale * (1 - tanh^2(z / softcap)): no chunk's logits outlive it."""
     chunk = max(1, chunk_elements // weight.shape[0])
     return _ChunkedLogprobs.apply(hidden, weight, bias, tokens, (temperature, top_k, top_p),
                                   (hidden_scale, logit_scale, softcap), chunk)
+
+
+def score_tokens(model, decoder, lm_head, input_ids, attention_mask, targets, mask, temperature=1.0, top_k=-1,
+                 top_p=1.0, untruncated=False, **head):
+    """(logp, entropy, logp_untruncated or None), each (B, T), 0 off `mask`: `chunked_logprobs` of `targets` at the
+    `mask` positions, without logits. `model` (a causal LM: plain, FSDP2 or PEFT) runs with logits_to_keep=[]; a
+    hook on its `decoder` catches the final hidden states; `lm_head` (a DTensor weight is gathered) and the
+    family's transform `head` (hidden_scale, logit_scale, softcap) run at the masked positions only (FSDP2's root
+    keeps the head gathered until the backward ends). untruncated: also under the temperature alone."""
+    caught = []
+    hook = decoder.register_forward_hook(
+        lambda _, __, out: caught.append(out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]))
+    try:
+        model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+              logits_to_keep=torch.zeros(0, dtype=torch.long, device=input_ids.device))
+    finally:
+        hook.remove()
+    hidden, tokens = caught[0][:, :-1][mask], targets[mask]  # where completion tokens are predicted
+    weight, bias = lm_head.weight, lm_head.bias
+    if hasattr(weight, "full_tensor"):
+        weight, bias = weight.full_tensor(), None if bias is None else bias.full_tensor()
+    logp, entropy = chunked_logprobs(hidden, weight, bias, tokens, temperature, top_k, top_p, **head)
+    full = None
+    if untruncated:  # (the KL term's distribution: the temperature alone)
+        full = chunked_logprobs(hidden, weight, bias, tokens, temperature, **head)[0] if 0 < top_k < weight.shape[0] \
+            or top_p < 1 else logp
+    return tuple(None if v is None else mask.new_zeros(mask.shape, dtype=v.dtype).masked_scatter(mask, v)
+                 for v in (logp, entropy, full))
 
 
 def _head_logits(h, weight, bias, head, slope=False):

@@ -4,7 +4,7 @@ Role
     Checks, on a GPU machine (one GPU is enough), what `python train.py --gen-devices G --train-devices T`
     relies on, without vLLM's CUDA build:
     1. FSDP2 training steps on the GPU through the project's own functions (train.build_trainer_model,
-       update.train_on_batch, sync.publish_model) in a process group with the GPU layout's backend (devices.GPU_BACKEND).
+       update.accumulate_gradients, sync.publish_model) in a process group with the GPU layout's backend (devices.GPU_BACKEND).
     2. The CUDA IPC packed sync between two processes. This process is the trainer's rank 0 and owns the
        packed device buffer (sync.SharedWeights.allocate on its GPU); a second process plays the generator's
        worker: it opens the IPC handle once (SharedWeights.from_bytes), copies seqlock-consistent snapshots
@@ -255,10 +255,12 @@ def check_size(size, args, device, receiver_device, receiver_visible, peer_here,
         steps, losses, diffs, versions_ok = [], [], [], True
         publish_ms, snapshot_ms, load_ms, e2e_ms = [], [], [], []
         for step in range(args.steps):
-            batch = synthetic_batch(seed=step)  # train_on_batch moves each micro-batch to the device
+            batch = synthetic_batch(seed=step)  # accumulate_gradients moves each micro-batch to the device
             synchronize(device)
             t0 = time.perf_counter()
-            stepped = update.train_on_batch(model, None, batch, cfg, 0, 1, version=step, device=device)
+            stats = update.StepStats()
+            update.accumulate_gradients(model, None, batch, cfg, 0, 1, step, stats, device)
+            stepped = update.step_result(stats, 1)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)

@@ -1,7 +1,7 @@
 """FSDP2 data parallelism of the trainer (real FSDP2 over gloo on CPU, no vLLM).
 
 - World size 1 and 2 give the same loss and the same updated weights on the same batch: each rank's
-  `train_on_batch` terms are normalised by the whole step's count, so that the ranks' terms add up to the
+  `update.accumulate_gradients` terms are normalised by the whole step's count, so that the ranks' terms add up to the
   whole batch's loss, and FSDP2's gradient averaging is undone by the world-size factor.
 - `sync.publish_model` at world size > 1: every rank writes only its own FSDP2 rows into the packed shared
   buffer, and the result is exactly the full (gathered) state dict, with the version in the header.
@@ -31,6 +31,13 @@ NUM_SAMPLES = 7  # odd: world size 2 splits the rows 4 / 3, world size 3 splits 
 SPAWN_TIMEOUT_S = 240
 
 
+
+def backward(model, ref_model, batch, cfg, rank, world, version, device="cpu") -> update.StepResult:
+    """One update's gradients (accumulated, not applied) and its reduced figures."""
+    stats = update.StepStats()
+    update.accumulate_gradients(model, ref_model, batch, cfg, rank, world, version, stats, device)
+    return update.step_result(stats, world)
+
 def make_batch(seed=0):
     """A fixed synthetic batch: completions of different lengths (one empty), varied advantages."""
     rng = random.Random(seed)
@@ -58,7 +65,7 @@ def _worker(rank, world, init_file, model_path, agg, shared, version, results):
         model = train.build_trainer_model(model_path, world)
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)  # before forward
 
-        result = update.train_on_batch(model, None, make_batch(), cfg, rank, world, version=0)
+        result = backward(model, None, make_batch(), cfg, rank, world, version=0)
         grads = {name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().clone()
                  for name, p in model.named_parameters()}  # before clipping (which would hide a scale error)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)

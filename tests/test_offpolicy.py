@@ -1,8 +1,8 @@
-"""The off-policy toolkit (losses.py, update.off_policy_mask): sequence and token masks, mismatch metrics, baselines.
+"""The off-policy toolkit (losses.py, update.off_policy_masks): sequence and token masks, mismatch metrics, baselines.
 
 - Each mask (verl's geometric-mean rejection, DeepSeek-V3.2's off-policy sequence masking, IcePop's token mask),
   the k3 mismatch and each advantage estimator against a hand computation written out here in plain Python.
-- In training (`update.train_on_batch` on a tiny real model, behaviour log-probs set to the model's own plus
+- In training (`update.accumulate_gradients` on a tiny real model, behaviour log-probs set to the model's own plus
   known offsets): the shares each rule masked, the k3 by lag and the effective sample size match the hand
   computation from those offsets, and the loss differs from the default config's; all masked: a zero loss.
 - Bad flag values are refused in one line; one real run with every flag logs the new metrics.
@@ -18,7 +18,7 @@ import losses
 import tasks
 import update
 from config import Config, parse_args
-from test_fsdp import make_batch
+from test_fsdp import backward, make_batch
 from test_pipeline import SMALL, finish_ok, start_run  # noqa: F401 (start_run: a fixture)
 
 
@@ -162,7 +162,7 @@ def perturbed(model):
 
 
 def train_step(model, batch, **changes):
-    result = update.train_on_batch(model, None, batch, Config(max_lag=1, **changes), 0, 1, version=1)
+    result = backward(model, None, batch, Config(max_lag=1, **changes), 0, 1, version=1)
     model.zero_grad(set_to_none=True)
     return result
 
