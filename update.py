@@ -1,9 +1,9 @@
 """update.py — the GRPO update on one rollout batch, on one FSDP2 rank.
 
 Role: from the loop, one call: `update_on_batch` takes the batch's optimizer updates (--mini-batches x
---ppo-epochs, against the proximal policy: AReaL's decoupled objective); `accumulate_gradients` is one update's
-backward, a micro-batch at a time (--micro-batch-tokens, each term normalised by the whole update's counts, so
-the gradient is the whole batch's); `micro_batch_loss` is the math (log-probs, importance weight, masks,
+--ppo-epochs, against the proximal policy: AReaL's decoupled objective), each a backward a micro-batch at a
+time (--micro-batch-tokens, each term normalised by the whole update's counts, so the gradient is the whole
+batch's); `micro_batch_loss`, one call below it, is the math (log-probs, importance weight, masks,
 clipped objective, KL, distillation; losses.py). What a step logs of it is gathered beside the loss
 (`diagnostics`), kept as tensors, and reaches the host once per step (`StepStats.reduced`).
 Data contract: takes a collated `buffer.Batch` (every rank holds all of it) and the step's version; returns
@@ -42,9 +42,13 @@ class UpdateResult:
 def update_on_batch(model, ref_model, optimizer, batch, cfg, rank, world_size, version, step,
                     device="cpu", teacher=None) -> UpdateResult:
     """PPO's update on one rollout batch: --ppo-epochs passes, each of --mini-batches optimizer steps on a part
-    of the batch (each normalised over its own part). With more than one update, the proximal policy's
+    of the batch. An update's gradient is this rank's rows of its part, a micro-batch at a time
+    (--micro-batch-tokens); each micro-batch's term is normalised by the whole part's count (tokens for
+    token-mean, non-empty sequences for the sequence means, over every micro-batch and rank), so the
+    gradient is the whole part's however it is split. With more than one update, the proximal policy's
     log-probs are computed first, once; the ratio then moves between updates and the clips act. An update
-    with a NaN/inf loss or gradient is skipped. The model version advances once per batch (the caller's)."""
+    with a NaN/inf loss or gradient is skipped. The model version advances once per batch (the caller's).
+    optimizer None: one update's gradients are left on the parameters, unclipped (tests and benchmarks)."""
     stats, norms, skipped, updates = StepStats(), [], 0, 0
     proximal = cfg.is_mode != "off" and cfg.mini_batches * cfg.ppo_epochs > 1
     if proximal:
@@ -52,14 +56,27 @@ def update_on_batch(model, ref_model, optimizer, batch, cfg, rank, world_size, v
         agreement(stats, batch.proximal_logp, batch, version)  # on the weights the generator sampled with
     for epoch in range(cfg.ppo_epochs):
         for rows in mini_batch_rows(len(batch), cfg, step, epoch):
-            loss = accumulate_gradients(model, ref_model, batch.select(rows), cfg, rank, world_size, version, stats,
-                                        device, teacher, measure_agreement=not proximal and updates == 0)
+            part = batch.select(rows)
+            tokens = int(part.mask.sum())  # every rank holds the whole batch: the counts need no collective
+            units = tokens if cfg.agg == "token-mean" else int((part.mask.sum(1) > 0).sum())
+            micro_batches = buffer.rank_micro_batches(part, rank, world_size, cfg.micro_batch_tokens)
+            loss = torch.zeros((), device=device)
+            for mb in micro_batches:
+                mb = mb.to(device)
+                terms = micro_batch_loss(model, ref_model, teacher, mb, cfg, units, tokens)
+                (terms.loss * world_size).backward()  # FSDP2 averages gradients over ranks: the factor makes it their sum
+                diagnostics(stats, terms, mb, cfg, version, measure_agreement=not proximal and updates == 0)
+                loss += terms.loss.detach()
+            # a rank's micro-batches over the step's updates (ranks run as many: FSDP2 needs every rank's forward)
+            stats.max("micro_batches", stats.maxima.get("micro_batches", 0) + len(micro_batches))
+            updates += 1
+            if optimizer is None:
+                break
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-            loss = loss.detach().double().cpu().reshape(1)  # the skip decision: the one host sync of an update
+            grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+            loss = loss.double().cpu().reshape(1)  # (the grad norm and this: an update's host syncs)
             if world_size > 1:
                 dist.all_reduce(loss)
-            grad_norm, updates = float(grad_norm), updates + 1
             if math.isfinite(grad_norm) and math.isfinite(float(loss)):
                 optimizer.step()
                 norms.append(grad_norm)
@@ -70,28 +87,6 @@ def update_on_batch(model, ref_model, optimizer, batch, cfg, rank, world_size, v
     result.metrics["updates"] = len(norms)
     return UpdateResult(result.loss / updates, sum(norms) / len(norms) if norms else math.nan, result.logprob_diff,
                         result.metrics, len(norms), skipped)
-
-
-def accumulate_gradients(model, ref_model, batch, cfg, rank, world_size, version, stats, device="cpu",
-                         teacher=None, measure_agreement=True) -> torch.Tensor:
-    """One optimizer update's forward and backward over this rank's rows of `batch`, one micro-batch at a time
-    (--micro-batch-tokens): gradients accumulate, the caller clips and steps. Every term is normalised by the
-    whole update's count (tokens for token-mean, non-empty sequences for the sequence means, over every
-    micro-batch and rank), so the gradient is the whole batch's however it is split. Diagnostics go into
-    `stats`; returns this rank's loss (a tensor: nothing is read back here)."""
-    micro_batches = buffer.rank_micro_batches(batch, rank, world_size, cfg.micro_batch_tokens)
-    tokens = int(batch.mask.sum())  # every rank holds the whole batch: the step's counts need no collective
-    units = tokens if cfg.agg == "token-mean" else int((batch.mask.sum(1) > 0).sum())
-    total = torch.zeros(())
-    for mb in micro_batches:
-        mb = mb.to(device)
-        terms = micro_batch_loss(model, ref_model, teacher, mb, cfg, units, tokens)
-        (terms.loss * world_size).backward()  # FSDP2 averages gradients over ranks: the factor makes it their sum
-        diagnostics(stats, terms, mb, cfg, version, measure_agreement)
-        total = total.to(terms.loss.device) + terms.loss.detach()
-    # a rank's micro-batches over the step's updates (ranks run as many: FSDP2 needs every rank's forward)
-    stats.max("micro_batches", stats.maxima.get("micro_batches", 0) + len(micro_batches))
-    return total
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """FSDP2 data parallelism of the trainer (real FSDP2 over gloo on CPU, no vLLM).
 
 - World size 1 and 2 give the same loss and the same updated weights on the same batch: each rank's
-  `update.accumulate_gradients` terms are normalised by the whole step's count, so that the ranks' terms add up to the
+  `update.update_on_batch`'s micro-batch terms are normalised by the whole step's count, so that the ranks' terms add up to the
   whole batch's loss, and FSDP2's gradient averaging is undone by the world-size factor.
 - `sync.publish_model` at world size > 1: every rank writes only its own FSDP2 rows into the packed shared
   buffer, and the result is exactly the full (gathered) state dict, with the version in the header.
@@ -32,11 +32,9 @@ SPAWN_TIMEOUT_S = 240
 
 
 
-def backward(model, ref_model, batch, cfg, rank, world, version, device="cpu") -> update.StepResult:
-    """One update's gradients (accumulated, not applied) and its reduced figures."""
-    stats = update.StepStats()
-    update.accumulate_gradients(model, ref_model, batch, cfg, rank, world, version, stats, device)
-    return update.step_result(stats, world)
+def backward(model, ref_model, batch, cfg, rank, world, version, device="cpu") -> update.UpdateResult:
+    """One update's gradients, left on the parameters unclipped (no optimizer), and its reduced figures."""
+    return update.update_on_batch(model, ref_model, None, batch, cfg, rank, world, version, 0, device)
 
 def make_batch(seed=0):
     """A fixed synthetic batch: completions of different lengths (one empty), varied advantages."""

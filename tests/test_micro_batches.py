@@ -1,4 +1,4 @@
-"""Micro-batches, chunked log-probs and activation checkpointing in the trainer step (`update.accumulate_gradients`).
+"""Micro-batches, chunked log-probs and activation checkpointing in the trainer step (`update.update_on_batch`).
 
 - `buffer.plan_micro_batches` / `rank_micro_batches`: rows grouped by length within the token budget, every
   row exactly once, the same number of micro-batches on every rank (fillers add nothing).
@@ -134,7 +134,7 @@ def adapter_dir(model_path, tmp_path_factory):
 
 
 def _parity_worker(rank, world, init_file, model_path, ref_path, adapter_dir, results):
-    """Every case and split on this world: gradients (gathered), loss and metrics of one update (`accumulate_gradients`)."""
+    """Every case and split on this world: gradients (gathered), loss and metrics of one update (`update_on_batch` without an optimizer)."""
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 

@@ -2,7 +2,7 @@
 
 - Each mask (verl's geometric-mean rejection, DeepSeek-V3.2's off-policy sequence masking, IcePop's token mask),
   the k3 mismatch and each advantage estimator against a hand computation written out here in plain Python.
-- In training (`update.accumulate_gradients` on a tiny real model, behaviour log-probs set to the model's own plus
+- In training (`update.update_on_batch` on a tiny real model, behaviour log-probs set to the model's own plus
   known offsets): the shares each rule masked, the k3 by lag and the effective sample size match the hand
   computation from those offsets, and the loss differs from the default config's; all masked: a zero loss.
 - Bad flag values are refused in one line; one real run with every flag logs the new metrics.
