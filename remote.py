@@ -35,7 +35,7 @@ import train
 from config import split_addr
 from link import Link, receive_weights, send_weights, silence_limit, weight_group
 from rollout import engine_problems
-from sync import SharedWeights, make_layout, packed_numel
+from weight_buffer import SharedWeights, make_layout, packed_numel
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -71,15 +71,16 @@ def thread_control():
 
 
 class RemoteWeights:
-    """What trainer ranks publish into with a remote role (sync.publish_model's gather branch: every rank
-    gathers each parameter, rank 0 alone writes). On rank 0 a local packed buffer in the serving dtype,
-    sent to the generator node by `end_write`; on other ranks only the layout."""
+    """What trainer ranks publish into with a remote role: the packed buffer's writer methods, a single
+    writer (sync.publish_model gathers each parameter on every rank, rank 0 alone writes). On rank 0 a local
+    packed buffer in the serving dtype, sent to the generator node by `end_write`; on other ranks only the
+    layout."""
     device_type = "remote"
+    single_writer = True
 
     def __init__(self, layout, dtype, trainer_link: "TrainerLink | None" = None, device="cpu"):
         self.layout, self.dtype, self.link = layout, dtype, trainer_link
-        total = layout[-1].offset + layout[-1].numel if layout else 0
-        self.buffer = torch.empty(total, dtype=dtype, device=device) if trainer_link is not None else None
+        self.buffer = torch.empty(packed_numel(layout), dtype=dtype, device=device) if trainer_link is not None else None
 
     @property
     def nbytes(self) -> int:

@@ -2,7 +2,7 @@
 
 Role: streams the task's prompts (tasks.py) into the engine with continuous batching; each finished group
 is scored in a worker thread and put on the rollout queue at once. New weights are loaded from the shared
-buffer (sync.py) between engine steps, requests kept in flight ("inflight") or let finish ("drain");
+buffer (weight_buffer.py, through vllm_worker.py) between engine steps, requests kept in flight ("inflight") or let finish ("drain");
 held-out evaluations (evaluation.py) run beside training requests. An env task (--env, --task reveal) runs
 each of a group's G samples as an episode, a chain of requests (envs.py: `run_env_group`, `eval_env_prompt`).
 Data contract: writes `buffer.RolloutGroup`s with vLLM's processed log-probs (the behaviour policy) and, per
@@ -171,7 +171,7 @@ class Generator:
             # CUDA graphs on GPUs (weight reloads copy into the same storage, so captured graphs stay valid);
             # on CPU eager starts fastest (torch.compile adds ~20 s).
             enforce_eager=self.s.device != "cuda", logprobs_mode="processed_logprobs",
-            worker_extension_cls="sync.WeightSyncWorker", **memory,
+            worker_extension_cls="vllm_worker.WeightSyncWorker", **memory,
             enable_prefix_caching=True, disable_log_stats=True, use_tqdm_on_load=self.cfg.log_level != "warning",
         )
         self.engine = AsyncLLM.from_engine_args(args)

@@ -37,7 +37,8 @@ from config import Config, inactive_flags, parse_args
 from losses import group_advantages
 from processes import make_control, run_children, saving, wait_for
 from rollout import generator_main
-from sync import SharedWeights, publish_model, synced_parameters
+from sync import publish_model
+from weight_buffer import SharedWeights
 from update import learning_rate, shaped_rewards, update_on_batch
 
 
@@ -143,7 +144,7 @@ class Rank:
     ref_model: torch.nn.Module | None
     optimizer: torch.optim.Optimizer
     pad_id: int
-    shared: object  # sync.SharedWeights (or a remote sender with its interface)
+    shared: object  # weight_buffer.SharedWeights (or a remote sender with its interface)
     rollout_queue: object
     control: object  # processes.Control
     save_group: object = None  # the gloo group of every collective around a save (timeout --save-timeout-s)
@@ -307,10 +308,10 @@ def start_rank(cfg: Config, prepared: prepare.Prepared, rank: int, world_size: i
     if cfg.grad_checkpointing:
         checkpoint_layers(model)
     # Build the optimizer before any forward pass (FSDP2 pitfall: see shared notes). Only what trains has state.
-    optimizer = torch.optim.AdamW([p for _, p in synced_parameters(model)], lr=cfg.lr, weight_decay=cfg.weight_decay)
+    optimizer = torch.optim.AdamW([p for _, p in lora.synced_parameters(model)], lr=cfg.lr, weight_decay=cfg.weight_decay)
     if resume_dir:  # the trained weights (with LoRA the adapter) and the optimizer, resharded to these ranks
         checkpoint.load_trainer_state(model, optimizer, resume_dir, save_group)
-    if [name for name, _ in synced_parameters(model)] != [slot.name for slot in shared.layout]:
+    if [name for name, _ in lora.synced_parameters(model)] != [slot.name for slot in shared.layout]:
         raise RuntimeError("trainer parameters do not match the shared buffer's layout")
     version = prepared.start_version
     # the generator serves no adapter until this first publish (a new adapter is the base model); a remote

@@ -34,7 +34,7 @@ PY = sys.executable
 
 def setup_paths() -> None:
     """The repo on sys.path here and in every process we (or vLLM) spawn: vLLM's worker imports
-    `sync.WeightSyncWorker` by name."""
+    `vllm_worker.WeightSyncWorker` by name."""
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
     parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
@@ -522,7 +522,7 @@ def stand_in_trainer(queue, control, shared, model_path: str, steps: int, prompt
                      on_step=None) -> dict:
     """The trainer's side of the queue with the training taken out: take each step's groups
     (`buffer.take_groups`, as the trainer does) and, if `publish`, republish the same weights under the next
-    version (`sync.SharedWeights.publish`), so that the generator swaps weights once per step as in a run.
+    version (`weight_buffer.SharedWeights.publish`), so that the generator swaps weights once per step as in a run.
     Records when each step's last group arrived and how many tokens it held; sets `control.stop` at the end."""
     import torch
     from transformers import AutoModelForCausalLM

@@ -7,7 +7,7 @@ For models of about 1M, 10M, 100M and 300M parameters (Qwen2 built from configs 
 - the trainer side is the project's: an FSDP2 model (`train.build_trainer_model`, one rank) publishing into
   the packed shared buffer with `sync.publish_model` (no gather: each rank writes its own rows);
 - the generator side is the project's `rollout.Generator` with its real vLLM engine, running its own loop
-  (`Generator.run`); it notices the new version, pauses, loads (`sync.WeightSyncWorker`), resets the prefix
+  (`Generator.run`); it notices the new version, pauses, loads (`vllm_worker.WeightSyncWorker`), resets the prefix
   cache and resumes, and reports each part (`sync_parts`) and the publish-to-serving time (`sync_ms`).
   The engine has been idle for `--gap-s` seconds when a version lands (one one-token request per
   version), so this is the transfer itself: no decode step to wait for, and vLLM's processes no longer
@@ -20,7 +20,7 @@ engine's tensors are checked to share no memory with the buffer (the trainer's l
 
 LoRA rows (`--lora-sizes`, default 100M; rank `--lora-rank` 8 on every linear layer): the same model served by
 vLLM with an adapter, the trainer a PEFT adapter under FSDP2; only the adapter crosses, through the same
-buffer and seqlock (`sync.WeightSyncWorker.load_shared_adapter`). Reported beside the full sync of that size
+buffer and seqlock (`vllm_worker.WeightSyncWorker.load_shared_adapter`). Reported beside the full sync of that size
 (`ratio_to_full`), and against the alternative of a tmpfs file: the adapter written as a PEFT folder under
 /dev/shm and reloaded by vLLM's own `add_lora(load_inplace=True)` on the same engine (`tmpfs_file`).
 
@@ -104,7 +104,6 @@ async def tmpfs_route(gen, model, config, base_model: str, versions, gap_s: floa
     import torch
 
     import lora
-    import sync
     from rollout import LORA_ID
     from vllm.lora.request import LoRARequest
 
@@ -114,10 +113,10 @@ async def tmpfs_route(gen, model, config, base_model: str, versions, gap_s: floa
         for version in versions:
             await asyncio.sleep(gap_s)
             with torch.no_grad():
-                for _, p in sync.synced_parameters(model):
+                for _, p in lora.synced_parameters(model):
                     p.add_(1e-4)
             t0 = time.perf_counter()
-            state = {name: p.full_tensor() for name, p in sync.synced_parameters(model)}
+            state = {name: p.full_tensor() for name, p in lora.synced_parameters(model)}
             folder, tmp = os.path.join(root, f"v{version}"), os.path.join(root, f".tmp-v{version}")
             lora.save_adapter(state, config, base_model, tmp)
             os.rename(tmp, folder)
@@ -165,7 +164,7 @@ def measure_size(name: str, shape: tuple, work: str, syncs: int, seed: int, gap_
     lora_config, lora_dir = None, ""
     if lora_rank:
         import lora
-        from sync import SharedWeights
+        from weight_buffer import SharedWeights
 
         lora_config = lora.peft_config(lora_rank, 2 * lora_rank, 0.0, "all-linear")
     model = train.build_trainer_model(path, 1, lora_config=lora_config, seed=seed)
@@ -176,7 +175,7 @@ def measure_size(name: str, shape: tuple, work: str, syncs: int, seed: int, gap_
         sync.publish_model(model, shared, 0, 0, 1)
     else:
         shared = prepare.allocate_shared_weights(path)
-    synced = [p for _, p in sync.synced_parameters(model)]
+    synced = [p for _, p in lora.synced_parameters(model)]
     base_params = sum(p.numel() for p in model.parameters()) - (sum(p.numel() for p in synced) if lora_rank else 0)
     params = sum(p.numel() for p in synced)
     nbytes = shared.buffer.numel() * shared.buffer.element_size()
@@ -277,7 +276,7 @@ def _cross_receiver(port: int, shapes, dtype, versions: int, results) -> None:
     from torch.distributed import TCPStore
 
     import link
-    from sync import SharedWeights
+    from weight_buffer import SharedWeights
 
     torch.set_num_threads(1)
     store = TCPStore("127.0.0.1", port, 2, False, timedelta(seconds=120))
