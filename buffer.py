@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import multiprocessing
+import multiprocessing.queues
 import queue as queue_lib
 import time
 from dataclasses import dataclass, field
@@ -90,6 +92,18 @@ class Batch:
 
     def to(self, device) -> "Batch":
         return self._map(lambda name, t: t.to(device))
+
+
+class RolloutQueue(multiprocessing.queues.Queue):
+    """One node's rollout queue: a `multiprocessing` queue of at most `maxsize` groups (spawn context). Every
+    source the trainer takes groups from offers `get(timeout=)` and `metrics()`, what it adds to the step's
+    metrics (remote.TrainerLink, the other source: its queue bound and the weights' send); this one, nothing."""
+
+    def __init__(self, maxsize: int = 0, ctx=None):
+        super().__init__(maxsize, ctx=ctx or multiprocessing.get_context("spawn"))
+
+    def metrics(self) -> dict:
+        return {}
 
 
 def put_group(q, group: RolloutGroup, should_stop, timeout_s: float) -> float:

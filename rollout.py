@@ -447,7 +447,9 @@ class Generator:
 
 
 def generator_main(settings: GeneratorSettings, shared, rollout_queue, control) -> None:
-    """Entry point of the generator process (spawned by train.py)."""
+    """Entry point of the generator process (spawned by train.py, or remote.py on a generator node)."""
+    rollout_queue.cancel_join_thread()  # exiting must not wait for a full queue to drain
+    control.eval_results.cancel_join_thread()  # nor for evaluation answers nobody will read
     os.environ["PYTHONPATH"] = HERE + os.pathsep + os.environ.get("PYTHONPATH", "")  # for the extension
     sys.path.insert(0, HERE)
     os.environ.setdefault("OMP_NUM_THREADS", str(settings.cfg.gen_threads or 1))  # (0: an unresolved Config)

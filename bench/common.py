@@ -570,6 +570,7 @@ def generate_alone(cfg, model_path: str, steps: int, cpu_from_step: int | None =
 
     import prepare
     import processes
+    import rollout
     import train
 
     ctx = mp.get_context("spawn")
@@ -579,7 +580,7 @@ def generate_alone(cfg, model_path: str, steps: int, cpu_from_step: int | None =
     control = train.make_control(ctx)
     settings = run_ahead_settings(cfg, model_path)
     proc = ctx.Process(target=processes.child_entry, name="generator", args=(
-        "generator", train.generator_entry, (settings, shared, queue, control), errors, True))
+        "generator", rollout.generator_main, (settings, shared, queue, control), errors, True))
     t_spawn = time.perf_counter()
     proc.start()
     snaps = []
@@ -606,6 +607,7 @@ def train_alone(cfg, model_path: str, groups: list, out_dir: Path, timeout_s: fl
     metrics rows (metrics.jsonl), and with `cpu_from_step`, (rows, cores the trainer used from that step on)."""
     import torch.multiprocessing as mp
 
+    import buffer
     import devices
     import prepare
     import processes
@@ -618,7 +620,7 @@ def train_alone(cfg, model_path: str, groups: list, out_dir: Path, timeout_s: fl
                               steps=len(groups) // cfg.prompts_per_step, timeout_s=min(cfg.timeout_s, 60.0))
     ctx = mp.get_context("spawn")
     shared = prepare.allocate_shared_weights(model_path)
-    queue = ctx.Queue()
+    queue = buffer.RolloutQueue(ctx=ctx)
     for g in groups:
         queue.put(g)
     errors = ctx.Queue()
