@@ -26,12 +26,13 @@ from transformers import AutoConfig, AutoTokenizer
 
 import data
 import envs
-from buffer import RolloutGroup, put_group
+from buffer import RolloutGroup, put_group, tag_versions
 from config import Config
 from devices import torch_dtype
 from evaluation import EvalResult, requested
 from lora import engine_max_rank
-from tasks import Prompt, make_task
+from data import Prompt
+from tasks import make_task
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LORA_ID = 1  # vLLM's id of the one adapter the generator serves with --lora-rank (ids start at 1)
@@ -107,21 +108,6 @@ async def load_same_version(load, max_tries: int = 20) -> int:
             return versions[0]
     raise RuntimeError(f"the generator's workers loaded different weight versions {max_tries} times in a row "
                        f"(last: {versions}): the trainer publishes faster than they load; raise --sync-every")
-
-
-def tag_versions(weight_versions, num_tokens: int) -> list[int]:
-    """Per-token versions from vLLM's spans ([start, end) per version label)."""
-    if num_tokens == 0:
-        return []
-    if not weight_versions:
-        raise RuntimeError("vLLM returned no weight-version spans: cannot tag tokens by version")
-    tags = [-1] * num_tokens
-    for span in weight_versions:
-        for i in range(span.start, min(span.end, num_tokens)):
-            tags[i] = int(span.version)
-    if -1 in tags:
-        raise RuntimeError(f"tokens without a version tag: {tags}")
-    return tags
 
 
 class Generator:
