@@ -128,7 +128,7 @@ class WeightSyncWorker:
         """LoRA (`--lora-rank`): the buffer holds only the adapter. Copy a consistent snapshot of it and make
         it the engine's adapter `lora_id` in place of the previous one (requests keep their LoRARequest).
         `adapter_dir` holds the adapter's `adapter_config.json` (rank, alpha). Returns the version loaded."""
-        from vllm.lora.lora_model import LoRAModel  # vLLM only in its worker process (this file runs in the trainer too)
+        from vllm.lora.lora_model import LoRAModel  # vLLM only in its worker process (the trainer imports this file too)
         from vllm.lora.peft_helper import PEFTHelper
 
         shared = self._shared
@@ -145,15 +145,15 @@ class WeightSyncWorker:
         # vLLM folds the scaling into lora_b in place when it packs q/k/v: hand it copies, not our snapshot.
         tensors = {slot.name: shared.view(slot, self._adapter_snapshot).clone() for slot in shared.layout}
         mapper = getattr(manager.model, "hf_to_vllm_mapper", None)
-        lora = LoRAModel.from_lora_tensors(
+        adapter = LoRAModel.from_lora_tensors(
             lora_model_id=lora_id, tensors=tensors, peft_helper=helper, device="cpu",
             dtype=workers.lora_config.lora_dtype, model_vocab_size=workers.vocab_size,
             weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
             skip_prefixes=getattr(manager.model, "lora_skip_prefixes", None))
         manager.remove_adapter(lora_id)
-        manager.add_adapter(lora)  # packs q/k/v (and gate/up) into vLLM's fused modules
-        unknown = [name for name in lora.loras if name not in manager.modules]
-        if not lora.loras or unknown:  # an adapter that silently never reaches the engine is the classic bug
+        manager.add_adapter(adapter)  # packs q/k/v (and gate/up) into vLLM's fused modules
+        unknown = [name for name in adapter.loras if name not in manager.modules]
+        if not adapter.loras or unknown:  # an adapter that silently never reaches the engine is the classic bug
             raise RuntimeError(f"the adapter's modules {unknown or '(none)'} are not LoRA modules of vLLM's "
                                f"model (those are e.g. {sorted(manager.modules)[:4]})")
         manager.activate_adapter(lora_id)  # copies A and B into the engine's stacked LoRA buffers
