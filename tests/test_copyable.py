@@ -38,8 +38,49 @@ def use_weight_buffer():
     assert shared.read_snapshot(out) == 4 and float(out.sum()) == 12.0
 
 
+def use_losses():
+    import torch
+
+    import losses
+
+    torch.manual_seed(0)
+    vocab, width = 11, 8
+
+    class Decoder(torch.nn.Module):  # any module whose output's first element is the final hidden states
+        def __init__(self):
+            super().__init__()
+            self.embed, self.mix = torch.nn.Embedding(vocab, width), torch.nn.Linear(width, width)
+
+        def forward(self, input_ids):
+            return (torch.tanh(self.mix(self.embed(input_ids))),)
+
+    class TinyLM(torch.nn.Module):  # Hugging Face's call convention, in plain torch
+        def __init__(self):
+            super().__init__()
+            self.decoder, self.lm_head = Decoder(), torch.nn.Linear(width, vocab)
+
+        def forward(self, input_ids, attention_mask=None, use_cache=False, logits_to_keep=None):
+            return self.lm_head(self.decoder(input_ids)[0][:, :len(logits_to_keep)])  # no logits kept
+
+    model = TinyLM()
+    ids = torch.randint(0, vocab, (2, 7))
+    targets, mask = ids[:, 1:], torch.ones(2, 6, dtype=torch.bool)
+    mask[1, 4:] = False
+    logp, entropy, full = losses.score_tokens(model, model.decoder, model.lm_head, ids, torch.ones_like(ids), targets,
+                                              mask, temperature=0.7, top_k=4, untruncated=True)
+    logits = model.lm_head(model.decoder(ids)[0])[:, :-1]
+    assert torch.allclose(logp[mask], losses.token_logprobs(logits, targets, 0.7, top_k=4)[mask], atol=1e-5)
+    assert torch.allclose(full[mask], losses.token_logprobs(logits, targets, 0.7)[mask], atol=1e-5)
+    assert (logp[~mask] == 0).all() and (entropy[mask] > 0).all()
+    loss, metrics = losses.policy_loss(logp, logp.detach(), torch.tensor([1.0, -1.0]), mask & torch.isfinite(logp))
+    loss.backward()  # through the chunked head's closed-form backward into the model
+    assert model.lm_head.weight.grad.abs().sum() > 0 and model.decoder.mix.weight.grad.abs().sum() > 0
+    assert float(metrics["ratio_mean"]) == 1.0
+
+
 COPYABLE = {
     "weight_buffer.py": use_weight_buffer,
+    "losses.py": use_losses,
 }
 
 

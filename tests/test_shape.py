@@ -42,7 +42,6 @@ def test_the_cycle_finder_finds_a_cycle():
     assert shape.import_cycles(graph) == [["a", "b", "c"]]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 24 item 1, pending")
 def test_the_loss_at_most_three_calls_below_the_loop(calls):
     count, chain = shape.calls_below_loop(calls)
     assert count is not None, f"no static chain {shape.LOOP} -> {shape.LOSS}"
