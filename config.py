@@ -145,14 +145,11 @@ class Config:
     generator_addr: str = ""  # HOST:PORT the generator listens on and the trainer connects to (PORT + 1: weights)
 
 
-CHOICES = {"update_mode": ("inflight", "drain"), "loss": ("grpo", "dapo", "dr_grpo", "gspo", "cispo"),
-           "adv_scale": ("group", "batch", "none"), "wandb": ("online", "offline", "off"),
-           "agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"),
-           "kl_kind": ("k1", "k2", "k3"), "is_level": ("token", "sequence"),
-           "is_mode": ("truncate", "mask", "off"), "log_level": ("debug", "info", "warning"),
-           "lr_schedule": ("constant", "linear", "cosine"), "dtype": ("auto", "bf16", "fp32"),
-           "role": ("all", "generator", "trainer"), "stale_rule": ("tokens", "group"),
-           "adv_estimator": losses.ADV_ESTIMATORS}
+CHOICES = {"loss": losses.VARIANTS, "agg": losses.AGGS, "adv_scale": losses.SCALES, "kl_kind": losses.KL_KINDS,
+           "adv_estimator": losses.ADV_ESTIMATORS, "is_level": losses.IS_LEVELS, "is_mode": losses.IS_MODES,
+           "update_mode": ("inflight", "drain"), "stale_rule": ("tokens", "group"), "dtype": ("auto", "bf16", "fp32"),
+           "lr_schedule": ("constant", "linear", "cosine"), "log_level": ("debug", "info", "warning"),
+           "wandb": ("online", "offline", "off"), "role": ("all", "generator", "trainer")}
 
 
 def field_help(cls) -> dict[str, tuple[str, str]]:

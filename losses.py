@@ -14,6 +14,7 @@ AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-tok
 SCALES = ("group", "batch", "none")
 KL_KINDS = ("k1", "k2", "k3")
 ADV_ESTIMATORS = ("grpo", "rloo", "reinforce_pp")
+IS_LEVELS, IS_MODES = ("token", "sequence"), ("truncate", "mask", "off")  # of `behaviour_weights`
 
 
 # ---------- Advantages ----------------------------------------------------------------------------
@@ -232,10 +233,9 @@ def behaviour_weights(old_logp, behaviour_logp, mask, level="token", mode="trunc
       mode="mask":      w = 1 if low <= rho <= high else 0 (masked IS, MIS; low=None means 1/high); at
                         sequence level it drops whole sequences;  mode="off": w = 1 everywhere
     Returns detached weights (B, T), zero on unmasked positions (except "off")."""
-    if mode not in ("truncate", "mask", "off"):
-        raise ValueError(f"unknown behaviour-weight mode {mode!r}; expected 'truncate', 'mask' or 'off'")
-    if level not in ("token", "sequence"):
-        raise ValueError(f"unknown behaviour-weight level {level!r}; expected 'token' or 'sequence'")
+    for name, value, allowed in (("mode", mode, IS_MODES), ("level", level, IS_LEVELS)):
+        if value not in allowed:
+            raise ValueError(f"unknown behaviour-weight {name} {value!r}; expected one of {allowed}")
     if mode == "off":
         return torch.ones(mask.shape, dtype=old_logp.dtype, device=old_logp.device)
     if high is None or not high > 0:

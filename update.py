@@ -276,21 +276,21 @@ class StepResult:
 def step_result(stats: StepStats, world_size: int) -> StepResult:
     """The step's reduced metrics, with the derived figures (ESS, padding share) and without the counts
     they came from; a lag no trained token has, or agreement with no on-policy row, gets no figure (not a 0)."""
-    step = stats.reduced(world_size)
-    on_policy = step.pop("on_policy_rows", 0) > 0
-    diff = step.pop("logprob_diff_on_policy", -1.0)
+    row = stats.reduced(world_size)
+    on_policy = row.pop("on_policy_rows", 0) > 0
+    diff = row.pop("logprob_diff_on_policy", -1.0)
     if not on_policy:
-        step.pop("logprob_diff_mean", None)
-    for name in [n for n in step if n.startswith("mismatch_tokens/")]:
-        if not step.pop(name):
-            step.pop(name.replace("mismatch_tokens/", "mismatch_k3/"))
-    w, w2, n = step.pop("ess_w"), step.pop("ess_w2"), step.pop("ess_n")
+        row.pop("logprob_diff_mean", None)
+    for name in [n for n in row if n.startswith("mismatch_tokens/")]:
+        if not row.pop(name):
+            row.pop(name.replace("mismatch_tokens/", "mismatch_k3/"))
+    w, w2, n = row.pop("ess_w"), row.pop("ess_w2"), row.pop("ess_n")
     if n:
-        step["is_ess"] = w * w / (n * w2) if w2 > 0 else 0.0
-    positions, padding = step.pop("positions"), step.pop("padding")
-    step.update(outside_support_tokens=int(step["outside_support_tokens"]), pad_frac=padding / positions,
-                micro_batches=int(step["micro_batches"]))
-    return StepResult(step.pop("loss"), diff if on_policy else None, step)
+        row["is_ess"] = w * w / (n * w2) if w2 > 0 else 0.0
+    positions, padding = row.pop("positions"), row.pop("padding")
+    row.update(outside_support_tokens=int(row["outside_support_tokens"]), pad_frac=padding / positions,
+                micro_batches=int(row["micro_batches"]))
+    return StepResult(row.pop("loss"), diff if on_policy else None, row)
 
 
 # ----------------------------------------------------------------------------------------------------
