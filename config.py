@@ -20,6 +20,7 @@ from typing import Optional
 import data
 import devices
 import envs
+import losses
 import rewards
 import tools
 
@@ -89,6 +90,8 @@ class Config:
     dual_clip: Optional[float] = None  # dual-clip constant c > 1 for negative advantages; none: off
     kl_coef: float = 0.0  # weight of the KL penalty to the original model (> 0 keeps a frozen reference)
     kl_kind: str = "k3"  # KL estimator: k1 | k2 | k3 (Schulman's)
+    teacher: str = ""  # on-policy distillation: a Hugging Face model directory or hub id with the student's tokenizer; it scores every sampled token
+    distill_coef: float = 0.0  # C > 0 (needs --teacher): each sampled token's advantage gets -C x (student - teacher log-prob), the per-token reverse KL; a dataset task may then omit --reward (rewards 0: distillation alone)
     is_level: str = "token"  # behaviour-policy importance weights per token or per sequence
     is_mode: str = "truncate"  # truncate (TIS) | mask (MIS) | off (the ratio is taken against the generator)
     is_low: Optional[float] = None  # with --is-mode mask: weights below this are masked; none: no lower bound
@@ -98,6 +101,13 @@ class Config:
     lr_schedule: str = "constant"  # after warmup: constant | linear | cosine (decay to --min-lr at the last step)
     lr_warmup_steps: int = 0  # steps of linear warmup from lr / N to --lr
     min_lr: float = 0.0  # the learning rate at the last step, with --lr-schedule linear or cosine
+    # off-policy masks and baselines (losses.py; the README's table of them)
+    adv_estimator: str = "grpo"  # advantages: grpo (group mean, --adv-scale) | rloo (leave-one-out mean) | reinforce_pp (REINFORCE++: batch-whitened)
+    geo_mask_high: Optional[float] = None  # verl's geometric rejection: drop a sequence whose per-token geometric-mean ratio trainer/generator is above this (verl: 1.001); none: off
+    geo_mask_low: Optional[float] = None  # with --geo-mask-high: ... or below this; none: 1 / --geo-mask-high
+    dsv32_mask_kl: Optional[float] = None  # DeepSeek-V3.2: drop a negative-advantage sequence whose mean log(generator/trainer) is above this (delta); none: off
+    icepop_high: Optional[float] = None  # IcePop: drop tokens whose ratio trainer/generator is above this (paper: 5); none: off
+    icepop_low: float = 0.5  # with --icepop-high: ... or below this (paper: 0.5)
     # GRPO recipes (DAPO)
     filter_groups: bool = False  # dynamic sampling: skip groups whose rewards are all equal; the step waits for others
     overlong_filter: bool = False  # leave completions cut at --max-new-tokens out of the loss
@@ -143,7 +153,7 @@ CHOICES = {"update_mode": ("inflight", "drain"), "loss": ("grpo", "dapo", "dr_gr
            "is_mode": ("truncate", "mask", "off"), "log_level": ("debug", "info", "warning"),
            "lr_schedule": ("constant", "linear", "cosine"), "dtype": ("auto", "bf16", "fp32"),
            "role": ("all", "generator", "trainer"), "stale_rule": ("tokens", "group"),
-           "kv_on_swap": ("recompute", "keep")}
+           "adv_estimator": losses.ADV_ESTIMATORS, "kv_on_swap": ("recompute", "keep")}
 
 
 def field_help(cls) -> dict[str, tuple[str, str]]:
@@ -235,9 +245,10 @@ def validate(cfg: Config) -> None:
     if cfg.kv_on_swap == "keep" and cfg.update_mode == "drain":
         problems.append("--kv-on-swap keep needs --update-mode inflight (drain lets running requests finish before a "
                         "swap: no KV cache is kept across one)")
-    if cfg.group_size == 1 and cfg.adv_scale != "none":
+    if cfg.group_size == 1 and cfg.adv_estimator == "grpo" and cfg.adv_scale != "none":
         problems.append("--group-size 1 gives every sample a zero group-relative advantage; use a group of "
                         ">= 2 (or --adv-scale none with a baseline-free reward)")
+    problems += off_policy_problems(cfg)
     if cfg.top_k < -1:
         problems.append(f"--top-k must be -1 or 0 (off) or >= 1 (got {cfg.top_k})")
     if cfg.temperature <= 0:
@@ -271,10 +282,11 @@ def validate(cfg: Config) -> None:
         problems.append("--lora-targets is empty: give all-linear or module names such as q_proj,v_proj")
     if cfg.merge_at_end and not cfg.lora_rank:
         problems.append("--merge-at-end merges a LoRA adapter: it needs --lora-rank")
-    if cfg.model and not os.path.isdir(cfg.model) and os.path.exists(cfg.model):
-        problems.append(f"--model {cfg.model} is a file; give a Hugging Face model directory")
-    elif cfg.model and not os.path.exists(cfg.model) and (cfg.model.startswith((".", "/", "~"))):
-        problems.append(f"--model {cfg.model}: no such directory")
+    problems += model_path_problems("--model", cfg.model)
+    if cfg.distill_coef < 0 or (cfg.distill_coef > 0) != bool(cfg.teacher):
+        problems.append(f"--distill-coef {cfg.distill_coef} and --teacher {cfg.teacher!r}: distillation needs both, a "
+                        "teacher and a coefficient > 0 (neither: off)")
+    problems += model_path_problems("--teacher", cfg.teacher)  # (its tokenizer: prepare.check_teacher)
     if cfg.max_turns < 1 or cfg.max_episode_tokens < 0 or cfg.env_workers < 1 or not cfg.env_timeout_s > 0:
         problems.append(f"--max-turns and --env-workers must be >= 1, --max-episode-tokens >= 0 and --env-timeout-s "
                         f"> 0 (got {cfg.max_turns}, {cfg.env_workers}, {cfg.max_episode_tokens}, {cfg.env_timeout_s})")
@@ -286,6 +298,35 @@ def validate(cfg: Config) -> None:
     problems += devices.problems(cfg)  # --gen-devices/--train-devices: parse, GPUs exist, one rank per GPU
     if problems:
         raise SystemExit("error: " + "\nerror: ".join(problems))
+
+
+def off_policy_problems(cfg: Config) -> list[str]:
+    """--adv-estimator and the off-policy masks: one line each."""
+    out = []
+    if cfg.adv_estimator != "grpo" and cfg.adv_scale != "group":
+        out.append(f"--adv-scale {cfg.adv_scale} applies to --adv-estimator grpo only ({cfg.adv_estimator} "
+                   "has its own baseline and scale)")
+    if cfg.adv_estimator == "rloo" and cfg.group_size < 2:
+        out.append("--adv-estimator rloo's leave-one-out baseline needs --group-size >= 2")
+    if cfg.geo_mask_low is not None and cfg.geo_mask_high is None:
+        out.append("--geo-mask-low needs --geo-mask-high (the geometric mask is off without it)")
+    for name, low, high in (("geo-mask", cfg.geo_mask_low, cfg.geo_mask_high),
+                            ("icepop", cfg.icepop_low, cfg.icepop_high)):
+        if high is not None and not (high >= 1 and 0 < (1 / high if low is None else low) <= 1):
+            out.append(f"--{name}-low and --{name}-high must bound the ratio 1: 0 < low <= 1 <= high "
+                       f"(got {low}, {high})")
+    if cfg.dsv32_mask_kl is not None and not cfg.dsv32_mask_kl >= 0:
+        out.append(f"--dsv32-mask-kl must be >= 0, a KL threshold (got {cfg.dsv32_mask_kl})")
+    return out
+
+
+def model_path_problems(flag: str, path: str) -> list[str]:
+    """A --model/--teacher that names a file, or a local path that does not exist (else: a hub id)."""
+    if path and not os.path.isdir(path) and os.path.exists(path):
+        return [f"{flag} {path} is a file; give a Hugging Face model directory"]
+    if path and not os.path.exists(path) and path.startswith((".", "/", "~")):
+        return [f"{flag} {path}: no such directory"]
+    return []
 
 
 def split_addr(addr: str) -> tuple[str, int]:

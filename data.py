@@ -22,10 +22,20 @@ import random
 import re
 import socket
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+@dataclass
+class Prompt:
+    """One prompt as the generator samples it (tasks.py and envs.py make them from rows)."""
+    prompt_ids: list[int]
+    answer: str
+    columns: dict = field(default_factory=dict)  # keyword arguments for reward functions (the row's columns)
+    prompt: object = None  # the prompt as the dataset gives it (text or messages): what rewards see
+    row: dict = field(default_factory=dict)  # an env task: reset's keyword arguments (the row's columns)
+
 
 BUILTIN_REWARDS = {"math": "rewards:math_reward", "rg": "rewards:reasoning_gym_reward"}  # --reward NAME
 GSM8K_SYSTEM_PROMPT = ("Solve the math problem step by step. "
@@ -71,9 +81,10 @@ def split_list(text: str) -> list[str]:
 
 def resolve(task="auto", dataset="", split="train", prompt_column="prompt", answer_column="answer", reward="",
             reward_weights="", system_prompt="", reward_workers=0, eval_dataset="", eval_split="",
-            env="") -> DataSpec | None:
+            env="", teacher="") -> DataSpec | None:
     """The task's data settings from the flags; None for the built-in copy and reveal tasks. With `env`
-    (--env) the dataset (rows for reset) and the reward functions are optional. Raises DataError."""
+    (--env) the dataset (rows for reset) and the reward functions are optional; with `teacher` (--teacher) the
+    reward functions are (none: every reward 0, the run learns from the teacher alone). Raises DataError."""
     if task not in TASKS and not task.startswith(RG):
         raise DataError(f"--task must be one of {', '.join(TASKS)} or rg:NAME (got {task!r})")
     if task == "auto":
@@ -100,8 +111,9 @@ def resolve(task="auto", dataset="", split="train", prompt_column="prompt", answ
                         "dataset name)")
     if not dataset and (eval_dataset or eval_split):
         raise DataError("--eval-dataset / --eval-split: an --env without --dataset has its own held-out rows")
-    if not reward and not env:
-        raise DataError("a dataset task needs --reward module:function (or --reward math)")
+    if not reward and not env and not teacher:
+        raise DataError("a dataset task needs --reward module:function (or --reward math), or --teacher to "
+                        "learn from a teacher alone")
     specs = [BUILTIN_REWARDS.get(s, s) for s in split_list(reward)]
     for spec in specs:
         module, _, func = spec.rpartition(":")
@@ -129,7 +141,8 @@ def spec_of(settings) -> DataSpec | None:
     """`resolve` for an object with the flags as attributes (config.Config)."""
     return resolve(settings.task, settings.dataset, settings.split, settings.prompt_column, settings.answer_column,
                    settings.reward, settings.reward_weights, settings.system_prompt, settings.reward_workers,
-                   settings.eval_dataset, settings.eval_split, getattr(settings, "env", ""))
+                   settings.eval_dataset, settings.eval_split, getattr(settings, "env", ""),
+                   getattr(settings, "teacher", ""))
 
 
 def is_local(dataset: str) -> bool:

@@ -2,10 +2,10 @@
 
 Role: `resolve` turns the validated flags into the run's final, frozen `Config` (--dtype auto, the ranks the
 devices give, the threads, no evaluation without held-out prompts); `prepare_run` finds or builds the
-model, resolves --resume, checks the tokenizer, the LM head (heads.py) and that vLLM can serve the model,
-and writes OUT/config.json; `generator_settings` is what the generator process starts with.
+model, resolves --resume, checks the tokenizer (and --teacher's against it), the LM head (heads.py) and that
+vLLM can serve the model, and writes OUT/config.json; `generator_settings` is what the generator process starts with.
 Data contract: `Prepared` (the weights to start from, the original model, where a resume continues, the
-device layout) is computed once in the parent and passed to every child.
+device layout, the teacher) is computed once in the parent and passed to every child.
 May touch: OUT/config.json and OUT/init_model (the tiny default model); reads the checkpoint's trainer_state.json.
 """
 import dataclasses
@@ -24,7 +24,7 @@ import heads
 import tools
 from config import Config
 from rollout import GeneratorSettings, engine_problems
-from sync import SharedWeights, make_layout, named_shapes_of, packed_numel
+from weight_buffer import SharedWeights, make_layout, named_shapes_of, packed_numel
 from tasks import build_tiny_model
 
 
@@ -50,6 +50,7 @@ class Prepared:
     model_path: str  # the weights the processes load: the original model (a resume's come from its checkpoint)
     base_model: str  # the model the run first started from (tokenizer, LoRA base, KL reference)
     layout: devices.DeviceLayout
+    teacher_model: str = ""  # --teacher, resolved to a local directory ("": no distillation)
     resume_dir: str = ""
     start_step: int = 0
     start_version: int = 0
@@ -81,6 +82,7 @@ def prepare_run(cfg: Config, engine_here: bool = True) -> Prepared:
         model_path = base_model = prepare_model(cfg)
     check_tokenizer(model_path, cfg.tools)
     check_head(model_path)
+    teacher = check_teacher(cfg.teacher, model_path) if cfg.teacher else ""
     layout = devices.layout_for(cfg)
     if layout.shared_gpus and not cfg.lora_rank:  # the full weights' buffer lies on vLLM's GPU: leave it room
         nbytes = packed_numel(make_layout(model_shapes(model_path))) * devices.torch_dtype(cfg.dtype).itemsize
@@ -94,18 +96,12 @@ def prepare_run(cfg: Config, engine_here: bool = True) -> Prepared:
         print(layout.notice, file=sys.stderr, flush=True)
     with open(os.path.join(cfg.out, "config.json"), "w") as f:
         json.dump(dataclasses.asdict(cfg), f, indent=2)
-    return Prepared(model_path, base_model, layout, **resume)
+    return Prepared(model_path, base_model, layout, teacher_model=teacher, **resume)
 
 
 def prepare_model(cfg) -> str:
     if cfg.model:
-        try:
-            path = data.resolve_model(cfg.model)  # a local directory, or a hub id downloaded once
-        except data.DataError as err:
-            raise SystemExit(f"error: {err}") from None
-        if not os.path.exists(os.path.join(path, "config.json")):
-            raise SystemExit(f"error: --model {cfg.model} has no config.json: not a Hugging Face model directory")
-        return path
+        return local_model("--model", cfg.model)
     path = os.path.abspath(os.path.join(cfg.out, "init_model"))
     if not os.path.exists(os.path.join(path, "config.json")):
         build_tiny_model(path, seed=cfg.seed)
@@ -128,6 +124,51 @@ def check_tokenizer(model_path, tool_spec: str = "") -> None:
     problem = tools.tokenizer_problem(tokenizer, model_path) if tool_spec else None
     if problem:
         raise SystemExit(f"error: {problem}")
+
+
+def local_model(flag: str, name: str) -> str:
+    """A --model/--teacher directory or hub id -> a local Hugging Face model directory (one line otherwise)."""
+    try:
+        path = data.resolve_model(name)  # a local directory, or a hub id downloaded once
+    except data.DataError as err:
+        raise SystemExit(f"error: {err}") from None
+    if not os.path.exists(os.path.join(path, "config.json")):
+        raise SystemExit(f"error: {flag} {name} has no config.json: not a Hugging Face model directory")
+    return path
+
+
+def tokenizer_mismatch(student, teacher) -> str | None:
+    """Why a teacher cannot score the student's token ids (None: it can): the same vocabulary (token -> id) and
+    the same special tokens, or the teacher would read other tokens than the ones sampled."""
+    ours, theirs = student.get_vocab(), teacher.get_vocab()
+    if ours != theirs:
+        differ = sorted(set(ours.items()) ^ set(theirs.items()), key=lambda item: item[1])
+        return (f"its vocabulary differs from the student's ({len(theirs)} tokens against {len(ours)}; "
+                f"{len(differ)} token/id pairs differ, e.g. {differ[0][0]!r} -> {differ[0][1]})")
+    specials = [(name, getattr(student, name), getattr(teacher, name)) for name in ("bos_token_id", "eos_token_id",
+                                                                                   "pad_token_id", "unk_token_id")]
+    specials.append(("special tokens", sorted(student.all_special_tokens), sorted(teacher.all_special_tokens)))
+    for name, mine, its in specials:
+        if mine != its:
+            return f"its {name} differ from the student's ({its} against {mine})"
+    return None
+
+
+def check_teacher(name: str, student_path: str) -> str:
+    """--teacher's local directory, checked: the student's tokenizer, a model vocabulary covering every id the
+    student can sample, a head the trainer knows. One line otherwise, before anything starts."""
+    path = local_model("--teacher", name)
+    try:
+        problem = tokenizer_mismatch(AutoTokenizer.from_pretrained(student_path), AutoTokenizer.from_pretrained(path))
+    except Exception as err:
+        raise SystemExit(f"error: cannot load the tokenizer of --teacher {name}: {err}") from None
+    ours, theirs = (getattr(AutoConfig.from_pretrained(p), "vocab_size", None) for p in (student_path, path))
+    if problem is None and ours is not None and theirs is not None and theirs < ours:
+        problem = f"its model vocabulary ({theirs}) is smaller than the student's ({ours}): ids it cannot score"
+    if problem:
+        raise SystemExit(f"error: --teacher {name} cannot distill into {student_path}: {problem}")
+    check_head(path)
+    return path
 
 
 def check_head(model_path) -> None:

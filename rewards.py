@@ -155,7 +155,10 @@ def call_reward(func, n: int, kwargs: dict) -> tuple[list, dict, str | None]:
 
 def combine(values_per_func: list[list], weights, n: int) -> tuple[list[float], int]:
     """Weighted sum over the functions that scored each sample; unscored samples get the mean of the scored
-    ones (zero advantage). Returns (rewards, number of unscored samples)."""
+    ones (zero advantage); no functions at all (a --teacher run learning from it alone): 0 each, none unscored.
+    Returns (rewards, number of unscored samples)."""
+    if not values_per_func:
+        return [0.0] * n, 0
     rewards, unscored = [], []
     for j in range(n):
         got = [(w, vals[j]) for w, vals in zip(weights, values_per_func) if vals[j] is not None]
