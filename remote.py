@@ -76,6 +76,7 @@ class RemoteWeights:
     layout."""
     device_type = "remote"
     single_writer = True
+    starts_empty = True  # the generator node serves nothing until the first publish reaches it
 
     def __init__(self, layout, dtype, trainer_link: "TrainerLink | None" = None, device="cpu"):
         self.layout, self.dtype, self.link = layout, dtype, trainer_link

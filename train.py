@@ -321,9 +321,9 @@ def start_rank(cfg: Config, prepared: prepare.Prepared, rank: int, world_size: i
     if [name for name, _ in lora.synced_parameters(model)] != [slot.name for slot in shared.layout]:
         raise RuntimeError("trainer parameters do not match the shared buffer's layout")
     version = prepared.start_version
-    # the generator serves no adapter until this first publish (a new adapter is the base model); a remote
-    # generator, or one resuming (it starts from the original model), serves nothing until it has these weights
-    if cfg.lora_rank or shared.device_type == "remote" or resume_dir:
+    # the generator serves no adapter until this first publish (a new adapter is the base model); a generator
+    # across a link, or one resuming (it starts from the original model), serves nothing until it has these weights
+    if cfg.lora_rank or shared.starts_empty or resume_dir:
         publish_model(model, shared, version, rank, world_size)
     ref_model = build_reference_model(prepared.base_model, world_size, device, serving_dtype) \
         if cfg.kl_coef > 0 and not cfg.lora_rank else None

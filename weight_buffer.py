@@ -149,6 +149,8 @@ class SharedWeights:
     def __reduce__(self):
         return _rebuild_shared, self._shareable()
 
+    starts_empty = False  # the generator reads this memory itself: it already holds the start weights
+
     @property
     def single_writer(self) -> bool:
         """Only the owner's process writes it (a CUDA buffer, mapped by the first trainer rank alone):
