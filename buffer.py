@@ -1,7 +1,7 @@
 """buffer.py — the bounded rollout queue and what crosses it: the generator's only path to the trainer.
 
 Role
-    `RolloutGroup` (one prompt, its G completions, every token tagged with the version that sampled it), the
+    `RolloutGroup` (one prompt, its G completions, every token tagged with the version that sampled it: `tag_versions`), the
     staleness rule (`--max-lag`), and the assembly of padded training batches and per-rank micro-batches.
 Data contract
     - A `multiprocessing` queue of `--queue-size` groups: a full queue blocks the generator (a first bound on
@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import multiprocessing
+import multiprocessing.queues
 import queue as queue_lib
 import time
 from dataclasses import dataclass, field
@@ -90,6 +92,33 @@ class Batch:
 
     def to(self, device) -> "Batch":
         return self._map(lambda name, t: t.to(device))
+
+
+def tag_versions(weight_versions, num_tokens: int) -> list[int]:
+    """Per-token versions from vLLM's spans ([start, end) per version label)."""
+    if num_tokens == 0:
+        return []
+    if not weight_versions:
+        raise RuntimeError("vLLM returned no weight-version spans: cannot tag tokens by version")
+    tags = [-1] * num_tokens
+    for span in weight_versions:
+        for i in range(span.start, min(span.end, num_tokens)):
+            tags[i] = int(span.version)
+    if -1 in tags:
+        raise RuntimeError(f"tokens without a version tag: {tags}")
+    return tags
+
+
+class RolloutQueue(multiprocessing.queues.Queue):
+    """One node's rollout queue: a `multiprocessing` queue of at most `maxsize` groups (spawn context). Every
+    source the trainer takes groups from offers `get(timeout=)` and `metrics()`, what it adds to the step's
+    metrics (remote.TrainerLink, the other source: its queue bound and the weights' send); this one, nothing."""
+
+    def __init__(self, maxsize: int = 0, ctx=None):
+        super().__init__(maxsize, ctx=ctx or multiprocessing.get_context("spawn"))
+
+    def metrics(self) -> dict:
+        return {}
 
 
 def put_group(q, group: RolloutGroup, should_stop, timeout_s: float) -> float:

@@ -20,6 +20,7 @@ from typing import Optional
 import data
 import devices
 import envs
+import losses
 import rewards
 import tools
 
@@ -99,6 +100,13 @@ class Config:
     lr_schedule: str = "constant"  # after warmup: constant | linear | cosine (decay to --min-lr at the last step)
     lr_warmup_steps: int = 0  # steps of linear warmup from lr / N to --lr
     min_lr: float = 0.0  # the learning rate at the last step, with --lr-schedule linear or cosine
+    # off-policy masks and baselines (losses.py; the README's table of them)
+    adv_estimator: str = "grpo"  # advantages: grpo (group mean, --adv-scale) | rloo (leave-one-out mean) | reinforce_pp (REINFORCE++: batch-whitened)
+    geo_mask_high: Optional[float] = None  # verl's geometric rejection: drop a sequence whose per-token geometric-mean ratio trainer/generator is above this (verl: 1.001); none: off
+    geo_mask_low: Optional[float] = None  # with --geo-mask-high: ... or below this; none: 1 / --geo-mask-high
+    dsv32_mask_kl: Optional[float] = None  # DeepSeek-V3.2: drop a negative-advantage sequence whose mean log(generator/trainer) is above this (delta); none: off
+    icepop_high: Optional[float] = None  # IcePop: drop tokens whose ratio trainer/generator is above this (paper: 5); none: off
+    icepop_low: float = 0.5  # with --icepop-high: ... or below this (paper: 0.5)
     # GRPO recipes (DAPO)
     filter_groups: bool = False  # dynamic sampling: skip groups whose rewards are all equal; the step waits for others
     overlong_filter: bool = False  # leave completions cut at --max-new-tokens out of the loss
@@ -137,13 +145,11 @@ class Config:
     generator_addr: str = ""  # HOST:PORT the generator listens on and the trainer connects to (PORT + 1: weights)
 
 
-CHOICES = {"update_mode": ("inflight", "drain"), "loss": ("grpo", "dapo", "dr_grpo", "gspo", "cispo"),
-           "adv_scale": ("group", "batch", "none"), "wandb": ("online", "offline", "off"),
-           "agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"),
-           "kl_kind": ("k1", "k2", "k3"), "is_level": ("token", "sequence"),
-           "is_mode": ("truncate", "mask", "off"), "log_level": ("debug", "info", "warning"),
-           "lr_schedule": ("constant", "linear", "cosine"), "dtype": ("auto", "bf16", "fp32"),
-           "role": ("all", "generator", "trainer"), "stale_rule": ("tokens", "group")}
+CHOICES = {"loss": losses.VARIANTS, "agg": losses.AGGS, "adv_scale": losses.SCALES, "kl_kind": losses.KL_KINDS,
+           "adv_estimator": losses.ADV_ESTIMATORS, "is_level": losses.IS_LEVELS, "is_mode": losses.IS_MODES,
+           "update_mode": ("inflight", "drain"), "stale_rule": ("tokens", "group"), "dtype": ("auto", "bf16", "fp32"),
+           "lr_schedule": ("constant", "linear", "cosine"), "log_level": ("debug", "info", "warning"),
+           "wandb": ("online", "offline", "off"), "role": ("all", "generator", "trainer")}
 
 
 def field_help(cls) -> dict[str, tuple[str, str]]:
@@ -232,9 +238,10 @@ def validate(cfg: Config) -> None:
     elif cfg.max_lag < cfg.sync_every - 1:
         problems.append(f"--max-lag {cfg.max_lag} < --sync-every {cfg.sync_every} - 1: the trainer would "
                         "reject every sample between syncs; raise --max-lag or lower --sync-every")
-    if cfg.group_size == 1 and cfg.adv_scale != "none":
+    if cfg.group_size == 1 and cfg.adv_estimator == "grpo" and cfg.adv_scale != "none":
         problems.append("--group-size 1 gives every sample a zero group-relative advantage; use a group of "
                         ">= 2 (or --adv-scale none with a baseline-free reward)")
+    problems += off_policy_problems(cfg)
     if cfg.top_k < -1:
         problems.append(f"--top-k must be -1 or 0 (off) or >= 1 (got {cfg.top_k})")
     if cfg.temperature <= 0:
@@ -284,6 +291,26 @@ def validate(cfg: Config) -> None:
     problems += devices.problems(cfg)  # --gen-devices/--train-devices: parse, GPUs exist, one rank per GPU
     if problems:
         raise SystemExit("error: " + "\nerror: ".join(problems))
+
+
+def off_policy_problems(cfg: Config) -> list[str]:
+    """--adv-estimator and the off-policy masks: one line each."""
+    out = []
+    if cfg.adv_estimator != "grpo" and cfg.adv_scale != "group":
+        out.append(f"--adv-scale {cfg.adv_scale} applies to --adv-estimator grpo only ({cfg.adv_estimator} "
+                   "has its own baseline and scale)")
+    if cfg.adv_estimator == "rloo" and cfg.group_size < 2:
+        out.append("--adv-estimator rloo's leave-one-out baseline needs --group-size >= 2")
+    if cfg.geo_mask_low is not None and cfg.geo_mask_high is None:
+        out.append("--geo-mask-low needs --geo-mask-high (the geometric mask is off without it)")
+    for name, low, high in (("geo-mask", cfg.geo_mask_low, cfg.geo_mask_high),
+                            ("icepop", cfg.icepop_low, cfg.icepop_high)):
+        if high is not None and not (high >= 1 and 0 < (1 / high if low is None else low) <= 1):
+            out.append(f"--{name}-low and --{name}-high must bound the ratio 1: 0 < low <= 1 <= high "
+                       f"(got {low}, {high})")
+    if cfg.dsv32_mask_kl is not None and not cfg.dsv32_mask_kl >= 0:
+        out.append(f"--dsv32-mask-kl must be >= 0, a KL threshold (got {cfg.dsv32_mask_kl})")
+    return out
 
 
 def model_path_problems(flag: str, path: str) -> list[str]:

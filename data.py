@@ -22,10 +22,20 @@ import random
 import re
 import socket
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+@dataclass
+class Prompt:
+    """One prompt as the generator samples it (tasks.py and envs.py make them from rows)."""
+    prompt_ids: list[int]
+    answer: str
+    columns: dict = field(default_factory=dict)  # keyword arguments for reward functions (the row's columns)
+    prompt: object = None  # the prompt as the dataset gives it (text or messages): what rewards see
+    row: dict = field(default_factory=dict)  # an env task: reset's keyword arguments (the row's columns)
+
 
 BUILTIN_REWARDS = {"math": "rewards:math_reward", "rg": "rewards:reasoning_gym_reward"}  # --reward NAME
 GSM8K_SYSTEM_PROMPT = ("Solve the math problem step by step. "

@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 import data
 import rewards
 import tools as tools_lib
-from buffer import RolloutGroup
-from data import DataError, is_conversation
+from buffer import RolloutGroup, tag_versions
+from data import DataError, Prompt, is_conversation
 
 SEED_ROWS, HELD_OUT_SEED_ROWS = 10_000, 1_000  # an --env without --dataset: rows {"seed": i}
 HELD_OUT_SEED_START = 1_000_000
@@ -253,8 +253,6 @@ class Turns:
 async def run_episode(gen, env, prompt, turns: Turns) -> Episode:
     """One episode on `gen`'s engine: never raises for a faulty env (the fault ends it, recorded)."""
     cfg, task = gen.cfg, gen.task
-    from rollout import tag_versions  # (rollout imports this module)
-
     ep, cancelled = Episode(), False
     budget = min(cfg.max_episode_tokens or 10**9, gen.max_model_len or 10**9)
     tools = getattr(env, "tools", None)
@@ -486,8 +484,6 @@ class EnvTask:
 
     @staticmethod
     def prompt_of(row: dict, column: str, answer: str):
-        from tasks import Prompt
-
         columns = {k: v for k, v in row.items() if k != column}
         if "answer" not in columns and answer in row:
             columns["answer"] = row[answer]

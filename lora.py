@@ -1,8 +1,8 @@
 """lora.py — LoRA adapters (`--lora-rank R`): what the trainer trains and the generator serves.
 
 Role: the PEFT config built from the flags, the adapter's tensor names and its on-disk format (checkpoints,
-the final adapter, `--merge-at-end`). Only the adapter gets gradients, fills the shared buffer (sync.py) and
-is loaded by vLLM on each sync (`sync.WeightSyncWorker.load_shared_adapter`).
+the final adapter, `--merge-at-end`). Only the adapter gets gradients, fills the shared buffer (weight_buffer.py) and
+is loaded by vLLM on each sync (`vllm_worker.WeightSyncWorker.load_shared_adapter`).
 Data contract
     - Tensor names are PEFT's file names (`base_model.model.<module>.lora_A.weight`): what
       adapter_model.safetensors holds, what vLLM's loader reads, and the shared buffer's slot names.
@@ -49,6 +49,12 @@ def engine_max_rank(rank: int) -> int:
 def file_name(param_name: str) -> str:
     """PEFT parameter name -> the adapter file's tensor name (drops the adapter name)."""
     return param_name.replace(f".{ADAPTER_NAME}.", ".")
+
+
+def synced_parameters(model):
+    """(name in the shared buffer, parameter) for every trainable parameter: the whole model, or with
+    LoRA only the adapter (in PEFT's file naming)."""
+    return [(file_name(name), p) for name, p in model.named_parameters() if p.requires_grad]
 
 
 def wrap(model, config, seed: int, adapter_dir: str = ""):

@@ -1,17 +1,11 @@
-"""losses.py — the GRPO loss family: pure functions on tensors (no model, optimizer, process, I/O or state).
+"""losses.py — the GRPO loss family: functions on tensors (no optimizer, process, I/O or state; torch only).
 
-Role: train.py takes advantages from `group_advantages`, log-probs from `chunked_logprobs`, off-policy
-corrections from `behaviour_weights`, the loss from `policy_loss` (+ `kl_penalty` when --kl-coef > 0).
-Data contract (B sequences, T padded completion length, V vocabulary):
-    rewards (groups, G); logp, old_logp, behaviour_logp, ref_logp, weights (B, T) float; advantages (B,) or
-    (B, T); mask (B, T), True on completion tokens; logits (..., V). Values at masked-out positions are never
-    read into a result, and results there are 0. A loss is a scalar with its graph, plus a dict of floats.
-Variants of `policy_loss` (all minimise; A the advantage, r the ratio):
-    grpo     PPO clipped surrogate per token (+ optional dual clip)
-    dapo     grpo with clip-higher (eps_high defaults to 0.28)
-    dr_grpo  grpo, meant with scale="none" and agg="seq-mean-token-sum-norm"
-    gspo     sequence-level ratio, clipped per sequence;  cispo  clipped, detached IS weight x REINFORCE
-"""
+Role: train.py takes advantages from `estimate_advantages`, log-probs from `score_tokens` (no logits), off-policy
+corrections from `behaviour_weights` and the masks beside it, the loss from `policy_loss` (+ `kl_penalty`).
+Data contract (B sequences, T padded completion length, V vocabulary): rewards (groups, G); log-probs, weights
+(B, T) float; advantages (B,) or (B, T); mask (B, T), True on completion tokens; logits (..., V). Masked-out
+positions never reach a result, and results there are 0. A loss: a scalar with its graph, a dict of 0-d tensors.
+Variants of `policy_loss`: grpo, dapo, dr_grpo, gspo, cispo (all minimise; formulas in its docstring)."""
 
 import torch
 
@@ -19,25 +13,18 @@ VARIANTS = ("grpo", "dapo", "dr_grpo", "gspo", "cispo")
 AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 SCALES = ("group", "batch", "none")
 KL_KINDS = ("k1", "k2", "k3")
+ADV_ESTIMATORS = ("grpo", "rloo", "reinforce_pp")
+IS_LEVELS, IS_MODES = ("token", "sequence"), ("truncate", "mask", "off")  # of `behaviour_weights`
 
 
-# ---------------------------------------------------------------------------
-# Advantages
-# ---------------------------------------------------------------------------
+# ---------- Advantages ----------------------------------------------------------------------------
 
 
 def group_advantages(rewards, scale="group", eps=1e-6):
-    """Group-relative advantages (GRPO, Shao et al. 2024, DeepSeekMath).
-
-    A_ij = (R_ij - mean_j R_ij) / (std + eps)
-        scale="group": std = unbiased std of the group (torch.std), per group
-        scale="batch": std = unbiased std of all rewards in the batch
-        scale="none" : no division, A_ij = R_ij - mean_j R_ij (Dr. GRPO,
-                       Liu et al. 2025: the std division biases towards
-                       too-easy / too-hard questions)
-    rewards: (num_groups, group_size). Returns the same shape. A group of size
-    1 has advantage 0 (its std is undefined; we use 0, never NaN).
-    """
+    """Group-relative advantages (GRPO, Shao et al. 2024, DeepSeekMath): A_ij = (R_ij - mean_j R_ij) / (std + eps)
+    with std the unbiased std of the group (scale="group"), of the whole batch ("batch"), or no division
+    ("none": Dr. GRPO, Liu et al. 2025: the std biases towards too-easy / too-hard questions).
+    rewards (num_groups, group_size) -> the same shape; a group of size 1 has advantage 0 (std 0, never NaN)."""
     if scale not in SCALES:
         raise ValueError(f"unknown advantage scale {scale!r}; expected one of {SCALES}")
     if rewards.dim() != 2:
@@ -47,29 +34,31 @@ def group_advantages(rewards, scale="group", eps=1e-6):
     if scale == "none":
         return centered
     if scale == "group":
-        if rewards.shape[-1] < 2:
-            std = torch.zeros_like(rewards[:, :1])
-        else:
-            std = rewards.std(dim=-1, keepdim=True)
+        std = rewards.std(dim=-1, keepdim=True) if rewards.shape[-1] > 1 else torch.zeros_like(rewards[:, :1])
     else:  # batch
         std = rewards.std() if rewards.numel() > 1 else rewards.new_zeros(())
     return centered / (std + eps)
 
 
-def overlong_penalty(lengths, max_len: int, cache: int):
-    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), added to the reward of each completion.
-
-    lengths: completion lengths (any shape). With L_max = max_len and L_cache = cache:
-        0                                   if |y| <= L_max - L_cache
-        ((L_max - L_cache) - |y|) / L_cache if L_max - L_cache < |y| <= L_max   (from 0 down to -1)
-        -1                                  if |y| > L_max
-    """
-    if not 0 < cache <= max_len:
-        raise ValueError(f"the overlong cache must be in (0, max_len], got {cache} (max_len {max_len})")
-    lengths = lengths.float()
-    soft = ((max_len - cache) - lengths) / cache
-    return torch.where(lengths <= max_len - cache, torch.zeros_like(lengths),
-                       torch.where(lengths <= max_len, soft, -torch.ones_like(lengths)))
+def estimate_advantages(rewards, estimator="grpo", scale="group", eps=1e-6):
+    """Advantages (num_groups, G) of rewards (num_groups, G) by the baseline `estimator` (ADV_ESTIMATORS):
+      grpo          `group_advantages(rewards, scale)`
+      rloo          leave-one-out mean (Kool et al. 2019; Ahmadian et al. 2024, "Back to Basics"):
+                    A_ij = R_ij - (1/(G-1)) sum_{k != j} R_ik = G/(G-1) (R_ij - mean_j R_ij); G = 1: 0
+      reinforce_pp  REINFORCE++ (Hu 2025, arXiv 2501.03262; OpenRLHF's "reinforce" estimator): no per-prompt
+                    baseline, A = (R - mean(R)) / (std(R) + eps) over the batch, unbiased std (per sample;
+                    OpenRLHF whitens over tokens, a sample once per token). One sample: 0.
+    `scale` is grpo's only: config.validate refuses another with rloo or reinforce_pp."""
+    if estimator not in ADV_ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator {estimator!r}; expected one of {ADV_ESTIMATORS}")
+    if estimator == "grpo":
+        return group_advantages(rewards, scale, eps)
+    rewards = rewards.float()
+    if estimator == "rloo":
+        size = rewards.shape[-1]
+        return rewards - (rewards.sum(-1, keepdim=True) - rewards) / (size - 1) if size > 1 else torch.zeros_like(rewards)
+    std = rewards.std() if rewards.numel() > 1 else rewards.new_zeros(())
+    return (rewards - rewards.mean()) / (std + eps)
 
 
 def distill_advantages(advantages, logp, teacher_logp, mask, coef: float):
@@ -83,15 +72,12 @@ def distill_advantages(advantages, logp, teacher_logp, mask, coef: float):
     return torch.where(m_bool, task - coef * k, zeros), k
 
 
-# ---------------------------------------------------------------------------
-# Policy losses
-# ---------------------------------------------------------------------------
+# ---------- Policy losses -------------------------------------------------------------------------
 
 
 def _masked_mean(x, m_bool):
-    """Mean of x over True positions of m_bool, as a python float (0 if none)."""
-    n = int(m_bool.sum())
-    return float(x[m_bool].sum() / n) if n > 0 else 0.0
+    """0-d tensor: the mean of x over True positions of m_bool (0 if none); never read back to the host here."""
+    return torch.where(m_bool, x, torch.zeros_like(x)).sum() / m_bool.sum().clamp(min=1)
 
 
 def aggregate(loss_tok, mask, agg="token-mean", max_len=None, units=None):
@@ -123,38 +109,24 @@ def aggregate(loss_tok, mask, agg="token-mean", max_len=None, units=None):
 
 def policy_loss(logp, old_logp, advantages, mask, variant="grpo", eps_low=0.2, eps_high=None, dual_clip=None,
                 agg="token-mean", max_len=None, weights=None, units=None):
-    """Policy-gradient loss of the GRPO family. Returns (loss, metrics).
-
-    r_t = exp(logp_t - old_logp_t). Per-token losses (to minimise):
-
+    """Policy-gradient loss of the GRPO family: (loss, metrics of `_clip_metrics`). r_t = exp(logp_t -
+    old_logp_t); per-token losses (to minimise):
     grpo (Shao et al. 2024; PPO's clipped surrogate, Schulman et al. 2017):
         l_t = -min(r_t A, clip(r_t, 1 - eps_low, 1 + eps_high) A)
-      dual_clip=c > 1 (Ye et al. 2020, dual-clip PPO): for A < 0,
-      l_t = min(l_t, -c A): bounded by c|A| however large r_t grows.
-    dapo (Yu et al. 2025, DAPO): grpo with clip-higher, eps_high defaults to
-      0.28 (eps_low stays 0.2); meant with agg="token-mean".
-    dr_grpo (Liu et al. 2025, "Understanding R1-Zero-Like Training"): the
-      grpo surrogate; meant with group_advantages(scale="none") and
-      agg="seq-mean-token-sum-norm".
+      dual_clip=c > 1 (Ye et al. 2020, dual-clip PPO): for A < 0, l_t = min(l_t, -c A): bounded by c|A|.
+    dapo (Yu et al. 2025, DAPO): grpo with clip-higher, eps_high defaults to 0.28 (eps_low stays 0.2); meant
+      with agg="token-mean".
+    dr_grpo (Liu et al. 2025, "Understanding R1-Zero-Like Training"): the grpo surrogate; meant with
+      group_advantages(scale="none") and agg="seq-mean-token-sum-norm".
     gspo (Zheng et al. 2025, Group Sequence Policy Optimization):
-        s_i = exp( (1/|y_i|) sum_t (logp_t - old_logp_t) )
-        l_i = -min(s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i)
-      in the paper's token form (below). Advantages are per sequence (per-token
-      ones are reduced by their masked mean). The paper uses far smaller clip
-      ranges (e.g. 3e-4 / 4e-4): pass them.
-    cispo (MiniMax-M1, MiniMax 2025):
-        l_t = -sg[min(r_t, 1 + eps_high)] A_t logp_t
-      the IS weight is clipped and detached, so every token keeps its
-      gradient -min(r_t, 1 + eps_high) A_t (no token is dropped as in PPO
-      clipping). eps_low is not used by the loss (the paper sets no lower
-      bound).
-
-    advantages: (B,) per sequence or (B, T) per token. weights: optional
-    (B, T) detached per-token weights (e.g. behaviour_weights) multiplied
-    into l_t. agg/max_len/units: see `aggregate`.
-
-    metrics: see `_clip_metrics`.
-    """
+        s_i = exp( (1/|y_i|) sum_t (logp_t - old_logp_t) ),  l_i = -min(s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i)
+      in the paper's token form (below); per-token advantages are reduced by their masked mean. The paper uses
+      far smaller clip ranges (e.g. 3e-4 / 4e-4): pass them.
+    cispo (MiniMax-M1, MiniMax 2025): l_t = -sg[min(r_t, 1 + eps_high)] A_t logp_t: the IS weight is clipped
+      and detached, so every token keeps its gradient -min(r_t, 1 + eps_high) A_t (none is dropped as in PPO
+      clipping); eps_low is unused (the paper sets no lower bound).
+    advantages (B,) or (B, T); weights: optional (B, T) detached per-token weights (e.g. behaviour_weights)
+    multiplied into l_t; agg/max_len/units: see `aggregate`."""
     if variant not in VARIANTS:
         raise ValueError(f"unknown policy-loss variant {variant!r}; expected one of {VARIANTS}")
     if agg not in AGGS:
@@ -204,17 +176,12 @@ def policy_loss(logp, old_logp, advantages, mask, variant="grpo", eps_low=0.2, e
 
 @torch.no_grad()
 def _clip_metrics(ratio, log_ratio, adv, m_bool, variant, eps_low, eps_high, dual_clip) -> dict:
-    """policy_loss's metrics (python floats, over masked tokens):
-      clip_frac_high  share of tokens where the upper clip is active:
-                      r > 1 + eps_high and A > 0 (cispo: r > 1 + eps_high for
-                      any A, since its weight cap acts on both signs)
-      clip_frac_low   r < 1 - eps_low and A < 0 (cispo: 0, it has no lower clip)
-      ratio_mean, ratio_max   of the ratio the variant clips (gspo: s_i,
-                      counted once per token of its sequence)
-      approx_kl       k3 estimate of KL(pi_old || pi_theta) from tokens sampled
-                      under pi_old: exp(d) - 1 - d with d = logp - old_logp
-      dual_clip_frac  (only if dual_clip) A < 0 and r > c
-    """
+    """policy_loss's metrics (0-d tensors, over masked tokens: a caller reads them back once per step):
+      clip_frac_high  share where the upper clip acts: r > 1 + eps_high and A > 0 (cispo: any A, its cap
+                      acts on both signs);  clip_frac_low  r < 1 - eps_low and A < 0 (cispo: 0)
+      ratio_mean, ratio_max  of the ratio the variant clips (gspo: s_i, once per token of its sequence)
+      approx_kl       k3 estimate of KL(pi_old || pi_theta) from tokens sampled under pi_old: exp(d) - 1 - d,
+                      d = logp - old_logp;  dual_clip_frac  (only with dual_clip) A < 0 and r > c"""
     r = ratio.detach()
     if variant == "cispo":
         high = r > 1.0 + eps_high
@@ -224,12 +191,11 @@ def _clip_metrics(ratio, log_ratio, adv, m_bool, variant, eps_low, eps_high, dua
         low = (r < 1.0 - eps_low) & (adv < 0)
     d = log_ratio.detach()
     k3 = torch.expm1(d) - d
-    n = int(m_bool.sum())
     metrics = {
         "clip_frac_high": _masked_mean(high.float(), m_bool),
         "clip_frac_low": _masked_mean(low.float(), m_bool),
         "ratio_mean": _masked_mean(r, m_bool),
-        "ratio_max": float(r[m_bool].max()) if n > 0 else 0.0,
+        "ratio_max": torch.where(m_bool, r, torch.zeros_like(r)).max(),  # (ratios are > 0: 0 when none)
         "approx_kl": _masked_mean(k3, m_bool),
     }
     if dual_clip is not None:
@@ -238,13 +204,10 @@ def _clip_metrics(ratio, log_ratio, adv, m_bool, variant, eps_low, eps_high, dua
 
 
 def kl_penalty(logp, ref_logp, kind="k3"):
-    """Per-token KL(pi_theta || pi_ref) estimators (Schulman 2020, "Approximating
-    KL Divergence"), for tokens sampled from pi_theta. d = ref_logp - logp:
-        k1 = logp - ref_logp          (unbiased, high variance, can be < 0)
-        k2 = 0.5 * (logp - ref_logp)^2
-        k3 = exp(d) - d - 1           (unbiased, >= 0; GRPO's KL term)
-    Same shape as the inputs; the gradient flows through logp only.
-    """
+    """Per-token KL(pi_theta || pi_ref) estimators (Schulman 2020, "Approximating KL Divergence") for tokens
+    sampled from pi_theta, d = ref_logp - logp: k1 = logp - ref_logp (unbiased, high variance, can be < 0);
+    k2 = 0.5 * (logp - ref_logp)^2; k3 = exp(d) - d - 1 (unbiased, >= 0; GRPO's KL term). The inputs' shape;
+    the gradient flows through logp only."""
     if kind not in KL_KINDS:
         raise ValueError(f"unknown KL estimator {kind!r}; expected one of {KL_KINDS}")
     ref_logp = ref_logp.detach()
@@ -256,35 +219,23 @@ def kl_penalty(logp, ref_logp, kind="k3"):
     return torch.exp(d) - d - 1.0
 
 
-# ---------------------------------------------------------------------------
-# Off-policy correction
-# ---------------------------------------------------------------------------
+# ---------- Off-policy correction -----------------------------------------------------------------
 
 
 def behaviour_weights(old_logp, behaviour_logp, mask, level="token", mode="truncate", low=None, high=2.0):
-    """Importance weights correcting for the generator's sampling policy.
-
-    The tokens were sampled by the behaviour policy mu (the generator's
-    recorded log-probs: stale weights and/or a different numerical engine);
-    the loss is built around pi_old. Per token rho_t = exp(old_logp -
-    behaviour_logp).
-      level="token":    rho = rho_t
-      level="sequence": rho = prod over the sequence's masked tokens of rho_t
-                        (exp of the masked sum of log-ratios), used for all
-                        of its tokens
-      mode="truncate":  w = min(rho, high)   (truncated IS, TIS; Yao et al.
-                        2025, "Your efficient RL framework secretly brings
-                        you off-policy RL training")
-      mode="mask":      w = 1 if low <= rho <= high else 0 (masked IS, MIS;
-                        low=None means 1/high); at sequence level it drops
-                        whole sequences
-      mode="off":       w = 1 everywhere (mask-shaped ones)
-    Returns detached weights (B, T), zero on unmasked positions (except "off").
-    """
-    if mode not in ("truncate", "mask", "off"):
-        raise ValueError(f"unknown behaviour-weight mode {mode!r}; expected 'truncate', 'mask' or 'off'")
-    if level not in ("token", "sequence"):
-        raise ValueError(f"unknown behaviour-weight level {level!r}; expected 'token' or 'sequence'")
+    """Importance weights for the generator's sampling policy: the tokens were sampled by the behaviour
+    policy mu (the generator's recorded log-probs: stale weights and/or another numerical engine), the loss
+    is built around pi_old. Per token rho_t = exp(old_logp - behaviour_logp).
+      level="token": rho = rho_t;  level="sequence": rho = prod over the sequence's masked tokens of rho_t
+                        (exp of the masked sum of log-ratios), for all of its tokens
+      mode="truncate":  w = min(rho, high)   (truncated IS, TIS; Yao et al. 2025, "Your efficient RL
+                        framework secretly brings you off-policy RL training")
+      mode="mask":      w = 1 if low <= rho <= high else 0 (masked IS, MIS; low=None means 1/high); at
+                        sequence level it drops whole sequences;  mode="off": w = 1 everywhere
+    Returns detached weights (B, T), zero on unmasked positions (except "off")."""
+    for name, value, allowed in (("mode", mode, IS_MODES), ("level", level, IS_LEVELS)):
+        if value not in allowed:
+            raise ValueError(f"unknown behaviour-weight {name} {value!r}; expected one of {allowed}")
     if mode == "off":
         return torch.ones(mask.shape, dtype=old_logp.dtype, device=old_logp.device)
     if high is None or not high > 0:
@@ -304,47 +255,78 @@ def behaviour_weights(old_logp, behaviour_logp, mask, level="token", mode="trunc
         return torch.where(m_bool, w, zeros)
 
 
-# ---------------------------------------------------------------------------
-# Log-probs consistent with the generator's sampler
-# ---------------------------------------------------------------------------
+def _log_ratio(logp, behaviour_logp, m_bool):  # log(pi / mu) per token, 0 off the mask, detached
+    return torch.where(m_bool, logp.detach() - behaviour_logp, torch.zeros_like(logp))
+
+
+def _sequence_mean(x, m_bool):  # (B,) mean over each row's masked tokens (0 for an empty row)
+    return torch.where(m_bool, x, torch.zeros_like(x)).sum(-1) / m_bool.sum(-1).clamp(min=1)
+
+
+# The masks below return (B, T) bool, True on the tokens kept (False off `mask`). A masked token leaves the
+# loss like one off `mask`: no gradient, and the step's normaliser (`aggregate`'s units, counted before any
+# mask) keeps it, as verl's rejection and DeepSeek-V3.2's M_{i,t} do (their 1/|o_i| and token-mean counts
+# are taken over the response, not over the kept tokens).
+def geometric_mean_mask(old_logp, behaviour_logp, mask, low=None, high=1.001):
+    """verl's geometric rejection sampling (rollout correction, rollout_rs="geometric"; Liu, Li et al. 2025,
+    "When Speed Kills Stability"; verl/trainer/ppo/rollout_corr_helper.py, preset decoupled_geo_rs: high
+    1.001, low None = 1/high). Per sequence, rho_t = pi_old_t / mu_t over its masked tokens:
+        rho_geo_i = exp( (1/|y_i|) sum_t log rho_t );   keep sequence i iff low <= rho_geo_i <= high"""
+    m_bool, low = mask.bool(), 1.0 / high if low is None else low
+    geo = torch.exp(_sequence_mean(_log_ratio(old_logp, behaviour_logp, m_bool), m_bool))
+    return m_bool & ((geo >= low) & (geo <= high))[:, None]
+
+
+def dsv32_sequence_mask(logp, behaviour_logp, advantages, mask, max_kl):
+    """DeepSeek-V3.2's off-policy sequence masking (DeepSeek-AI 2025, arXiv 2512.02556, eq. 9): with mu the
+    sampling (inference) policy and pi_theta the current one,
+        M_it = 0 if A_it < 0 and (1/|o_i|) sum_t log(mu_t / pi_theta_t) > max_kl (their delta), else 1
+    advantages (B,) or (B, T)."""
+    m_bool = mask.bool()  # kl: the mean of log(mu / pi) = -log(pi / mu)
+    kl = _sequence_mean(-_log_ratio(logp, behaviour_logp, m_bool), m_bool)
+    adv = advantages[:, None].expand_as(logp) if advantages.dim() == 1 else advantages
+    return m_bool & ~((adv < 0) & (kl > max_kl)[:, None])
+
+
+def icepop_mask(old_logp, behaviour_logp, mask, low=0.5, high=5.0):
+    """IcePop's token mask (Ling Team 2025, Ring-1T, "Every Step Evolves", arXiv 2510.18855; the blog "Small
+    Leak Can Sink a Great Ship"): k_t = pi_train(y_t; theta_old) / pi_infer(y_t; theta_old), keep token t iff
+    low <= k_t <= high (paper: 0.5, 5). Its M(k) also weights a kept token by k: --is-mode truncate with
+    --is-high >= high gives that weight."""
+    k = torch.exp(_log_ratio(old_logp, behaviour_logp, mask.bool()))
+    return mask.bool() & (k >= low) & (k <= high)
+
+
+def mismatch_k3(logp, behaviour_logp, mask):
+    """(B, T) k3 estimate of KL(mu || pi) per token sampled from mu (Schulman 2020): r = pi / mu, k3 = r - 1 - log r."""
+    d = _log_ratio(logp, behaviour_logp, mask.bool())
+    return torch.expm1(d) - d
+
+
+# ---------- Log-probs consistent with the generator's sampler -------------------------------------
 
 
 def token_logprobs(logits, tokens, temperature=1.0, top_k=-1, top_p=1.0, exact_top_k=None):
-    """log p(tokens) under the distribution vLLM samples from.
-
-    logits (..., V), tokens (...) long -> (...) float32 log-probs.
-
-    Mirrors vLLM 0.32's sampler (vllm/v1/sample/sampler.py: logits to float32, divided by the temperature,
-    then vllm/v1/sample/ops/topk_topp_sampler.py apply_top_k_top_p_pytorch, its path on CPU):
-      * top_k is on iff 0 < top_k < V (0 and -1 mean off; vLLM's input batch treats top_k >= V as off too).
-        Kept: every logit >= the k-th largest logit, so ties at the k-th value are all kept (`logits_sort <
-        kth_value` is masked), possibly more than k tokens.
-      * top_p is on iff top_p < 1. On the top-k-filtered logits: sort ascending, softmax, cumulative sum; a
-        token is removed iff its cumulative sum (its own mass plus all smaller ones) <= 1 - top_p, in float32
-        exactly as vLLM does; the largest token is always kept. So the kept set is the smallest top set whose
-        mass reaches top_p, including the token that crosses the threshold; if the mass reaches top_p exactly,
-        the next token is dropped. Among tokens tied at the boundary, which survive follows the sort order
-        (the same `sort(descending=False)` call; in practice by vocabulary index, lower indices dropped first).
-      * log_softmax over the kept set (vLLM's "processed_logprobs").
-    The trainer's logits are not bit-identical to the generator's, so a sampled token near a boundary can fall
-    outside the kept set here: it then gets -inf (no crash); callers should mask or weight such tokens.
-    vLLM's default logprobs_mode is "raw_logprobs" (log_softmax of the unscaled, unfiltered logits): recorded
-    behaviour log-probs only match this function with logprobs_mode="processed_logprobs".
-
-    On CUDA (exact_top_k None and CUDA logits, or True) the kept set is vLLM 0.32's Triton kernel's
-    (topk_topp_triton.py; FlashInfer is never used with "processed_logprobs"): exactly k tokens, ties by lowest
-    index (`_cuda_kept_set`). It may differ where the kernel is not exact: its monolithic path matches top-p
-    boundary ties within 1e-9 (usually keeping them all); its pivot searches stop after 18 steps. Checked on
-    CPU tensors against a reading of the kernel, never yet on a GPU.
-    """
+    """log p(tokens) under the distribution vLLM samples from: logits (..., V), tokens (...) long -> (...) float32.
+    Mirrors vLLM 0.32's sampler (v1/sample/sampler.py: float32 logits / temperature; then, on CPU,
+    ops/topk_topp_sampler.py apply_top_k_top_p_pytorch), then log_softmax over the kept set ("processed_logprobs").
+      top_k on iff 0 < top_k < V: every logit >= the k-th largest is kept (ties at the k-th all kept).
+      top_p on iff top_p < 1, on the top-k set: sort ascending, softmax, cumsum; a token is removed iff its
+        cumsum <= 1 - top_p (float32, as vLLM), the largest always kept: the smallest top set reaching top_p;
+        boundary ties follow the sort order (lower vocabulary indices dropped first).
+    A sampled token just outside the kept set here (the two sides' logits differ in the last bits) gets -inf:
+    callers mask or weight it. Recorded log-probs match this only with logprobs_mode="processed_logprobs".
+    On CUDA (exact_top_k None and CUDA logits, or True) the kept set is vLLM's Triton kernel's
+    (topk_topp_triton.py; FlashInfer is never used with processed log-probs): exactly k tokens, ties by lowest
+    index (`_cuda_kept_set`); where the kernel is inexact (top-p ties within 1e-9, pivot searches of 18 steps)
+    it may differ. Checked on CPU tensors against a reading of the kernel, never yet on a GPU."""
     x = sampling_logits(logits, temperature, top_k, top_p, exact_top_k)
     return torch.log_softmax(x, dim=-1).gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
 
 
 def sampling_logits(logits, temperature=1.0, top_k=-1, top_p=1.0, exact_top_k=None):
-    """The float32 logits (..., V) vLLM samples from: divided by the temperature, -inf outside the
-    top-k/top-p set (the rules are in `token_logprobs`; exact_top_k: vLLM's CUDA rule, None: on CUDA
-    logits). Differentiable on the kept set."""
+    """The float32 logits (..., V) vLLM samples from: / temperature, -inf outside the top-k/top-p set (rules in
+    `token_logprobs`; exact_top_k: vLLM's CUDA rule, None: on CUDA logits). Differentiable on the kept set."""
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0 (greedy decoding has no log-probs to train on), got {temperature}")
     if not 0.0 < top_p <= 1.0:
@@ -400,9 +382,7 @@ def _cuda_kept_set(flat, top_k, top_p):
     return torch.zeros_like(ranked_keep).scatter_(-1, order, ranked_keep)
 
 
-# ---------------------------------------------------------------------------
-# Log-probs straight from hidden states, a chunk of tokens at a time
-# ---------------------------------------------------------------------------
+# ---------- Log-probs straight from hidden states, a chunk of tokens at a time --------------------
 
 # Logits held at once by `chunked_logprobs`: 2**24 float32 values, 64 MiB (110 tokens of a 151,936-token
 # vocabulary); its forward and backward hold two or three such arrays. This bound, not the batch, sets the
@@ -412,23 +392,45 @@ LOGIT_CHUNK_ELEMENTS = 2**24
 
 def chunked_logprobs(hidden, weight, bias, tokens, temperature=1.0, top_k=-1, top_p=1.0, hidden_scale=1.0,
                      logit_scale=1.0, softcap=0.0, chunk_elements=LOGIT_CHUNK_ELEMENTS):
-    """`token_logprobs(head(hidden), tokens, ...)` and the entropy of the same distribution, without ever
-    holding more than ~`chunk_elements` logits. The head is the model family's (heads.HeadTransform):
-        head(h) = logit_scale * softcap * tanh(((hidden_scale * h) @ weight.T + bias) / softcap)
-    (softcap 0: no tanh), computed in float32, then / temperature and top-k/top-p as vLLM samples.
-
-    hidden (N, H) final hidden states at the positions to score, weight (V, H) and bias (V,) or None the
-    LM head, tokens (N,) long -> (logp (N,) float32 with a gradient to hidden, weight and bias; entropy
-    (N,) float32, detached: H = -sum_v p_v log p_v of the sampling distribution, 0 outside its support).
-
-    Tokens go in chunks of max(1, chunk_elements // V). The backward recomputes each chunk's logits (one extra
-    matmul) and applies the gradient in closed form, d logp_t / d x = (onehot(t) - p) / temperature (p: the
-    kept-set softmax) through d x / d z = logit_scale * (1 - tanh^2(z / softcap)), z = (hidden_scale * h) @
-    weight.T + bias: no chunk's logits outlive its iteration.
-    """
+    """`token_logprobs(head(hidden), tokens, ...)` and the entropy of the same distribution, never holding more
+    than ~`chunk_elements` logits. The family's head (heads.HeadTransform), in float32, then / temperature and
+    top-k/top-p as vLLM samples:  head(h) = logit_scale * softcap * tanh(((hidden_scale * h) @ weight.T + bias) / softcap)
+    (softcap 0: no tanh). hidden (N, H) at the positions to score, weight (V, H), bias (V,) or None, tokens (N,)
+    long -> logp (N,) float32 (a gradient to hidden, weight, bias) and the detached entropy (N,) of the sampling
+    distribution. Chunks of max(1, chunk_elements // V) tokens; the backward recomputes each chunk's logits and
+    applies the gradient in closed form, d logp_t / d x = (onehot(t) - p) / temperature (p: the kept-set
+    softmax), through d x / d z = logit_scale * (1 - tanh^2(z / softcap)): no chunk's logits outlive it."""
     chunk = max(1, chunk_elements // weight.shape[0])
     return _ChunkedLogprobs.apply(hidden, weight, bias, tokens, (temperature, top_k, top_p),
                                   (hidden_scale, logit_scale, softcap), chunk)
+
+
+def score_tokens(model, decoder, lm_head, input_ids, attention_mask, targets, mask, temperature=1.0, top_k=-1,
+                 top_p=1.0, untruncated=False, **head):
+    """(logp, entropy, logp_untruncated or None), each (B, T), 0 off `mask`: `chunked_logprobs` of `targets` at the
+    `mask` positions, without logits. `model` (a causal LM: plain, FSDP2 or PEFT) runs with logits_to_keep=[]; a
+    hook on its `decoder` catches the final hidden states; `lm_head` (a DTensor weight is gathered) and the
+    family's transform `head` (hidden_scale, logit_scale, softcap) run at the masked positions only (FSDP2's root
+    keeps the head gathered until the backward ends). untruncated: also under the temperature alone."""
+    caught = []
+    hook = decoder.register_forward_hook(
+        lambda _, __, out: caught.append(out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]))
+    try:
+        model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+              logits_to_keep=torch.zeros(0, dtype=torch.long, device=input_ids.device))
+    finally:
+        hook.remove()
+    hidden, tokens = caught[0][:, :-1][mask], targets[mask]  # where completion tokens are predicted
+    weight, bias = lm_head.weight, lm_head.bias
+    if hasattr(weight, "full_tensor"):
+        weight, bias = weight.full_tensor(), None if bias is None else bias.full_tensor()
+    logp, entropy = chunked_logprobs(hidden, weight, bias, tokens, temperature, top_k, top_p, **head)
+    full = None
+    if untruncated:  # (the KL term's distribution: the temperature alone)
+        full = chunked_logprobs(hidden, weight, bias, tokens, temperature, **head)[0] if 0 < top_k < weight.shape[0] \
+            or top_p < 1 else logp
+    return tuple(None if v is None else mask.new_zeros(mask.shape, dtype=v.dtype).masked_scatter(mask, v)
+                 for v in (logp, entropy, full))
 
 
 def _head_logits(h, weight, bias, head, slope=False):

@@ -32,7 +32,7 @@ def configure_terminal(log_level: str) -> None:
     vLLM's own INFO log (six lines per weight sync) and the libraries' progress bars are left out.
     "info" / "debug": vLLM logs at that level, bars included. Called in the parent before any child starts:
     children, vLLM's EngineCore and workers inherit the environment. The per-sync reload warnings that are
-    expected are dropped at their source, in the vLLM worker (sync.ExpectedReloadWarnings)."""
+    expected are dropped at their source, in the vLLM worker (vllm_worker.ExpectedReloadWarnings)."""
     os.environ["VLLM_LOGGING_LEVEL"] = log_level.upper()
     if log_level != "warning":
         return

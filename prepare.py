@@ -24,7 +24,7 @@ import heads
 import tools
 from config import Config
 from rollout import GeneratorSettings, engine_problems
-from sync import SharedWeights, make_layout, named_shapes_of, packed_numel
+from weight_buffer import SharedWeights, make_layout, named_shapes_of, packed_numel
 from tasks import build_tiny_model
 
 

@@ -31,11 +31,10 @@ import envs
 import metrics
 import prepare
 import processes
-import train
 from config import split_addr
 from link import Link, receive_weights, send_weights, silence_limit, weight_group
-from rollout import engine_problems
-from sync import SharedWeights, make_layout, packed_numel
+from rollout import engine_problems, generator_main
+from weight_buffer import SharedWeights, make_layout, packed_numel
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -71,15 +70,16 @@ def thread_control():
 
 
 class RemoteWeights:
-    """What trainer ranks publish into with a remote role (sync.publish_model's gather branch: every rank
-    gathers each parameter, rank 0 alone writes). On rank 0 a local packed buffer in the serving dtype,
-    sent to the generator node by `end_write`; on other ranks only the layout."""
+    """What trainer ranks publish into with a remote role: the packed buffer's writer methods, a single
+    writer (sync.publish_model gathers each parameter on every rank, rank 0 alone writes). On rank 0 a local
+    packed buffer in the serving dtype, sent to the generator node by `end_write`; on other ranks only the
+    layout."""
     device_type = "remote"
+    single_writer = True
 
     def __init__(self, layout, dtype, trainer_link: "TrainerLink | None" = None, device="cpu"):
         self.layout, self.dtype, self.link = layout, dtype, trainer_link
-        total = layout[-1].offset + layout[-1].numel if layout else 0
-        self.buffer = torch.empty(total, dtype=dtype, device=device) if trainer_link is not None else None
+        self.buffer = torch.empty(packed_numel(layout), dtype=dtype, device=device) if trainer_link is not None else None
 
     @property
     def nbytes(self) -> int:
@@ -198,8 +198,9 @@ class TrainerLink:
         self.link.close(*last_message)
 
 
-def run_trainer(cfg) -> int:
-    """One torchrun rank of `train.py --role trainer`. Returns its exit code: 1 when the generator failed
+def run_trainer(cfg, trainer_main) -> int:
+    """One torchrun rank of `train.py --role trainer`, training with `trainer_main` (train.trainer_main, handed
+    in by train.main: this module does not import train.py). Returns its exit code: 1 when the generator failed
     (after the checkpoint), 128 + the signal when rank 0 was stopped by one. Ctrl-C (or SIGTERM, which
     torchrun forwards to every rank) is rank 0's to handle: it stops after the current step and every rank
     writes the checkpoint together; the other ranks ignore both signals meanwhile. torchrun itself then exits
@@ -259,7 +260,7 @@ def run_trainer(cfg) -> int:
     prepared, cfg, layout = box[0]
     weights = RemoteWeights(layout, devices.torch_dtype(cfg.dtype), trainer_link if rank == 0 else None, device)
     try:
-        train.trainer_main(cfg, prepared, rank, world_size, weights, trainer_link if rank == 0 else None, control, "")
+        trainer_main(cfg, prepared, rank, world_size, weights, trainer_link if rank == 0 else None, control, "")
     except BaseException as err:
         if rank == 0:
             trainer_link.close("error", f"failed: {type(err).__name__}: {err}")
@@ -432,8 +433,8 @@ def run_generator(cfg) -> int:
     receiver.start()
     reports = []
     print(f"generator node: serving the trainer at {cfg.generator_addr}", flush=True)
-    code = processes.run_children(ctx, {"generator": (train.generator_entry, (settings, bridge.shared,
-                                                                               bridge.rollout_queue, control), True)},
+    code = processes.run_children(ctx, {"generator": (generator_main, (settings, bridge.shared,
+                                                                        bridge.rollout_queue, control), True)},
                                   errors, control, failed=bridge.link.failed, on_failure=reports.append)
     if bridge.link.failed.is_set():
         bridge.link.close()

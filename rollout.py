@@ -2,7 +2,7 @@
 
 Role: streams the task's prompts (tasks.py) into the engine with continuous batching; each finished group
 is scored in a worker thread and put on the rollout queue at once. New weights are loaded from the shared
-buffer (sync.py) between engine steps, requests kept in flight ("inflight") or let finish ("drain");
+buffer (weight_buffer.py, through vllm_worker.py) between engine steps, requests kept in flight ("inflight") or let finish ("drain");
 held-out evaluations (evaluation.py) run beside training requests. An env task (--env, --task reveal) runs
 each of a group's G samples as an episode, a chain of requests (envs.py: `run_env_group`, `eval_env_prompt`).
 Data contract: writes `buffer.RolloutGroup`s with vLLM's processed log-probs (the behaviour policy) and, per
@@ -26,12 +26,13 @@ from transformers import AutoConfig, AutoTokenizer
 
 import data
 import envs
-from buffer import RolloutGroup, put_group
+from buffer import RolloutGroup, put_group, tag_versions
 from config import Config
 from devices import torch_dtype
 from evaluation import EvalResult, requested
 from lora import engine_max_rank
-from tasks import Prompt, make_task
+from data import Prompt
+from tasks import make_task
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LORA_ID = 1  # vLLM's id of the one adapter the generator serves with --lora-rank (ids start at 1)
@@ -109,21 +110,6 @@ async def load_same_version(load, max_tries: int = 20) -> int:
                        f"(last: {versions}): the trainer publishes faster than they load; raise --sync-every")
 
 
-def tag_versions(weight_versions, num_tokens: int) -> list[int]:
-    """Per-token versions from vLLM's spans ([start, end) per version label)."""
-    if num_tokens == 0:
-        return []
-    if not weight_versions:
-        raise RuntimeError("vLLM returned no weight-version spans: cannot tag tokens by version")
-    tags = [-1] * num_tokens
-    for span in weight_versions:
-        for i in range(span.start, min(span.end, num_tokens)):
-            tags[i] = int(span.version)
-    if -1 in tags:
-        raise RuntimeError(f"tokens without a version tag: {tags}")
-    return tags
-
-
 class Generator:
     """The asyncio side of the generator process: one engine, many concurrent groups."""
 
@@ -171,7 +157,7 @@ class Generator:
             # CUDA graphs on GPUs (weight reloads copy into the same storage, so captured graphs stay valid);
             # on CPU eager starts fastest (torch.compile adds ~20 s).
             enforce_eager=self.s.device != "cuda", logprobs_mode="processed_logprobs",
-            worker_extension_cls="sync.WeightSyncWorker", **memory,
+            worker_extension_cls="vllm_worker.WeightSyncWorker", **memory,
             enable_prefix_caching=True, disable_log_stats=True, use_tqdm_on_load=self.cfg.log_level != "warning",
         )
         self.engine = AsyncLLM.from_engine_args(args)
@@ -447,7 +433,9 @@ class Generator:
 
 
 def generator_main(settings: GeneratorSettings, shared, rollout_queue, control) -> None:
-    """Entry point of the generator process (spawned by train.py)."""
+    """Entry point of the generator process (spawned by train.py, or remote.py on a generator node)."""
+    rollout_queue.cancel_join_thread()  # exiting must not wait for a full queue to drain
+    control.eval_results.cancel_join_thread()  # nor for evaluation answers nobody will read
     os.environ["PYTHONPATH"] = HERE + os.pathsep + os.environ.get("PYTHONPATH", "")  # for the extension
     sys.path.insert(0, HERE)
     os.environ.setdefault("OMP_NUM_THREADS", str(settings.cfg.gen_threads or 1))  # (0: an unresolved Config)

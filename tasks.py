@@ -19,7 +19,6 @@ import itertools
 import os
 import sys
 import time
-from dataclasses import dataclass, field
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -27,6 +26,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast,
 
 import data
 import rewards
+from data import Prompt
 
 SPECIALS = ["<pad>", "<bos>", "<eos>"]
 SYMBOLS = list("0123456789abcdefghij+=_")
@@ -90,15 +90,6 @@ def build_tiny_model(path: str, seed: int = 0, hidden: int = 128, layers: int = 
     tokenizer.save_pretrained(tmp)
     os.replace(tmp, path) if not os.path.exists(path) else None
     return path
-
-
-@dataclass
-class Prompt:
-    prompt_ids: list[int]
-    answer: str
-    columns: dict = field(default_factory=dict)  # keyword arguments for reward functions (the row's columns)
-    prompt: object = None  # the prompt as the dataset gives it (text or messages): what rewards see
-    row: dict = field(default_factory=dict)  # an env task: reset's keyword arguments (the row's columns)
 
 
 def is_held_out(letters: str) -> bool:

@@ -34,10 +34,11 @@ import lora
 import metrics
 import prepare
 from config import Config, inactive_flags, parse_args
-from losses import group_advantages
+from losses import estimate_advantages
 from processes import make_control, run_children, saving, wait_for
 from rollout import generator_main
-from sync import SharedWeights, publish_model, synced_parameters
+from sync import publish_model
+from weight_buffer import SharedWeights
 from update import learning_rate, shaped_rewards, update_on_batch
 
 
@@ -143,8 +144,8 @@ class Rank:
     ref_model: torch.nn.Module | None
     optimizer: torch.optim.Optimizer
     pad_id: int
-    shared: object  # sync.SharedWeights (or a remote sender with its interface)
-    rollout_queue: object
+    shared: object  # weight_buffer.SharedWeights (or a remote sender with its interface)
+    rollout_queue: object  # buffer.RolloutQueue, or remote.TrainerLink: get(timeout=), metrics()
     control: object  # processes.Control
     save_group: object = None  # the gloo group of every collective around a save (timeout --save-timeout-s)
     log: metrics.RunLog | None = None  # rank 0 only
@@ -164,7 +165,7 @@ def train(r: Rank) -> int:
             return step
         wait_s, t_step = time.perf_counter() - t_wait, time.perf_counter()
         rewards, truncated = shaped_rewards(taken.groups, cfg)
-        advantages = group_advantages(rewards, scale=cfg.adv_scale)
+        advantages = estimate_advantages(rewards, cfg.adv_estimator, cfg.adv_scale)
         batch = buffer.collate(buffer.to_samples(taken.groups, advantages), r.pad_id)
         stale = buffer.stale_mask(batch, r.version, cfg.max_lag)  # (none left with --stale-rule group)
         batch.mask &= ~stale  # --max-lag bounds every trained token's age
@@ -193,8 +194,7 @@ def train(r: Rank) -> int:
             result.metrics.update(lr=lr, truncated_frac=float(truncated.float().mean()), stale_masked_tokens=int(stale.sum()),
                                   groups_filtered=taken.groups_filtered,
                                   overlong_penalty=float((rewards - torch.tensor([g.rewards for g in taken.groups])).mean()))
-            if hasattr(r.rollout_queue, "metrics"):  # remote.TrainerLink: the queue bound, the weights' send
-                result.metrics.update(r.rollout_queue.metrics())
+            result.metrics.update(r.rollout_queue.metrics())  # (remote.TrainerLink: the queue bound, the send)
             r.log.step(step, r.version, taken, batch, result.metrics, loss=result.loss, grad_norm=result.grad_norm,
                        logprob_diff=result.logprob_diff, wait_s=wait_s, train_s=train_s, publish_ms=publish_ms,
                        skipped=skipped, evals=evals)
@@ -308,10 +308,10 @@ def start_rank(cfg: Config, prepared: prepare.Prepared, rank: int, world_size: i
     if cfg.grad_checkpointing:
         checkpoint_layers(model)
     # Build the optimizer before any forward pass (FSDP2 pitfall: see shared notes). Only what trains has state.
-    optimizer = torch.optim.AdamW([p for _, p in synced_parameters(model)], lr=cfg.lr, weight_decay=cfg.weight_decay)
+    optimizer = torch.optim.AdamW([p for _, p in lora.synced_parameters(model)], lr=cfg.lr, weight_decay=cfg.weight_decay)
     if resume_dir:  # the trained weights (with LoRA the adapter) and the optimizer, resharded to these ranks
         checkpoint.load_trainer_state(model, optimizer, resume_dir, save_group)
-    if [name for name, _ in synced_parameters(model)] != [slot.name for slot in shared.layout]:
+    if [name for name, _ in lora.synced_parameters(model)] != [slot.name for slot in shared.layout]:
         raise RuntimeError("trainer parameters do not match the shared buffer's layout")
     version = prepared.start_version
     # the generator serves no adapter until this first publish (a new adapter is the base model); a remote
@@ -393,14 +393,14 @@ def run(cfg: Config) -> int:
         shared = prepare.allocate_shared_weights(prepared.model_path, layout.buffer_device,
                                                  devices.torch_dtype(cfg.dtype))
     ctx = mp.get_context("spawn")
-    rollout_queue = ctx.Queue(maxsize=cfg.queue_size)
+    rollout_queue = buffer.RolloutQueue(cfg.queue_size, ctx)
     errors = ctx.Queue()
     control = make_control(ctx)
     control.groups_dropped.value = prepared.groups_dropped  # the generator's staleness gate counts from here
     control.steps_skipped.value = prepared.start_step - prepared.start_version  # (and from here)
     settings = prepare.generator_settings(cfg, prepared, lora_dir)
     init_file = tempfile.mktemp(prefix="asyncgrpo-dist-")
-    children = {"generator": (generator_entry, (settings, shared, rollout_queue, control), True)}
+    children = {"generator": (generator_main, (settings, shared, rollout_queue, control), True)}
     for rank in range(cfg.train_ranks):
         children[f"trainer{rank}"] = (trainer_main, (cfg, prepared, rank, cfg.train_ranks, shared, rollout_queue,
                                                      control, init_file), False)
@@ -411,18 +411,12 @@ def run(cfg: Config) -> int:
             os.unlink(init_file)
 
 
-def generator_entry(settings, shared, rollout_queue, control):
-    rollout_queue.cancel_join_thread()  # exiting must not wait for a full queue to drain
-    control.eval_results.cancel_join_thread()  # nor for evaluation answers nobody will read
-    generator_main(settings, shared, rollout_queue, control)
-
-
 def main(argv=None) -> int:
     cfg = parse_args(argv)
     if cfg.role != "all":
-        import remote  # builds on this module (only when a remote role asks for it)
+        import remote  # (only when a remote role asks for it: it starts ZMQ)
 
-        return remote.run_trainer(cfg) if cfg.role == "trainer" else remote.run_generator(cfg)
+        return remote.run_trainer(cfg, trainer_main) if cfg.role == "trainer" else remote.run_generator(cfg)
     return run(cfg)
 
 

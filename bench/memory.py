@@ -9,7 +9,7 @@ nominal tokens (each completion L/2 to L tokens, uniform; prompts of `--prompt-l
 
 Each measurement runs in a fresh process (`common.in_child`) holding what a trainer rank holds: the FSDP2
 model (`train.build_trainer_model`, one rank), AdamW, the collated batch; then the trainer's step
-(`update.train_on_batch`, gradient clipping, `optimizer.step`). Peak memory: the process's peak RSS
+(`update.update_on_batch`: gradient clipping, `optimizer.step`). Peak memory: the process's peak RSS
 (`ru_maxrss`) on a CPU, `torch.cuda.max_memory_allocated` on a GPU; `ready` is the RSS before the step.
 - micro-batched: `--micro-batch-tokens` (default: the trainer's default), for every size. On 2 cores a whole
   step of the larger sizes takes far longer than this benchmark may (the LM head costs ~3 ms per token
@@ -109,11 +109,8 @@ def measure(model_path: str, sequences: int, length: int, budgets: list[int], ma
         times, peak, pad_frac = {}, None, None
         for step, budget in enumerate(budgets):
             start = time.perf_counter()
-            result = update.train_on_batch(model, None, batch, dataclasses.replace(cfg, micro_batch_tokens=budget),
-                                          0, 1, 0, device)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            result = update.update_on_batch(model, None, optimizer, batch,
+                                            dataclasses.replace(cfg, micro_batch_tokens=budget), 0, 1, 0, step, device)
             if cuda:
                 torch.cuda.synchronize()
             if step == 0:

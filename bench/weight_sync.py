@@ -7,7 +7,7 @@ For models of about 1M, 10M, 100M and 300M parameters (Qwen2 built from configs 
 - the trainer side is the project's: an FSDP2 model (`train.build_trainer_model`, one rank) publishing into
   the packed shared buffer with `sync.publish_model` (no gather: each rank writes its own rows);
 - the generator side is the project's `rollout.Generator` with its real vLLM engine, running its own loop
-  (`Generator.run`); it notices the new version, pauses, loads (`sync.WeightSyncWorker`), resets the prefix
+  (`Generator.run`); it notices the new version, pauses, loads (`vllm_worker.WeightSyncWorker`), resets the prefix
   cache and resumes, and reports each part (`sync_parts`) and the publish-to-serving time (`sync_ms`).
   The engine has been idle for `--gap-s` seconds when a version lands (one one-token request per
   version), so this is the transfer itself: no decode step to wait for, and vLLM's processes no longer
@@ -20,18 +20,12 @@ engine's tensors are checked to share no memory with the buffer (the trainer's l
 
 LoRA rows (`--lora-sizes`, default 100M; rank `--lora-rank` 8 on every linear layer): the same model served by
 vLLM with an adapter, the trainer a PEFT adapter under FSDP2; only the adapter crosses, through the same
-buffer and seqlock (`sync.WeightSyncWorker.load_shared_adapter`). Reported beside the full sync of that size
+buffer and seqlock (`vllm_worker.WeightSyncWorker.load_shared_adapter`). Reported beside the full sync of that size
 (`ratio_to_full`), and against the alternative of a tmpfs file: the adapter written as a PEFT folder under
 /dev/shm and reloaded by vLLM's own `add_lora(load_inplace=True)` on the same engine (`tmpfs_file`).
 
 Cross-machine rows (`--cross-sizes`, default 10M,100M; `--cross-only`: these rows alone, no vLLM, written to
-DIR/weight_sync_cross.json): the trainer side of remote.py (`--role trainer`): the publish gathered into rank
-0's own buffer (`remote.RemoteWeights`) and sent in 64 MiB buckets over the 2-member gloo group
-(`link.send_weights`) to a second process standing in for the generator node, which receives straight
-into its packed buffer (`link.receive_weights`), here over loopback. Timed from the publish's start to
-the receiver's `end_write` (one clock: one machine), against the one-node path (the publish into the shared
-buffer) and a memcpy of the same bytes. The generator's load that follows (pause, reload, reset) is the same
-on both paths (the rows above).
+DIR/weight_sync_cross.json): remote.py's publish over gloo, measured by bench/weight_sync_cross.py.
 """
 from __future__ import annotations
 
@@ -46,25 +40,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+from weight_sync_cross import cross_table, measure_cross_machine, plot_cross  # noqa: E402
 # torch, vLLM and the project are imported in the functions that run in child processes (common.py)
 
 # name -> (hidden, layers, heads); vocabulary 26, MLP 4x hidden, tied embeddings (head size 32 or 64)
 SIZES = {"1M": (128, 4, 4), "10M": (256, 10, 4), "100M": (768, 11, 12), "300M": (1024, 18, 16)}
 
 
-
-def memcpy_ms(buffer, repeats: int = 7) -> list[float]:
-    """Milliseconds of copying `buffer` into a fresh tensor of its size, `repeats` times (after one warm copy)."""
-    import torch
-
-    dst = torch.empty_like(buffer)
-    dst.copy_(buffer)
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        dst.copy_(buffer)
-        times.append((time.perf_counter() - t) * 1e3)
-    return times
 
 def _profile_load_in_worker():
     """Returns a function to run inside vLLM's worker (through collective_rpc): the steps of
@@ -104,7 +86,6 @@ async def tmpfs_route(gen, model, config, base_model: str, versions, gap_s: floa
     import torch
 
     import lora
-    import sync
     from rollout import LORA_ID
     from vllm.lora.request import LoRARequest
 
@@ -114,10 +95,10 @@ async def tmpfs_route(gen, model, config, base_model: str, versions, gap_s: floa
         for version in versions:
             await asyncio.sleep(gap_s)
             with torch.no_grad():
-                for _, p in sync.synced_parameters(model):
+                for _, p in lora.synced_parameters(model):
                     p.add_(1e-4)
             t0 = time.perf_counter()
-            state = {name: p.full_tensor() for name, p in sync.synced_parameters(model)}
+            state = {name: p.full_tensor() for name, p in lora.synced_parameters(model)}
             folder, tmp = os.path.join(root, f"v{version}"), os.path.join(root, f".tmp-v{version}")
             lora.save_adapter(state, config, base_model, tmp)
             os.rename(tmp, folder)
@@ -165,7 +146,7 @@ def measure_size(name: str, shape: tuple, work: str, syncs: int, seed: int, gap_
     lora_config, lora_dir = None, ""
     if lora_rank:
         import lora
-        from sync import SharedWeights
+        from weight_buffer import SharedWeights
 
         lora_config = lora.peft_config(lora_rank, 2 * lora_rank, 0.0, "all-linear")
     model = train.build_trainer_model(path, 1, lora_config=lora_config, seed=seed)
@@ -176,12 +157,12 @@ def measure_size(name: str, shape: tuple, work: str, syncs: int, seed: int, gap_
         sync.publish_model(model, shared, 0, 0, 1)
     else:
         shared = prepare.allocate_shared_weights(path)
-    synced = [p for _, p in sync.synced_parameters(model)]
+    synced = [p for _, p in lora.synced_parameters(model)]
     base_params = sum(p.numel() for p in model.parameters()) - (sum(p.numel() for p in synced) if lora_rank else 0)
     params = sum(p.numel() for p in synced)
     nbytes = shared.buffer.numel() * shared.buffer.element_size()
 
-    memcpy = memcpy_ms(shared.buffer)  # the same bytes, same process, same threads
+    memcpy = common.memcpy_ms(shared.buffer)  # the same bytes, same process, same threads
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
@@ -267,130 +248,6 @@ def measure_size(name: str, shape: tuple, work: str, syncs: int, seed: int, gap_
             "ratio": total / med(memcpy), "samples": len(sync_ms), "first_sync": first,
             "build_s": build_s, "engine_start_s": engine_s,
             "all_sync_ms": sync_ms, "all_copy_ms": pub}
-
-
-def _cross_receiver(port: int, shapes, dtype, versions: int, results) -> None:
-    """The generator node's side of the cross-machine row: receive `versions` publishes into its own buffer."""
-    from datetime import timedelta
-
-    import torch
-    from torch.distributed import TCPStore
-
-    import link
-    from sync import SharedWeights
-
-    torch.set_num_threads(1)
-    store = TCPStore("127.0.0.1", port, 2, False, timedelta(seconds=120))
-    group = link.weight_group(store, 1, torch.device("cpu"), 120)
-    shared = SharedWeights.allocate(shapes, dtype=dtype)
-    for version in range(1, versions + 1):
-        link.receive_weights(group, shared, version)
-        results.put((version, shared.publish_time_ns()))
-
-
-def measure_cross_machine(name: str, shape: tuple, work: str, seed: int, syncs: int) -> dict:
-    """One size's cross-machine row (no engine): memcpy, the one-node publish into shared memory, and the
-    remote publish (gather into rank 0's buffer, then buckets over gloo into another process's buffer)."""
-    import os
-    import socket
-    import tempfile
-    from datetime import timedelta
-
-    import torch
-    import torch.distributed as dist
-    import torch.multiprocessing as mp
-    from torch.distributed import TCPStore
-
-    import link
-    import prepare
-    import remote
-    import sync
-    import train
-
-    hidden, layers, heads = shape
-    path = common.build_model(Path(work) / f"model_{name}", seed=seed, hidden=hidden, layers=layers, heads=heads)
-    cfg = common.default_config(model=path)
-    torch.set_num_threads(cfg.train_threads)
-    init_file = tempfile.mktemp(prefix="asyncgrpo-bench-dist-")
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=0, world_size=1)
-    model = train.build_trainer_model(path, 1)
-    shared = prepare.allocate_shared_weights(path)  # the one-node path
-    nbytes = shared.nbytes
-    med = statistics.median
-
-    memcpy = memcpy_ms(shared.buffer)
-    shm = []
-    for version in range(1, syncs + 1):
-        t = time.perf_counter()
-        sync.publish_model(model, shared, version, 0, 1)
-        shm.append((time.perf_counter() - t) * 1e3)
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    receiver = ctx.Process(target=_cross_receiver, args=(port, [(sl.name, sl.shape) for sl in shared.layout],
-                                                           shared.dtype, syncs, results))
-    receiver.start()
-    try:
-        store = TCPStore("127.0.0.1", port, 2, True, timedelta(seconds=120))
-        group = link.weight_group(store, 0, torch.device("cpu"), 120)
-        sends = []
-
-        class Sender:  # what remote.TrainerLink.send_weights does, without the message link
-            def send_weights(self, version, flat):
-                t = time.perf_counter()
-                link.send_weights(group, flat)
-                sends.append((time.perf_counter() - t) * 1e3)
-
-        weights = remote.RemoteWeights(shared.layout, shared.dtype, Sender())
-        starts, cross = [], []
-        for version in range(1, syncs + 1):
-            starts.append(time.time_ns())
-            sync.publish_model(model, weights, version, 0, 1)
-            got, end_ns = results.get(timeout=120)
-            assert got == version
-            cross.append((end_ns - starts[-1]) / 1e6)
-        equal = torch.equal(weights.buffer, shared.buffer)  # the same packed bytes (the last version)
-        receiver.join(timeout=60)
-    finally:
-        receiver.kill()
-        dist.destroy_process_group()
-        if os.path.exists(init_file):
-            os.unlink(init_file)
-    cross, sends, shm = cross[1:], sends[1:], shm[1:]  # the first of each warms up
-    return {"name": name, "params": sum(sl.numel for sl in shared.layout), "bytes": nbytes, "mb": nbytes / 2**20,
-            "memcpy_ms": med(memcpy), "shm_publish_ms": med(shm), "cross_ms": med(cross),
-            "cross_send_ms": med(sends), "cross_copy_ms": med(cross) - med(sends),
-            "cross_over_memcpy": med(cross) / med(memcpy), "cross_over_shm": med(cross) / med(shm),
-            "shm_over_memcpy": med(shm) / med(memcpy), "same_bytes": equal, "samples": len(cross),
-            "all_cross_ms": cross}
-
-
-def cross_table(rows: list[dict]) -> str:
-    return common.table(
-        ["size", "MB", "memcpy ms", "shared memory ms", "gloo loopback ms", "(send part)", "shm / memcpy",
-         "gloo / memcpy", "gloo / shm"],
-        [[r["name"], r["mb"], r["memcpy_ms"], r["shm_publish_ms"], r["cross_ms"], r["cross_send_ms"],
-          r["shm_over_memcpy"], r["cross_over_memcpy"], r["cross_over_shm"]] for r in rows],
-        title="cross-machine path (remote.py, gloo over loopback on this machine) against the one-node publish "
-              "into shared memory and a memcpy of the same bytes:")
-
-
-def plot_cross(data: dict, path: Path) -> None:
-    plt = common.plt()
-    rows = data["cross_machine"]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    width = 0.27
-    for i, (key, label) in enumerate([("memcpy_ms", "memcpy"), ("shm_publish_ms", "publish into shared memory"),
-                                      ("cross_ms", "publish over gloo (loopback)")]):
-        ax.bar([j + (i - 1) * width for j in range(len(rows))], [r[key] for r in rows], width, label=label)
-    ax.set_xticks(range(len(rows)), [f"{r['name']} ({r['mb']:.0f} MB)" for r in rows])
-    ax.set_yscale("log")
-    ax.set_ylabel("ms (log)")
-    ax.legend(fontsize=8)
-    common.save_figure(fig, path, data, "cross-machine weight sync")
 
 
 def main(argv=None) -> int:

@@ -4,9 +4,9 @@ Role
     Checks, on a GPU machine (one GPU is enough), what `python train.py --gen-devices G --train-devices T`
     relies on, without vLLM's CUDA build:
     1. FSDP2 training steps on the GPU through the project's own functions (train.build_trainer_model,
-       update.train_on_batch, sync.publish_model) in a process group with the GPU layout's backend (devices.GPU_BACKEND).
+       update.update_on_batch, sync.publish_model) in a process group with the GPU layout's backend (devices.GPU_BACKEND).
     2. The CUDA IPC packed sync between two processes. This process is the trainer's rank 0 and owns the
-       packed device buffer (sync.SharedWeights.allocate on its GPU); a second process plays the generator's
+       packed device buffer (weight_buffer.SharedWeights.allocate on its GPU); a second process plays the generator's
        worker: it opens the IPC handle once (SharedWeights.from_bytes), copies seqlock-consistent snapshots
        onto its own device (read_snapshot) and loads them into a transformers model. With 2+ GPUs it runs
        on GPU 1 under a reordered CUDA_VISIBLE_DEVICES (so the handle's GPU is found by UUID and the copy
@@ -117,7 +117,7 @@ def synchronize(device) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------
-# The receiver: plays the generator's worker extension (sync.WeightSyncWorker) without vLLM
+# The receiver: plays the generator's worker extension (vllm_worker.WeightSyncWorker) without vLLM
 # ----------------------------------------------------------------------------------------------------
 def receiver_main(handle_bytes, model_dir, device, visible, cmd_q, res_q, threads):
     if visible is not None:  # before CUDA starts in this process
@@ -128,7 +128,7 @@ def receiver_main(handle_bytes, model_dir, device, visible, cmd_q, res_q, thread
 
         import config
         import update
-        from sync import SharedWeights
+        from weight_buffer import SharedWeights
 
         torch.set_num_threads(threads)
         device = torch.device(device)
@@ -255,17 +255,13 @@ def check_size(size, args, device, receiver_device, receiver_visible, peer_here,
         steps, losses, diffs, versions_ok = [], [], [], True
         publish_ms, snapshot_ms, load_ms, e2e_ms = [], [], [], []
         for step in range(args.steps):
-            batch = synthetic_batch(seed=step)  # train_on_batch moves each micro-batch to the device
+            batch = synthetic_batch(seed=step)  # update_on_batch moves each micro-batch to the device
             synchronize(device)
             t0 = time.perf_counter()
-            stepped = update.train_on_batch(model, None, batch, cfg, 0, 1, version=step, device=device)
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            stepped = update.update_on_batch(model, None, optimizer, batch, cfg, 0, 1, step, step, device)
             synchronize(device)
             steps.append((time.perf_counter() - t0) * 1e3)
             losses.append(stepped.loss)
-            float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
 
             published_ns = time.time_ns()
             t0 = time.perf_counter()

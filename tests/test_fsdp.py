@@ -1,7 +1,7 @@
 """FSDP2 data parallelism of the trainer (real FSDP2 over gloo on CPU, no vLLM).
 
 - World size 1 and 2 give the same loss and the same updated weights on the same batch: each rank's
-  `train_on_batch` terms are normalised by the whole step's count, so that the ranks' terms add up to the
+  `update.update_on_batch`'s micro-batch terms are normalised by the whole step's count, so that the ranks' terms add up to the
   whole batch's loss, and FSDP2's gradient averaging is undone by the world-size factor.
 - `sync.publish_model` at world size > 1: every rank writes only its own FSDP2 rows into the packed shared
   buffer, and the result is exactly the full (gathered) state dict, with the version in the header.
@@ -20,6 +20,7 @@ import torch.multiprocessing as mp
 
 import buffer
 import sync
+import weight_buffer
 import tasks
 import train
 import config
@@ -30,6 +31,11 @@ PAD_ID = 0
 NUM_SAMPLES = 7  # odd: world size 2 splits the rows 4 / 3, world size 3 splits them 3 / 3 / 1
 SPAWN_TIMEOUT_S = 240
 
+
+
+def backward(model, ref_model, batch, cfg, rank, world, version, device="cpu") -> update.UpdateResult:
+    """One update's gradients, left on the parameters unclipped (no optimizer), and its reduced figures."""
+    return update.update_on_batch(model, ref_model, None, batch, cfg, rank, world, version, 0, device)
 
 def make_batch(seed=0):
     """A fixed synthetic batch: completions of different lengths (one empty), varied advantages."""
@@ -58,7 +64,7 @@ def _worker(rank, world, init_file, model_path, agg, shared, version, results):
         model = train.build_trainer_model(model_path, world)
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)  # before forward
 
-        result = update.train_on_batch(model, None, make_batch(), cfg, rank, world, version=0)
+        result = backward(model, None, make_batch(), cfg, rank, world, version=0)
         grads = {name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().clone()
                  for name, p in model.named_parameters()}  # before clipping (which would hide a scale error)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -177,20 +183,20 @@ def _skeleton_shapes(model_path):
 
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path), dtype=torch.float32)
-    return sync.named_shapes_of(skeleton)
+    return weight_buffer.named_shapes_of(skeleton)
 
 
 # 3: uneven FSDP2 shards (26 vocab rows -> 9/9/8, 128 -> 43/43/42); there in bf16: each rank casts its rows
 @pytest.mark.parametrize("world,dtype", [(2, torch.float32), (3, torch.bfloat16)])
 def test_publish_writes_the_full_state_dict(world, dtype, model_path, initial_state, tmp_path):
-    shared = sync.SharedWeights.allocate(_skeleton_shapes(model_path), dtype=dtype)
+    shared = weight_buffer.SharedWeights.allocate(_skeleton_shapes(model_path), dtype=dtype)
     assert shared.buffer.abs().sum() == 0 and shared.version() == 0
 
     got = run_world(world, model_path, tmp_path, shared=shared, version=7)
 
     assert [slot.name for slot in shared.layout] == got["names"]
     assert shared.version() == 7
-    assert int(shared.header[sync.SEQ]) == 2  # one complete write: even, not torn
+    assert int(shared.header[weight_buffer.SEQ]) == 2  # one complete write: even, not torn
     assert shared.publish_time_ns() > 0
     state = got["state"]
     for slot in shared.layout:

@@ -17,12 +17,11 @@ import torch.multiprocessing as mp
 import checkpoint
 import config
 import lora
-import sync
 import train
 from rollout import Generator
 from test_engine import settings_for
 from tasks import build_tiny_model
-from sync import SharedWeights
+from weight_buffer import SharedWeights
 from test_engine import wait_until
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -63,7 +62,7 @@ def test_only_the_adapter_trains_and_matches_the_buffer_layout(base_model):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=0, world_size=1)
     try:
         model = train.build_trainer_model(base_model, 1, lora_config=lora.peft_config(**CONFIG), seed=0)
-        synced = sync.synced_parameters(model)
+        synced = lora.synced_parameters(model)
         shapes, _ = lora.adapter_shapes(base_model, lora.peft_config(**CONFIG))
         # the parent sizes the shared buffer from a meta skeleton: same names, same order, same shapes
         assert [(n, tuple(p.shape)) for n, p in synced] == shapes
@@ -89,7 +88,7 @@ def test_generator_serves_each_published_adapter_and_agrees_with_the_trainer(bas
     """Adapters swapped every 40 ms while requests are mid-generation: every token's vLLM log-prob is the
     trainer's under the adapter its version tag names (per token, also within completions that span
     swaps), the two adapters give different distributions, and a PEFT folder serves like the merged model."""
-    os.environ["PYTHONPATH"] = REPO  # vLLM's worker imports the extension (sync.WeightSyncWorker)
+    os.environ["PYTHONPATH"] = REPO  # vLLM's worker imports the extension (vllm_worker.WeightSyncWorker)
     shapes, resolved = lora.adapter_shapes(base_model, lora.peft_config(**CONFIG))
     lora_dir = lora.write_config(resolved, base_model, str(tmp_path / "adapter_config"))
     shared = SharedWeights.allocate(shapes)

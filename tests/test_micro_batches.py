@@ -1,4 +1,4 @@
-"""Micro-batches, chunked log-probs and activation checkpointing in the trainer step (`update.train_on_batch`).
+"""Micro-batches, chunked log-probs and activation checkpointing in the trainer step (`update.update_on_batch`).
 
 - `buffer.plan_micro_batches` / `rank_micro_batches`: rows grouped by length within the token budget, every
   row exactly once, the same number of micro-batches on every rank (fillers add nothing).
@@ -23,7 +23,7 @@ import tasks
 import train
 from config import Config, parse_args
 import update
-from test_fsdp import make_batch, spawn_ranks
+from test_fsdp import backward, make_batch, spawn_ranks
 
 ONE_ROW, FEW_ROWS, WHOLE = 1, 20, 0  # --micro-batch-tokens: the test batch's rows hold 5 to 10 tokens
 SPLITS = {"one row": ONE_ROW, "a few rows": FEW_ROWS, "whole batch": WHOLE}
@@ -134,7 +134,7 @@ def adapter_dir(model_path, tmp_path_factory):
 
 
 def _parity_worker(rank, world, init_file, model_path, ref_path, adapter_dir, results):
-    """Every case and split on this world: gradients (gathered), loss and metrics of `train_on_batch`."""
+    """Every case and split on this world: gradients (gathered), loss and metrics of one update (`update_on_batch` without an optimizer)."""
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
@@ -153,7 +153,7 @@ def _parity_worker(rank, world, init_file, model_path, ref_path, adapter_dir, re
             model = with_lora if CASES[case].get("lora") else full
             if name in CHECKPOINTED:
                 train.checkpoint_layers(model)  # for good: the checkpointed runs come last
-            result = update.train_on_batch(model, None if model is with_lora else ref_model, make_batch(), cfg,
+            result = backward(model, None if model is with_lora else ref_model, make_batch(), cfg,
                                           rank, world, version=0)
             grads = {n: p.grad.full_tensor().clone() for n, p in model.named_parameters() if p.grad is not None}
             model.zero_grad(set_to_none=True)
@@ -182,6 +182,7 @@ def reference(model, ref_model, batch, cfg):
     units = tokens if cfg.agg == "token-mean" else int((batch.mask.sum(1) > 0).sum())
     loss, metrics = losses.policy_loss(logp, old, batch.advantages, mask, variant=cfg.loss, agg=cfg.agg,
                                        max_len=cfg.max_new_tokens, weights=weights, units=units)
+    metrics = {name: float(value) for name, value in metrics.items()}
     if cfg.kl_coef > 0:
         with torch.no_grad():
             if ref_model is None:

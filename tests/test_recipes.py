@@ -9,7 +9,7 @@ import buffer
 import train
 import config
 import update
-from losses import overlong_penalty
+from update import overlong_penalty
 
 
 @pytest.mark.parametrize("schedule", ["constant", "linear", "cosine"])

@@ -77,7 +77,7 @@ def test_configure_terminal_sets_vllm_level_and_silences_progress_bars(monkeypat
 
 
 def test_only_the_expected_reload_warnings_are_dropped():
-    from sync import ExpectedReloadWarnings
+    from vllm_worker import ExpectedReloadWarnings
 
     def record(layer, msg="%s: Failed to load weights"):
         return logging.LogRecord("vllm", logging.WARNING, "layerwise.py", 266, msg, (layer,), None)

@@ -1,0 +1,118 @@
+"""The files a reader can copy out on their own: each, copied into an empty folder, imports only torch and
+the standard library and works there in a fresh interpreter (`python -I`: no PYTHONPATH, no repository on
+sys.path, the folder alone added).
+
+To add a file: a `use_<name>` function below (it runs in that interpreter, so it imports only torch, the
+standard library and the copied files, inside its body) and one entry in COPYABLE.
+"""
+import ast
+import inspect
+import os
+import shutil
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def use_weight_buffer():
+    import torch
+    import torch.multiprocessing as mp
+
+    strategy = mp.get_sharing_strategy()
+    import weight_buffer
+
+    assert mp.get_sharing_strategy() == strategy, "importing weight_buffer changed torch's sharing strategy"
+    shapes = [("a.weight", (3, 4)), ("b.bias", (5,))]
+    shared = weight_buffer.SharedWeights.allocate(shapes, dtype=torch.bfloat16)
+    assert mp.get_sharing_strategy() == "file_system"  # selected before the buffer is shared
+    values = {"a.weight": torch.randn(3, 4), "b.bias": torch.randn(5)}
+    shared.publish(values, version=3)
+    out = torch.empty_like(shared.buffer)
+    assert shared.read_snapshot(out) == 3 and shared.version() == 3
+    for slot in shared.layout:
+        assert torch.equal(shared.view(slot, out), values[slot.name].to(torch.bfloat16))
+    # the bytes another process would get map the same memory: a write through one is read through the other
+    received = weight_buffer.SharedWeights.from_bytes(shared.to_bytes())
+    received.publish({"a.weight": torch.ones(3, 4), "b.bias": torch.zeros(5)}, version=4)
+    assert shared.read_snapshot(out) == 4 and float(out.sum()) == 12.0
+
+
+def use_losses():
+    import torch
+
+    import losses
+
+    torch.manual_seed(0)
+    vocab, width = 11, 8
+
+    class Decoder(torch.nn.Module):  # any module whose output's first element is the final hidden states
+        def __init__(self):
+            super().__init__()
+            self.embed, self.mix = torch.nn.Embedding(vocab, width), torch.nn.Linear(width, width)
+
+        def forward(self, input_ids):
+            return (torch.tanh(self.mix(self.embed(input_ids))),)
+
+    class TinyLM(torch.nn.Module):  # Hugging Face's call convention, in plain torch
+        def __init__(self):
+            super().__init__()
+            self.decoder, self.lm_head = Decoder(), torch.nn.Linear(width, vocab)
+
+        def forward(self, input_ids, attention_mask=None, use_cache=False, logits_to_keep=None):
+            return self.lm_head(self.decoder(input_ids)[0][:, :len(logits_to_keep)])  # no logits kept
+
+    model = TinyLM()
+    ids = torch.randint(0, vocab, (2, 7))
+    targets, mask = ids[:, 1:], torch.ones(2, 6, dtype=torch.bool)
+    mask[1, 4:] = False
+    logp, entropy, full = losses.score_tokens(model, model.decoder, model.lm_head, ids, torch.ones_like(ids), targets,
+                                              mask, temperature=0.7, top_k=4, untruncated=True)
+    logits = model.lm_head(model.decoder(ids)[0])[:, :-1]
+    assert torch.allclose(logp[mask], losses.token_logprobs(logits, targets, 0.7, top_k=4)[mask], atol=1e-5)
+    assert torch.allclose(full[mask], losses.token_logprobs(logits, targets, 0.7)[mask], atol=1e-5)
+    assert (logp[~mask] == 0).all() and (entropy[mask] > 0).all()
+    loss, metrics = losses.policy_loss(logp, logp.detach(), torch.tensor([1.0, -1.0]), mask & torch.isfinite(logp))
+    loss.backward()  # through the chunked head's closed-form backward into the model
+    assert model.lm_head.weight.grad.abs().sum() > 0 and model.decoder.mix.weight.grad.abs().sum() > 0
+    assert float(metrics["ratio_mean"]) == 1.0
+
+
+COPYABLE = {
+    "weight_buffer.py": use_weight_buffer,
+    "losses.py": use_losses,
+}
+
+
+def imported_roots(path: str) -> set[str]:
+    """Every module the file imports, anywhere in it (top-level package names)."""
+    roots = set()
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.Import):
+            roots |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            roots.add(node.module.split(".")[0])
+    return roots
+
+
+def test_each_copyable_file_imports_only_torch_and_the_standard_library():
+    for name in COPYABLE:
+        others = imported_roots(os.path.join(REPO, name)) - set(sys.stdlib_module_names) - {"torch", "__future__"}
+        assert not others, f"{name} imports {sorted(others)}"
+
+
+def test_copyable_files_work_alone_in_an_empty_folder(tmp_path):
+    for name in COPYABLE:
+        shutil.copy(os.path.join(REPO, name), tmp_path / name)
+    modules = [name[:-3] for name in COPYABLE]
+    script = "\n".join([
+        "import os, sys",
+        f"sys.path.insert(0, {str(tmp_path)!r})",
+        f"assert {REPO!r} not in [os.path.abspath(p) for p in sys.path]",
+        *(inspect.getsource(use) + f"\n{use.__name__}()" for use in COPYABLE.values()),
+        f"assert all(os.path.dirname(sys.modules[m].__file__) == {str(tmp_path)!r} for m in {modules!r})",
+        "print('ok')",
+    ])
+    done = subprocess.run([sys.executable, "-I", "-c", script], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]

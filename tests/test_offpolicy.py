@@ -1,0 +1,228 @@
+"""The off-policy toolkit (losses.py, update.off_policy_masks): sequence and token masks, mismatch metrics, baselines.
+
+- Each mask (verl's geometric-mean rejection, DeepSeek-V3.2's off-policy sequence masking, IcePop's token mask),
+  the k3 mismatch and each advantage estimator against a hand computation written out here in plain Python.
+- In training (`update.update_on_batch` on a tiny real model, behaviour log-probs set to the model's own plus
+  known offsets): the shares each rule masked, the k3 by lag and the effective sample size match the hand
+  computation from those offsets, and the loss differs from the default config's; all masked: a zero loss.
+- Bad flag values are refused in one line; one real run with every flag logs the new metrics.
+"""
+import dataclasses
+import math
+import statistics
+
+import pytest
+import torch
+
+import losses
+import tasks
+import update
+from config import Config, parse_args
+from test_fsdp import backward, make_batch
+from test_pipeline import SMALL, finish_ok, start_run  # noqa: F401 (start_run: a fixture)
+
+
+def padded(rows, fill=0.0):
+    """(B, T) float64 tensor and its mask from ragged rows."""
+    width = max(len(r) for r in rows)
+    values = torch.tensor([r + [fill] * (width - len(r)) for r in rows], dtype=torch.float64)
+    mask = torch.tensor([[True] * len(r) + [False] * (width - len(r)) for r in rows])
+    return values, mask
+
+
+# ----------------------------------------------------------------------------------------------------
+# The masks and the k3 mismatch, by hand
+# ----------------------------------------------------------------------------------------------------
+LOG_RATIOS = [[0.01, -0.002, 0.004], [0.0005, -0.0003], [-0.003, -0.001], [], [0.9, -0.9, 0.0, 0.1]]
+
+
+def test_geometric_mean_mask_rejects_a_sequence_by_its_mean_log_ratio():
+    behaviour, mask = padded([[-1.0 - 0.1 * t for t in range(len(r))] for r in LOG_RATIOS])
+    old = behaviour + padded(LOG_RATIOS)[0]
+    for low, high in ((None, 1.001), (0.9, 1.01)):
+        lower = 1 / high if low is None else low
+        geo = [math.exp(sum(r) / len(r)) if r else None for r in LOG_RATIOS]
+        expected = [g is not None and lower <= g <= high for g in geo]
+        got = losses.geometric_mean_mask(old, behaviour, mask, low=low, high=high)
+        assert [bool(row.any()) for row in got] == expected
+        assert bool((got == (mask & torch.tensor(expected)[:, None])).all())  # whole sequences, on the mask
+    assert expected == [True, True, True, False, False]  # the last row's mean log-ratio 0.025 is past log 1.01
+    kept = losses.geometric_mean_mask(old, behaviour, mask)  # the default band, 1/1.001 .. 1.001
+    assert [bool(r.any()) for r in kept] == [False, True, False, False, False]
+    assert not losses.geometric_mean_mask(old, behaviour, torch.zeros_like(mask)).any()  # empty mask
+
+
+def test_dsv32_mask_drops_negative_advantage_sequences_far_from_the_generator():
+    deltas = [[0.3, 0.3], [0.05, 0.05, 0.05], [0.3, 0.3], [0.1, 0.3], [], [-0.5, 0.2]]  # log(mu / pi) per token
+    advantages = [-1.0, -1.0, 0.5, -0.2, -1.0, -0.7]
+    logp, mask = padded([[-2.0] * len(d) for d in deltas])
+    behaviour = logp + padded(deltas)[0]
+    got = losses.dsv32_sequence_mask(logp, behaviour, torch.tensor(advantages), mask, 0.1)
+    expected = [not (a < 0 and d and sum(d) / len(d) > 0.1) for a, d in zip(advantages, deltas)]
+    assert expected == [False, True, True, False, True, True]  # A > 0 kept; mean -0.15 kept; empty: nothing
+    assert [bool(r.any()) or not d for r, d in zip(got, deltas)] == expected
+    # per-token advantages: only the tokens with A < 0 of a far sequence
+    token_adv = torch.tensor([[1.0, -1.0, -1.0]] + [[-1.0, -1.0, -1.0]] * 5)
+    got = losses.dsv32_sequence_mask(logp, behaviour, token_adv, mask, 0.1)
+    assert got[0].tolist()[:2] == [True, False] and got[3].tolist()[:2] == [False, False]
+
+
+def test_icepop_mask_keeps_tokens_whose_ratio_is_in_the_band():
+    ratios = [[0.4, 0.6, 4.9, 5.1, 1.0], [0.51, 4.99]]
+    behaviour, mask = padded([[-1.5] * len(r) for r in ratios])
+    old = behaviour + padded([[math.log(x) for x in r] for r in ratios])[0]
+    got = losses.icepop_mask(old, behaviour, mask, 0.5, 5.0)
+    expected = [[0.5 <= x <= 5.0 for x in r] for r in ratios]
+    assert [row[:len(r)].tolist() for row, r in zip(got, ratios)] == expected
+    assert expected == [[False, True, True, False, True], [True, True]]
+    assert not got[1, 2:].any() and not losses.icepop_mask(old, behaviour, torch.zeros_like(mask)).any()
+
+
+def test_mismatch_k3_is_r_minus_1_minus_log_r():
+    deltas = [[0.2, -0.3, 0.0], [1.0]]
+    behaviour, mask = padded([[-2.0] * len(d) for d in deltas])
+    got = losses.mismatch_k3(behaviour + padded(deltas)[0], behaviour, mask)
+    for row, d in zip(got, deltas):
+        assert row[:len(d)].tolist() == pytest.approx([math.exp(x) - 1 - x for x in d], abs=1e-12)
+        assert row[len(d):].abs().sum() == 0
+
+
+# ----------------------------------------------------------------------------------------------------
+# Advantage estimators, by hand
+# ----------------------------------------------------------------------------------------------------
+REWARDS = [[1.0, 0.0, 0.0, 1.0], [0.0, 0.5, 0.0, 3.0], [2.0, 2.0, 2.0, 2.0]]
+
+
+def test_rloo_subtracts_the_mean_of_the_others():
+    got = losses.estimate_advantages(torch.tensor(REWARDS), "rloo")
+    expected = [[r - (sum(g) - r) / (len(g) - 1) for r in g] for g in REWARDS]
+    assert got.flatten().tolist() == pytest.approx([a for g in expected for a in g], abs=1e-6)
+    assert expected[0][0] == pytest.approx(2 / 3)
+    assert losses.estimate_advantages(torch.tensor([[1.0], [3.0]]), "rloo").tolist() == [[0.0], [0.0]]  # G = 1
+
+
+def test_reinforce_pp_whitens_over_the_whole_batch():
+    flat = [r for g in REWARDS for r in g]
+    mean, std = statistics.mean(flat), statistics.stdev(flat)
+    got = losses.estimate_advantages(torch.tensor(REWARDS), "reinforce_pp", eps=1e-6)
+    assert got.flatten().tolist() == pytest.approx([(r - mean) / (std + 1e-6) for r in flat], abs=1e-5)
+    assert got[2].abs().sum() > 0  # a group of equal rewards still moves: no per-prompt baseline
+    assert losses.estimate_advantages(torch.tensor([[5.0]]), "reinforce_pp").tolist() == [[0.0]]
+
+
+def test_grpo_is_group_advantages_and_an_unknown_estimator_is_refused():
+    rewards = torch.tensor(REWARDS)
+    assert torch.equal(losses.estimate_advantages(rewards, "grpo", "batch"), losses.group_advantages(rewards, "batch"))
+    with pytest.raises(ValueError, match="unknown advantage estimator"):
+        losses.estimate_advantages(rewards, "ppo")
+
+
+def test_bad_flags_are_refused_in_one_line_each():
+    for argv, message in ((["--adv-estimator", "rloo", "--adv-scale", "batch"], "applies to --adv-estimator grpo only"),
+                          (["--adv-estimator", "rloo", "--group-size", "1"], "needs --group-size >= 2"),
+                          (["--geo-mask-low", "0.99"], "needs --geo-mask-high"),
+                          (["--geo-mask-high", "0.99"], "0 < low <= 1 <= high"),
+                          (["--geo-mask-high", "0"], "0 < low <= 1 <= high"),
+                          (["--icepop-high", "5", "--icepop-low", "0"], "0 < low <= 1 <= high"),
+                          (["--dsv32-mask-kl", "-0.1"], "must be >= 0")):
+        with pytest.raises(SystemExit, match=message):
+            parse_args(argv)
+    assert parse_args(["--adv-estimator", "reinforce_pp", "--group-size", "1"]).adv_estimator == "reinforce_pp"
+
+
+# ----------------------------------------------------------------------------------------------------
+# In training: a tiny real model, behaviour log-probs = the model's own + known offsets
+# ----------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    path = tasks.build_tiny_model(str(tmp_path_factory.mktemp("offpolicy") / "tiny"), seed=0)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+
+def offset(i, t):
+    """log(mu / pi) of row i's token t: both signs, some past IcePop's band (|x| > log 2), none at a boundary."""
+    return round(0.9 * math.sin(1.7 * i + 2.3 * t + 0.4), 3)
+
+
+@pytest.fixture(scope="module")
+def perturbed(model):
+    """make_batch's rows (lengths 5,1,3,0,4,2,5; advantages of both signs), rows 0-2 sampled one version ago."""
+    batch = make_batch()
+    with torch.no_grad():
+        own = update.completion_logprobs(model, batch, 1.0).logp.double()
+    deltas = [[offset(i, t) for t in range(int(n))] for i, n in enumerate(batch.mask.sum(1))]
+    behaviour = own.clone()
+    for i, row in enumerate(deltas):
+        behaviour[i, batch.mask[i]] += torch.tensor(row, dtype=torch.float64)
+    versions = batch.token_versions.clone()
+    versions[:3][batch.mask[:3]] = 1  # lag 0 at version 1; the rest lag 1
+    return dataclasses.replace(batch, behaviour_logp=behaviour.float(), token_versions=versions), deltas
+
+
+def train_step(model, batch, **changes):
+    result = backward(model, None, batch, Config(max_lag=1, **changes), 0, 1, version=1)
+    model.zero_grad(set_to_none=True)
+    return result
+
+
+def test_masks_act_in_training_as_computed_by_hand(model, perturbed):
+    batch, deltas = perturbed
+    advantages = batch.advantages.tolist()
+    rows = [d for d in deltas if d]
+    tokens = [x for d in deltas for x in d]
+    default = train_step(model, batch)
+    geo = train_step(model, batch, geo_mask_high=1.05)
+    dsv = train_step(model, batch, dsv32_mask_kl=0.05)
+    ice = train_step(model, batch, icepop_high=5.0)
+    # geometric mean of pi / mu = exp(-mean offset); DeepSeek-V3.2's KL = mean offset; IcePop's k = exp(-offset)
+    geo_share = sum(not 1 / 1.05 <= math.exp(-sum(d) / len(d)) <= 1.05 for d in rows) / len(rows)
+    dsv_share = sum(a < 0 and sum(d) / len(d) > 0.05 for a, d in zip(advantages, deltas) if d) / len(rows)
+    ice_share = sum(not 0.5 <= math.exp(-x) <= 5.0 for x in tokens) / len(tokens)
+    assert geo.metrics["geo_masked_seq_frac"] == pytest.approx(geo_share) and geo_share > 0
+    assert dsv.metrics["dsv32_masked_seq_frac"] == pytest.approx(dsv_share) and dsv_share > 0
+    assert ice.metrics["icepop_masked_frac"] == pytest.approx(ice_share) and ice_share > 0
+    for result in (geo, dsv, ice):
+        assert abs(result.loss - default.loss) > 1e-6
+    assert not {"geo_masked_seq_frac", "dsv32_masked_seq_frac", "icepop_masked_frac"} & set(default.metrics)
+    # all masked: nothing left to train on, a zero loss (the normaliser keeps its count: no NaN)
+    assert train_step(model, batch, geo_mask_high=1.0001, geo_mask_low=0.9999).loss == 0.0
+
+
+def test_mismatch_metrics_by_lag_and_the_effective_sample_size(model, perturbed):
+    batch, deltas = perturbed
+    result = train_step(model, batch)  # --is-mode truncate, --is-high 2: w = min(pi / mu, 2) per token
+    k3 = [[math.exp(-x) - 1 + x for x in d] for d in deltas]  # r = pi / mu = exp(-offset)
+    by_lag = {0: [x for row in k3[:3] for x in row], 1: [x for row in k3[3:] for x in row]}
+    everything = by_lag[0] + by_lag[1]
+    assert result.metrics["mismatch_k3"] == pytest.approx(sum(everything) / len(everything), rel=1e-4)
+    for lag, values in by_lag.items():
+        assert result.metrics[f"mismatch_k3/lag{lag}"] == pytest.approx(sum(values) / len(values), rel=1e-4)
+    assert "mismatch_k3/lag2" not in result.metrics and "mismatch_tokens/lag0" not in result.metrics
+    weights = [min(math.exp(-x), 2.0) for d in deltas for x in d]
+    ess = sum(weights) ** 2 / (len(weights) * sum(w * w for w in weights))
+    assert result.metrics["is_ess"] == pytest.approx(ess, rel=1e-4) and 0 < ess < 1
+    truncated = sum(math.exp(-x) > 2.0 for d in deltas for x in d) / len(weights)
+    assert result.metrics["is_truncated_frac"] == pytest.approx(truncated) and truncated > 0
+    masked = train_step(model, batch, is_mode="mask")
+    assert masked.metrics["is_masked_frac"] == pytest.approx(
+        sum(not 0.5 <= math.exp(-x) <= 2.0 for d in deltas for x in d) / len(weights))
+
+
+# ----------------------------------------------------------------------------------------------------
+# One real run with every flag
+# ----------------------------------------------------------------------------------------------------
+def test_a_run_with_every_flag_logs_the_mismatch(start_run):  # noqa: F811
+    steps = 3
+    run = start_run("--steps", str(steps), "--max-lag", "1", "--eval-every", "0", "--adv-estimator", "rloo",
+                    "--geo-mask-high", "1.05", "--dsv32-mask-kl", "0.01", "--icepop-high", "5", *SMALL)
+    rows, _ = finish_ok(run, steps)
+    for row in rows:
+        assert 0 <= row["mismatch_k3"] < 0.5, row  # fp32 on both sides, lag <= 1: close agreement
+        assert 0 < row["is_ess"] <= 1 + 1e-9
+        for share in ("is_truncated_frac", "geo_masked_seq_frac", "dsv32_masked_seq_frac", "icepop_masked_frac"):
+            assert 0 <= row[share] <= 1, (share, row[share])
+        lags = [k for k in row if k.startswith("mismatch_k3/lag")]
+        assert lags and all(int(k[len("mismatch_k3/lag"):]) <= 1 for k in lags)
+    assert any("mismatch_k3/lag0" in row for row in rows)

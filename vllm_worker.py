@@ -1,0 +1,160 @@
+"""vllm_worker.py — the generator's side of the weight sync: a vLLM worker extension reading the packed buffer.
+
+Role: `WeightSyncWorker` is mixed into vLLM's worker (`worker_extension_cls="vllm_worker.WeightSyncWorker"`)
+and reloads the engine's weights, or with --lora-rank its adapter, from the packed buffer (weight_buffer.py)
+between engine steps, called through `collective_rpc` (arguments are bytes).
+Data contract: the buffer's `Slot`s are named as vLLM's `load_weights` (or PEFT's adapter files) expect; a
+load returns the version it loaded, never a torn mix.
+May touch: the vLLM worker it is installed into (private vLLM 0.32 APIs: the layer-wise reload, the LoRA
+manager), and its logger's filters.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from weight_buffer import SharedWeights
+
+VIEW_TRIES = 3  # torn in-place reloads before the worker falls back to a snapshot copy (CPU)
+GPU_VIEW_TRIES = 20  # torn in-place reloads before a GPU worker gives up (it has no snapshot to fall back to)
+GPU_MIN_WAIT_S = 120.0  # the least a GPU worker waits for a publish (a gather over NCCL) to finish
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"  # vLLM 0.32's layer-wise reload
+
+
+class ExpectedReloadWarnings(logging.Filter):
+    """Drops the two "X: Failed to load weights" warnings vLLM's layer-wise reload logs at every sync, both
+    expected: a rotary embedding has no weights to load (its cos/sin cache is computed), and with tied
+    embeddings the buffer holds the embedding once, so the LM head gets nothing (`_refresh_tied_lm_head`
+    re-ties it after each load). The same warning for any other layer is a real failure and still shows."""
+
+    def __init__(self, tied_embeddings: bool):
+        super().__init__()
+        self.tied_embeddings = tied_embeddings
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg != "%s: Failed to load weights" or not record.args:
+            return True
+        layer = str(record.args[0])
+        expected = layer.endswith("RotaryEmbedding") or (self.tied_embeddings and layer == "ParallelLMHead")
+        return not expected
+
+
+class WeightSyncWorker:
+    """vLLM worker extension (`worker_extension_cls="vllm_worker.WeightSyncWorker"`).
+
+    Mixed into vLLM's worker class, so `self` is the worker: `self.model_runner.reload_weights` does the
+    layer-wise reload (and on CPU, the re-packing of linear weights for its kernels) correctly, where a
+    plain `model.load_weights` fails. Called through `collective_rpc`; arguments are bytes.
+    """
+
+    def attach_shared_weights(self, handles: bytes) -> int:
+        self._shared = SharedWeights.from_bytes(handles)
+        tied = getattr(self.model_runner.model_config.hf_config, "tie_word_embeddings", False)
+        logging.getLogger(RELOAD_LOGGER).addFilter(ExpectedReloadWarnings(tied))
+        # On a GPU worker `.buffer` opens the CUDA IPC handle here, once (on the buffer's own GPU, which must be
+        # visible to this process). No snapshot on a GPU: vLLM has already sized its KV cache to fill its share.
+        # On CPU a snapshot is allocated only if an in-place load ever has to fall back to it.
+        self._snapshot = None
+        return self._shared.buffer.numel()
+
+    def _load_device(self) -> torch.device:
+        try:
+            return torch.device(self.device)  # a GPU worker's own GPU
+        except AttributeError:
+            return torch.device("cpu")
+
+    def load_shared_weights(self, min_version: int = -1) -> int:
+        """Reload the newest consistent weights into the engine; returns the version loaded.
+
+        Straight from views of the shared buffer, with no private copy of it. `reload_weights` copies every
+        tensor into the engine's own parameters (the same storage: CUDA graphs stay valid; on CPU re-packed
+        for its kernels), so the engine never aliases the buffer. The seqlock guards the reload: if the
+        trainer wrote meanwhile, the engine holds a torn mix, and we reload again. Generation is paused during
+        the whole load, so a torn state is never sampled from.
+        CPU: after `VIEW_TRIES` torn reloads (a writer publishing faster than we reload) we fall back to a
+        snapshot copy. GPU: the copies run device to device (peer to peer when the buffer is on another
+        GPU, one tensor in flight at a time); a publish there gathers every parameter over NCCL while `seq`
+        is odd, so the load waits longer, and never allocates a full-size snapshot.
+        """
+        shared = self._shared
+        if shared.device_type == "cuda":
+            wait_s = shared.writer_wait_s(GPU_MIN_WAIT_S)
+            version = shared.read_in_place(self._reload_from, max_tries=GPU_VIEW_TRIES, max_wait_s=wait_s)
+            if version is None:
+                raise RuntimeError(f"load_shared_weights: no untorn reload in {GPU_VIEW_TRIES} tries within "
+                                   f"{wait_s:.0f} s (is the trainer publishing back to back?)")
+        else:
+            version = shared.read_in_place(self._reload_from, max_tries=VIEW_TRIES)
+            if version is None:
+                if self._snapshot is None:
+                    self._snapshot = torch.empty_like(shared.buffer)
+                version = shared.read_snapshot(self._snapshot)
+                self._reload_from(self._snapshot)
+        if version < min_version:
+            raise RuntimeError(f"load_shared_weights: buffer holds version {version} < wanted {min_version}")
+        self._refresh_tied_lm_head()
+        return version
+
+    def _reload_from(self, buffer: torch.Tensor) -> None:
+        """vLLM's layer-wise reload from views of `buffer` (the shared buffer itself, or our snapshot). A view
+        on another GPU than the worker's is moved over one tensor at a time, as the loader asks for it."""
+        shared, device = self._shared, self._load_device()
+
+        def weights():
+            for slot in shared.layout:
+                view = shared.view(slot, buffer)
+                yield slot.name, view if view.device == device else view.to(device, non_blocking=True)
+
+        self.model_runner.reload_weights(weights_iterator=weights())
+
+    def _refresh_tied_lm_head(self) -> None:
+        """With tied embeddings the checkpoint has no `lm_head.weight`, so the layer-wise reload never
+        re-processes `lm_head`: on CPU its kernel keeps a packed copy of the *old* embedding (logprobs
+        then drift from the trainer's). Re-tie and re-pack it."""
+        model = self.model_runner.get_model()
+        lm_head, inner = getattr(model, "lm_head", None), getattr(model, "model", None)
+        embed = getattr(inner, "embed_tokens", None)
+        config = self.model_runner.model_config.hf_config
+        if lm_head is None or embed is None or not getattr(config, "tie_word_embeddings", False):
+            return
+        if lm_head is not embed and lm_head.weight is not embed.weight:
+            lm_head.weight = embed.weight
+        method = getattr(lm_head, "quant_method", None)
+        if method is not None and hasattr(method, "process_weights_after_loading"):
+            method.process_weights_after_loading(lm_head)
+
+    def load_shared_adapter(self, min_version: int, adapter_dir: str, lora_id: int) -> int:
+        """LoRA (`--lora-rank`): the buffer holds only the adapter. Copy a consistent snapshot of it and make
+        it the engine's adapter `lora_id` in place of the previous one (requests keep their LoRARequest).
+        `adapter_dir` holds the adapter's `adapter_config.json` (rank, alpha). Returns the version loaded."""
+        from vllm.lora.lora_model import LoRAModel  # vLLM only in its worker process (the trainer imports this file too)
+        from vllm.lora.peft_helper import PEFTHelper
+
+        shared = self._shared
+        if getattr(self, "_adapter_snapshot", None) is None:  # small: a private CPU copy, as vLLM loads adapters
+            self._adapter_snapshot = torch.empty(shared.buffer.shape, dtype=shared.buffer.dtype)
+        version = shared.read_snapshot(self._adapter_snapshot,
+                                       max_tries=1000 if shared.device_type == "cpu" else 100_000)
+        if version < min_version:
+            raise RuntimeError(f"load_shared_adapter: buffer holds version {version} < wanted {min_version}")
+        workers = self.model_runner.lora_manager  # vLLM's LRUCacheWorkerLoRAManager
+        manager = workers._adapter_manager
+        helper = PEFTHelper.from_local_dir(adapter_dir, workers.max_position_embeddings)
+        helper.validate_legal(workers.lora_config)
+        # vLLM folds the scaling into lora_b in place when it packs q/k/v: hand it copies, not our snapshot.
+        tensors = {slot.name: shared.view(slot, self._adapter_snapshot).clone() for slot in shared.layout}
+        mapper = getattr(manager.model, "hf_to_vllm_mapper", None)
+        adapter = LoRAModel.from_lora_tensors(
+            lora_model_id=lora_id, tensors=tensors, peft_helper=helper, device="cpu",
+            dtype=workers.lora_config.lora_dtype, model_vocab_size=workers.vocab_size,
+            weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
+            skip_prefixes=getattr(manager.model, "lora_skip_prefixes", None))
+        manager.remove_adapter(lora_id)
+        manager.add_adapter(adapter)  # packs q/k/v (and gate/up) into vLLM's fused modules
+        unknown = [name for name in adapter.loras if name not in manager.modules]
+        if not adapter.loras or unknown:  # an adapter that silently never reaches the engine is the classic bug
+            raise RuntimeError(f"the adapter's modules {unknown or '(none)'} are not LoRA modules of vLLM's "
+                               f"model (those are e.g. {sorted(manager.modules)[:4]})")
+        manager.activate_adapter(lora_id)  # copies A and B into the engine's stacked LoRA buffers
+        return version
