@@ -155,69 +155,72 @@ class Rank:
     bad_steps: int = 0
 
 
-def train(r: Rank) -> int:
+def train(trainer: Rank) -> int:
     """The algorithm, one rollout batch per step; returns the step it stopped at (cfg.steps when done)."""
-    cfg = r.cfg
-    for step in range(r.prepared.start_step, cfg.steps):
+    cfg = trainer.cfg
+    for step in range(trainer.prepared.start_step, cfg.steps):
         t_wait = time.perf_counter()
-        taken = take_batch(r)
+        taken = take_batch(trainer)
         if taken is None:  # asked to stop (a signal, or another process failed): every rank leaves together
             return step
         wait_s, t_step = time.perf_counter() - t_wait, time.perf_counter()
+        # ---- the algorithm: rewards -> advantages -> a batch of fresh-enough tokens -> the GRPO update ----
         rewards, truncated = shaped_rewards(taken.groups, cfg)
         advantages = estimate_advantages(rewards, cfg.adv_estimator, cfg.adv_scale)
-        batch = buffer.collate(buffer.to_samples(taken.groups, advantages), r.pad_id)
-        stale = buffer.stale_mask(batch, r.version, cfg.max_lag)  # (none left with --stale-rule group)
+        batch = buffer.collate(buffer.to_samples(taken.groups, advantages), trainer.pad_id)
+        stale = buffer.stale_mask(batch, trainer.version, cfg.max_lag)  # (none left with --stale-rule group)
         batch.mask &= ~stale  # --max-lag bounds every trained token's age
         if cfg.overlong_filter:  # cut completions add no loss (and no tokens to the normalisation)
             batch.mask &= ~truncated.flatten()[:, None]
         lr = learning_rate(step, cfg)
-        for group in r.optimizer.param_groups:
+        for group in trainer.optimizer.param_groups:
             group["lr"] = lr
-        result = update_on_batch(r.model, r.ref_model, r.optimizer, batch, cfg, r.rank, r.world_size, r.version,
-                                 step, r.device, teacher=r.teacher)
-        count_bad_steps(r, result.skipped)
+        result = update_on_batch(trainer.model, trainer.ref_model, trainer.optimizer, batch, cfg, trainer.rank,
+                                 trainer.world_size, trainer.version, step, trainer.device, teacher=trainer.teacher)
         skipped = result.applied == 0  # every update had a NaN/inf loss or gradient: nothing changed
         if not skipped:
-            r.version += 1  # one version per rollout batch, however many updates it took
-        elif r.rank == 0:
-            count_skipped_step(r.control)
+            trainer.version += 1  # one version per rollout batch, however many updates it took
+        # ---- plumbing: count bad steps, publish the weights, evaluate, log, save ----
+        count_bad_steps(trainer, result.skipped)
+        if skipped and trainer.rank == 0:
+            count_skipped_step(trainer.control)
         t_publish = time.perf_counter()
         last = step + 1 == cfg.steps  # the final evaluation must see the final weights: publish them
-        if (r.version % cfg.sync_every == 0 or (last and cfg.eval_every > 0)) and not skipped:
-            publish_model(r.model, r.shared, r.version, r.rank, r.world_size)
-            r.published = r.version
+        if (trainer.version % cfg.sync_every == 0 or (last and cfg.eval_every > 0)) and not skipped:
+            publish_model(trainer.model, trainer.shared, trainer.version, trainer.rank, trainer.world_size)
+            trainer.published = trainer.version
         publish_ms = (time.perf_counter() - t_publish) * 1e3
         train_s = time.perf_counter() - t_step
-        evals = evaluate(r, step, last)
-        if r.log is not None:
-            result.metrics.update(lr=lr, truncated_frac=float(truncated.float().mean()), stale_masked_tokens=int(stale.sum()),
-                                  groups_filtered=taken.groups_filtered,
-                                  overlong_penalty=float((rewards - torch.tensor([g.rewards for g in taken.groups])).mean()))
-            result.metrics.update(r.rollout_queue.metrics())  # (remote.TrainerLink: the queue bound, the send)
-            r.log.step(step, r.version, taken, batch, result.metrics, loss=result.loss, grad_norm=result.grad_norm,
-                       logprob_diff=result.logprob_diff, wait_s=wait_s, train_s=train_s, publish_ms=publish_ms,
-                       skipped=skipped, evals=evals)
+        evals = evaluate(trainer, step, last)
+        if trainer.log is not None:
+            task_rewards = torch.tensor([g.rewards for g in taken.groups])
+            result.metrics.update(lr=lr, truncated_frac=float(truncated.float().mean()),
+                                  stale_masked_tokens=int(stale.sum()), groups_filtered=taken.groups_filtered,
+                                  overlong_penalty=float((rewards - task_rewards).mean()),
+                                  **trainer.rollout_queue.metrics())  # (remote.TrainerLink: the queue bound, the send)
+            trainer.log.step(step, trainer.version, taken, batch, result.metrics, loss=result.loss,
+                             grad_norm=result.grad_norm, logprob_diff=result.logprob_diff, wait_s=wait_s,
+                             train_s=train_s, publish_ms=publish_ms, skipped=skipped, evals=evals)
         if cfg.save_every and (step + 1) % cfg.save_every == 0:
-            save_checkpoint(r, step + 1)
+            save_checkpoint(trainer, step + 1)
         if cfg.save_hf_every and (step + 1) % cfg.save_hf_every == 0 and not last:  # (the end writes it anyway)
-            save_hf_model(r)
+            save_hf_model(trainer)
     return cfg.steps
 
 
-def take_batch(r: Rank):
+def take_batch(trainer: Rank):
     """Rank 0 takes the step's groups off the rollout queue (the staleness rule, whole groups) and every rank
     gets them; None on every rank when the run is asked to stop."""
     taken = None
-    if r.rank == 0 and not r.control.stop.is_set():
+    if trainer.rank == 0 and not trainer.control.stop.is_set():
         try:
-            taken = buffer.take_groups(r.rollout_queue, r.cfg.prompts_per_step, r.version, r.cfg.max_lag,
-                                       r.cfg.timeout_s, should_stop=r.control.stop.is_set,
-                                       filter_groups=r.cfg.filter_groups, stale_rule=r.cfg.stale_rule,
-                                       on_drop=functools.partial(count_dropped_group, r.control))
+            taken = buffer.take_groups(trainer.rollout_queue, trainer.cfg.prompts_per_step, trainer.version, trainer.cfg.max_lag,
+                                       trainer.cfg.timeout_s, should_stop=trainer.control.stop.is_set,
+                                       filter_groups=trainer.cfg.filter_groups, stale_rule=trainer.cfg.stale_rule,
+                                       on_drop=functools.partial(count_dropped_group, trainer.control))
         except buffer.Stopped:
             taken = None
-    return broadcast(taken, r.world_size)
+    return broadcast(taken, trainer.world_size)
 
 
 def count_dropped_group(control) -> None:
@@ -241,39 +244,39 @@ def broadcast(value, world_size: int):
     return box[0]
 
 
-def count_bad_steps(r: Rank, skipped_updates: int) -> None:
+def count_bad_steps(trainer: Rank, skipped_updates: int) -> None:
     """A bad step: one with any update skipped for a NaN/inf loss or gradient (however many of its updates)."""
-    r.bad_steps += skipped_updates > 0
-    if r.bad_steps > r.cfg.max_bad_steps:
-        raise RuntimeError(f"{r.bad_steps} steps with NaN/inf loss or gradients (--max-bad-steps "
-                           f"{r.cfg.max_bad_steps}): lower --lr or check the rewards")
+    trainer.bad_steps += skipped_updates > 0
+    if trainer.bad_steps > trainer.cfg.max_bad_steps:
+        raise RuntimeError(f"{trainer.bad_steps} steps with NaN/inf loss or gradients (--max-bad-steps "
+                           f"{trainer.cfg.max_bad_steps}): lower --lr or check the rewards")
 
 
-def evaluate(r: Rank, step: int, last: bool) -> list:
+def evaluate(trainer: Rank, step: int, last: bool) -> list:
     """Ask the generator for an evaluation every --eval-every steps; pick up answers between steps (only the
     final one is waited for). Rank 0 only (the generator evaluated step 0 before it was ready)."""
-    if r.rank != 0 or r.cfg.eval_every <= 0:
+    if trainer.rank != 0 or trainer.cfg.eval_every <= 0:
         return []
-    if (step + 1) % r.cfg.eval_every == 0 or last:
-        evaluation.request(r.control, step + 1, r.published)
-    return evaluation.collect(r.control, r.cfg.steps if last else None, r.cfg.timeout_s, r.control.stop.is_set)
+    if (step + 1) % trainer.cfg.eval_every == 0 or last:
+        evaluation.request(trainer.control, step + 1, trainer.published)
+    return evaluation.collect(trainer.control, trainer.cfg.steps if last else None, trainer.cfg.timeout_s, trainer.control.stop.is_set)
 
 
-def save_checkpoint(r: Rank, step: int) -> str:
+def save_checkpoint(trainer: Rank, step: int) -> str:
     """A sharded checkpoint (every rank writes); the parent waits for it if the run is ending meanwhile."""
     t0 = time.perf_counter()
-    with saving(r.control):
-        where = checkpoint.save_trainer_state(r.model, r.optimizer, r.prepared.base_model, r.cfg, step, r.version,
-                                              r.rank, r.save_group, groups_dropped=r.control.groups_dropped.value)
-    if r.rank == 0:
+    with saving(trainer.control):
+        where = checkpoint.save_trainer_state(trainer.model, trainer.optimizer, trainer.prepared.base_model, trainer.cfg, step, trainer.version,
+                                              trainer.rank, trainer.save_group, groups_dropped=trainer.control.groups_dropped.value)
+    if trainer.rank == 0:
         print(f"checkpoint {where} written in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     return where
 
 
-def save_hf_model(r: Rank) -> None:
+def save_hf_model(trainer: Rank) -> None:
     """OUT/model (with LoRA OUT/adapter): gathered, written by rank 0."""
-    with saving(r.control):
-        checkpoint.save_final_model(r.model, r.prepared.base_model, r.cfg, r.rank, r.save_group)
+    with saving(trainer.control):
+        checkpoint.save_final_model(trainer.model, trainer.prepared.base_model, trainer.cfg, trainer.rank, trainer.save_group)
 
 
 def start_rank(cfg: Config, prepared: prepare.Prepared, rank: int, world_size: int, shared, rollout_queue,
@@ -338,21 +341,21 @@ def start_rank(cfg: Config, prepared: prepare.Prepared, rank: int, world_size: i
                 control, save_group, log, version, teacher=teacher, published=version)
 
 
-def finish_rank(r: Rank, step: int) -> None:
+def finish_rank(trainer: Rank, step: int) -> None:
     """The final model when the run is done; otherwise (a signal, or another process failed) a checkpoint."""
     # rank 0's control decides (under torchrun each rank has a control of its own)
-    finished = broadcast(step >= r.cfg.steps and not r.control.interrupted.is_set(), r.world_size)
-    if r.rank == 0:
-        r.control.stop.set()  # the generator can stop now
+    finished = broadcast(step >= trainer.cfg.steps and not trainer.control.interrupted.is_set(), trainer.world_size)
+    if trainer.rank == 0:
+        trainer.control.stop.set()  # the generator can stop now
     if finished:
-        save_hf_model(r)
+        save_hf_model(trainer)
     else:
-        where = save_checkpoint(r, step)
-        if r.rank == 0:
-            print(f"stopped at step {step} (version {r.version}); checkpoint in {where}; continue with "
-                  f"--resume latest --out {r.cfg.out}", flush=True)
-    if r.log is not None:
-        r.log.finish(r.version)
+        where = save_checkpoint(trainer, step)
+        if trainer.rank == 0:
+            print(f"stopped at step {step} (version {trainer.version}); checkpoint in {where}; continue with "
+                  f"--resume latest --out {trainer.cfg.out}", flush=True)
+    if trainer.log is not None:
+        trainer.log.finish(trainer.version)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -360,9 +363,9 @@ def finish_rank(r: Rank, step: int) -> None:
 def trainer_main(cfg: Config, prepared: prepare.Prepared, rank: int, world_size: int, shared, rollout_queue,
                  control, init_file: str) -> None:
     """One FSDP2 rank, from start to end."""
-    r = start_rank(cfg, prepared, rank, world_size, shared, rollout_queue, control, init_file)
-    if r is not None:
-        finish_rank(r, train(r))
+    trainer = start_rank(cfg, prepared, rank, world_size, shared, rollout_queue, control, init_file)
+    if trainer is not None:
+        finish_rank(trainer, train(trainer))
 
 
 # ----------------------------------------------------------------------------------------------------
