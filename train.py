@@ -214,9 +214,10 @@ def take_batch(trainer: Rank):
     taken = None
     if trainer.rank == 0 and not trainer.control.stop.is_set():
         try:
-            taken = buffer.take_groups(trainer.rollout_queue, trainer.cfg.prompts_per_step, trainer.version, trainer.cfg.max_lag,
-                                       trainer.cfg.timeout_s, should_stop=trainer.control.stop.is_set,
-                                       filter_groups=trainer.cfg.filter_groups, stale_rule=trainer.cfg.stale_rule,
+            cfg = trainer.cfg
+            taken = buffer.take_groups(trainer.rollout_queue, cfg.prompts_per_step, trainer.version, cfg.max_lag,
+                                       cfg.timeout_s, should_stop=trainer.control.stop.is_set,
+                                       filter_groups=cfg.filter_groups, stale_rule=cfg.stale_rule,
                                        on_drop=functools.partial(count_dropped_group, trainer.control))
         except buffer.Stopped:
             taken = None
@@ -259,15 +260,17 @@ def evaluate(trainer: Rank, step: int, last: bool) -> list:
         return []
     if (step + 1) % trainer.cfg.eval_every == 0 or last:
         evaluation.request(trainer.control, step + 1, trainer.published)
-    return evaluation.collect(trainer.control, trainer.cfg.steps if last else None, trainer.cfg.timeout_s, trainer.control.stop.is_set)
+    return evaluation.collect(trainer.control, trainer.cfg.steps if last else None, trainer.cfg.timeout_s,
+                              trainer.control.stop.is_set)
 
 
 def save_checkpoint(trainer: Rank, step: int) -> str:
     """A sharded checkpoint (every rank writes); the parent waits for it if the run is ending meanwhile."""
     t0 = time.perf_counter()
     with saving(trainer.control):
-        where = checkpoint.save_trainer_state(trainer.model, trainer.optimizer, trainer.prepared.base_model, trainer.cfg, step, trainer.version,
-                                              trainer.rank, trainer.save_group, groups_dropped=trainer.control.groups_dropped.value)
+        where = checkpoint.save_trainer_state(trainer.model, trainer.optimizer, trainer.prepared.base_model,
+                                              trainer.cfg, step, trainer.version, trainer.rank, trainer.save_group,
+                                              groups_dropped=trainer.control.groups_dropped.value)
     if trainer.rank == 0:
         print(f"checkpoint {where} written in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     return where
@@ -276,7 +279,8 @@ def save_checkpoint(trainer: Rank, step: int) -> str:
 def save_hf_model(trainer: Rank) -> None:
     """OUT/model (with LoRA OUT/adapter): gathered, written by rank 0."""
     with saving(trainer.control):
-        checkpoint.save_final_model(trainer.model, trainer.prepared.base_model, trainer.cfg, trainer.rank, trainer.save_group)
+        checkpoint.save_final_model(trainer.model, trainer.prepared.base_model, trainer.cfg, trainer.rank,
+                                    trainer.save_group)
 
 
 def start_rank(cfg: Config, prepared: prepare.Prepared, rank: int, world_size: int, shared, rollout_queue,
