@@ -3,10 +3,10 @@
 - `losses.distill_advantages` against a hand computation: A_t = A - C (logp_t - teacher_logp_t), 0 off the mask.
 - The flags: both or neither; a teacher with another tokenizer is refused in one line before anything starts;
   a dataset task may leave out --reward when a teacher is given (rewards 0, none counted unscored).
-- `update.train_on_batch` with a teacher, on tiny models in-process: the loss and gradients are those of the
-  plain computation (full logits) with the distillation advantages, `distill_reverse_kl` is the mean over the
-  model's tokens only (an environment's tokens, mask False, are neither scored nor trained), and C > 0 changes
-  the loss.
+- `update.update_on_batch` with a teacher (one update's gradients, no optimizer), on tiny models in-process:
+  the loss and gradients are those of the plain computation (full logits) with the distillation advantages,
+  `distill_reverse_kl` is the mean over the model's tokens only (an environment's tokens, mask False, are
+  neither scored nor trained), and C > 0 changes the loss.
 - One run through the real vLLM generator: a dataset task with no --reward learns from the teacher alone, and
   logs a finite `distill_reverse_kl`.
 """
@@ -114,7 +114,8 @@ def test_the_update_with_a_teacher_scores_only_the_model_tokens(models):
     distill = Config(is_mode="off", temperature=0.9, teacher=models["teacher"], distill_coef=0.5)
     results = {}
     for name, cfg in (("plain", plain), ("distill", distill)):
-        results[name] = update.train_on_batch(student, None, batch, cfg, 0, 1, version=0, teacher=teacher)
+        results[name] = update.update_on_batch(student, None, None, batch, cfg, 0, 1, version=0, step=0,
+                                               teacher=teacher if cfg.distill_coef > 0 else None)
         results[name].grads = {n: p.grad.clone() for n, p in student.named_parameters()}
         student.zero_grad(set_to_none=True)
     loss, grads, reverse_kl, with_env = by_hand(student, teacher, batch, distill)
