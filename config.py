@@ -39,6 +39,7 @@ class Config:
     queue_size: int = 64  # rollout groups waiting in the queue, at most
     sync_every: int = 1  # publish weights every N steps
     update_mode: str = "inflight"  # inflight: swap weights with requests kept running; drain: let them finish
+    kv_on_swap: str = "recompute"  # inflight swaps: recompute (running requests re-prefilled under the new weights) | keep (they go on with the old weights' KV cache, PipelineRL style)
     max_inflight_groups: int = 0  # groups generating at once; 0 = --prompts-per-step
     stale_rule: str = "tokens"  # tokens: mask trained tokens older than --max-lag (drop a group only if none is fresh) | group: drop any group with one
     # sizes
@@ -147,7 +148,8 @@ class Config:
 
 CHOICES = {"loss": losses.VARIANTS, "agg": losses.AGGS, "adv_scale": losses.SCALES, "kl_kind": losses.KL_KINDS,
            "adv_estimator": losses.ADV_ESTIMATORS, "is_level": losses.IS_LEVELS, "is_mode": losses.IS_MODES,
-           "update_mode": ("inflight", "drain"), "stale_rule": ("tokens", "group"), "dtype": ("auto", "bf16", "fp32"),
+           "update_mode": ("inflight", "drain"), "kv_on_swap": ("recompute", "keep"),
+           "stale_rule": ("tokens", "group"), "dtype": ("auto", "bf16", "fp32"),
            "lr_schedule": ("constant", "linear", "cosine"), "log_level": ("debug", "info", "warning"),
            "wandb": ("online", "offline", "off"), "role": ("all", "generator", "trainer")}
 
@@ -238,6 +240,9 @@ def validate(cfg: Config) -> None:
     elif cfg.max_lag < cfg.sync_every - 1:
         problems.append(f"--max-lag {cfg.max_lag} < --sync-every {cfg.sync_every} - 1: the trainer would "
                         "reject every sample between syncs; raise --max-lag or lower --sync-every")
+    if cfg.kv_on_swap == "keep" and cfg.update_mode == "drain":
+        problems.append("--kv-on-swap keep needs --update-mode inflight (drain lets running requests finish before a "
+                        "swap: no KV cache is kept across one)")
     if cfg.group_size == 1 and cfg.adv_estimator == "grpo" and cfg.adv_scale != "none":
         problems.append("--group-size 1 gives every sample a zero group-relative advantage; use a group of "
                         ">= 2 (or --adv-scale none with a baseline-free reward)")

@@ -150,6 +150,7 @@ class RunLog:
                "publish_ms": publish_ms, "logprob_diff_on_policy": logprob_diff, "skipped": skipped,
                "gen_tokens": gen.get("tokens"), "gen_idle_s": gen.get("idle_s"),
                "gen_elapsed_s": gen.get("elapsed_s"), "gen_loaded_version": gen.get("loaded_version"),
+               "gen_swap_requests": gen.get("swap_requests"),  # in flight at swaps, re-prefilled or kept (--kv-on-swap)
                "sync_ms": (self.sync_ms[-1] if self.sync_ms else None), "wall_s": time.perf_counter() - self.start,
                **metrics}
         # per reward function: mean/std/none_frac/errors/time_s; lengths; tokens per lag

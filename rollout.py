@@ -122,7 +122,7 @@ class Generator:
         self.generating = 0  # groups inside engine.generate: 0 means the engine is idle (waiting)
         self.idle_since: float | None = time.perf_counter()
         self.stats = {"tokens": 0, "groups": 0, "idle_s": 0.0, "queue_wait_s": 0.0, "elapsed_s": 0.0,
-                      "loads": 0}
+                      "loads": 0, "swap_requests": 0}
         self.sync_ms: list[float] = []  # publish -> serving, per load, not yet handed to the trainer
         self.sync_parts: list[dict] = []
         self.error: BaseException | None = None
@@ -179,10 +179,19 @@ class Generator:
         # A per-request seed makes a group's samples a function of (seed, group id, weights), so a resumed
         # run regenerates the same rollouts. Only when no request is ever preempted by a weight swap:
         # vLLM's CPU sampler cannot re-seed a preempted request ("CPU Generator does not use offset").
+        # --kv-on-swap keep preempts nothing at a swap, but the seed stays off: vLLM still preempts for KV room,
+        # and where a swap lands is timing, so the tokens are no function of the seed anyway.
         reproducible = self.cfg.max_lag == 0 or self.cfg.update_mode == "drain"
         return self.request_params(n=self.cfg.group_size, temperature=self.cfg.temperature, top_k=self.cfg.top_k,
                                    top_p=self.cfg.top_p, logprobs=0,
                                    seed=self.cfg.seed * 1_000_003 + group_id if reproducible else None)
+
+    def prompt_input(self, ids: list[int]) -> dict:
+        """vLLM's prompt for token `ids`. Under --kv-on-swap keep the prefix cache is never reset, so a request
+        is salted with the loaded version (vLLM hashes the salt into its first block): it shares cached blocks
+        with requests sent under the same weights (a group's G samples), never with the old weights' ones."""
+        salt = {"cache_salt": f"v{self.loaded_version}"} if self.cfg.kv_on_swap == "keep" else {}
+        return {"prompt_token_ids": ids, **salt}
 
     def eval_params(self, greedy: bool):
         """An evaluation request: one greedy completion, or S samples with the run's sampling settings; no
@@ -217,7 +226,7 @@ class Generator:
         """[reward of the greedy completion, rewards of the samples] for one held-out prompt, and its tokens."""
         async def generate(greedy: bool):
             final = None
-            async for out in self.engine.generate({"prompt_token_ids": prompt.prompt_ids}, self.eval_params(greedy),
+            async for out in self.engine.generate(self.prompt_input(prompt.prompt_ids), self.eval_params(greedy),
                                                   request_id=f"eval-{step}-{i}-{'greedy' if greedy else 'sampled'}",
                                                   lora_request=self.lora_request):
                 final = out
@@ -258,7 +267,7 @@ class Generator:
         final = None
         self._count_generating(+1)
         try:
-            async for out in self.engine.generate({"prompt_token_ids": prompt.prompt_ids},
+            async for out in self.engine.generate(self.prompt_input(prompt.prompt_ids),
                                                   self.sampling_params(group_id), request_id=f"group-{group_id}",
                                                   lora_request=self.lora_request):
                 final = out
@@ -322,11 +331,16 @@ class Generator:
         await self.engine_call(self.engine.engine_core.pause_scheduler_async(mode=mode, clear_cache=False),
                                "the pause")
         t1 = time.perf_counter()
+        in_flight = self.engine.get_num_unfinished_requests()  # samples (n > 1 counts n), running or waiting
         # The buffer may already hold a newer version than we were told: the workers report what they loaded.
         version = await load_same_version(lambda: self.engine_call(self.load_rpc(version), "the weight load"))
         t2 = time.perf_counter()
-        # Cached blocks hold keys/values of the old weights; in-flight requests are re-prefilled.
-        if not await self.engine_call(self.engine.reset_prefix_cache(reset_running_requests=True), "the reset"):
+        # Cached blocks hold keys/values of the old weights. recompute: in-flight requests are re-prefilled (NeMo-RL's
+        # recompute_kv_cache_after_weight_updates=true). keep: they go on with their cache (PipelineRL's vllm1.py:
+        # pause "keep", no reset); reset_prefix_cache(reset_running_requests=False) refuses while a block is in
+        # use (vLLM 0.32), so nothing is reset and the cache salt keeps new requests off old blocks (prompt_input).
+        if self.cfg.kv_on_swap == "recompute" and not await self.engine_call(
+                self.engine.reset_prefix_cache(reset_running_requests=True), "the reset"):
             raise RuntimeError("reset_prefix_cache failed after a weight update: stale KV cache would be reused")
         await self.engine_call(self.engine.update_weight_version(str(version)), "update_weight_version")
         t3 = time.perf_counter()
@@ -334,9 +348,11 @@ class Generator:
         self.loaded_version = version
         self.control.loaded_version.value = version
         self.stats["loads"] += 1
+        self.stats["swap_requests"] += in_flight  # re-prefilled (recompute) or kept on their cache (keep)
         self.sync_ms.append((time.time_ns() - self.shared.publish_time_ns()) / 1e6)
         self.sync_parts.append({"pause_ms": (t1 - t0) * 1e3, "load_ms": (t2 - t1) * 1e3,
-                                "reset_ms": (t3 - t2) * 1e3, "resume_ms": (time.perf_counter() - t3) * 1e3})
+                                "reset_ms": (t3 - t2) * 1e3, "resume_ms": (time.perf_counter() - t3) * 1e3,
+                                "requests": in_flight})
 
     def load_rpc(self, version: int):
         """The worker call that loads the buffer's contents: the full weights, or the adapter in place."""

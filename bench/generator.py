@@ -12,12 +12,19 @@ threads), serves these phases, interleaved for `--rounds` rounds (the order rota
   takes each step's groups and republishes the weights, so the generator swaps weights once per step as in
   a run (pause, load, prefix-cache reset, resume).
 - pipeline, no sync: the same without weight swaps (the generator's own overhead alone).
+- pipeline, keep (long workload): the pipeline with `--kv-on-swap keep`: requests running at a swap go on
+  with the old weights' KV cache instead of being re-prefilled (the pipeline phase is `recompute`, the default).
 Both sides use the generator's sampling parameters, so on the built-in task (scored by token ids) neither
 detokenizes (`detokenize=False`).
 Two workloads share the engine: the default one (5 new tokens per completion, as `python train.py`) and a
 long one (`--long-tokens`, 40 by default), where a step's generation lasts longer, so the fixed part of a
 swap weighs less, but each swap preempts longer in-flight completions, which are re-prefilled under the new
-weights (`reset_prefix_cache(reset_running_requests=True)`). Rates are tokens/s over the steps after the warm-up; ratio = pipeline / bare,
+weights (`reset_prefix_cache(reset_running_requests=True)`), or with keep go on with their old cache. There
+the stand-in trainer publishes weights that differ per version (bench/kv_swap.py: start weights + N(0,
+--kv-delta^2) per element, seeded by the version; about one AdamW step at the default --lr), and the tokens
+each swapping phase sampled are scored under the whole context and their version's weights, against their
+recorded behaviour log-probs: after a swap inside their request, and in requests no swap reached (control).
+Rates are tokens/s over the steps after the warm-up; ratio = pipeline / bare,
 each pipeline phase against the bare phase of its own round (goal >= 0.90).
 """
 from __future__ import annotations
@@ -32,11 +39,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+import kv_swap  # noqa: E402
 # torch, vLLM and the project are imported in the functions that run in child processes (common.py)
 
 PHASES = ("bare", "pipeline", "pipeline_nosync")
 LABELS = {"bare": "bare vLLM", "pipeline": "pipeline (weight swap every step)",
-          "pipeline_nosync": "pipeline, no weight swaps"}
+          "pipeline_nosync": "pipeline, no weight swaps", "pipeline_keep": "pipeline, swaps, --kv-on-swap keep"}
 
 
 def window_rate(step_end: list[float], tokens: list[int], warmup: int) -> dict:
@@ -54,7 +62,7 @@ def stand_in_entry(results, *args):
         results.put(("error", traceback.format_exc()))
 
 
-def measure(model_path: str, plan: list[dict], rounds: int, seed: int) -> dict:
+def measure(model_path: str, plan: list[dict], rounds: int, seed: int, kv_delta: float) -> dict:
     """In a child process: one engine; for each round, each workload, each phase."""
     import torch.multiprocessing as mp
 
@@ -105,8 +113,11 @@ def measure(model_path: str, plan: list[dict], rounds: int, seed: int) -> dict:
         per_step = [sum(toks[k * pps:(k + 1) * pps]) for k in range(steps)]
         return {"step_end_s": ends, "tokens": per_step}
 
-    def pipeline(settings, steps: int, publish: bool) -> dict:
+    def pipeline(settings, steps: int, publish: bool, score: bool, from_start: bool) -> dict:
         shared = prepare.allocate_shared_weights(model_path)
+        if from_start:  # the engine may hold an earlier phase's last (perturbed) weights: serve the start ones
+            shared.publish(start_weights, 0)
+            settings = dataclasses.replace(settings, load_first=True)
         queue = ctx.Queue(maxsize=cfg.queue_size)
         queue.cancel_join_thread()  # leftovers in the queue must not hold this process at exit
         control = train.make_control(ctx)
@@ -114,7 +125,8 @@ def measure(model_path: str, plan: list[dict], rounds: int, seed: int) -> dict:
         gen.engine = engine
         results, armed = ctx.Queue(), ctx.Event()
         proc = ctx.Process(target=stand_in_entry, args=(
-            results, queue, control, shared, model_path, steps, pps, publish, False, 120.0, armed))
+            results, queue, control, kv_swap.PerturbingPublisher(shared, kv_delta) if score else shared, model_path,
+            steps, pps, publish, score, 120.0, armed))
         proc.start()
         try:
             train.wait_for(armed, control.stop, 120, "the stand-in trainer")
@@ -128,19 +140,25 @@ def measure(model_path: str, plan: list[dict], rounds: int, seed: int) -> dict:
         if status != "ok":
             raise RuntimeError(value)
         value["gen_stats"] = dict(gen.stats)
+        if score:  # the engine is idle now: the scoring is not in the rates
+            value["mismatch"] = kv_swap.mismatch(model_path, value.pop("groups"), kv_delta, settings.cfg)
         return value
 
     runs = {w["name"]: {p: [] for p in w["phases"]} for w in plan}
+    start_weights = kv_swap.start_weights(model_path) if any(w["score"] for w in plan) else None
     try:
         for r in range(rounds):
             for w in plan:
                 settings = dataclasses.replace(base, cfg=dataclasses.replace(base.cfg, max_new_tokens=w["max_new_tokens"]))
+                keep = dataclasses.replace(settings, cfg=dataclasses.replace(settings.cfg, kv_on_swap="keep"))
                 k = r % len(w["phases"])  # rotate the order from round to round: no phase always runs first
                 for phase in w["phases"][k:] + w["phases"][:k]:
                     if phase == "bare":
                         res = loop.run_until_complete(bare(f"bare-{w['name']}-{r}", settings, w["steps"]))
                     else:
-                        res = pipeline(settings, w["steps"], publish=(phase == "pipeline"))
+                        res = pipeline(keep if phase == "pipeline_keep" else settings, w["steps"],
+                                       publish=phase != "pipeline_nosync", from_start=w["score"],
+                                       score=w["score"] and phase != "pipeline_nosync")
                     rate = window_rate(res["step_end_s"], res["tokens"], w["warmup"])
                     if res.get("sync_ms"):
                         rate["sync_ms_median"] = statistics.median(res["sync_ms"])
@@ -149,6 +167,9 @@ def measure(model_path: str, plan: list[dict], rounds: int, seed: int) -> dict:
                                                      for k in res["sync_parts"][0]}
                     if res.get("gen_stats"):
                         rate["gen_idle_frac"] = res["gen_stats"]["idle_s"] / max(res["gen_stats"]["elapsed_s"], 1e-9)
+                        rate["swap_requests"] = res["gen_stats"]["swap_requests"]
+                    if res.get("mismatch"):
+                        rate["mismatch"] = res["mismatch"]
                     runs[w["name"]][phase].append(rate)
                     print(f"[generator] round {r} {w['name']:8s} {phase:16s} {rate['tokens_per_s']:8.0f} tok/s "
                           f"({rate['step_s_mean'] * 1e3:.0f} ms/step)", flush=True)
@@ -173,6 +194,11 @@ def summarize(runs: dict) -> dict:
             key = "ratio" + phase[len("pipeline"):]
             out[key] = statistics.median(ratios)
             out[key.replace("ratio", "ratios")] = ratios
+        if rates[0].get("mismatch"):
+            out[f"{phase}_mismatch"] = kv_swap.merge([r["mismatch"] for r in rates])
+        if rates[0].get("sync_parts_median"):
+            out[f"{phase}_sync_parts_median"] = {k: statistics.median(r["sync_parts_median"][k] for r in rates)
+                                                 for k in rates[0]["sync_parts_median"]}
     pipe = runs.get("pipeline", [])
     sync = [r for r in pipe if r.get("sync_ms_median") is not None]
     if sync:
@@ -181,8 +207,7 @@ def summarize(runs: dict) -> dict:
         out["bare_step_ms"] = statistics.median(r["step_s_mean"] for r in runs["bare"]) * 1e3
         out["sync_ms_median"] = statistics.median(r["sync_ms_median"] for r in sync)
         out["sync_share_of_step"] = out["sync_ms_median"] / 1e3 / step_s
-        out["sync_parts_median"] = {k: statistics.median(r["sync_parts_median"][k] for r in sync)
-                                    for k in sync[0]["sync_parts_median"]}
+        out["sync_parts_median"] = out["pipeline_sync_parts_median"]
     return out
 
 
@@ -193,16 +218,18 @@ def main(argv=None) -> int:
     p.add_argument("--long-tokens", type=int, default=40, help="new tokens per completion, long workload (0: skip)")
     p.add_argument("--long-steps", type=int, default=10, help="steps per phase, long workload")
     p.add_argument("--rounds", type=int, default=3, help="rounds of all phases")
+    p.add_argument("--kv-delta", type=float, default=3e-4, help="per-element std of version v's offset from the "
+                   "start weights, long workload (about one AdamW step at the default --lr)")
     args = common.parse_args(p, argv)
     cfg = common.default_config()
     plan = [{"name": "default", "max_new_tokens": cfg.max_new_tokens, "steps": args.steps, "warmup": args.warmup,
-             "phases": list(PHASES)}]
+             "phases": list(PHASES), "score": False}]
     if args.long_tokens:
         plan.append({"name": "long", "max_new_tokens": args.long_tokens, "steps": args.long_steps, "warmup": 2,
-                     "phases": list(PHASES)})
+                     "phases": [*PHASES, "pipeline_keep"], "score": True, "kv_delta": args.kv_delta})
     with common.Bench("generator", args) as bench:
         model = common.build_model(bench.work / "init_model", seed=args.seed)
-        res = common.in_child(measure, model, plan, args.rounds, args.seed, timeout_s=900,
+        res = common.in_child(measure, model, plan, args.rounds, args.seed, args.kv_delta, timeout_s=900,
                               what="generator benchmark")
     workloads = {w["name"]: {**{k: v for k, v in w.items() if k != "name"}, **summarize(res["runs"][w["name"]])}
                  for w in plan}
@@ -228,10 +255,26 @@ def main(argv=None) -> int:
         s = workloads[w["name"]]
         if s.get("sync_ms_median"):
             print(f"{w['name']}: a weight swap stalls the engine {s['sync_ms_median']:.0f} ms (median; parts: "
-                  + ", ".join(f"{k[:-3]} {v:.1f}" for k, v in s["sync_parts_median"].items())
+                  + ", ".join(f"{k[:-3]} {v:.1f}" for k, v in s["sync_parts_median"].items() if k.endswith("_ms"))
                   + f" ms) per {s['pipeline_step_ms']:.0f} ms step ({s['bare_step_ms']:.0f} ms bare)")
+    if "long" in workloads:
+        print(kv_table(workloads["long"]))
     print(bench.closing_line(path))
     return 0
+
+
+def kv_table(s: dict) -> str:
+    """The long workload's two swapping phases side by side: rate, swap cost, log-prob mismatch."""
+    rows = []
+    for phase, mode in (("pipeline", "recompute"), ("pipeline_keep", "keep")):
+        m, parts = s[f"{phase}_mismatch"], s[f"{phase}_sync_parts_median"]
+        rows.append([mode, s[f"{phase}_tokens_per_s"], s["ratio" + phase[len("pipeline"):]], parts["reset_ms"],
+                     parts["requests"], *(f"{m[k]['mean']:.2e} / {m[k]['max']:.2e} ({m[k]['tokens']})"
+                                          for k in ("after_swap", "unswapped"))])
+    return common.table(["--kv-on-swap", "tokens/s", "ratio to bare", "reset ms", "requests in flight per swap",
+                         "|diff| after a swap: mean / max (tokens)", "never swapped (control)"], rows,
+                        title=f"long workload ({s['max_new_tokens']} new tokens), weights offset N(0, "
+                              f"{s['kv_delta']:g}^2) per version")
 
 
 def plot(data: dict, path: Path) -> None:
@@ -239,8 +282,9 @@ def plot(data: dict, path: Path) -> None:
     names = list(data["workloads"])
     fig, axes = plt.subplots(1, len(names), figsize=(9, 4.2), squeeze=False,
                              gridspec_kw={"width_ratios": [len(data["workloads"][n]["phases"]) for n in names]})
-    colors = {"bare": "#999999", "pipeline": "#1f77b4", "pipeline_nosync": "#aec7e8"}
-    short = {"bare": "bare vLLM", "pipeline": "pipeline\n(swap every\nstep)", "pipeline_nosync": "pipeline\n(no swaps)"}
+    colors = {"bare": "#999999", "pipeline": "#1f77b4", "pipeline_nosync": "#aec7e8", "pipeline_keep": "#ff7f0e"}
+    short = {"bare": "bare vLLM", "pipeline": "pipeline\n(swap every\nstep)", "pipeline_nosync": "pipeline\n(no swaps)",
+             "pipeline_keep": "pipeline\n(swaps, kv\nkeep)"}
     for ax, name in zip(axes[0], names):
         w = data["workloads"][name]
         phases = w["phases"]
@@ -251,6 +295,9 @@ def plot(data: dict, path: Path) -> None:
             if ph != "bare":
                 key = "ratio" + ph[len("pipeline"):]
                 ax.text(i, statistics.median(vals), f"{w[key]:.2f}", ha="center", va="bottom", fontsize=9)
+            if w.get(f"{ph}_mismatch"):  # the log-prob mismatch after a swap inside a request (kv_swap.py)
+                ax.text(i, 0, f"|dlogp|\n{w[f'{ph}_mismatch']['after_swap']['mean']:.1e}", ha="center",
+                        va="bottom", fontsize=7, color="white")
         ax.set_xticks(range(len(phases)), [short[p] for p in phases], fontsize=8)
         ax.set_ylabel("generated tokens / s (dots: rounds)")
         ax.set_title(f"{name}: {w['max_new_tokens']} new tokens; pipeline / bare = {w['ratio']:.2f} (goal 0.90)",

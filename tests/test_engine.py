@@ -210,3 +210,74 @@ def test_full_queue_blocks_the_generator(engine_env):
     assert still == (issued, groups), "the generator kept generating with a full queue"
     assert len(taken) == 3 and resumed > groups
     assert gen.stats["queue_wait_s"] > 0
+
+
+def perturbed_weights(model_path, seed, scale=0.05):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    return {name: p.detach() + scale * torch.randn(p.shape, generator=g) for name, p in model.named_parameters()}
+
+
+def mismatch_by_swap(model_path, weights_by_version, groups, cfg):
+    """|behaviour log-prob - log-prob under the full context and the weights of the token's tag|, for tokens
+    sampled after a swap inside their request, and for tokens of requests no swap reached."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    after_swap, unswapped = [], []
+    for version, weights in weights_by_version.items():
+        model.load_state_dict(weights, strict=False)
+        for group in groups:
+            for ids, lps, versions in zip(group.completion_ids, group.behaviour_logprobs, group.token_versions):
+                if version not in versions:
+                    continue
+                assert versions == sorted(versions), f"tags go back in time: {versions}"
+                with torch.no_grad():
+                    logits = model(input_ids=torch.tensor([group.prompt_ids + ids])).logits[0, len(group.prompt_ids) - 1:-1]
+                ours = token_logprobs(logits, torch.tensor(ids), cfg.temperature, cfg.top_k, cfg.top_p)
+                diff = (ours - torch.tensor(lps)).abs()[torch.tensor(versions) == version].tolist()
+                (unswapped if len(set(versions)) == 1 else after_swap if version != versions[0] else []).extend(diff)
+    return torch.tensor(after_swap), torch.tensor(unswapped)
+
+
+def test_kv_on_swap_keep_continues_on_the_old_cache(engine_env):
+    """--kv-on-swap recompute re-prefills the requests running at a swap: their later tokens' log-probs are
+    those of the new weights on the whole context. keep lets them go on with the old weights' KV cache: their
+    later tokens (tagged with the new version too) were sampled from a mix, which only the recorded behaviour
+    log-probs describe. Requests no swap reached match their weights under both."""
+    env = engine_env
+    stats = {}
+    for mode in ("recompute", "keep"):
+        gen = new_generator(env, kv_on_swap=mode)
+        versions = [env["shared"].version() + k for k in range(1, 7)]
+        weights = {v: perturbed_weights(env["path"], v) for v in versions}
+
+        async def scenario():
+            env["shared"].publish(weights[versions[0]], versions[0])
+            task = asyncio.create_task(gen.run())
+            await wait_until(lambda: gen.stats["groups"] >= 4 or task.done(), "4 groups under the first weights")
+            swapped_at = gen.stats["groups"]
+            for v in versions[1:]:  # swaps 0.3 s apart, each with requests mid-generation
+                env["shared"].publish(weights[v], v)
+                await wait_until(lambda: gen.loaded_version == v or task.done(), "a swap")
+                await asyncio.sleep(0.3)
+            await wait_until(lambda: gen.stats["groups"] >= swapped_at + 24 or task.done(), "24 groups after it")
+            if task.done():
+                task.result()
+            gen.control.stop.set()
+            await task
+
+        env["loop"].run_until_complete(scenario())
+        groups = drain(gen.queue)
+        assert gen.stats["swap_requests"] > 0  # in flight at the swaps after the first
+        stats[mode] = mismatch_by_swap(env["path"], weights, groups, gen.cfg)
+        assert len(stats[mode][0]) > 50, f"{mode}: too few tokens sampled after a swap inside their request"
+        assert len(stats[mode][1]) > 500
+        assert stats[mode][1].max() < 1e-3, f"{mode}: requests no swap reached disagree with their weights"
+    after_recompute, after_keep = stats["recompute"][0], stats["keep"][0]
+    print(f"after a swap: recompute max {after_recompute.max():.2g}, keep mean {after_keep.mean():.3g} "
+          f"max {after_keep.max():.3g}")
+    assert after_recompute.max() < 1e-3, "recompute: the running requests were not re-prefilled"
+    assert after_keep.mean() > 100 * after_recompute.max(), "keep: the running requests lost their old cache"
