@@ -50,11 +50,11 @@ class Prepared:
     model_path: str  # the weights the processes load: the original model (a resume's come from its checkpoint)
     base_model: str  # the model the run first started from (tokenizer, LoRA base, KL reference)
     layout: devices.DeviceLayout
-    teacher_model: str = ""  # --teacher, resolved to a local directory ("": no distillation)
     resume_dir: str = ""
     start_step: int = 0
     start_version: int = 0
     groups_dropped: int = 0  # groups rejected whole before the resume (the walk of prompts continues after them)
+    teacher_model: str = ""  # --teacher, resolved to a local directory ("": no distillation)
 
 
 def prepare_run(cfg: Config, engine_here: bool = True) -> Prepared:
