@@ -129,14 +129,17 @@ def test_the_update_with_a_teacher_scores_only_the_model_tokens(models):
     assert abs(got.loss - results["plain"].loss) > 1e-3  # C > 0 changes the loss
 
 
-def test_a_dataset_task_learns_from_the_teacher_alone(models, tmp_path):
+def test_a_dataset_task_learns_from_the_teacher_alone_with_every_off_policy_flag(models, tmp_path):
+    """One vLLM run for both toolkits of issue 23: distillation alone (no --reward), beside the off-policy
+    masks, rloo and the mismatch metrics by lag (test_offpolicy.py checks their values by hand)."""
     rows = tmp_path / "rows.jsonl"
     rows.write_text("".join(json.dumps({"prompt": f"say {w}:", "answer": w}) + "\n"
                             for w in ("cat", "dog", "sun", "sky", "red", "sea")))
     out = tmp_path / "run"
     argv = [sys.executable, "train.py", "--out", str(out), "--model", models["ascii"], "--dataset", str(rows),
             "--teacher", models["ascii_teacher"], "--distill-coef", "1", "--steps", "6", "--prompts-per-step", "4",
-            "--group-size", "4", "--max-new-tokens", "6", "--eval-every", "0"]
+            "--group-size", "4", "--max-new-tokens", "6", "--eval-every", "0", "--max-lag", "1", "--adv-estimator", "rloo",
+            "--geo-mask-high", "1.05", "--dsv32-mask-kl", "0.01", "--icepop-high", "5"]
     proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -145,3 +148,11 @@ def test_a_dataset_task_learns_from_the_teacher_alone(models, tmp_path):
     assert all(math.isfinite(row["distill_reverse_kl"]) for row in steps)
     assert all(row["reward"] == 0 and row["unscored"] == 0 for row in steps)  # no --reward: task advantage 0
     assert all(row["loss"] != 0 for row in steps)  # the teacher's signal alone moves the student
+    for row in steps:
+        assert 0 <= row["mismatch_k3"] < 0.5, row  # fp32 on both sides, lag <= 1: close agreement
+        assert 0 < row["is_ess"] <= 1 + 1e-9
+        for share in ("is_truncated_frac", "geo_masked_seq_frac", "dsv32_masked_seq_frac", "icepop_masked_frac"):
+            assert 0 <= row[share] <= 1, (share, row[share])
+        lags = [k for k in row if k.startswith("mismatch_k3/lag")]
+        assert lags and all(int(k[len("mismatch_k3/lag"):]) <= 1 for k in lags)
+    assert any("mismatch_k3/lag0" in row for row in steps)
