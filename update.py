@@ -49,6 +49,8 @@ def update_on_batch(model, ref_model, optimizer, batch, cfg, rank, world_size, v
     log-probs are computed first, once; the ratio then moves between updates and the clips act. An update
     with a NaN/inf loss or gradient is skipped. The model version advances once per batch (the caller's).
     optimizer None: one update's gradients are left on the parameters, unclipped (tests and benchmarks)."""
+    if optimizer is None and cfg.mini_batches * cfg.ppo_epochs > 1:
+        raise ValueError("update_on_batch without an optimizer takes one update (--mini-batches 1, --ppo-epochs 1)")
     stats, norms, skipped, updates = StepStats(), [], 0, 0
     proximal = cfg.is_mode != "off" and cfg.mini_batches * cfg.ppo_epochs > 1
     if proximal:
