@@ -27,6 +27,11 @@ ADAPTER_NAME = "default"  # PEFT's name for a model's only adapter; it is not pa
 VLLM_MAX_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
+def config_of(cfg):
+    """The run's adapter config (--lora-rank, --lora-alpha, --lora-dropout, --lora-targets); None: full fine-tuning."""
+    return peft_config(cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets) if cfg.lora_rank else None
+
+
 def peft_config(rank: int, alpha: int, dropout: float, targets: str):
     """The LoraConfig for the flags. `targets`: "all-linear" (PEFT: every linear layer except the output
     head) or comma-separated module names such as "q_proj,v_proj"."""

@@ -21,6 +21,7 @@ import checkpoint
 import data
 import devices
 import heads
+import lora
 import tools
 from config import Config
 from rollout import GeneratorSettings, engine_problems
@@ -196,6 +197,17 @@ def model_shapes(model_path) -> list[tuple[str, tuple[int, ...]]]:
 def allocate_shared_weights(model_path, device="cpu", dtype=devices.MASTER_DTYPE):
     """The packed buffer for the full weights, in the serving dtype (the trainer casts into it on publish)."""
     return SharedWeights.allocate(model_shapes(model_path), dtype=dtype, device=device)
+
+
+def run_weights(cfg: Config, prepared: Prepared, device) -> tuple[SharedWeights, str]:
+    """The run's packed buffer in the serving dtype: the full weights, or with --lora-rank the adapter's alone,
+    and then the folder whose adapter_config.json tells vLLM the adapter's rank, alpha and targets ("": none)."""
+    config, dtype = lora.config_of(cfg), devices.torch_dtype(cfg.dtype)
+    if config is None:
+        return allocate_shared_weights(prepared.model_path, device, dtype), ""
+    shapes, resolved = lora.adapter_shapes(prepared.model_path, config)
+    adapter_dir = lora.write_config(resolved, prepared.model_path, os.path.join(cfg.out, "adapter_config"))
+    return SharedWeights.allocate(shapes, dtype=dtype, device=device), adapter_dir
 
 
 def generator_settings(cfg: Config, prepared: Prepared, lora_dir: str = "") -> GeneratorSettings:

@@ -20,11 +20,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.utils.checkpoint import checkpoint as recompute
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 import buffer
 import checkpoint
@@ -33,100 +29,13 @@ import evaluation
 import lora
 import metrics
 import prepare
+from models import build_reference_model, build_trainer_model, check_layout, checkpoint_layers
 from config import Config, inactive_flags, parse_args
 from losses import estimate_advantages
 from processes import make_control, run_children, saving, wait_for
 from rollout import generator_main
-from sync import publish_model
-from weight_buffer import SharedWeights
+from sync import publish_model, trainable_parameters
 from update import learning_rate, shaped_rewards, update_on_batch
-
-
-# ----------------------------------------------------------------------------------------------------
-# The trainer's models
-# ----------------------------------------------------------------------------------------------------
-def build_trainer_model(model_path, world_size, device="cpu", lora_config=None, adapter_dir="", seed=0,
-                        compute_dtype=devices.MASTER_DTYPE):
-    """The model under FSDP2 (one copy of the weights per node while loading: see `load_sharded`); with a
-    LoRA config, wrapped in a trainable adapter first (its weights from `adapter_dir` if given) and the
-    base weights frozen. The parameters (master
-    weights), their gradients and the optimizer state stay fp32; with `compute_dtype` bf16, FSDP2's mixed
-    precision gathers the parameters in bf16 for forward and backward and reduces gradients in fp32 (verl's
-    recipe). A resume loads its checkpoint into this model afterwards (checkpoint.load_trainer_state)."""
-    def wrap(model):  # the rank that reads the weights reads the adapter's too; it sends both
-        return lora.wrap(model, lora_config, seed, "" if model.device.type == "meta" else adapter_dir)
-
-    wrap = wrap if lora_config is not None else None
-    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=devices.MASTER_DTYPE)
-    return load_sharded(model_path, world_size, device, devices.MASTER_DTYPE, wrap, mp_policy=policy)
-
-
-def build_reference_model(model_path, world_size, device="cpu", dtype=devices.MASTER_DTYPE):
-    """The frozen reference of `--kl-coef` (full fine-tuning): the original weights, in the serving dtype,
-    sharded under FSDP2 like the policy, so each rank holds 1/world_size of it. The root reshards after
-    each forward too (FSDP2 keeps a root's parameters gathered for the backward that a no-grad reference
-    never runs: the embedding and output head, the largest tensors, would stay whole on every rank)."""
-    model = load_sharded(model_path, world_size, device, dtype, reshard_after_forward=True)
-    return model.requires_grad_(False)
-
-
-def load_sharded(model_path, world_size, device, dtype, wrap=None, **shard_options):
-    """Rank 0 reads the weights; every rank builds the same model on the meta device, shards it (FSDP2),
-    allocates its own shards only and receives them from rank 0, one tensor at a time (rank 0 frees each
-    as it goes), then rank 0's buffers (the rotary `inv_freq` is in no state dict: built on the meta device
-    it would be garbage). `wrap` (LoRA) runs before sharding: rank 0's initial adapter is every rank's."""
-    device = torch.device(device)
-    reads = world_size == 1 or dist.get_rank() == 0
-    if world_size == 1:
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
-        model = wrap(model) if wrap is not None else model
-        return shard_layers_and_root(model, lora.base_model_of(model).model.layers, 1, device, **shard_options)
-    full, buffers = {}, {}
-    if reads:
-        loaded = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
-        loaded = wrap(loaded) if wrap is not None else loaded
-        full, buffers = dict(loaded.state_dict()), dict(loaded.named_buffers())
-        del loaded  # only `full` holds the weights now: each goes once it is sent
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path), dtype=dtype)
-    model.eval()  # as from_pretrained leaves it (dropout off)
-    model = wrap(model) if wrap is not None else model
-    model = shard_layers_and_root(model, lora.base_model_of(model).model.layers, world_size, device,
-                                  **shard_options)
-    model.to_empty(device=device)
-    with torch.no_grad():
-        for name, param in model.state_dict(keep_vars=True).items():
-            if not isinstance(param, DTensor):
-                continue  # buffers: below
-            value = full.pop(name) if reads else torch.empty(param.shape, dtype=param.dtype, device=device)
-            shard = distribute_tensor(value.to(device), param.device_mesh, param.placements, src_data_rank=0)
-            param.to_local().copy_(shard.to_local())
-            del value, shard
-        for name, buffer in model.named_buffers():
-            if reads:
-                buffer.copy_(buffers[name])
-            dist.broadcast(buffer, src=0)
-    return model
-
-
-def shard_layers_and_root(model, layers, world_size, device, **options):
-    """fully_shard each decoder layer, then the root (FSDP2's usual wrapping; it moves each layer onto the
-    device as it shards it)."""
-    # An explicit mesh: with a CUDA build of torch, fully_shard's default mesh is on the GPU even on the CPU path.
-    mesh = init_device_mesh(torch.device(device).type, (world_size,))
-    for layer in layers:
-        fully_shard(layer, mesh=mesh, **options)
-    fully_shard(model, mesh=mesh, **options)
-    return model
-
-
-def checkpoint_layers(model) -> None:
-    """Activation checkpointing (`--grad-checkpointing`): each decoder layer keeps only its input for the
-    backward pass and recomputes the rest there, trading about one more forward for the activations of
-    every layer. Applied inside FSDP2's hooks (they run around the layer's call; the recompute runs after
-    the layer's pre-backward hook has gathered its weights), so it composes with sharding and with LoRA."""
-    for layer in lora.base_model_of(model).model.layers:
-        layer.forward = functools.partial(recompute, layer.forward, use_reentrant=False)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -307,19 +216,16 @@ def start_rank(cfg: Config, prepared: prepare.Prepared, rank: int, world_size: i
     # Saves wait on their own group: a rank that finished writing its shards waits for the slowest one.
     save_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.save_timeout_s))
     serving_dtype = devices.torch_dtype(cfg.dtype)
-    lora_config = lora.peft_config(cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets) \
-        if cfg.lora_rank else None
     resume_dir = prepared.resume_dir
-    model = build_trainer_model(prepared.base_model, world_size, device, lora_config, seed=cfg.seed,
+    model = build_trainer_model(prepared.base_model, world_size, device, lora.config_of(cfg), seed=cfg.seed,
                                 compute_dtype=serving_dtype)
     if cfg.grad_checkpointing:
         checkpoint_layers(model)
     # Build the optimizer before any forward pass (FSDP2 pitfall: see shared notes). Only what trains has state.
-    optimizer = torch.optim.AdamW([p for _, p in lora.synced_parameters(model)], lr=cfg.lr, weight_decay=cfg.weight_decay)
+    optimizer = torch.optim.AdamW(trainable_parameters(model), lr=cfg.lr, weight_decay=cfg.weight_decay)
     if resume_dir:  # the trained weights (with LoRA the adapter) and the optimizer, resharded to these ranks
         checkpoint.load_trainer_state(model, optimizer, resume_dir, save_group)
-    if [name for name, _ in lora.synced_parameters(model)] != [slot.name for slot in shared.layout]:
-        raise RuntimeError("trainer parameters do not match the shared buffer's layout")
+    check_layout(model, shared.layout)
     version = prepared.start_version
     # the generator serves no adapter until this first publish (a new adapter is the base model); a generator
     # across a link, or one resuming (it starts from the original model), serves nothing until it has these weights
@@ -390,22 +296,14 @@ def run(cfg: Config) -> int:
           + ("" if layout.on_gpu else "\n(on CPU, vLLM's start-up warnings about Triton, torch.compile and "
                                        "LD_PRELOAD are expected)"), flush=True)
     # On GPUs this process owns the packed buffer (on the first trainer GPU) and outlives every reader.
-    lora_dir = ""
-    if cfg.lora_rank:  # the buffer holds the adapter only; vLLM reads its rank and alpha from lora_dir
-        shapes, resolved = lora.adapter_shapes(prepared.model_path, lora.peft_config(
-            cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets))
-        lora_dir = lora.write_config(resolved, prepared.model_path, os.path.join(cfg.out, "adapter_config"))
-        shared = SharedWeights.allocate(shapes, dtype=devices.torch_dtype(cfg.dtype), device=layout.buffer_device)
-    else:
-        shared = prepare.allocate_shared_weights(prepared.model_path, layout.buffer_device,
-                                                 devices.torch_dtype(cfg.dtype))
+    shared, adapter_dir = prepare.run_weights(cfg, prepared, layout.buffer_device)
     ctx = mp.get_context("spawn")
     rollout_queue = buffer.RolloutQueue(cfg.queue_size, ctx)
     errors = ctx.Queue()
     control = make_control(ctx)
     control.groups_dropped.value = prepared.groups_dropped  # the generator's staleness gate counts from here
     control.steps_skipped.value = prepared.start_step - prepared.start_version  # (and from here)
-    settings = prepare.generator_settings(cfg, prepared, lora_dir)
+    settings = prepare.generator_settings(cfg, prepared, adapter_dir)
     init_file = tempfile.mktemp(prefix="asyncgrpo-dist-")
     children = {"generator": (generator_main, (settings, shared, rollout_queue, control), True)}
     for rank in range(cfg.train_ranks):

@@ -5,7 +5,7 @@
 What `--dtype auto` picks on the CPU path (devices.CPU_DEFAULT_DTYPE) is decided from this benchmark.
 For each model size (random-init Qwen2/Llama from `tasks.build_tiny_model`, alphabet "ascii" so sequences
 can be long), in alternating order fp32, bf16, fp32, bf16 (drift on a shared machine cancels to first order):
-- trainer: `train.build_trainer_model(compute_dtype=...)` (FSDP2, world size 1, with bf16 the mixed-precision
+- trainer: `models.build_trainer_model(compute_dtype=...)` (FSDP2, world size 1, with bf16 the mixed-precision
   policy: bf16 compute, fp32 master weights and gradient reduction), AdamW; a step = forward, log-softmax of
   the targets, a policy-gradient loss, backward, optimizer step, on a batch of random token ids;
   `--train-batch` sequences x `--train-len` tokens; tokens/s after `--warmup` steps.
@@ -44,14 +44,14 @@ def train_rate(model_path: str, dtype: str, threads: int, batch: int, length: in
     import torch.distributed as dist
 
     import devices
-    import train
+    import models
 
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
     init_file = tempfile.mktemp(prefix="asyncgrpo-bench-dist-")
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=0, world_size=1)
     try:
-        model = train.build_trainer_model(model_path, 1, compute_dtype=devices.torch_dtype(dtype))
+        model = models.build_trainer_model(model_path, 1, compute_dtype=devices.torch_dtype(dtype))
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         vocab = model.config.vocab_size
         ids = torch.randint(3, vocab, (batch, length))

@@ -4,7 +4,7 @@
 
 Builds a random Qwen2-style model (~300M parameters with the defaults) once, then, for each checkout
 (`--before-repo`, e.g. main's code, and this one), spawns `--ranks` gloo ranks that each call that checkout's
-`train.build_trainer_model(model, 2)` and sample the peak RSS of the ranks, summed (every 0.1 s, from
+`models.build_trainer_model(model, 2)` and sample the peak RSS of the ranks, summed (every 0.1 s, from
 the parent). Both checkouts run side by side in one invocation, one after the other, on the same model file.
 Writes DIR/load_memory_{N}ranks.json. On CPU the shards are host memory too (one copy in all); on GPUs
 they are on the devices.
@@ -29,8 +29,8 @@ import torch, torch.distributed as dist, torch.multiprocessing as mp
 def rank_main(rank, model, init, world):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
-    import train
-    model = train.build_trainer_model(model, world)
+    import models
+    model = models.build_trainer_model(model, world)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -8,7 +8,7 @@ Batches: synthetic GRPO batches of `--sequences` (16, 64, 256) completions of `-
 nominal tokens (each completion L/2 to L tokens, uniform; prompts of `--prompt-len` tokens).
 
 Each measurement runs in a fresh process (`common.in_child`) holding what a trainer rank holds: the FSDP2
-model (`train.build_trainer_model`, one rank), AdamW, the collated batch; then the trainer's step
+model (`models.build_trainer_model`, one rank), AdamW, the collated batch; then the trainer's step
 (`update.update_on_batch`: gradient clipping, `optimizer.step`). Peak memory: the process's peak RSS
 (`ru_maxrss`) on a CPU, `torch.cuda.max_memory_allocated` on a GPU; `ready` is the RSS before the step.
 - micro-batched: `--micro-batch-tokens` (default: the trainer's default), for every size. On 2 cores a whole
@@ -72,7 +72,7 @@ def measure(model_path: str, sequences: int, length: int, budgets: list[int], ma
     import torch.distributed as dist
 
     import buffer
-    import train
+    import models
     import config
     import update
 
@@ -84,9 +84,9 @@ def measure(model_path: str, sequences: int, length: int, budgets: list[int], ma
     dist.init_process_group("gloo" if not cuda else "cpu:gloo,cuda:nccl", init_method=f"file://{init_file}",
                             rank=0, world_size=1)
     try:
-        model = train.build_trainer_model(model_path, 1, device)
+        model = models.build_trainer_model(model_path, 1, device)
         if checkpointing:
-            train.checkpoint_layers(model)
+            models.checkpoint_layers(model)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)  # before any forward (FSDP2 pitfall)
         cfg = config.Config(max_new_tokens=length)
         batch = synthetic_batch(sequences, length, prompt_len, model.config.vocab_size, seed)

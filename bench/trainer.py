@@ -6,7 +6,7 @@
    default task (32 prompts x 8 completions), recorded once.
 2. For each model size (the default tiny model, and a larger one built with the project's
    `tasks.build_tiny_model`), in this order, on those same batches, with the trainer's thread budget:
-   - bare: a plain FSDP2 loop (`train.build_trainer_model`, AdamW): forward, log-softmax of the targets, a
+   - bare: a plain FSDP2 loop (`models.build_trainer_model`, AdamW): forward, log-softmax of the targets, a
      policy-gradient loss, backward, step. Batches are collated beforehand and not timed.
    - project: the real trainer (`train.trainer_main`, rank 0 of 1) fed from a queue that is never empty:
      taking groups off the queue, advantages, collation, sampling-consistent log-probs, behaviour-policy
@@ -40,6 +40,7 @@ def bare_loop(model_path: str, groups: list, prompts_per_step: int, lr: float, t
 
     import buffer
     import train
+    import models
     from losses import group_advantages
 
     torch.set_num_threads(threads)
@@ -47,7 +48,7 @@ def bare_loop(model_path: str, groups: list, prompts_per_step: int, lr: float, t
     init_file = tempfile.mktemp(prefix="asyncgrpo-bench-dist-")
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=0, world_size=1)
     try:
-        model = train.build_trainer_model(model_path, 1)
+        model = models.build_trainer_model(model_path, 1)
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
         pad_id = AutoTokenizer.from_pretrained(model_path).pad_token_id or 0
         batches = []

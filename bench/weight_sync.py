@@ -4,7 +4,7 @@
 
 For models of about 1M, 10M, 100M and 300M parameters (Qwen2 built from configs by the project's
 `tasks.build_tiny_model`, random weights), each in its own process:
-- the trainer side is the project's: an FSDP2 model (`train.build_trainer_model`, one rank) publishing into
+- the trainer side is the project's: an FSDP2 model (`models.build_trainer_model`, one rank) publishing into
   the packed shared buffer with `sync.publish_model` (no gather: each rank writes its own rows);
 - the generator side is the project's `rollout.Generator` with its real vLLM engine, running its own loop
   (`Generator.run`); it notices the new version, pauses, loads (`vllm_worker.WeightSyncWorker`), resets the prefix
@@ -132,6 +132,7 @@ def measure_size(name: str, shape: tuple, work: str, syncs: int, seed: int, gap_
     import prepare
     import sync
     import train
+    import models
     from rollout import Generator
 
     hidden, layers, heads = shape
@@ -149,7 +150,7 @@ def measure_size(name: str, shape: tuple, work: str, syncs: int, seed: int, gap_
         from weight_buffer import SharedWeights
 
         lora_config = lora.peft_config(lora_rank, 2 * lora_rank, 0.0, "all-linear")
-    model = train.build_trainer_model(path, 1, lora_config=lora_config, seed=seed)
+    model = models.build_trainer_model(path, 1, lora_config=lora_config, seed=seed)
     if lora_rank:  # as train.run and trainer_main do: a buffer for the adapter, published once at the start
         shapes, resolved = lora.adapter_shapes(path, lora_config)
         lora_dir = lora.write_config(resolved, path, str(Path(work) / f"adapter_config_{name}_r{lora_rank}"))

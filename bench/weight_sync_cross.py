@@ -56,7 +56,7 @@ def measure_cross_machine(name: str, shape: tuple, work: str, seed: int, syncs: 
     import prepare
     import remote
     import sync
-    import train
+    import models
 
     hidden, layers, heads = shape
     path = common.build_model(Path(work) / f"model_{name}", seed=seed, hidden=hidden, layers=layers, heads=heads)
@@ -64,7 +64,7 @@ def measure_cross_machine(name: str, shape: tuple, work: str, seed: int, syncs: 
     torch.set_num_threads(cfg.train_threads)
     init_file = tempfile.mktemp(prefix="asyncgrpo-bench-dist-")
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=0, world_size=1)
-    model = train.build_trainer_model(path, 1)
+    model = models.build_trainer_model(path, 1)
     shared = prepare.allocate_shared_weights(path)  # the one-node path
     nbytes = shared.nbytes
     med = statistics.median

@@ -3,7 +3,7 @@
 Role
     Checks, on a GPU machine (one GPU is enough), what `python train.py --gen-devices G --train-devices T`
     relies on, without vLLM's CUDA build:
-    1. FSDP2 training steps on the GPU through the project's own functions (train.build_trainer_model,
+    1. FSDP2 training steps on the GPU through the project's own functions (models.build_trainer_model,
        update.update_on_batch, sync.publish_model) in a process group with the GPU layout's backend (devices.GPU_BACKEND).
     2. The CUDA IPC packed sync between two processes. This process is the trainer's rank 0 and owns the
        packed device buffer (weight_buffer.SharedWeights.allocate on its GPU); a second process plays the generator's
@@ -209,7 +209,7 @@ def check_size(size, args, device, receiver_device, receiver_visible, peer_here,
     import torch.multiprocessing as mp
 
     import sync
-    import train
+    import models
     import config
     import prepare
     import update
@@ -217,7 +217,7 @@ def check_size(size, args, device, receiver_device, receiver_visible, peer_here,
     result = {"size": size}
     path = build_model(os.path.join(workdir, size), size)
     cfg = config.Config()
-    model = train.build_trainer_model(path, 1, device)
+    model = models.build_trainer_model(path, 1, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)  # before any forward (FSDP2 pitfall)
     shared = prepare.allocate_shared_weights(path, device=device)  # the owner: this process, on its device
     names = [name for name, _ in model.named_parameters()]

@@ -22,7 +22,7 @@ import config
 import lora
 import processes
 import tasks
-import train
+import models
 from test_fsdp import spawn_ranks
 
 LORA = dict(rank=4, alpha=8, dropout=0.0, targets="all-linear")
@@ -91,9 +91,9 @@ def _start_worker(rank, world, init_file, model_path, results):
         out = {}
         for kind in ("policy", "lora", "reference"):
             if kind == "reference":
-                model = train.build_reference_model(model_path, world)
+                model = models.build_reference_model(model_path, world)
             else:
-                model = train.build_trainer_model(model_path, world, lora_config=lora.peft_config(**LORA)
+                model = models.build_trainer_model(model_path, world, lora_config=lora.peft_config(**LORA)
                                                   if kind == "lora" else None, seed=3)
             base = lora.base_model_of(model)
             tied = base.lm_head.weight is base.model.embed_tokens.weight
@@ -162,7 +162,7 @@ def _save_worker(rank, world, init_file, model_path, out, task, results):
     save_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=120))
     cfg = config.Config(out=out, keep_checkpoints=0)
     try:
-        model = train.build_trainer_model(model_path, world)
+        model = models.build_trainer_model(model_path, world)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         if task == "save":
             model(input_ids=IDS, labels=IDS).loss.backward()

@@ -22,7 +22,7 @@ import buffer
 import sync
 import weight_buffer
 import tasks
-import train
+import models
 import config
 import update
 
@@ -61,7 +61,7 @@ def _worker(rank, world, init_file, model_path, agg, shared, version, results):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         cfg = config.Config() if agg is None else config.Config(agg=agg)
-        model = train.build_trainer_model(model_path, world)
+        model = models.build_trainer_model(model_path, world)
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)  # before forward
 
         result = backward(model, None, make_batch(), cfg, rank, world, version=0)
@@ -219,9 +219,9 @@ def _bf16_worker(rank, world, model_path, init_file, results):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        policy = train.build_trainer_model(model_path, world, compute_dtype=torch.bfloat16)
+        policy = models.build_trainer_model(model_path, world, compute_dtype=torch.bfloat16)
         optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
-        reference = train.build_reference_model(model_path, world, dtype=torch.bfloat16)
+        reference = models.build_reference_model(model_path, world, dtype=torch.bfloat16)
         batch = make_batch()
         ref_logits = reference(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
         embed = reference.model.embed_tokens.weight

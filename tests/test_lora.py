@@ -18,6 +18,7 @@ import checkpoint
 import config
 import lora
 import train
+import models
 from rollout import Generator
 from test_engine import settings_for
 from tasks import build_tiny_model
@@ -61,7 +62,7 @@ def test_only_the_adapter_trains_and_matches_the_buffer_layout(base_model):
     init_file = tempfile.mktemp(prefix="asyncgrpo-test-")
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=0, world_size=1)
     try:
-        model = train.build_trainer_model(base_model, 1, lora_config=lora.peft_config(**CONFIG), seed=0)
+        model = models.build_trainer_model(base_model, 1, lora_config=lora.peft_config(**CONFIG), seed=0)
         synced = lora.synced_parameters(model)
         shapes, _ = lora.adapter_shapes(base_model, lora.peft_config(**CONFIG))
         # the parent sizes the shared buffer from a meta skeleton: same names, same order, same shapes

@@ -20,7 +20,7 @@ import buffer
 import losses
 import lora
 import tasks
-import train
+import models
 from config import Config, parse_args
 import update
 from test_fsdp import backward, make_batch, spawn_ranks
@@ -141,8 +141,8 @@ def _parity_worker(rank, world, init_file, model_path, ref_path, adapter_dir, re
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        full = train.build_trainer_model(model_path, world)
-        with_lora = train.build_trainer_model(model_path, world, lora_config=lora.peft_config(**LORA),
+        full = models.build_trainer_model(model_path, world)
+        with_lora = models.build_trainer_model(model_path, world, lora_config=lora.peft_config(**LORA),
                                               adapter_dir=adapter_dir, seed=0)
         ref_model = AutoModelForCausalLM.from_pretrained(ref_path, dtype=torch.float32).eval().requires_grad_(False)
         runs = [(f"{case} / {split}", case, tokens) for case in CASES for split, tokens in SPLITS.items()]
@@ -152,7 +152,7 @@ def _parity_worker(rank, world, init_file, model_path, ref_path, adapter_dir, re
             cfg = dataclasses.replace(config(case), micro_batch_tokens=tokens)
             model = with_lora if CASES[case].get("lora") else full
             if name in CHECKPOINTED:
-                train.checkpoint_layers(model)  # for good: the checkpointed runs come last
+                models.checkpoint_layers(model)  # for good: the checkpointed runs come last
             result = backward(model, None if model is with_lora else ref_model, make_batch(), cfg,
                                           rank, world, version=0)
             grads = {n: p.grad.full_tensor().clone() for n, p in model.named_parameters() if p.grad is not None}

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import buffer
-import train
+import models
 import config
 import update
 from update import overlong_penalty
@@ -77,7 +77,7 @@ def _ppo_worker(rank, world, init_file, model_path, results):
         out = {}
         for loss in ("grpo", "cispo"):
             cfg = config.Config(loss=loss, **PPO)
-            model = train.build_trainer_model(model_path, world)
+            model = models.build_trainer_model(model_path, world)
             optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)  # linear in the gradient: exact comparison
             result = update.update_on_batch(model, None, optimizer, make_batch(), cfg, rank, world, version=0, step=3)
             params = {n: p.full_tensor().detach().clone().numpy() for n, p in model.named_parameters()}
