@@ -51,6 +51,27 @@ def engine_max_rank(rank: int) -> int:
     raise ValueError(f"--lora-rank {rank} is larger than vLLM supports ({VLLM_MAX_RANKS[-1]})")
 
 
+SERVED_ID = 1  # vLLM's id of the one adapter the generator serves (ids start at 1)
+
+
+def served_adapter(rank: int, adapter_dir: str):
+    """(engine options, the request every generate call names) that serve the trained adapter from
+    `adapter_dir`; ({}, None) for full fine-tuning. vLLM is imported here: in the generator process only."""
+    if not rank:
+        return {}, None
+    from vllm.lora.request import LoRARequest
+
+    return (dict(enable_lora=True, max_lora_rank=engine_max_rank(rank), max_loras=1, max_cpu_loras=1),
+            LoRARequest("policy", SERVED_ID, adapter_dir))
+
+
+def load_call(version: int, adapter_dir: str) -> tuple[str, tuple]:
+    """The worker method (vllm_worker.py) and arguments that load the buffer: the adapter in place, or the
+    full weights (adapter_dir "")."""
+    return ("load_shared_adapter", (version, adapter_dir, SERVED_ID)) if adapter_dir else \
+        ("load_shared_weights", (version,))
+
+
 def file_name(param_name: str) -> str:
     """PEFT parameter name -> the adapter file's tensor name (drops the adapter name)."""
     return param_name.replace(f".{ADAPTER_NAME}.", ".")

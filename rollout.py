@@ -30,12 +30,11 @@ from buffer import RolloutGroup, put_group, tag_versions
 from config import Config
 from devices import torch_dtype
 from evaluation import EvalResult, requested
-from lora import engine_max_rank
+import lora
 from data import Prompt
 from tasks import make_task
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-LORA_ID = 1  # vLLM's id of the one adapter the generator serves with --lora-rank (ids start at 1)
 # vLLM 0.32's CPU attention (CPUAttentionBackend.get_supported_head_sizes): another head size starts the
 # engine and then fails at the first forward pass, inside the worker.
 CPU_ATTENTION_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -143,13 +142,10 @@ class Generator:
             memory = dict(kv_cache_memory_bytes=self.cfg.kv_cache_mb * 2**20)
         # vLLM is imported here, in the generator process, never in the parent (nor before CUDA_VISIBLE_DEVICES).
         from vllm import AsyncEngineArgs
-        from vllm.lora.request import LoRARequest
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        if self.cfg.lora_rank:
-            memory.update(enable_lora=True, max_lora_rank=engine_max_rank(self.cfg.lora_rank), max_loras=1,
-                          max_cpu_loras=1)
-            self.lora_request = LoRARequest("policy", LORA_ID, self.s.lora_dir)
+        adapter_options, self.lora_request = lora.served_adapter(self.cfg.lora_rank, self.s.lora_dir)
+        memory.update(adapter_options)
         if self.cfg.max_model_len:
             memory.update(max_model_len=self.cfg.max_model_len)
         args = AsyncEngineArgs(
@@ -356,9 +352,8 @@ class Generator:
 
     def load_rpc(self, version: int):
         """The worker call that loads the buffer's contents: the full weights, or the adapter in place."""
-        if self.cfg.lora_rank:
-            return self.engine.collective_rpc("load_shared_adapter", args=(version, self.s.lora_dir, LORA_ID))
-        return self.engine.collective_rpc("load_shared_weights", args=(version,))
+        method, args = lora.load_call(version, self.s.lora_dir)
+        return self.engine.collective_rpc(method, args=args)
 
     async def load_first_publish(self):
         """LoRA (and `load_first`): the engine serves no adapter (weights) until the trainer's first publish of

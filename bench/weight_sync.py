@@ -86,7 +86,7 @@ async def tmpfs_route(gen, model, config, base_model: str, versions, gap_s: floa
     import torch
 
     import lora
-    from rollout import LORA_ID
+    from lora import SERVED_ID
     from vllm.lora.request import LoRARequest
 
     engine, timings = gen.engine, []
@@ -105,7 +105,7 @@ async def tmpfs_route(gen, model, config, base_model: str, versions, gap_s: floa
             t1 = time.perf_counter()
             await engine.engine_core.pause_scheduler_async(mode="keep", clear_cache=False)
             t2 = time.perf_counter()
-            if not await engine.add_lora(LoRARequest("policy", LORA_ID, folder, load_inplace=True)):
+            if not await engine.add_lora(LoRARequest("policy", SERVED_ID, folder, load_inplace=True)):
                 raise RuntimeError("vLLM did not reload the adapter from the file")
             t3 = time.perf_counter()
             await engine.reset_prefix_cache(reset_running_requests=True)
