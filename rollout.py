@@ -113,7 +113,7 @@ class Generator:
     """The asyncio side of the generator process: one engine, many concurrent groups."""
 
     def __init__(self, settings: GeneratorSettings, shared, rollout_queue, control):
-        self.s, self.shared, self.queue, self.control = settings, shared, rollout_queue, control
+        self.settings, self.shared, self.queue, self.control = settings, shared, rollout_queue, control
         self.cfg = settings.cfg
         self.loaded_version = settings.initial_version
         self.issued = settings.first_group_id
@@ -131,28 +131,29 @@ class Generator:
         self.last_eval_step = -1  # the newest evaluation request started
 
     def build_engine(self):
-        if self.s.device == "cuda":
+        if self.settings.device == "cuda":
             # Before vLLM is imported (its engine and worker processes inherit this): vLLM runs on the first
             # tensor_parallel_size visible GPUs; the trainer's weight buffer is on one of them or on the
             # last one, where the worker extension opens its CUDA IPC handle and copies peer-to-peer.
-            os.environ["CUDA_VISIBLE_DEVICES"] = self.s.cuda_visible_devices
-            memory = dict(gpu_memory_utilization=self.s.gpu_memory_utilization,
-                          tensor_parallel_size=self.s.tensor_parallel_size)
+            os.environ["CUDA_VISIBLE_DEVICES"] = self.settings.cuda_visible_devices
+            memory = dict(gpu_memory_utilization=self.settings.gpu_memory_utilization,
+                          tensor_parallel_size=self.settings.tensor_parallel_size)
         else:
             memory = dict(kv_cache_memory_bytes=self.cfg.kv_cache_mb * 2**20)
         # vLLM is imported here, in the generator process, never in the parent (nor before CUDA_VISIBLE_DEVICES).
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        adapter_options, self.lora_request = lora.served_adapter(self.cfg.lora_rank, self.s.lora_dir)
+        adapter_options, self.lora_request = lora.served_adapter(self.cfg.lora_rank, self.settings.lora_dir)
         memory.update(adapter_options)
         if self.cfg.max_model_len:
             memory.update(max_model_len=self.cfg.max_model_len)
         args = AsyncEngineArgs(
-            model=self.s.model, tokenizer=self.s.model, dtype=torch_dtype(self.cfg.dtype), seed=self.cfg.seed,
+            model=self.settings.model, tokenizer=self.settings.model, dtype=torch_dtype(self.cfg.dtype),
+            seed=self.cfg.seed,
             # CUDA graphs on GPUs (weight reloads copy into the same storage, so captured graphs stay valid);
             # on CPU eager starts fastest (torch.compile adds ~20 s).
-            enforce_eager=self.s.device != "cuda", logprobs_mode="processed_logprobs",
+            enforce_eager=self.settings.device != "cuda", logprobs_mode="processed_logprobs",
             worker_extension_cls="vllm_worker.WeightSyncWorker", **memory,
             enable_prefix_caching=True, disable_log_stats=True, use_tqdm_on_load=self.cfg.log_level != "warning",
         )
@@ -169,7 +170,8 @@ class Generator:
         # strings are matched in the text: they need it).
         return SamplingParams(**sampling, max_tokens=max_tokens or self.cfg.max_new_tokens,
                               output_kind=RequestOutputKind.FINAL_ONLY,
-                              stop=list(self.s.stop) or None, detokenize=self.task.needs_text or bool(self.s.stop))
+                              stop=list(self.settings.stop) or None,
+                              detokenize=self.task.needs_text or bool(self.settings.stop))
 
     def sampling_params(self, group_id: int):
         # A per-request seed makes a group's samples a function of (seed, group id, weights), so a resumed
@@ -352,21 +354,21 @@ class Generator:
 
     def load_rpc(self, version: int):
         """The worker call that loads the buffer's contents: the full weights, or the adapter in place."""
-        method, args = lora.load_call(version, self.s.lora_dir)
+        method, args = lora.load_call(version, self.settings.lora_dir)
         return self.engine.collective_rpc(method, args=args)
 
     async def load_first_publish(self):
         """LoRA (and `load_first`): the engine serves no adapter (weights) until the trainer's first publish of
         it (at its start) is loaded, tagged with the version it carries."""
         deadline = time.monotonic() + self.cfg.timeout_s
-        while self.shared.publish_time_ns() == 0 or self.shared.version() < self.s.initial_version:
+        while self.shared.publish_time_ns() == 0 or self.shared.version() < self.settings.initial_version:
             if self.control.stop.is_set():
                 return
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the trainer published no weights within {self.cfg.timeout_s:.0f} s")
             await asyncio.sleep(0.01)
         self.loaded_version = await load_same_version(
-            lambda: self.engine_call(self.load_rpc(self.s.initial_version), "the first load"))
+            lambda: self.engine_call(self.load_rpc(self.settings.initial_version), "the first load"))
         await self.engine.update_weight_version(str(self.loaded_version))  # the tag of the tokens it samples
         self.control.loaded_version.value = self.loaded_version
 
@@ -389,7 +391,7 @@ class Generator:
 
     async def run(self):
         self.max_model_len = getattr(getattr(self.engine, "model_config", None), "max_model_len", None)
-        self.task = make_task(self.cfg, AutoTokenizer.from_pretrained(self.s.model), self.max_model_len)
+        self.task = make_task(self.cfg, AutoTokenizer.from_pretrained(self.settings.model), self.max_model_len)
         self.stats.update(train_prompts=len(self.task.prompts), held_out_prompts=len(self.task.held_out),
                           prompts_dropped_long=self.task.dropped_long)
         # One scoring thread (user reward functions need not be thread-safe); with a process pool, one
@@ -400,9 +402,9 @@ class Generator:
         # The trainer may use a GPU it shares with vLLM from now on; it must, before its first publish, which
         # a LoRA run or a resume waits for below.
         self.control.engine_started.set()
-        if self.cfg.lora_rank or self.s.load_first:
+        if self.cfg.lora_rank or self.settings.load_first:
             await self.load_first_publish()
-        if self.s.eval_at_start:  # alone on the engine it takes a fraction of what it takes beside the first steps
+        if self.settings.eval_at_start:  # alone on the engine it takes a fraction of its time beside the first steps
             self.last_eval_step = 0
             self.idle_since = None  # the engine's start-up is not idle time of the run
             await self.run_eval(0)
