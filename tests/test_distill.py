@@ -12,6 +12,7 @@
 """
 import json
 import math
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -131,12 +132,20 @@ def test_the_update_with_a_teacher_scores_only_the_model_tokens(models):
 
 def test_a_dataset_task_learns_from_the_teacher_alone_with_every_off_policy_flag(models, tmp_path):
     """One vLLM run for both toolkits of issue 23: distillation alone (no --reward), beside the off-policy
-    masks, rloo and the mismatch metrics by lag (test_offpolicy.py checks their values by hand)."""
+    masks, rloo and the mismatch metrics by lag (test_offpolicy.py checks their values by hand). The student
+    is a Granite (its logits scaled: heads.py) with the teacher's tokenizer, so the run also checks, for the
+    suite, that the trainer and vLLM agree after a sync on a transformed LM head (test_heads.py runs the
+    other families with ASYNCGRPO_ALL_HEAD_RUNS=1)."""
+    from test_heads import RUN_HEAD_GAIN, tiny_model
+
+    student = str(tmp_path / "granite_student")
+    shutil.copytree(models["ascii"], student)  # its tokenizer; the weights: a Granite's
+    tiny_model("granite", vocab=100, gain=RUN_HEAD_GAIN["granite"]).save_pretrained(student)
     rows = tmp_path / "rows.jsonl"
     rows.write_text("".join(json.dumps({"prompt": f"say {w}:", "answer": w}) + "\n"
                             for w in ("cat", "dog", "sun", "sky", "red", "sea")))
     out = tmp_path / "run"
-    argv = [sys.executable, "train.py", "--out", str(out), "--model", models["ascii"], "--dataset", str(rows),
+    argv = [sys.executable, "train.py", "--out", str(out), "--model", student, "--dataset", str(rows),
             "--teacher", models["ascii_teacher"], "--distill-coef", "1", "--steps", "6", "--prompts-per-step", "4",
             "--group-size", "4", "--max-new-tokens", "6", "--eval-every", "0", "--max-lag", "1", "--adv-estimator", "rloo",
             "--geo-mask-high", "1.05", "--dsv32-mask-kl", "0.01", "--icepop-high", "5"]
@@ -156,3 +165,6 @@ def test_a_dataset_task_learns_from_the_teacher_alone_with_every_off_policy_flag
         lags = [k for k in row if k.startswith("mismatch_k3/lag")]
         assert lags and all(int(k[len("mismatch_k3/lag"):]) <= 1 for k in lags)
     assert any("mismatch_k3/lag0" in row for row in steps)
+    after_sync = [row["logprob_diff_on_policy"] for row in steps
+                  if row["version"] >= 2 and row["logprob_diff_on_policy"] is not None]
+    assert after_sync and max(after_sync) < 1e-3, after_sync  # fp32: the Granite head, as vLLM applies it
