@@ -132,7 +132,7 @@ def test_the_update_with_a_teacher_scores_only_the_model_tokens(models):
 
 def test_a_dataset_task_learns_from_the_teacher_alone_with_every_off_policy_flag(models, tmp_path):
     """One vLLM run for both toolkits of issue 23: distillation alone (no --reward), beside the off-policy
-    masks, rloo and the mismatch metrics by lag (test_offpolicy.py checks their values by hand). The student
+    masks, rloo and the mismatch metrics, on policy (test_offpolicy.py checks their values by hand). The student
     is a Granite (its logits scaled: heads.py) with the teacher's tokenizer, so the run also checks, for the
     suite, that the trainer and vLLM agree after a sync on a transformed LM head (test_heads.py runs the
     other families with ASYNCGRPO_ALL_HEAD_RUNS=1)."""
@@ -147,7 +147,7 @@ def test_a_dataset_task_learns_from_the_teacher_alone_with_every_off_policy_flag
     out = tmp_path / "run"
     argv = [sys.executable, "train.py", "--out", str(out), "--model", student, "--dataset", str(rows),
             "--teacher", models["ascii_teacher"], "--distill-coef", "1", "--steps", "6", "--prompts-per-step", "4",
-            "--group-size", "4", "--max-new-tokens", "6", "--eval-every", "0", "--max-lag", "1", "--adv-estimator", "rloo",
+            "--group-size", "4", "--max-new-tokens", "6", "--eval-every", "0", "--max-lag", "0", "--adv-estimator", "rloo",
             "--geo-mask-high", "1.05", "--dsv32-mask-kl", "0.01", "--icepop-high", "5"]
     proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -158,13 +158,13 @@ def test_a_dataset_task_learns_from_the_teacher_alone_with_every_off_policy_flag
     assert all(row["reward"] == 0 and row["unscored"] == 0 for row in steps)  # no --reward: task advantage 0
     assert all(row["loss"] != 0 for row in steps)  # the teacher's signal alone moves the student
     for row in steps:
-        assert 0 <= row["mismatch_k3"] < 0.5, row  # fp32 on both sides, lag <= 1: close agreement
-        assert 0 < row["is_ess"] <= 1 + 1e-9
+        assert 0 <= row["mismatch_k3"] < 1e-6, row  # fp32 on both sides, on policy (k3 ~ diff^2 / 2)
+        assert 0 < row["is_ess"] <= 1 + 1e-5  # (<= 1 by Cauchy-Schwarz; float32 sums)
         for share in ("is_truncated_frac", "geo_masked_seq_frac", "dsv32_masked_seq_frac", "icepop_masked_frac"):
             assert 0 <= row[share] <= 1, (share, row[share])
         lags = [k for k in row if k.startswith("mismatch_k3/lag")]
-        assert lags and all(int(k[len("mismatch_k3/lag"):]) <= 1 for k in lags)
+        assert lags == ["mismatch_k3/lag0"]  # (--max-lag 0: every row's tokens on policy, so every row agrees;
+        # the metrics at other lags: test_offpolicy.py, in training)
     assert any("mismatch_k3/lag0" in row for row in steps)
-    after_sync = [row["logprob_diff_on_policy"] for row in steps
-                  if row["version"] >= 2 and row["logprob_diff_on_policy"] is not None]
-    assert after_sync and max(after_sync) < 1e-3, after_sync  # fp32: the Granite head, as vLLM applies it
+    after_sync = [row["logprob_diff_on_policy"] for row in steps if row["version"] >= 2]
+    assert len(after_sync) == 5 and max(after_sync) < 1e-3, after_sync  # fp32: the Granite head, as vLLM applies it
