@@ -265,21 +265,7 @@ def validate(cfg: Config) -> None:
                         f"{cfg.min_lr})")
     if not 0 <= cfg.overlong_penalty < cfg.max_new_tokens:
         problems.append(f"--overlong-penalty must be in [0, --max-new-tokens) (got {cfg.overlong_penalty})")
-    if not 0 <= cfg.lora_rank <= 512:
-        problems.append(f"--lora-rank must be in 0..512 (got {cfg.lora_rank})")
-    if cfg.lora_rank and cfg.lora_alpha <= 0:
-        problems.append(f"--lora-alpha must be > 0 (got {cfg.lora_alpha})")
-    if cfg.lora_dropout != 0:  # each pass would draw its own masks: the ratio to the proximal policy is noise
-        problems.append(f"--lora-dropout {cfg.lora_dropout}: RL fine-tuning runs without dropout (each scoring pass "
-                        "draws its own masks, so ratios, importance weights and clips measure the masks, not the "
-                        "policy); use 0")
-    if cfg.lora_rank and "lm_head" in cfg.lora_targets.replace(" ", "").split(","):
-        problems.append("--lora-targets lm_head: the LM head cannot take an adapter here (the trainer applies "
-                        "its weight directly, a chunk of tokens at a time); adapt the other layers")
-    if cfg.lora_rank and not cfg.lora_targets.strip(" ,"):
-        problems.append("--lora-targets is empty: give all-linear or module names such as q_proj,v_proj")
-    if cfg.merge_at_end and not cfg.lora_rank:
-        problems.append("--merge-at-end merges a LoRA adapter: it needs --lora-rank")
+    problems += lora_problems(cfg)
     problems += model_path_problems("--model", cfg.model)
     if cfg.distill_coef < 0 or (cfg.distill_coef > 0) != bool(cfg.teacher):
         problems.append(f"--distill-coef {cfg.distill_coef} and --teacher {cfg.teacher!r}: distillation needs both, a "
@@ -296,6 +282,27 @@ def validate(cfg: Config) -> None:
     problems += devices.problems(cfg)  # --gen-devices/--train-devices: parse, GPUs exist, one rank per GPU
     if problems:
         raise SystemExit("error: " + "\nerror: ".join(problems))
+
+
+def lora_problems(cfg: Config) -> list[str]:
+    """--lora-*, --merge-at-end: one line each."""
+    out = []
+    if not 0 <= cfg.lora_rank <= 512:
+        out.append(f"--lora-rank must be in 0..512 (got {cfg.lora_rank})")
+    if cfg.lora_rank and cfg.lora_alpha <= 0:
+        out.append(f"--lora-alpha must be > 0 (got {cfg.lora_alpha})")
+    if cfg.lora_dropout != 0:  # each pass would draw its own masks: the ratio to the proximal policy is noise
+        out.append(f"--lora-dropout {cfg.lora_dropout}: RL fine-tuning runs without dropout (each scoring pass "
+                        "draws its own masks, so ratios, importance weights and clips measure the masks, not the "
+                        "policy); use 0")
+    if cfg.lora_rank and "lm_head" in cfg.lora_targets.replace(" ", "").split(","):
+        out.append("--lora-targets lm_head: the LM head cannot take an adapter here (the trainer applies "
+                        "its weight directly, a chunk of tokens at a time); adapt the other layers")
+    if cfg.lora_rank and not cfg.lora_targets.strip(" ,"):
+        out.append("--lora-targets is empty: give all-linear or module names such as q_proj,v_proj")
+    if cfg.merge_at_end and not cfg.lora_rank:
+        out.append("--merge-at-end merges a LoRA adapter: it needs --lora-rank")
+    return out
 
 
 def off_policy_problems(cfg: Config) -> list[str]:
