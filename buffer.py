@@ -2,7 +2,7 @@
 
 Role
     `RolloutGroup` (one prompt, its G completions, every token tagged with the version that sampled it: `tag_versions`), the
-    staleness rule (`--max-lag`), and the assembly of padded training batches and per-rank micro-batches.
+    staleness rule (`--max-lag`), and the assembly of padded training batches.
 Data contract
     - A `multiprocessing` queue of `--queue-size` groups: a full queue blocks the generator (a first bound on
       staleness and memory). Groups hold plain lists: the sender may exit before the receiver unpickles.
@@ -13,13 +13,12 @@ Data contract
       none of its model tokens is fresh enough; group: a group with any stale sample is dropped. Drops are
       counted (`dropped_stale`), never silent.
     - `Batch` tensors are (num_samples, seq_len - 1), aligned with targets `input_ids[:, 1:]`; `mask` is True
-      on model-sampled completion tokens. Every rank gets the same number of micro-batches (`rank_micro_batches`).
+      on model-sampled completion tokens; update.py splits a batch into each rank's micro-batches.
 May touch: the queue it is handed. Nothing of the trainer's model or the engine.
 """
 from __future__ import annotations
 
 import dataclasses
-import math
 import multiprocessing
 import multiprocessing.queues
 import queue as queue_lib
@@ -280,57 +279,3 @@ def staleness_stats(batch: Batch, trainer_version: int) -> dict:
         return {"lag_mean": 0.0, "lag_max": 0, "fresh_token_frac": 1.0}
     return {"lag_mean": float(lags.mean()), "lag_max": int(lags.max()),
             "fresh_token_frac": float((lags == 0).float().mean())}
-
-
-def rows_for_rank(num_rows: int, rank: int, world_size: int) -> slice:
-    """Contiguous share of a batch's rows for one data-parallel rank."""
-    per = math.ceil(num_rows / world_size)
-    return slice(min(rank * per, num_rows), min((rank + 1) * per, num_rows))
-
-
-def plan_micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
-    """Rows (indices into `lengths`, each row's prompt + completion length) grouped into micro-batches of
-    at most `max_tokens` padded tokens (rows x the longest row), shortest rows first, so that rows of
-    similar length share a micro-batch and padding stays small. A row longer than `max_tokens` gets a
-    micro-batch of its own. `max_tokens` 0: one micro-batch."""
-    plan, current = [], []
-    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
-        if current and max_tokens and (len(current) + 1) * lengths[i] > max_tokens:
-            plan.append(current)
-            current = []
-        current.append(i)
-    return plan + [current] if current else plan
-
-
-def rank_micro_batch_rows(batch: Batch, rank: int, world_size: int, max_tokens: int) -> tuple[list[list[int]], int]:
-    """This rank's micro-batches as rows of `batch`, and how many micro-batches every rank runs (the most any
-    rank needs: see `rank_micro_batches`)."""
-    lengths = batch.attention_mask.sum(1).tolist()
-    plans = []
-    for r in range(world_size):
-        rows = rows_for_rank(len(batch), r, world_size)
-        plans.append([[rows.start + i for i in mb] for mb in plan_micro_batches(lengths[rows], max_tokens)])
-    count = max(len(plan) for plan in plans)
-    plan = plans[rank]
-    while len(plan) < count and any(len(mb) > 1 for mb in plan):
-        k = max(range(len(plan)), key=lambda k: len(plan[k]))
-        half = len(plan[k]) // 2
-        plan = plan[:k] + [plan[k][:half], plan[k][half:]] + plan[k + 1:]
-    return plan, count
-
-
-def rank_micro_batches(batch: Batch, rank: int, world_size: int, max_tokens: int) -> list[Batch]:
-    """This rank's rows of `batch` (`rows_for_rank`) in micro-batches (`plan_micro_batches`), each trimmed
-    to its longest row.
-
-    Every rank gets as many micro-batches as the rank that needs the most (each forward and backward runs
-    FSDP2 collectives): a rank that needs fewer halves its largest ones, and one short of rows even then
-    gets fillers, a row of the batch with its mask cleared (it runs through the model, adds no loss and no
-    gradient). Every rank holds the whole batch, so each works out every rank's plan without communicating.
-    """
-    plan, count = rank_micro_batch_rows(batch, rank, world_size, max_tokens)
-    micro = [batch.select(rows).trimmed() for rows in plan]
-    if len(micro) < count:
-        filler = batch.select([0]).trimmed()
-        micro += [dataclasses.replace(filler, mask=torch.zeros_like(filler.mask))] * (count - len(micro))
-    return micro

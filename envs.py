@@ -327,8 +327,7 @@ async def model_turn(gen, ids: list[int], params, request_id: str):
     final = None
     gen._count_generating(+1)
     try:
-        async for out in gen.engine.generate(gen.prompt_input(ids), params, request_id=request_id,
-                                             lora_request=gen.lora_request):
+        async for out in gen.generate(ids, params, request_id):
             final = out
     finally:
         gen._count_generating(-1)

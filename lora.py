@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import os
+from dataclasses import dataclass, field
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -54,22 +55,50 @@ def engine_max_rank(rank: int) -> int:
 SERVED_ID = 1  # vLLM's id of the one adapter the generator serves (ids start at 1)
 
 
-def served_adapter(rank: int, adapter_dir: str):
-    """(engine options, the request every generate call names) that serve the trained adapter from
-    `adapter_dir`; ({}, None) for full fine-tuning. vLLM is imported here: in the generator process only."""
+@dataclass
+class Served:
+    """The generator's one seam for what it serves: the engine's options, what every request names, and the
+    worker call that loads a publish. Full fine-tuning: no options, the weights reloaded in place."""
+    engine_options: dict = field(default_factory=dict)  # AsyncEngineArgs extras
+    request_options: dict = field(default_factory=dict)  # AsyncLLM.generate extras
+    adapter_dir: str = ""  # the adapter's folder ("": the full weights)
+
+    def load_call(self, version: int) -> tuple[str, tuple]:
+        """The worker method (vllm_worker.py) and arguments that load the buffer: the adapter in place, or
+        the full weights."""
+        if self.adapter_dir:
+            return "load_shared_adapter", (version, self.adapter_dir, SERVED_ID)
+        return "load_shared_weights", (version,)
+
+
+def served_weights(rank: int, adapter_dir: str) -> Served:
+    """How the generator serves the trained weights: with --lora-rank the adapter from `adapter_dir`, which
+    every request names (vLLM is imported here: in the generator process only); rank 0, the full weights."""
     if not rank:
-        return {}, None
+        return Served()
     from vllm.lora.request import LoRARequest
 
-    return (dict(enable_lora=True, max_lora_rank=engine_max_rank(rank), max_loras=1, max_cpu_loras=1),
-            LoRARequest("policy", SERVED_ID, adapter_dir))
+    return Served(dict(enable_lora=True, max_lora_rank=engine_max_rank(rank), max_loras=1, max_cpu_loras=1),
+                  dict(lora_request=LoRARequest("policy", SERVED_ID, adapter_dir)), adapter_dir)
 
 
-def load_call(version: int, adapter_dir: str) -> tuple[str, tuple]:
-    """The worker method (vllm_worker.py) and arguments that load the buffer: the adapter in place, or the
-    full weights (adapter_dir "")."""
-    return ("load_shared_adapter", (version, adapter_dir, SERVED_ID)) if adapter_dir else \
-        ("load_shared_weights", (version,))
+class AdapterOff:
+    """The policy with its adapter switched off, scored like a model: the frozen reference of --kl-coef with
+    LoRA (the base weights, so no second copy of them)."""
+
+    def __init__(self, policy):
+        self.policy = policy
+        self.config = policy.config
+
+    def __call__(self, **inputs):
+        with self.policy.disable_adapter():
+            return self.policy(**inputs)
+
+    def get_decoder(self):
+        return self.policy.get_decoder()
+
+    def get_output_embeddings(self):
+        return self.policy.get_output_embeddings()
 
 
 def file_name(param_name: str) -> str:

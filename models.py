@@ -1,8 +1,9 @@
 """models.py — the trainer's models: FSDP2 sharding, one copy of the weights per node while loading, LoRA's
 wrapper, the frozen reference (and teacher), activation checkpointing.
 
-Role: train.start_rank builds its models here and sees them only through this file: a causal LM under FSDP2,
-wrapped in a trainable adapter with --lora-rank (lora.py), so the trainer's loop reads the same either way.
+Role: train.start_rank builds its models here (`build_policy`, `build_frozen_models`) and sees them only
+through this file: a causal LM under FSDP2, wrapped in a trainable adapter with --lora-rank (lora.py), so the
+trainer's loop and update.py read the same either way.
 Data contract: a Hugging Face model directory in; an FSDP2 module out (fp32 master weights; a frozen model in
 the serving dtype), the same on every rank of the default process group.
 May touch: the default process group (loading sends rank 0's weights to the others).
@@ -19,6 +20,26 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import devices
 import lora
+
+
+def build_policy(cfg, model_path, world_size, device):
+    """The model the run trains (with --lora-rank a trainable adapter on frozen base weights)."""
+    return build_trainer_model(model_path, world_size, device, lora.config_of(cfg), seed=cfg.seed,
+                               compute_dtype=devices.torch_dtype(cfg.dtype))
+
+
+def build_frozen_models(cfg, prepared, policy, world_size, device):
+    """(reference, teacher), each None when the run has none: the KL reference of --kl-coef (the original
+    weights; with LoRA the policy with its adapter off) and on-policy distillation's teacher (--teacher),
+    each built as `build_reference_model` builds it."""
+    dtype = devices.torch_dtype(cfg.dtype)
+    reference = None
+    if cfg.kl_coef > 0:
+        reference = lora.AdapterOff(policy) if cfg.lora_rank else \
+            build_reference_model(prepared.base_model, world_size, device, dtype)
+    teacher = build_reference_model(prepared.teacher_model, world_size, device, dtype) if cfg.distill_coef > 0 \
+        else None
+    return reference, teacher
 
 
 def build_trainer_model(model_path, world_size, device="cpu", lora_config=None, adapter_dir="", seed=0,

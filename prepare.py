@@ -75,7 +75,7 @@ def prepare_run(cfg: Config, engine_here: bool = True) -> Prepared:
             raise SystemExit(f"error: the model {resume_dir} was trained from ({base_model or 'not recorded'}) is "
                              "gone: it holds the tokenizer (and the LoRA base / KL reference)")
         # Every process loads the original model; the trainer then loads the checkpoint's sharded state into
-        # its ranks and publishes it to the generator first (generator_settings: load_first)
+        # its ranks and publishes it to the generator first (run_weights: starts_empty)
         model_path = base_model
         resume = dict(resume_dir=resume_dir, start_step=saved["step"], start_version=saved["version"],
                       groups_dropped=saved.get("groups_dropped", 0))
@@ -194,20 +194,23 @@ def model_shapes(model_path) -> list[tuple[str, tuple[int, ...]]]:
         return named_shapes_of(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path)))
 
 
-def allocate_shared_weights(model_path, device="cpu", dtype=devices.MASTER_DTYPE):
+def allocate_shared_weights(model_path, device="cpu", dtype=devices.MASTER_DTYPE, starts_empty=False):
     """The packed buffer for the full weights, in the serving dtype (the trainer casts into it on publish)."""
-    return SharedWeights.allocate(model_shapes(model_path), dtype=dtype, device=device)
+    return SharedWeights.allocate(model_shapes(model_path), dtype=dtype, device=device, starts_empty=starts_empty)
 
 
 def run_weights(cfg: Config, prepared: Prepared, device) -> tuple[SharedWeights, str]:
     """The run's packed buffer in the serving dtype: the full weights, or with --lora-rank the adapter's alone,
-    and then the folder whose adapter_config.json tells vLLM the adapter's rank, alpha and targets ("": none)."""
+    and then the folder whose adapter_config.json tells vLLM the adapter's rank, alpha and targets ("": none).
+    The generator serves nothing until it loads the trainer's first publish (`starts_empty`) when that is an
+    adapter vLLM does not hold yet, or a resumed run's weights."""
     config, dtype = lora.config_of(cfg), devices.torch_dtype(cfg.dtype)
+    starts_empty = config is not None or bool(prepared.resume_dir)
     if config is None:
-        return allocate_shared_weights(prepared.model_path, device, dtype), ""
+        return allocate_shared_weights(prepared.model_path, device, dtype, starts_empty), ""
     shapes, resolved = lora.adapter_shapes(prepared.model_path, config)
     adapter_dir = lora.write_config(resolved, prepared.model_path, os.path.join(cfg.out, "adapter_config"))
-    return SharedWeights.allocate(shapes, dtype=dtype, device=device), adapter_dir
+    return SharedWeights.allocate(shapes, dtype=dtype, device=device, starts_empty=starts_empty), adapter_dir
 
 
 def generator_settings(cfg: Config, prepared: Prepared, lora_dir: str = "") -> GeneratorSettings:
@@ -218,5 +221,5 @@ def generator_settings(cfg: Config, prepared: Prepared, lora_dir: str = "") -> G
         cfg, model=prepared.model_path, initial_version=prepared.start_version,
         first_group_id=prepared.start_step * cfg.prompts_per_step + prepared.groups_dropped,
         eval_at_start=cfg.eval_every > 0 and prepared.start_step == 0, lora_dir=lora_dir,
-        stop=data.stop_strings(cfg.stop), load_first=bool(prepared.resume_dir),
+        stop=data.stop_strings(cfg.stop),
         **prepared.layout.generator_settings())

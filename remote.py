@@ -244,7 +244,6 @@ def run_trainer(cfg, trainer_main) -> int:
             shared = prepare.allocate_shared_weights(prepared.model_path, "meta", devices.torch_dtype(cfg.dtype))
             # vLLM starts from the original model; the weights it serves (a checkpoint's too) are the ones we send
             settings = prepare.generator_settings(cfg, dataclasses.replace(prepared, model_path=prepared.base_model))
-            settings = dataclasses.replace(settings, load_first=True)
             control.groups_dropped.value = prepared.groups_dropped
             control.steps_skipped.value = prepared.start_step - prepared.start_version
             ok = trainer_link.handshake(settings, [(s.name, s.shape) for s in shared.layout], shared.dtype, device)
@@ -416,7 +415,9 @@ def run_generator(cfg) -> int:
         print(f"error: {problem}", file=sys.stderr, flush=True)
         bridge.link.close("error", f"cannot serve: {problem}")
         return 1
-    bridge.shared = SharedWeights.allocate(hello["shapes"], getattr(torch, hello["dtype"]), buffer_device)
+    # serves nothing until the trainer's first publish reaches it (its start weights, a checkpoint's too)
+    bridge.shared = SharedWeights.allocate(hello["shapes"], getattr(torch, hello["dtype"]), buffer_device,
+                                           starts_empty=True)
     ctx = mp.get_context("spawn")
     bridge.rollout_queue = ctx.Queue(maxsize=1)  # + the trainer's credits = --queue-size
     errors = ctx.Queue()

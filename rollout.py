@@ -30,8 +30,8 @@ from buffer import RolloutGroup, put_group, tag_versions
 from config import Config
 from devices import torch_dtype
 from evaluation import EvalResult, requested
-import lora
 from data import Prompt
+from lora import Served, served_weights
 from tasks import make_task
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -85,7 +85,6 @@ class GeneratorSettings:
     initial_version: int = 0  # the version of the weights in `model`
     first_group_id: int = 0  # a resumed run continues the sequence of group ids (and so the walk of prompts)
     eval_at_start: bool = False  # evaluate the initial weights (step 0) before training starts, engine to itself
-    load_first: bool = False  # serve nothing before the trainer's first publish (remote.py sends its start weights)
     lora_dir: str = ""  # with --lora-rank: holds the adapter's adapter_config.json (rank, alpha, targets)
     stop: tuple = ()  # --stop, unescaped (vLLM's SamplingParams.stop)
     # GPU placement (devices.DeviceLayout.generator_settings; the defaults are the CPU path)
@@ -125,7 +124,7 @@ class Generator:
         self.sync_ms: list[float] = []  # publish -> serving, per load, not yet handed to the trainer
         self.sync_parts: list[dict] = []
         self.error: BaseException | None = None
-        self.lora_request = None  # with LoRA: every request names the one adapter, which syncs replace in place
+        self.served: Served | None = None  # what the engine serves: the full weights, or an adapter (build_engine)
         self.wake: asyncio.Event | None = None  # set when a group finishes: the loop may start the next at once
         self.eval_task: asyncio.Task | None = None  # the evaluation in flight: no weight load until it is done
         self.last_eval_step = -1  # the newest evaluation request started
@@ -144,8 +143,8 @@ class Generator:
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        adapter_options, self.lora_request = lora.served_adapter(self.cfg.lora_rank, self.settings.lora_dir)
-        memory.update(adapter_options)
+        self.served = served_weights(self.cfg.lora_rank, self.settings.lora_dir)
+        memory.update(self.served.engine_options)
         if self.cfg.max_model_len:
             memory.update(max_model_len=self.cfg.max_model_len)
         args = AsyncEngineArgs(
@@ -159,6 +158,11 @@ class Generator:
         )
         self.engine = AsyncLLM.from_engine_args(args)
         return self.engine
+
+    def generate(self, ids: list[int], params, request_id: str):
+        """The engine's outputs for one request of token `ids`, under the weights it serves."""
+        return self.engine.generate(self.prompt_input(ids), params, request_id=request_id,
+                                    **self.served.request_options)
 
     def request_params(self, max_tokens: int | None = None, **sampling):
         """vLLM's SamplingParams for one request: final output only, the run's stop strings and length
@@ -224,9 +228,8 @@ class Generator:
         """[reward of the greedy completion, rewards of the samples] for one held-out prompt, and its tokens."""
         async def generate(greedy: bool):
             final = None
-            async for out in self.engine.generate(self.prompt_input(prompt.prompt_ids), self.eval_params(greedy),
-                                                  request_id=f"eval-{step}-{i}-{'greedy' if greedy else 'sampled'}",
-                                                  lora_request=self.lora_request):
+            async for out in self.generate(prompt.prompt_ids, self.eval_params(greedy),
+                                           f"eval-{step}-{i}-{'greedy' if greedy else 'sampled'}"):
                 final = out
             return sorted(final.outputs, key=lambda c: c.index)
 
@@ -265,9 +268,7 @@ class Generator:
         final = None
         self._count_generating(+1)
         try:
-            async for out in self.engine.generate(self.prompt_input(prompt.prompt_ids),
-                                                  self.sampling_params(group_id), request_id=f"group-{group_id}",
-                                                  lora_request=self.lora_request):
+            async for out in self.generate(prompt.prompt_ids, self.sampling_params(group_id), f"group-{group_id}"):
                 final = out
         finally:
             self._count_generating(-1)
@@ -354,12 +355,12 @@ class Generator:
 
     def load_rpc(self, version: int):
         """The worker call that loads the buffer's contents: the full weights, or the adapter in place."""
-        method, args = lora.load_call(version, self.settings.lora_dir)
+        method, args = self.served.load_call(version)
         return self.engine.collective_rpc(method, args=args)
 
     async def load_first_publish(self):
-        """LoRA (and `load_first`): the engine serves no adapter (weights) until the trainer's first publish of
-        it (at its start) is loaded, tagged with the version it carries."""
+        """A buffer that starts empty (an adapter, a resume, a remote generator): the engine serves nothing until
+        the trainer's first publish (at its start) is loaded, tagged with the version it carries."""
         deadline = time.monotonic() + self.cfg.timeout_s
         while self.shared.publish_time_ns() == 0 or self.shared.version() < self.settings.initial_version:
             if self.control.stop.is_set():
@@ -400,9 +401,9 @@ class Generator:
         await self.engine.update_weight_version(str(self.loaded_version))
         await self.engine.collective_rpc("attach_shared_weights", args=(self.shared.to_bytes(),))
         # The trainer may use a GPU it shares with vLLM from now on; it must, before its first publish, which
-        # a LoRA run or a resume waits for below.
+        # a buffer that starts empty waits for below.
         self.control.engine_started.set()
-        if self.cfg.lora_rank or self.settings.load_first:
+        if self.shared.starts_empty:
             await self.load_first_publish()
         if self.settings.eval_at_start:  # alone on the engine it takes a fraction of its time beside the first steps
             self.last_eval_step = 0

@@ -26,10 +26,9 @@ import buffer
 import checkpoint
 import devices
 import evaluation
-import lora
 import metrics
 import prepare
-from models import build_reference_model, build_trainer_model, check_layout, checkpoint_layers
+from models import build_frozen_models, build_policy, check_layout, checkpoint_layers
 from config import Config, inactive_flags, parse_args
 from losses import estimate_advantages
 from processes import make_control, run_children, saving, wait_for
@@ -215,10 +214,8 @@ def start_rank(cfg: Config, prepared: prepare.Prepared, rank: int, world_size: i
                                 world_size=world_size, timeout=timedelta(seconds=cfg.timeout_s + 60))
     # Saves wait on their own group: a rank that finished writing its shards waits for the slowest one.
     save_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.save_timeout_s))
-    serving_dtype = devices.torch_dtype(cfg.dtype)
     resume_dir = prepared.resume_dir
-    model = build_trainer_model(prepared.base_model, world_size, device, lora.config_of(cfg), seed=cfg.seed,
-                                compute_dtype=serving_dtype)
+    model = build_policy(cfg, prepared.base_model, world_size, device)
     if cfg.grad_checkpointing:
         checkpoint_layers(model)
     # Build the optimizer before any forward pass (FSDP2 pitfall: see shared notes). Only what trains has state.
@@ -227,15 +224,9 @@ def start_rank(cfg: Config, prepared: prepare.Prepared, rank: int, world_size: i
         checkpoint.load_trainer_state(model, optimizer, resume_dir, save_group)
     check_layout(model, shared.layout)
     version = prepared.start_version
-    # the generator serves no adapter until this first publish (a new adapter is the base model); a generator
-    # across a link, or one resuming (it starts from the original model), serves nothing until it has these weights
-    if cfg.lora_rank or shared.starts_empty or resume_dir:
+    if shared.starts_empty:  # the generator serves nothing until it has loaded these weights
         publish_model(model, shared, version, rank, world_size)
-    ref_model = build_reference_model(prepared.base_model, world_size, device, serving_dtype) \
-        if cfg.kl_coef > 0 and not cfg.lora_rank else None
-    # on-policy distillation's teacher: a second frozen model built as the reference is (its own, with LoRA too)
-    teacher = build_reference_model(prepared.teacher_model, world_size, device, serving_dtype) \
-        if cfg.distill_coef > 0 else None
+    ref_model, teacher = build_frozen_models(cfg, prepared, model, world_size, device)
     tokenizer = AutoTokenizer.from_pretrained(prepared.base_model)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     # the run's clock starts when the engine is up, not while vLLM starts

@@ -20,7 +20,6 @@ import torch.distributed as dist
 
 import buffer
 import heads
-import lora
 from config import Config
 from losses import (behaviour_weights, distill_advantages, dsv32_sequence_mask, geometric_mean_mask, icepop_mask,
                     kl_penalty, mismatch_k3, policy_loss, score_tokens)
@@ -61,7 +60,7 @@ def update_on_batch(model, ref_model, optimizer, batch, cfg, rank, world_size, v
             part = batch.select(rows)
             tokens = int(part.mask.sum())  # every rank holds the whole batch: the counts need no collective
             units = tokens if cfg.agg == "token-mean" else int((part.mask.sum(1) > 0).sum())
-            micro_batches = buffer.rank_micro_batches(part, rank, world_size, cfg.micro_batch_tokens)
+            micro_batches = rank_micro_batches(part, rank, world_size, cfg.micro_batch_tokens)
             loss = torch.zeros((), device=device)
             for mb in micro_batches:
                 mb = mb.to(device)
@@ -142,7 +141,7 @@ def micro_batch_loss(model, ref_model, teacher, mb, cfg, units, tokens) -> LossT
                                weights=weights, units=units)
     kl = None
     if cfg.kl_coef > 0:  # between the untruncated distributions
-        ref_logp = reference_logprobs(model, ref_model, mb, cfg.temperature)
+        ref_logp = reference_logprobs(ref_model, mb, cfg.temperature)
         kl = torch.where(mask, kl_penalty(scores.logp_untruncated, ref_logp, cfg.kl_kind), 0.0)
         loss = loss + cfg.kl_coef * kl.sum() / max(tokens, 1)
     return LossTerms(loss, logp.detach(), scores.entropy, outside, trained, mask, kept, weights, policy,
@@ -310,22 +309,20 @@ def completion_logprobs(model, batch, temperature, top_k=-1, top_p=1.0, untrunca
     """Score a (micro-)batch's completion tokens with the generator's sampling distribution, without logits
     (`losses.score_tokens`: the LM head, with the family's transform of it (heads.py), a chunk of tokens at
     a time). Works with gradients, or under `torch.no_grad()` for a reference or proximal policy; `model` is
-    a causal LM or a PEFT wrapper of one, under FSDP2 or plain."""
-    base = lora.base_model_of(model)
-    head = dataclasses.asdict(heads.head_transform(base.config))
-    return TokenScores(*score_tokens(model, base.get_decoder(), base.get_output_embeddings(), batch.input_ids,
+    a causal LM (or what models.py wraps one in), under FSDP2 or plain."""
+    head = dataclasses.asdict(heads.head_transform(model.config))
+    return TokenScores(*score_tokens(model, model.get_decoder(), model.get_output_embeddings(), batch.input_ids,
                                      batch.attention_mask, batch.targets, batch.mask, temperature, top_k, top_p,
                                      untruncated, **head))
 
 
-def reference_logprobs(model, ref_model, batch, temperature):
-    """Log-probs (B, T) of the reference policy (untruncated, at the sampling temperature), no gradient:
-    `ref_model`, or with LoRA (`ref_model` None) the same model with its adapter switched off."""
+def reference_logprobs(ref_model, batch, temperature):
+    """Log-probs (B, T) of the reference policy (untruncated, at the sampling temperature), no gradient.
+    `ref_model`: what models.build_frozen_models made (with LoRA, the policy with its adapter off)."""
+    if ref_model is None:
+        raise ValueError("--kl-coef > 0 needs a reference model (models.build_frozen_models)")
     with torch.no_grad():
-        if ref_model is not None:
-            return completion_logprobs(ref_model, batch, temperature).logp
-        with model.disable_adapter():
-            return completion_logprobs(model, batch, temperature).logp
+        return completion_logprobs(ref_model, batch, temperature).logp
 
 
 def proximal_logprobs(model, batch, cfg, rank, world_size, device="cpu") -> torch.Tensor:
@@ -333,7 +330,7 @@ def proximal_logprobs(model, batch, cfg, rank, world_size, device="cpu") -> torc
     without gradients, micro-batched and chunked as training is. Each rank scores its own rows; a sum over
     ranks gives every rank all of them."""
     out = torch.zeros(batch.mask.shape)
-    plan, count = buffer.rank_micro_batch_rows(batch, rank, world_size, cfg.micro_batch_tokens)
+    plan, count = rank_micro_batch_rows(batch, rank, world_size, cfg.micro_batch_tokens)
     with torch.no_grad():
         for i in range(count):  # a rank with fewer micro-batches runs fillers: FSDP2 needs every rank's forward
             rows = plan[i] if i < len(plan) else [0]
@@ -396,3 +393,60 @@ def mini_batch_rows(num_rows: int, cfg: Config, step: int, epoch: int) -> list[t
         return [torch.arange(num_rows)]
     order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * 101 + epoch))
     return list(order.tensor_split(cfg.mini_batches))
+
+
+# ----------------------------------------------------------------------------------------------------
+# The micro-batches: each rank's rows of an update, within --micro-batch-tokens
+# ----------------------------------------------------------------------------------------------------
+def rows_for_rank(num_rows: int, rank: int, world_size: int) -> slice:
+    """Contiguous share of a batch's rows for one data-parallel rank."""
+    per = math.ceil(num_rows / world_size)
+    return slice(min(rank * per, num_rows), min((rank + 1) * per, num_rows))
+
+
+def plan_micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Rows (indices into `lengths`, each row's prompt + completion length) grouped into micro-batches of
+    at most `max_tokens` padded tokens (rows x the longest row), shortest rows first, so that rows of
+    similar length share a micro-batch and padding stays small. A row longer than `max_tokens` gets a
+    micro-batch of its own. `max_tokens` 0: one micro-batch."""
+    plan, current = [], []
+    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+        if current and max_tokens and (len(current) + 1) * lengths[i] > max_tokens:
+            plan.append(current)
+            current = []
+        current.append(i)
+    return plan + [current] if current else plan
+
+
+def rank_micro_batch_rows(batch: buffer.Batch, rank: int, world_size: int, max_tokens: int) -> tuple[list[list[int]], int]:
+    """This rank's micro-batches as rows of `batch`, and how many micro-batches every rank runs (the most any
+    rank needs: see `rank_micro_batches`)."""
+    lengths = batch.attention_mask.sum(1).tolist()
+    plans = []
+    for r in range(world_size):
+        rows = rows_for_rank(len(batch), r, world_size)
+        plans.append([[rows.start + i for i in mb] for mb in plan_micro_batches(lengths[rows], max_tokens)])
+    count = max(len(plan) for plan in plans)
+    plan = plans[rank]
+    while len(plan) < count and any(len(mb) > 1 for mb in plan):
+        k = max(range(len(plan)), key=lambda k: len(plan[k]))
+        half = len(plan[k]) // 2
+        plan = plan[:k] + [plan[k][:half], plan[k][half:]] + plan[k + 1:]
+    return plan, count
+
+
+def rank_micro_batches(batch: buffer.Batch, rank: int, world_size: int, max_tokens: int) -> list[buffer.Batch]:
+    """This rank's rows of `batch` (`rows_for_rank`) in micro-batches (`plan_micro_batches`), each trimmed
+    to its longest row.
+
+    Every rank gets as many micro-batches as the rank that needs the most (each forward and backward runs
+    FSDP2 collectives): a rank that needs fewer halves its largest ones, and one short of rows even then
+    gets fillers, a row of the batch with its mask cleared (it runs through the model, adds no loss and no
+    gradient). Every rank holds the whole batch, so each works out every rank's plan without communicating.
+    """
+    plan, count = rank_micro_batch_rows(batch, rank, world_size, max_tokens)
+    micro = [batch.select(rows).trimmed() for rows in plan]
+    if len(micro) < count:
+        filler = batch.select([0]).trimmed()
+        micro += [dataclasses.replace(filler, mask=torch.zeros_like(filler.mask))] * (count - len(micro))
+    return micro

@@ -114,13 +114,17 @@ class SharedWeights:
     forwards it, like vLLM's front end, never opens it: torch cannot re-share a CUDA tensor it received)."""
 
     def __init__(self, buffer: torch.Tensor | None, header: torch.Tensor, layout: list[Slot],
-                 ipc_handle: CudaIpcHandle | None = None, dtype: torch.dtype | None = None):
+                 ipc_handle: CudaIpcHandle | None = None, dtype: torch.dtype | None = None,
+                 starts_empty: bool = False):
         self._buffer = buffer  # flat, one dtype: CPU shared memory, or CUDA memory (None: not opened yet)
         self.header = header  # int64 [seq, version, publish_time_ns], always in CPU shared memory
         self.layout = layout
         self._ipc = ipc_handle  # set in processes that received a CUDA buffer
         # The serving dtype, known without opening a received CUDA buffer (FSDP2 ranks cast to it before gathering).
         self.dtype = buffer.dtype if buffer is not None else (dtype or torch.float32)
+        # True: the generator serves nothing until it has loaded the trainer's first publish (an adapter that
+        # vLLM does not hold yet, a resume's weights); False: it starts from the weights it loaded itself.
+        self.starts_empty = starts_empty
 
     @property
     def buffer(self) -> torch.Tensor:
@@ -139,17 +143,15 @@ class SharedWeights:
         return "cuda" if self._ipc is not None else self._buffer.device.type
 
     def _shareable(self) -> tuple:
-        """(buffer or handle, header, layout, dtype): what crosses to another process."""
+        """(buffer or handle, header, layout, dtype, starts_empty): what crosses to another process."""
         if self._ipc is not None:  # received: forward the owner's handle (a received CUDA tensor cannot be re-shared)
-            return self._ipc, self.header, self.layout, self.dtype
+            return self._ipc, self.header, self.layout, self.dtype, self.starts_empty
         if self._buffer.device.type == "cuda":
-            return CudaIpcHandle.of(self._buffer), self.header, self.layout, self.dtype
-        return self._buffer, self.header, self.layout, self.dtype
+            return CudaIpcHandle.of(self._buffer), self.header, self.layout, self.dtype, self.starts_empty
+        return self._buffer, self.header, self.layout, self.dtype, self.starts_empty
 
     def __reduce__(self):
         return _rebuild_shared, self._shareable()
-
-    starts_empty = False  # the generator reads this memory itself: it already holds the start weights
 
     @property
     def single_writer(self) -> bool:
@@ -158,14 +160,14 @@ class SharedWeights:
         return self.device_type == "cuda"
 
     @staticmethod
-    def allocate(named_shapes, dtype=torch.float32, device="cpu") -> "SharedWeights":
+    def allocate(named_shapes, dtype=torch.float32, device="cpu", starts_empty=False) -> "SharedWeights":
         share_by_file_name()
         layout = make_layout(named_shapes)
         buffer = torch.zeros(packed_numel(layout), dtype=dtype, device=device)
         if buffer.device.type == "cpu":
             buffer.share_memory_()
         header = torch.zeros(3, dtype=torch.int64).share_memory_()
-        return SharedWeights(buffer, header, layout)
+        return SharedWeights(buffer, header, layout, starts_empty=starts_empty)
 
     def view(self, slot: Slot, buffer: torch.Tensor | None = None) -> torch.Tensor:
         buf = self.buffer if buffer is None else buffer
@@ -286,11 +288,12 @@ class SharedWeights:
         return _rebuild_shared(*pickle.loads(data))
 
 
-def _rebuild_shared(buffer_or_handle, header, layout, dtype=torch.float32) -> SharedWeights:
+def _rebuild_shared(buffer_or_handle, header, layout, dtype=torch.float32, starts_empty=False) -> SharedWeights:
     share_by_file_name()  # this process may forward the buffer (the generator hands it on to vLLM's worker)
     if isinstance(buffer_or_handle, CudaIpcHandle):
-        return SharedWeights(None, header, layout, ipc_handle=buffer_or_handle, dtype=dtype)  # opened on first use
-    return SharedWeights(buffer_or_handle, header, layout)
+        return SharedWeights(None, header, layout, ipc_handle=buffer_or_handle, dtype=dtype,  # opened on first use
+                             starts_empty=starts_empty)
+    return SharedWeights(buffer_or_handle, header, layout, starts_empty=starts_empty)
 
 
 def _synchronize(*devices: torch.device) -> None:

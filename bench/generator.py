@@ -117,7 +117,7 @@ def measure(model_path: str, plan: list[dict], rounds: int, seed: int, kv_delta:
         shared = prepare.allocate_shared_weights(model_path)
         if from_start:  # the engine may hold an earlier phase's last (perturbed) weights: serve the start ones
             shared.publish(start_weights, 0)
-            settings = dataclasses.replace(settings, load_first=True)
+            shared.starts_empty = True
         queue = ctx.Queue(maxsize=cfg.queue_size)
         queue.cancel_join_thread()  # leftovers in the queue must not hold this process at exit
         control = train.make_control(ctx)

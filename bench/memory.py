@@ -90,10 +90,10 @@ def measure(model_path: str, sequences: int, length: int, budgets: list[int], ma
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)  # before any forward (FSDP2 pitfall)
         cfg = config.Config(max_new_tokens=length)
         batch = synthetic_batch(sequences, length, prompt_len, model.config.vocab_size, seed)
-        planned = len(buffer.rank_micro_batches(batch, 0, 1, budgets[0]))
+        planned = len(update.rank_micro_batches(batch, 0, 1, budgets[0]))
         run = planned
         if max_micro_batches and planned > 2:  # a one-row micro-batch, then the heaviest (see the docstring)
-            whole_plan = buffer.rank_micro_batches
+            whole_plan = update.rank_micro_batches
 
             def shortest_row_then_heaviest(*args):
                 mbs = whole_plan(*args)
@@ -101,7 +101,7 @@ def measure(model_path: str, sequences: int, length: int, budgets: list[int], ma
                 shortest = min(mbs, key=lambda mb: mb.attention_mask.shape[1])
                 return [shortest.select([0]).trimmed(), heaviest]
 
-            buffer.rank_micro_batches = shortest_row_then_heaviest
+            update.rank_micro_batches = shortest_row_then_heaviest
             run = 2
         ready = psutil.Process().memory_info().rss
         if cuda:

@@ -154,7 +154,7 @@ def measure_size(name: str, shape: tuple, work: str, syncs: int, seed: int, gap_
     if lora_rank:  # as train.run and trainer_main do: a buffer for the adapter, published once at the start
         shapes, resolved = lora.adapter_shapes(path, lora_config)
         lora_dir = lora.write_config(resolved, path, str(Path(work) / f"adapter_config_{name}_r{lora_rank}"))
-        shared = SharedWeights.allocate(shapes)
+        shared = SharedWeights.allocate(shapes, starts_empty=True)
         sync.publish_model(model, shared, 0, 0, 1)
     else:
         shared = prepare.allocate_shared_weights(path)

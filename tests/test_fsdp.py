@@ -150,7 +150,7 @@ def test_batch_is_what_the_test_means():
     assert batch.mask.sum(1).tolist() == [5, 1, 3, 0, 4, 2, 5]
     assert len(set(batch.advantages.tolist())) == NUM_SAMPLES and (batch.advantages != 0).all()
     # world size 2 splits both rows and tokens unevenly, so the per-rank shares really matter
-    a, b = buffer.rows_for_rank(NUM_SAMPLES, 0, 2), buffer.rows_for_rank(NUM_SAMPLES, 1, 2)
+    a, b = update.rows_for_rank(NUM_SAMPLES, 0, 2), update.rows_for_rank(NUM_SAMPLES, 1, 2)
     assert (a.start, a.stop, b.start, b.stop) == (0, 4, 4, 7)
     assert int(batch.mask[a].sum()) != int(batch.mask[b].sum())
 

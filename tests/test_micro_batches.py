@@ -1,6 +1,6 @@
 """Micro-batches, chunked log-probs and activation checkpointing in the trainer step (`update.update_on_batch`).
 
-- `buffer.plan_micro_batches` / `rank_micro_batches`: rows grouped by length within the token budget, every
+- `update.plan_micro_batches` / `rank_micro_batches`: rows grouped by length within the token budget, every
   row exactly once, the same number of micro-batches on every rank (fillers add nothing).
 - `update.completion_logprobs` keeps no vocabulary-sized tensor for the backward pass.
 - Gradient parity: for every aggregation mode, at world size 1 and 2 (FSDP2 over gloo), micro-batches of one
@@ -46,22 +46,22 @@ def config(case):
 # ----------------------------------------------------------------------------------------------------
 def test_plan_groups_rows_by_length_within_the_budget():
     lengths = [9, 3, 7, 3, 30, 8, 2]
-    plan = buffer.plan_micro_batches(lengths, 16)
+    plan = update.plan_micro_batches(lengths, 16)
     assert sorted(i for mb in plan for i in mb) == list(range(len(lengths)))  # every row exactly once
     assert plan == [[6, 1, 3], [2, 5], [0], [4]]  # shortest first; 30 > 16 alone
     for mb in plan[:-1]:
         assert len(mb) * max(lengths[i] for i in mb) <= 16
-    assert buffer.plan_micro_batches(lengths, 0) == [[6, 1, 3, 2, 5, 0, 4]]
-    assert buffer.plan_micro_batches(lengths, 1) == [[i] for i in (6, 1, 3, 2, 5, 0, 4)]
+    assert update.plan_micro_batches(lengths, 0) == [[6, 1, 3, 2, 5, 0, 4]]
+    assert update.plan_micro_batches(lengths, 1) == [[i] for i in (6, 1, 3, 2, 5, 0, 4)]
 
 
 @pytest.mark.parametrize("world,max_tokens", [(1, 20), (2, 1), (2, 20), (3, 0), (3, 1), (8, 20)])
 def test_every_rank_gets_as_many_micro_batches_and_its_own_rows(world, max_tokens):
     batch = make_batch()
-    per_rank = [buffer.rank_micro_batches(batch, r, world, max_tokens) for r in range(world)]
+    per_rank = [update.rank_micro_batches(batch, r, world, max_tokens) for r in range(world)]
     assert len({len(m) for m in per_rank}) == 1
     for r, micro in enumerate(per_rank):
-        rows = batch.select(buffer.rows_for_rank(len(batch), r, world))
+        rows = batch.select(update.rows_for_rank(len(batch), r, world))
         def trained(batches):  # (advantage, completion tokens) of each row that trains (fillers do not)
             return sorted((float(mb.advantages[i]), int(mb.mask[i].sum())) for mb in batches
                           for i in range(len(mb)) if mb.mask[i].any())
@@ -153,7 +153,7 @@ def _parity_worker(rank, world, init_file, model_path, ref_path, adapter_dir, re
             model = with_lora if CASES[case].get("lora") else full
             if name in CHECKPOINTED:
                 models.checkpoint_layers(model)  # for good: the checkpointed runs come last
-            result = backward(model, None if model is with_lora else ref_model, make_batch(), cfg,
+            result = backward(model, lora.AdapterOff(model) if model is with_lora else ref_model, make_batch(), cfg,
                                           rank, world, version=0)
             grads = {n: p.grad.full_tensor().clone() for n, p in model.named_parameters() if p.grad is not None}
             model.zero_grad(set_to_none=True)

@@ -13,6 +13,7 @@ import config
 import devices
 import prepare
 import sync
+import update
 import weight_buffer
 
 
@@ -222,7 +223,7 @@ def test_collate_aligns_completion_targets():
 def test_rows_for_rank_partition_the_batch():
     for n in (1, 5, 8, 33):
         for world in (1, 2, 3):
-            rows = [list(range(n))[buffer.rows_for_rank(n, r, world)] for r in range(world)]
+            rows = [list(range(n))[update.rows_for_rank(n, r, world)] for r in range(world)]
             assert sum(rows, []) == list(range(n))
 
 
@@ -258,3 +259,21 @@ def test_generator_settings_carry_the_config_and_the_resume_point():
     assert (s.initial_version, s.first_group_id, s.device) == (4, 20, "cpu")
     with pytest.raises(dataclasses.FrozenInstanceError):  # nothing changes the run's config after it is resolved
         cfg.max_lag = 1
+
+
+def test_a_buffer_that_starts_empty_says_so_in_every_process(tmp_path):
+    """The trainer publishes at its start, and the generator waits for that publish, exactly when the run's
+    buffer starts empty: an adapter vLLM does not hold yet, or a resume's weights (prepare.run_weights); the
+    flag crosses to the processes the buffer is handed to."""
+    import tasks
+
+    model = tasks.build_tiny_model(str(tmp_path / "m"))
+    layout = devices.plan("", "")
+    cases = {"full": ([], {}, False), "lora": (["--lora-rank", "2"], {}, True),
+             "resume": ([], {"resume_dir": str(tmp_path)}, True)}
+    for name, (argv, resume, expected) in cases.items():
+        cfg = prepare.resolve(config.parse_args(argv + ["--out", str(tmp_path / name)]))
+        shared, adapter_dir = prepare.run_weights(cfg, prepare.Prepared(model, model, layout, **resume), "cpu")
+        assert bool(adapter_dir) == (name == "lora")
+        assert shared.starts_empty is expected, name
+        assert weight_buffer.SharedWeights.from_bytes(shared.to_bytes()).starts_empty is expected, name

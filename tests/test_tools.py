@@ -313,9 +313,10 @@ def test_tools_round_trip_through_the_episode_runner(tmp_path, ascii_model, toke
     task = envs.EnvTask(cfg, tokenizer, rows=([row], [row]))
     call = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
     engine = ScriptedEngine(tokenizer, [call, '<tool_call>{"name": "nope"</tool_call>', "The sum is 5."])
-    gen = SimpleNamespace(cfg=cfg, task=task, engine=engine, max_model_len=4096, lora_request=None,
+    gen = SimpleNamespace(cfg=cfg, task=task, engine=engine, max_model_len=4096,
                           request_params=lambda **k: k, _count_generating=lambda d: None,
-                          prompt_input=lambda ids: {"prompt_token_ids": ids})
+                          generate=lambda ids, params, request_id: engine.generate(
+                              {"prompt_token_ids": ids}, params, request_id))
     env = task.factory()
     assert isinstance(env, tools.ToolEnv) and [t["function"]["name"] for t in env.tools] == ["add", "divide"]
     ep = asyncio.run(envs.run_episode(gen, env, task.prompts[0], envs.Turns({}, "t")))
