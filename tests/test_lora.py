@@ -92,7 +92,7 @@ def test_generator_serves_each_published_adapter_and_agrees_with_the_trainer(bas
     os.environ["PYTHONPATH"] = REPO  # vLLM's worker imports the extension (vllm_worker.WeightSyncWorker)
     shapes, resolved = lora.adapter_shapes(base_model, lora.peft_config(**CONFIG))
     lora_dir = lora.write_config(resolved, base_model, str(tmp_path / "adapter_config"))
-    shared = SharedWeights.allocate(shapes)
+    shared = SharedWeights.allocate(shapes, starts_empty=True)  # as prepare.run_weights: an adapter
     settings = settings_for(base_model, group_size=4, prompts_per_step=4, max_new_tokens=16, max_lag=10**6,
                             kv_cache_mb=64, initial_version=1, lora_rank=8, lora_dir=lora_dir)
     ctx = mp.get_context("spawn")
