@@ -12,7 +12,9 @@ Data contract
       where it lies on vLLM's GPU (a shared GPU; the generator node's), so the shares leave it room
       (`buffer_fraction`: its size over the GPU's memory) and RESERVED_FRACTION for CUDA contexts.
     - `--dtype auto` resolves here: bf16 on GPUs, CPU_DEFAULT_DTYPE on the CPU. Errors: `DeviceError`.
-May touch: nothing (reads the CUDA device count and the environment). Used by train.py and tests.
+Also what vLLM cannot serve on them (`engine_problems`, found from config.json before anything starts).
+May touch: nothing (reads the CUDA device count and the environment), except where a process enters its
+placement: the generator's CUDA_VISIBLE_DEVICES, a trainer rank's current GPU and its memory cap.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+from transformers import AutoConfig
 
 SHARED_GEN_FRACTION = 0.3  # vLLM's share of a GPU it shares with a trainer rank (--gpu-memory-utilization 0)
 SHARED_BUDGET = 0.85  # vLLM's share + the trainer rank's cap on a shared GPU; 0.15 left for contexts and the buffer
@@ -214,3 +217,75 @@ def problems(cfg) -> list[str]:
     except DeviceError as err:
         return [str(err)]
     return []
+
+
+def enter_generator_devices(settings, kv_cache_mb: int) -> dict:
+    """vLLM's placement and memory options (AsyncEngineArgs keywords) for the generator's `settings`
+    (rollout.GeneratorSettings). On GPUs it sets CUDA_VISIBLE_DEVICES first, before vLLM is imported (its
+    engine and worker processes inherit it): vLLM runs on the first tensor_parallel_size visible GPUs; the
+    trainer's weight buffer is on one of them or on the last one, where the worker extension opens its CUDA
+    IPC handle and copies peer-to-peer. CUDA graphs on GPUs (weight reloads copy into the same storage, so
+    captured graphs stay valid); on the CPU eager starts fastest (torch.compile adds ~20 s)."""
+    if settings.device != "cuda":
+        return dict(kv_cache_memory_bytes=kv_cache_mb * 2**20, enforce_eager=True)
+    os.environ["CUDA_VISIBLE_DEVICES"] = settings.cuda_visible_devices
+    return dict(gpu_memory_utilization=settings.gpu_memory_utilization,
+                tensor_parallel_size=settings.tensor_parallel_size, enforce_eager=False)
+
+
+def rank_device(layout: DeviceLayout, rank: int, torchrun: bool = False) -> torch.device:
+    """A trainer rank's device: the layout's, or under torchrun (--role trainer) this node's GPU LOCAL_RANK."""
+    if torchrun and torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device(layout.train_device(rank))
+
+
+def enter_rank_device(layout: DeviceLayout, rank: int, device: torch.device) -> None:
+    """Make a trainer rank's GPU current, capped to its share of a GPU it shares with vLLM (nothing on the CPU
+    path). Call it only once vLLM has started on a shared GPU: vLLM measures the free memory as it starts."""
+    if not layout.on_gpu:
+        return
+    torch.cuda.set_device(device)
+    if layout.shares_gpu(rank):
+        torch.cuda.set_per_process_memory_fraction(layout.train_memory_fraction, device)
+
+
+# vLLM 0.32's CPU attention (CPUAttentionBackend.get_supported_head_sizes): another head size starts the
+# engine and then fails at the first forward pass, inside the worker.
+CPU_ATTENTION_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def engine_problems(model_path: str, on_gpu: bool, max_model_len: int, max_new_tokens: int, kv_cache_mb: int,
+                    dtype: str) -> list[str]:
+    """What would stop vLLM from serving `model_path` with these settings, found from its config.json before
+    anything starts (vLLM itself finds it inside its worker, as a stack trace): one line each."""
+    config = AutoConfig.from_pretrained(model_path)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(text, "num_attention_heads", None)
+    head_dim = getattr(text, "head_dim", None) or (text.hidden_size // heads if heads else None)
+    problems = []
+    if not on_gpu and head_dim is not None and head_dim not in CPU_ATTENTION_HEAD_SIZES:
+        problems.append(f"{model_path}: attention head size {head_dim} (hidden_size / num_attention_heads) is not "
+                        f"one vLLM's CPU backend runs ({', '.join(map(str, CPU_ATTENTION_HEAD_SIZES))}); use "
+                        "such a model, or GPUs (--gen-devices/--train-devices)")
+    positions = getattr(text, "max_position_embeddings", None)
+    scaling = getattr(text, "rope_scaling", None) or {}  # a scaled RoPE (YaRN...) lets vLLM go past positions
+    scaled = isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type", "default")) != "default"
+    if max_model_len and positions and max_model_len > positions and not scaled:
+        problems.append(f"--max-model-len {max_model_len} is longer than {model_path} was built for "
+                        f"(max_position_embeddings {positions})")
+    context = max_model_len or positions
+    if context and context <= max_new_tokens:
+        problems.append(f"--max-new-tokens {max_new_tokens} fills the whole context ({context} tokens) of "
+                        f"{model_path}: lower it (or raise --max-model-len)")
+    layers = getattr(text, "num_hidden_layers", None)
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    if not on_gpu and context and layers and kv_heads and head_dim:
+        # A lower bound (vLLM also rounds up to 128-token blocks and holds one back): refuse only the sure cases.
+        per_token = 2 * layers * kv_heads * head_dim * (2 if dtype == "bf16" else 4)  # keys and values
+        needed_mb = context * per_token / 2**20
+        if needed_mb > kv_cache_mb:
+            problems.append(f"one sequence of {context} tokens (--max-model-len, or the model's "
+                            f"max_position_embeddings) needs at least {needed_mb:.0f} MB of KV cache, more than "
+                            f"--kv-cache-mb {kv_cache_mb}: raise --kv-cache-mb or lower --max-model-len")
+    return problems

@@ -24,7 +24,7 @@ import heads
 import lora
 import tools
 from config import Config
-from rollout import GeneratorSettings, engine_problems
+from rollout import GeneratorSettings
 from weight_buffer import SharedWeights, make_layout, named_shapes_of, packed_numel
 from tasks import build_tiny_model
 
@@ -182,7 +182,7 @@ def check_head(model_path) -> None:
 
 def check_engine(model_path, cfg, layout) -> None:
     """A model or context vLLM cannot serve here (e.g. a head size its CPU backend lacks): one line, now."""
-    problems = engine_problems(model_path, layout.on_gpu, cfg.max_model_len, cfg.max_new_tokens, cfg.kv_cache_mb,
+    problems = devices.engine_problems(model_path, layout.on_gpu, cfg.max_model_len, cfg.max_new_tokens, cfg.kv_cache_mb,
                                cfg.dtype)
     if problems:
         raise SystemExit("error: " + "\nerror: ".join(problems))

@@ -33,7 +33,8 @@ import prepare
 import processes
 from config import split_addr
 from link import Link, receive_weights, send_weights, silence_limit, weight_group
-from rollout import engine_problems, generator_main
+from devices import engine_problems
+from rollout import generator_main
 from weight_buffer import SharedWeights, make_layout, packed_numel
 
 

@@ -22,60 +22,19 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoTokenizer
 
 import data
 import envs
 from buffer import RolloutGroup, put_group, tag_versions
 from config import Config
-from devices import torch_dtype
+from devices import enter_generator_devices, torch_dtype
 from evaluation import EvalResult, requested
 from data import Prompt
 from lora import Served, served_weights
 from tasks import make_task
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-# vLLM 0.32's CPU attention (CPUAttentionBackend.get_supported_head_sizes): another head size starts the
-# engine and then fails at the first forward pass, inside the worker.
-CPU_ATTENTION_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
-
-
-def engine_problems(model_path: str, on_gpu: bool, max_model_len: int, max_new_tokens: int, kv_cache_mb: int,
-                    dtype: str) -> list[str]:
-    """What would stop vLLM from serving `model_path` with these settings, found from its config.json before
-    anything starts (vLLM itself finds it inside its worker, as a stack trace): one line each."""
-    config = AutoConfig.from_pretrained(model_path)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = getattr(text, "num_attention_heads", None)
-    head_dim = getattr(text, "head_dim", None) or (text.hidden_size // heads if heads else None)
-    problems = []
-    if not on_gpu and head_dim is not None and head_dim not in CPU_ATTENTION_HEAD_SIZES:
-        problems.append(f"{model_path}: attention head size {head_dim} (hidden_size / num_attention_heads) is not "
-                        f"one vLLM's CPU backend runs ({', '.join(map(str, CPU_ATTENTION_HEAD_SIZES))}); use "
-                        "such a model, or GPUs (--gen-devices/--train-devices)")
-    positions = getattr(text, "max_position_embeddings", None)
-    scaling = getattr(text, "rope_scaling", None) or {}  # a scaled RoPE (YaRN...) lets vLLM go past positions
-    scaled = isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type", "default")) != "default"
-    if max_model_len and positions and max_model_len > positions and not scaled:
-        problems.append(f"--max-model-len {max_model_len} is longer than {model_path} was built for "
-                        f"(max_position_embeddings {positions})")
-    context = max_model_len or positions
-    if context and context <= max_new_tokens:
-        problems.append(f"--max-new-tokens {max_new_tokens} fills the whole context ({context} tokens) of "
-                        f"{model_path}: lower it (or raise --max-model-len)")
-    layers = getattr(text, "num_hidden_layers", None)
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    if not on_gpu and context and layers and kv_heads and head_dim:
-        # A lower bound (vLLM also rounds up to 128-token blocks and holds one back): refuse only the sure cases.
-        per_token = 2 * layers * kv_heads * head_dim * (2 if dtype == "bf16" else 4)  # keys and values
-        needed_mb = context * per_token / 2**20
-        if needed_mb > kv_cache_mb:
-            problems.append(f"one sequence of {context} tokens (--max-model-len, or the model's "
-                            f"max_position_embeddings) needs at least {needed_mb:.0f} MB of KV cache, more than "
-                            f"--kv-cache-mb {kv_cache_mb}: raise --kv-cache-mb or lower --max-model-len")
-    return problems
-
-
 @dataclass
 class GeneratorSettings:
     """The generator's start: the run's resolved Config (the one source of every setting) and what the
@@ -130,30 +89,19 @@ class Generator:
         self.last_eval_step = -1  # the newest evaluation request started
 
     def build_engine(self):
-        if self.settings.device == "cuda":
-            # Before vLLM is imported (its engine and worker processes inherit this): vLLM runs on the first
-            # tensor_parallel_size visible GPUs; the trainer's weight buffer is on one of them or on the
-            # last one, where the worker extension opens its CUDA IPC handle and copies peer-to-peer.
-            os.environ["CUDA_VISIBLE_DEVICES"] = self.settings.cuda_visible_devices
-            memory = dict(gpu_memory_utilization=self.settings.gpu_memory_utilization,
-                          tensor_parallel_size=self.settings.tensor_parallel_size)
-        else:
-            memory = dict(kv_cache_memory_bytes=self.cfg.kv_cache_mb * 2**20)
+        options = enter_generator_devices(self.settings, self.cfg.kv_cache_mb)  # (sets CUDA_VISIBLE_DEVICES)
         # vLLM is imported here, in the generator process, never in the parent (nor before CUDA_VISIBLE_DEVICES).
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self.served = served_weights(self.cfg.lora_rank, self.settings.lora_dir)
-        memory.update(self.served.engine_options)
+        options.update(self.served.engine_options)
         if self.cfg.max_model_len:
-            memory.update(max_model_len=self.cfg.max_model_len)
+            options.update(max_model_len=self.cfg.max_model_len)
         args = AsyncEngineArgs(
             model=self.settings.model, tokenizer=self.settings.model, dtype=torch_dtype(self.cfg.dtype),
-            seed=self.cfg.seed,
-            # CUDA graphs on GPUs (weight reloads copy into the same storage, so captured graphs stay valid);
-            # on CPU eager starts fastest (torch.compile adds ~20 s).
-            enforce_eager=self.settings.device != "cuda", logprobs_mode="processed_logprobs",
-            worker_extension_cls="vllm_worker.WeightSyncWorker", **memory,
+            seed=self.cfg.seed, logprobs_mode="processed_logprobs",
+            worker_extension_cls="vllm_worker.WeightSyncWorker", **options,
             enable_prefix_caching=True, disable_log_stats=True, use_tqdm_on_load=self.cfg.log_level != "warning",
         )
         self.engine = AsyncLLM.from_engine_args(args)

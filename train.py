@@ -198,17 +198,12 @@ def start_rank(cfg: Config, prepared: prepare.Prepared, rank: int, world_size: i
     torch.set_num_threads(cfg.train_threads)
     torch.manual_seed(cfg.seed + rank)
     layout = prepared.layout
-    device = torch.device(layout.train_device(rank))
-    if cfg.role == "trainer" and torch.cuda.is_available():  # under torchrun: this node's GPU LOCAL_RANK
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    if layout.on_gpu:
-        # vLLM measures a GPU's free memory while it starts: on a shared GPU, keep off it until vLLM is up.
-        if layout.shared_gpus and not wait_for(control.engine_started, control.stop, cfg.timeout_s,
-                                               "the generator's engine to start"):
-            return None
-        torch.cuda.set_device(device)
-        if layout.shares_gpu(rank):
-            torch.cuda.set_per_process_memory_fraction(layout.train_memory_fraction, device)
+    device = devices.rank_device(layout, rank, torchrun=cfg.role == "trainer")
+    # vLLM measures a GPU's free memory while it starts: on a shared GPU, keep off it until vLLM is up.
+    if layout.shared_gpus and not wait_for(control.engine_started, control.stop, cfg.timeout_s,
+                                           "the generator's engine to start"):
+        return None
+    devices.enter_rank_device(layout, rank, device)
     if not dist.is_initialized():  # (--role trainer: torchrun's env:// group, made by remote.run_trainer)
         dist.init_process_group(layout.backend, init_method=f"file://{init_file}", rank=rank,
                                 world_size=world_size, timeout=timedelta(seconds=cfg.timeout_s + 60))

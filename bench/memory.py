@@ -71,9 +71,8 @@ def measure(model_path: str, sequences: int, length: int, budgets: list[int], ma
     import torch
     import torch.distributed as dist
 
-    import buffer
-    import models
     import config
+    import models
     import update
 
     torch.set_num_threads(threads)

@@ -252,12 +252,12 @@ def test_more_bad_steps_than_allowed_stop_the_run_with_the_reason():
 def test_a_model_vllms_cpu_backend_cannot_run_is_refused_before_anything_starts(tmp_path, capsys):
     """Head size 16 (hidden 64, 4 heads): vLLM's CPU attention would start and then fail at the first
     forward, inside its worker. The parent refuses it first, in one line; nothing is spawned."""
-    import rollout
+    import devices
     import train
     from tasks import build_tiny_model
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
-    assert tuple(CPUAttentionBackend.get_supported_head_sizes()) == rollout.CPU_ATTENTION_HEAD_SIZES
+    assert tuple(CPUAttentionBackend.get_supported_head_sizes()) == devices.CPU_ATTENTION_HEAD_SIZES
     model = build_tiny_model(str(tmp_path / "head16"), hidden=64, heads=4)
     out = tmp_path / "run"
     with pytest.raises(SystemExit) as err:
@@ -268,16 +268,16 @@ def test_a_model_vllms_cpu_backend_cannot_run_is_refused_before_anything_starts(
     # the other limits found from config.json: a context the model was not built for, a KV cache too small
     # for one sequence (the default tiny model: 64 positions, 2 layers x 4 heads x 32 dims)
     tiny = build_tiny_model(str(tmp_path / "tiny"))
-    assert rollout.engine_problems(tiny, False, 0, 5, 256, "fp32") == []
-    [long] = rollout.engine_problems(tiny, False, 100, 5, 256, "fp32")
+    assert devices.engine_problems(tiny, False, 0, 5, 256, "fp32") == []
+    [long] = devices.engine_problems(tiny, False, 100, 5, 256, "fp32")
     assert "--max-model-len 100" in long and "max_position_embeddings 64" in long
-    [full] = rollout.engine_problems(tiny, False, 0, 64, 256, "fp32")
+    [full] = devices.engine_problems(tiny, False, 0, 64, 256, "fp32")
     assert "--max-new-tokens 64" in full
     deep = build_tiny_model(str(tmp_path / "deep"), layers=64)  # 64 x 1 KB per token x 64 tokens = 4 MB
-    [kv] = rollout.engine_problems(deep, False, 0, 5, 3, "fp32")
+    [kv] = devices.engine_problems(deep, False, 0, 5, 3, "fp32")
     assert "--kv-cache-mb 3" in kv and "at least 4 MB" in kv
-    assert rollout.engine_problems(deep, False, 0, 5, 3, "bf16") == []  # bf16 halves the KV cache
-    assert rollout.engine_problems(model, True, 0, 5, 256, "bf16") == []  # GPUs run head size 16
+    assert devices.engine_problems(deep, False, 0, 5, 3, "bf16") == []  # bf16 halves the KV cache
+    assert devices.engine_problems(model, True, 0, 5, 256, "bf16") == []  # GPUs run head size 16
 
 
 def _kill_myself():

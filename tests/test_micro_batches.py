@@ -16,7 +16,6 @@ import tempfile
 import pytest
 import torch
 
-import buffer
 import losses
 import lora
 import tasks
