@@ -121,8 +121,8 @@ class CopyTask:
         held = [t for t in triples if is_held_out(t)]
         training = [self.encode(t) for t in triples if not is_held_out(t)]
         self.prompts, dropped = data.drop_long(training, limit, "training")
-        self.held_out, dropped_held = data.drop_long([self.encode(held[i]) for i in data.held_out_order(len(held))],
-                                                     limit, "held-out")
+        held_out = [self.encode(held[i]) for i in data.held_out_order(len(held))]
+        self.held_out, dropped_held = data.drop_long(held_out, limit, "held-out")
         self.dropped_long = dropped + dropped_held
         if not self.prompts:
             raise RuntimeError(f"every copy prompt is longer than {limit} tokens")

@@ -260,7 +260,8 @@ def test_saved_model_directory_and_dataset_task(ascii_model, tokenizer, tmp_path
     assert prepare.resolve_model(ascii_model) == os.path.abspath(ascii_model)
     cfg = config.parse_args(["--model", ascii_model, "--task", "gsm8k", "--max-new-tokens", "8"])
     task = tasks.make_task(cfg, tokenizer, max_len=1024)
-    assert len(task.prompts) == len(data.load_rows(data.GSM8K["dataset"])) and task.held_out == []  # a file: no test split
+    # a file has no test split: no held-out prompts
+    assert len(task.prompts) == len(data.load_rows(data.GSM8K["dataset"])) and task.held_out == []
     prompt = task.prompts[data.walk(0, len(task.prompts), seed=0)[1]]
     text = tokenizer.decode(prompt.prompt_ids)
     assert text.startswith("<|system|>\n" + data.GSM8K_SYSTEM_PROMPT) and prompt.prompt in text
