@@ -1,10 +1,12 @@
-"""data.py — bring your own data: datasets, the order prompts are used in, prompt rendering, models.
+"""data.py — bring your own data: datasets, the order prompts are used in, prompt rendering.
 
 Role: from a researcher's files to rows and token ids, with no engine and no trainer in sight (importable
 without vLLM or torch): `load_rows`/`check_rows`/`eval_source` (JSONL, JSON, Parquet, or a Hugging Face
 dataset), `walk` (the order prompts are used in), `encode_prompt` (chat template for message lists,
 `--system-prompt`), the built-in `GSM8K` task, reasoning-gym's procedural datasets (`--task rg:NAME`, rows
-generated here: `rg_rows`), `resolve_model`. Reward functions: rewards.py.
+generated here: `rg_rows`). Reward functions: rewards.py.
+Data flows one way, tasks.py/envs.py -> data.py: `spec_of` (flags -> DataSpec), `prompt_limit`, `dataset_rows`
+(training and held-out rows), `encode_rows` (rows -> Prompts, too-long ones dropped); data.py imports neither.
 Data contract: a row is a dict; its prompt column holds a string or a list of {"role", "content"}
 messages. `walk(g, n, seed)` gives group id g the row of epoch g // n.
 May touch: the files it is pointed at (and the Hugging Face cache). Nothing of the engine or the trainer.
@@ -44,9 +46,8 @@ GSM8K_SYSTEM_PROMPT = ("Solve the math problem step by step. "
 GSM8K = {"dataset": os.path.join(HERE, "data", "gsm8k_sample.jsonl"), "prompt_column": "question",
          "answer_column": "answer", "reward": "math", "system_prompt": GSM8K_SYSTEM_PROMPT}
 TASKS = ("auto", "copy", "dataset", "gsm8k", "reveal")  # and rg:NAME; reveal: the built-in multi-turn task
-# `--task rg:NAME`: reasoning-gym's dataset NAME, generated (no download): the training rows from one seed, the
-# held-out rows from another (less any question the training rows hold). reasoning-gym seeds row i with
-# seed + i, so the two seeds lie further apart than a split is long.
+# `--task rg:NAME`: reasoning-gym's dataset NAME, generated (no download): training rows from one seed, held-out
+# rows from another, less the training questions (row i's seed is seed + i: seeds further apart than a split).
 RG = "rg:"
 RG_SIZES = {"train": 1000, "test": 200}
 RG_SEEDS = {"train": 0, "test": 1_000_000}
@@ -82,9 +83,8 @@ def split_list(text: str) -> list[str]:
 def resolve(task="auto", dataset="", split="train", prompt_column="prompt", answer_column="answer", reward="",
             reward_weights="", system_prompt="", reward_workers=0, eval_dataset="", eval_split="",
             env="", teacher="") -> DataSpec | None:
-    """The task's data settings from the flags; None for the built-in copy and reveal tasks. With `env`
-    (--env) the dataset (rows for reset) and the reward functions are optional; with `teacher` (--teacher) the
-    reward functions are (none: every reward 0, the run learns from the teacher alone). Raises DataError."""
+    """The flags' data settings (None for the built-in copy and reveal tasks; raises DataError). `env` makes the
+    dataset (rows for reset) and rewards optional, `teacher` the rewards (none: all 0, it learns from the teacher)."""
     if task not in TASKS and not task.startswith(RG):
         raise DataError(f"--task must be one of {', '.join(TASKS)} or rg:NAME (got {task!r})")
     if task == "auto":
@@ -155,9 +155,8 @@ def is_file(dataset: str) -> bool:
 
 
 def check_flags(cfg) -> list[str]:
-    """train.py's validate(): one line per problem with the data/reward flags, before any process starts.
-    Loads the training rows and the held-out rows (files, or Hugging Face datasets: downloaded into the
-    cache here, so the generator reads them from there); rewards.check imports the reward modules."""
+    """config.validate's data/reward check: one line per problem, before any process starts. Loads the training and
+    held-out rows (a Hugging Face dataset downloads into its cache here, for the generator); rewards.check: rewards."""
     try:
         spec = spec_of(cfg)
     except DataError as e:
@@ -296,9 +295,8 @@ def load_rows(dataset: str, split: str = "train") -> list[tuple[str, dict]]:
 
 
 def hub_unreachable() -> bool:
-    """True when the Hugging Face hub's host does not even resolve (no network): loading then goes offline
-    at once (the cache only) instead of retrying for ~25 s. Sets HF_HUB_OFFLINE for this process and the
-    processes it starts (and in `huggingface_hub` and `datasets` if they are imported already)."""
+    """True when the hub's host does not resolve (no network): loading goes offline at once (cache only), not ~25 s
+    of retries. Sets HF_HUB_OFFLINE here, for child processes, and in `huggingface_hub`/`datasets` if imported."""
     if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
         return True
     if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
@@ -317,9 +315,8 @@ def hub_unreachable() -> bool:
 
 @functools.lru_cache(maxsize=8)
 def load_splits(dataset: str) -> dict:
-    """{split: rows} of a Hugging Face dataset: a hub name `NAME[:CONFIG]` (downloaded once into the
-    Hugging Face cache), or a local folder written by `save_to_disk` or holding data files. A saved single
-    split (a `Dataset`, not a `DatasetDict`) is the split "train". Raises DataError in one line."""
+    """{split: rows} of a Hugging Face dataset: hub name `NAME[:CONFIG]` (downloaded once into its cache), or a
+    folder of data files or `save_to_disk`'s (a saved `Dataset`, not a `DatasetDict`: split "train"). DataError."""
     path = os.path.expanduser(dataset)
     local = os.path.isdir(path)
     offline = False if local else hub_unreachable()
@@ -384,8 +381,7 @@ def rg_dataset(dataset: str, split: str):
 
 @functools.lru_cache(maxsize=4)
 def rg_rows(dataset: str, split: str) -> list[tuple[str, dict]]:
-    """The rows of `rg:NAME` ({question, answer, metadata}, as reasoning-gym makes them); the held-out split
-    ("test") without the questions of the training one."""
+    """The rows of `rg:NAME` as reasoning-gym makes them ({question, answer, metadata}); "test" less train's."""
     entries = list(rg_dataset(dataset, split))
     if split != "train":
         seen = {row["question"] for _, row in rg_rows(dataset, "train")}
@@ -481,18 +477,44 @@ def encode_prompt(tokenizer, prompt, system_prompt: str = "") -> list[int]:
 
 
 # ----------------------------------------------------------------------------------------------------
-# Models
+# From a DataSpec to prompts: what tasks.py (and envs.py) call, each once per set
 # ----------------------------------------------------------------------------------------------------
-def resolve_model(model: str) -> str:
-    """A local model directory as it is; a hub id (`org/name`) downloaded once into the Hugging Face cache
-    (so every process of the run reads the same files). Raises DataError with the reason when it fails."""
-    if os.path.isdir(os.path.expanduser(model)):
-        return os.path.abspath(os.path.expanduser(model))
-    try:
-        from huggingface_hub import snapshot_download  # only for a hub model id
+def prompt_limit(max_prompt_tokens: int = 0, max_len: int | None = None, max_new_tokens: int = 0) -> int | None:
+    """The longest prompt kept: --max-prompt-tokens, and room for --max-new-tokens within the context."""
+    limits = ([max_prompt_tokens] if max_prompt_tokens else []) + ([max_len - max_new_tokens] if max_len else [])
+    return min(limits) if limits else None
 
-        return snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt",
-                                                        "*.jinja", "*.tiktoken", "*.py"])
-    except Exception as e:
-        raise DataError(f"--model {model}: not a local directory, and the hub download failed "
-                        f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+
+def dataset_rows(spec: DataSpec, check: bool = True) -> tuple[list[dict], list[dict]]:
+    """(training rows, held-out rows) of `spec`'s dataset, the held-out ones (eval_source's; none when it
+    has none) in held_out_order. `check`: check_rows on both (an --env's rows are not checked)."""
+    train = load_rows(spec.dataset, spec.split)
+    if check:
+        check_rows(train, spec.prompt_column, spec.answer_column)
+    source = eval_source(spec)
+    held = load_rows(*source) if source is not None else []
+    if check and source is not None:
+        check_rows(held, spec.prompt_column, spec.answer_column)
+    return [row for _, row in train], [held[i][1] for i in held_out_order(len(held))]
+
+
+def encode_rows(rows: list[dict], tokenizer, spec: DataSpec, limit: int | None, what: str) -> tuple[list[Prompt], int]:
+    """(prompts, how many dropped) of dataset rows: encode_prompt, the columns rewards get (row_columns), and
+    those longer than `limit` tokens dropped (drop_long; `what`: "training" or "held-out", in its report)."""
+    column, answer = spec.prompt_column, spec.answer_column
+    prompts = [Prompt(encode_prompt(tokenizer, row[column], spec.system_prompt), str(row[answer]),
+                      row_columns(row, column, answer), row[column]) for row in rows]
+    return drop_long(prompts, limit, what)
+
+
+def drop_long(prompts: list[Prompt], limit: int | None, what: str) -> tuple[list[Prompt], int]:
+    """The prompts of at most `limit` tokens, and how many were dropped (reported once, here)."""
+    if limit is None:
+        return prompts, 0
+    kept = [p for p in prompts if len(p.prompt_ids) <= limit]
+    dropped = len(prompts) - len(kept)
+    if dropped:
+        print(f"[data] {dropped} of {len(prompts)} {what} prompts are longer than {limit} tokens: dropped before "
+              "training (--max-prompt-tokens, or too long to leave room for --max-new-tokens in the model's "
+              "context)", file=sys.stderr, flush=True)
+    return kept, dropped

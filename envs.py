@@ -232,8 +232,8 @@ def checked_observation(value, what: str, allow_none: bool):
 
 def checked_step(value):
     if not isinstance(value, (tuple, list)) or len(value) != 3:
-        raise EnvFault(f"step returned {type(value).__name__}{'' if not hasattr(value, '__len__') else f' of {len(value)}'}"
-                       ", expected (observation, reward, done)")
+        size = "" if not hasattr(value, "__len__") else f" of {len(value)}"
+        raise EnvFault(f"step returned {type(value).__name__}{size}, expected (observation, reward, done)")
     observation, reward, done = value
     if isinstance(reward, bool) or not isinstance(reward, numbers.Real) or not math.isfinite(float(reward)):
         raise EnvFault(f"step returned a malformed reward {reward!r} (expected a finite float)")
@@ -279,8 +279,8 @@ async def run_episode(gen, env, prompt, turns: Turns) -> Episode:
                       else [0.0] * len(ids), tag_versions(out.weight_versions, len(ids)))
             ep.turns += 1
             text = out.text or ""  # (the history reward functions see: a tool call as tool_calls, as TRL's)
-            ep.transcript.append((tools_lib.assistant_message(text) if tools else {"role": "assistant", "content": text})
-                                 if ep.chat else text)
+            ep.transcript.append(text if not ep.chat else tools_lib.assistant_message(text) if tools
+                                 else {"role": "assistant", "content": text})
             if out.finish_reason == "length" and max_tokens < cfg.max_new_tokens:
                 ep.truncated = "max_episode_tokens"  # the budget cut the turn: no step on half an action
                 break
@@ -445,10 +445,11 @@ async def eval_env_prompt(gen, step: int, i: int, prompt, version: int):
 # The task the generator sees
 # ----------------------------------------------------------------------------------------------------
 class EnvTask:
-    """Episodes of an env over rows: a dataset's (`--dataset`, held out as data.eval_source says), the
-    built-in task's, or, with neither, rows {"seed": i} (held-out seeds from 1,000,000). Scored once per
-    episode: the env's reward ("env", weight 1), plus the --reward functions on its transcript with the
-    instances as `environments=` (TRL's convention; not with --reward-workers, whose processes cannot hold them)."""
+    """Episodes of an env over rows: a dataset's (`--dataset`: data.dataset_rows, not column-checked), the
+    built-in task's, or, with neither, rows {"seed": i} (held-out seeds from 1,000,000); `rows` is (training
+    rows, held-out rows in data.held_out_order). Scored once per episode: the env's reward ("env", weight 1),
+    plus the --reward functions on its transcript with the instances as `environments=` (TRL's convention;
+    not with --reward-workers, whose processes cannot hold them)."""
 
     is_env = True
     needs_text = True  # step() gets the text of the model's turn
@@ -468,7 +469,7 @@ class EnvTask:
         train_rows, held_rows = rows
         column, answer = (spec.prompt_column, spec.answer_column) if spec else ("prompt", "answer")
         self.prompts = [self.prompt_of(row, column, answer) for row in train_rows]
-        self.held_out = [self.prompt_of(held_rows[i], column, answer) for i in data.held_out_order(len(held_rows))]
+        self.held_out = [self.prompt_of(row, column, answer) for row in held_rows]
         if not self.prompts:
             raise RuntimeError("the env task has no training rows")
 
@@ -476,10 +477,8 @@ class EnvTask:
     def rows_of(spec, cfg):
         if spec is None or not spec.dataset:
             return ([{"seed": i} for i in range(SEED_ROWS)],
-                    [{"seed": HELD_OUT_SEED_START + i} for i in range(HELD_OUT_SEED_ROWS)])
-        train_rows = [row for _, row in data.load_rows(spec.dataset, spec.split)]
-        source = data.eval_source(spec)
-        return train_rows, [row for _, row in data.load_rows(*source)] if source else []
+                    [{"seed": HELD_OUT_SEED_START + i} for i in data.held_out_order(HELD_OUT_SEED_ROWS)])
+        return data.dataset_rows(spec, check=False)
 
     @staticmethod
     def prompt_of(row: dict, column: str, answer: str):

@@ -127,10 +127,25 @@ def check_tokenizer(model_path, tool_spec: str = "") -> None:
         raise SystemExit(f"error: {problem}")
 
 
+def resolve_model(model: str) -> str:
+    """A local model directory as it is; a hub id (`org/name`) downloaded once into the Hugging Face cache
+    (so every process of the run reads the same files). Raises DataError with the reason when it fails."""
+    if os.path.isdir(os.path.expanduser(model)):
+        return os.path.abspath(os.path.expanduser(model))
+    try:
+        from huggingface_hub import snapshot_download  # only for a hub model id
+
+        return snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt",
+                                                        "*.jinja", "*.tiktoken", "*.py"])
+    except Exception as e:
+        raise data.DataError(f"--model {model}: not a local directory, and the hub download failed "
+                             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+
+
 def local_model(flag: str, name: str) -> str:
     """A --model/--teacher directory or hub id -> a local Hugging Face model directory (one line otherwise)."""
     try:
-        path = data.resolve_model(name)  # a local directory, or a hub id downloaded once
+        path = resolve_model(name)  # a local directory, or a hub id downloaded once
     except data.DataError as err:
         raise SystemExit(f"error: {err}") from None
     if not os.path.exists(os.path.join(path, "config.json")):

@@ -10,6 +10,8 @@ Role
         dropped_long: int       prompts dropped as too long;  close()
     `rewards` has one float per completion (never None/NaN: rewards.py's fault rules); `score` runs in a worker
     thread. `build_tiny_model` writes the default model: a random-init Qwen2 and a character tokenizer.
+    Data flows one way, tasks.py -> data.py: `make_task` calls data.spec_of and data.prompt_limit, a dataset task
+    data.dataset_rows once and data.encode_rows once per set; data.py never calls back (nor imports this module).
 May touch: the tokenizer, the files data.py is pointed at. No engine, no queue, no trainer.
 """
 from __future__ import annotations
@@ -17,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import itertools
 import os
-import sys
 import time
 
 import torch
@@ -97,25 +98,6 @@ def is_held_out(letters: str) -> bool:
     return int.from_bytes(hashlib.sha256(letters.encode()).digest()[:8], "big") % 10 == 0
 
 
-def prompt_limit(max_prompt_tokens: int = 0, max_len: int | None = None, max_new_tokens: int = 0) -> int | None:
-    """The longest prompt kept: --max-prompt-tokens, and room for --max-new-tokens within the context."""
-    limits = ([max_prompt_tokens] if max_prompt_tokens else []) + ([max_len - max_new_tokens] if max_len else [])
-    return min(limits) if limits else None
-
-
-def drop_long(prompts: list[Prompt], limit: int | None, what: str) -> tuple[list[Prompt], int]:
-    """The prompts of at most `limit` tokens, and how many were dropped (reported once, here)."""
-    if limit is None:
-        return prompts, 0
-    kept = [p for p in prompts if len(p.prompt_ids) <= limit]
-    dropped = len(prompts) - len(kept)
-    if dropped:
-        print(f"[data] {dropped} of {len(prompts)} {what} prompts are longer than {limit} tokens: dropped before "
-              "training (--max-prompt-tokens, or too long to leave room for --max-new-tokens in the model's "
-              "context)", file=sys.stderr, flush=True)
-    return kept, dropped
-
-
 def match_score(prediction, answer: str) -> float:
     """Matching positions / max(len(prediction), len(answer)): partial credit, and never stopping does not pay."""
     matches = sum(p == a for p, a in zip(prediction, answer))
@@ -137,9 +119,10 @@ class CopyTask:
         self.id_to_token = {i: t for t, i in tokenizer.get_vocab().items()}
         triples = ["".join(t) for t in itertools.product(LETTERS, repeat=COPY_LENGTH)]
         held = [t for t in triples if is_held_out(t)]
-        self.prompts, dropped = drop_long([self.encode(t) for t in triples if not is_held_out(t)], limit, "training")
-        self.held_out, dropped_held = drop_long([self.encode(held[i]) for i in data.held_out_order(len(held))],
-                                                limit, "held-out")
+        training = [self.encode(t) for t in triples if not is_held_out(t)]
+        self.prompts, dropped = data.drop_long(training, limit, "training")
+        held_out = [self.encode(held[i]) for i in data.held_out_order(len(held))]
+        self.held_out, dropped_held = data.drop_long(held_out, limit, "held-out")
         self.dropped_long = dropped + dropped_held
         if not self.prompts:
             raise RuntimeError(f"every copy prompt is longer than {limit} tokens")
@@ -168,37 +151,23 @@ class CopyTask:
 
 
 class DatasetTask:
-    """Prompts from a dataset (data.py loads and checks it), scored by TRL-convention reward functions.
-
-    Every row is encoded when the task is built (before training starts), so prompts longer than `limit`
-    tokens are dropped up front, counted and reported once. Held-out prompts come from data.eval_source."""
+    """Prompts from a dataset, scored by TRL-convention reward functions. data.dataset_rows loads and checks the
+    training and held-out rows; data.encode_rows encodes every row when the task is built (before training
+    starts), so prompts longer than `limit` tokens are dropped up front, counted and reported once."""
 
     needs_text = True  # reward functions get completion texts (TRL's convention)
     is_env = False
 
     def __init__(self, spec, tokenizer, limit: int | None = None):
-        self.spec, self.tokenizer = spec, tokenizer
-        rows = data.load_rows(spec.dataset, spec.split)
-        data.check_rows(rows, spec.prompt_column, spec.answer_column)
+        train_rows, held_rows = data.dataset_rows(spec)
         self.scorer = rewards.Scorer(spec.rewards, spec.weights, workers=spec.reward_workers)
         self.names = self.scorer.names
-        self.prompts, dropped = drop_long([self.encode(row) for _, row in rows], limit, "training")
+        self.prompts, dropped = data.encode_rows(train_rows, tokenizer, spec, limit, "training")
         if not self.prompts:
             raise RuntimeError(f"every prompt of {spec.dataset} is longer than {limit} tokens (--max-prompt-tokens, "
                                "or the model's context minus --max-new-tokens)")
-        held_out, source = [], data.eval_source(spec)
-        if source is not None:
-            held_rows = data.load_rows(*source)
-            data.check_rows(held_rows, spec.prompt_column, spec.answer_column)
-            held_out = [self.encode(held_rows[i][1]) for i in data.held_out_order(len(held_rows))]
-        self.held_out, dropped_held = drop_long(held_out, limit, "held-out")
+        self.held_out, dropped_held = data.encode_rows(held_rows, tokenizer, spec, limit, "held-out")
         self.dropped_long = dropped + dropped_held
-
-    def encode(self, row: dict) -> Prompt:
-        column = self.spec.prompt_column
-        ids = data.encode_prompt(self.tokenizer, row[column], self.spec.system_prompt)
-        columns = data.row_columns(row, column, self.spec.answer_column)
-        return Prompt(ids, str(row[self.spec.answer_column]), columns, row[column])
 
     def score(self, prompt: Prompt, completion_texts, completion_ids, step: int = 0):
         return self.scorer.score(prompt.prompt, completion_texts, completion_ids, prompt.columns, step)
@@ -228,10 +197,12 @@ class RevealEnv:
 
 
 def reveal_rows() -> tuple[list[dict], list[dict]]:
-    """(training rows, held-out rows) of the reveal task: {"secret": triple}, held out as the copy task."""
+    """(training rows, held-out rows) of the reveal task: {"secret": triple}, held out (and ordered) as the copy
+    task's."""
     triples = ["".join(t) for t in itertools.product(LETTERS, repeat=COPY_LENGTH)]
+    held = [t for t in triples if is_held_out(t)]
     return ([{"secret": t} for t in triples if not is_held_out(t)],
-            [{"secret": t} for t in triples if is_held_out(t)])
+            [{"secret": held[i]} for i in data.held_out_order(len(held))])
 
 
 def make_task(settings, tokenizer, max_len: int | None = None):
@@ -244,7 +215,7 @@ def make_task(settings, tokenizer, max_len: int | None = None):
             return envs.EnvTask(settings, tokenizer, RevealEnv, reveal_rows())
         return envs.EnvTask(settings, tokenizer)
     spec = data.spec_of(settings)
-    limit = prompt_limit(settings.max_prompt_tokens, max_len, settings.max_new_tokens)
+    limit = data.prompt_limit(settings.max_prompt_tokens, max_len, settings.max_new_tokens)
     if spec is None:
         return CopyTask(tokenizer, limit)
     return DatasetTask(spec, tokenizer, limit)

@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 
 import data
+import envs
+import prepare
 from rewards import Scorer, load_reward, math_reward, summarize
 import plots
 import tasks
@@ -63,6 +65,22 @@ def test_jsonl_and_parquet_give_the_same_rows_with_a_column_mapping(tmp_path):
     cols = data.row_columns(ROWS[0], "question", "answer")
     assert cols == {"answer": "#### 5", "level": 1}  # every column but the prompt, TRL's way
     assert data.row_columns({"q": "x", "sol": "7"}, "q", "sol") == {"sol": "7", "answer": "7"}  # alias
+
+
+def test_dataset_rows_hold_out_in_one_fixed_order_and_check_unless_for_an_env(tokenizer, tmp_path):
+    rows = [{"prompt": f"p{i}", "answer": str(i)} for i in range(8)]
+    spec = data.resolve(dataset=write_jsonl(tmp_path / "train.jsonl", rows[:2]), reward="math",
+                        eval_dataset=write_jsonl(tmp_path / "held.jsonl", rows))
+    train_rows, held_rows = data.dataset_rows(spec)
+    assert train_rows == rows[:2] and held_rows == [rows[i] for i in data.held_out_order(8)] != rows
+    assert envs.EnvTask.rows_of(spec, None) == (train_rows, held_rows)  # an env's dataset rows: the same
+    task = tasks.DatasetTask(spec, tokenizer)  # the order once: encoded in it, not shuffled again
+    assert [p.answer for p in task.held_out] == [row["answer"] for row in held_rows] and task.dropped_long == 0
+    assert data.encode_rows(held_rows, tokenizer, spec, 1, "held-out") == ([], 8)  # "pN" is 2 tokens
+    unchecked = data.resolve(dataset=write_jsonl(tmp_path / "seeds.jsonl", [{"seed": 3}]), env="my_env.py:Env")
+    with pytest.raises(data.DataError, match="no 'prompt' and no 'answer' field"):
+        data.dataset_rows(unchecked)
+    assert data.dataset_rows(unchecked, check=False) == ([{"seed": 3}], [])
 
 
 def test_rows_missing_a_field_are_reported_with_their_line(tmp_path):
@@ -239,10 +257,11 @@ def test_saved_model_directory_and_dataset_task(ascii_model, tokenizer, tmp_path
     from transformers import AutoModelForCausalLM
 
     assert AutoModelForCausalLM.from_pretrained(ascii_model).config.vocab_size == 100
-    assert data.resolve_model(ascii_model) == os.path.abspath(ascii_model)
+    assert prepare.resolve_model(ascii_model) == os.path.abspath(ascii_model)
     cfg = config.parse_args(["--model", ascii_model, "--task", "gsm8k", "--max-new-tokens", "8"])
     task = tasks.make_task(cfg, tokenizer, max_len=1024)
-    assert len(task.prompts) == len(data.load_rows(data.GSM8K["dataset"])) and task.held_out == []  # a file: no test split
+    # a file has no test split: no held-out prompts
+    assert len(task.prompts) == len(data.load_rows(data.GSM8K["dataset"])) and task.held_out == []
     prompt = task.prompts[data.walk(0, len(task.prompts), seed=0)[1]]
     text = tokenizer.decode(prompt.prompt_ids)
     assert text.startswith("<|system|>\n" + data.GSM8K_SYSTEM_PROMPT) and prompt.prompt in text
@@ -269,12 +288,14 @@ def test_a_chat_dataset_with_a_solution_column(ascii_model, tokenizer):
     assert rewards == [1.0, 0.0]
 
 
-def test_a_hub_id_that_cannot_be_fetched_fails_with_one_clear_line():
-    code = ("import data\ntry:\n    data.resolve_model('someone/no-such-model')\n"
-            "except data.DataError as e:\n    print(e)")
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
-                         env=dict(os.environ, HF_HUB_OFFLINE="1")).stdout
-    assert out.startswith("--model someone/no-such-model: not a local directory, and the hub download failed")
+def test_a_hub_id_that_cannot_be_fetched_fails_with_one_clear_line(monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # read per request: no network tried
+    with pytest.raises(data.DataError) as failed:
+        prepare.resolve_model("someone/no-such-model")
+    assert str(failed.value).startswith("--model someone/no-such-model: not a local directory, and the hub "
+                                        "download failed")
 
 
 def test_plot_from_metrics(tmp_path):
