@@ -2,9 +2,9 @@
 
 Role: every `Config` field is a `--flag` (underscores become dashes); the comment after a field is its
 `--help` text (wrapped onto `#   ` lines, see Config) and a comment line on its own starts a group of flags, so
-this class is the one source of both (CleanRL's arguments dataclass). `parse_args` builds and `validate`s it: one clear line per bad value, before
-anything starts. A validated Config is never changed: what a run derives from it (devices, threads, the
-resolved dtype) lives in `prepare.Prepared`.
+this class is the one source of both (CleanRL's arguments dataclass). `parse_args` builds and `validate`s it:
+one clear line per bad value, before anything starts. A validated Config is never changed: what a run derives
+from it (devices, threads, the resolved dtype) lives in `prepare.Prepared`.
 May touch: nothing (reads the files and modules the flags name, to check them).
 """
 import argparse
