@@ -1,10 +1,10 @@
 """config.py — the run's settings: one `Config` dataclass, its command line, its checks.
 
 Role: every `Config` field is a `--flag` (underscores become dashes); the comment after a field is its
-`--help` text and a comment line on its own starts a group of flags, so this class is the one source of both
-(CleanRL's arguments dataclass). `parse_args` builds and `validate`s it: one clear line per bad value, before
-anything starts. A validated Config is never changed: what a run derives from it (devices, threads, the
-resolved dtype) lives in `prepare.Prepared`.
+`--help` text (wrapped onto `#   ` lines, see Config) and a comment line on its own starts a group of flags, so
+this class is the one source of both (CleanRL's arguments dataclass). `parse_args` builds and `validate`s it:
+one clear line per bad value, before anything starts. A validated Config is never changed: what a run derives
+from it (devices, threads, the resolved dtype) lives in `prepare.Prepared`.
 May touch: nothing (reads the files and modules the flags name, to check them).
 """
 import argparse
@@ -28,7 +28,9 @@ import tools
 @dataclass(frozen=True)
 class Config:
     """Every field is a `--flag` (underscores become dashes). The comment after a field is its `--help` text
-    and a comment line on its own starts a group of flags: this class is the one source of both."""
+    and a comment line on its own starts a group of flags: this class is the one source of both. A long help
+    text wraps onto comment lines that start `#   ` (a hash and three spaces) directly below its field: each
+    continues the field's help, joined with one space; a group's comment starts `# ` (one space)."""
     # run
     steps: int = 300  # steps to train for: rollout batches, one model version each (a resume counts on)
     seed: int = 0  # seeds the tiny model, the prompts drawn and the sampling
@@ -39,17 +41,21 @@ class Config:
     queue_size: int = 64  # rollout groups waiting in the queue, at most
     sync_every: int = 1  # publish weights every N steps
     update_mode: str = "inflight"  # inflight: swap weights with requests kept running; drain: let them finish
-    kv_on_swap: str = "recompute"  # inflight swaps: recompute (running requests re-prefilled under the new weights) | keep (they go on with the old weights' KV cache, PipelineRL style)
+    kv_on_swap: str = "recompute"  # inflight swaps: recompute (running requests re-prefilled under the new weights)
+    #   | keep (they go on with the old weights' KV cache, PipelineRL style)
     max_inflight_groups: int = 0  # groups generating at once; 0 = --prompts-per-step
-    stale_rule: str = "tokens"  # tokens: mask trained tokens older than --max-lag (drop a group only if none is fresh) | group: drop any group with one
+    stale_rule: str = "tokens"  # tokens: mask trained tokens older than --max-lag (drop a group only if none is fresh)
+    #   | group: drop any group with one
     # sizes
     train_ranks: int = 1  # FSDP2 trainer ranks (processes; on GPUs one per --train-devices GPU)
     group_size: int = 8  # G completions per prompt
     prompts_per_step: int = 32  # prompts (groups) per step
     max_new_tokens: int = 5  # longest completion, in tokens
-    micro_batch_tokens: int = 4096  # each rank's forward/backward takes at most this many padded tokens at once (0: all its rows)
+    micro_batch_tokens: int = 4096  # each rank's forward/backward takes at most this many padded tokens at once
+    #   (0: all its rows)
     # data and reward (data.py; the defaults are the built-in copy task)
-    task: str = "auto"  # auto (dataset with --dataset, else copy) | copy | dataset | gsm8k (a preset) | rg:NAME (reasoning-gym's dataset NAME, generated)
+    task: str = "auto"  # auto (dataset with --dataset, else copy) | copy | dataset | gsm8k (a preset)
+    #   | rg:NAME (reasoning-gym's dataset NAME, generated)
     dataset: str = ""  # a .jsonl/.json/.parquet file, or a Hugging Face dataset NAME[:CONFIG]
     split: str = "train"  # the split of a Hugging Face dataset
     prompt_column: str = "prompt"  # text, or a list of chat messages (rendered with the chat template)
@@ -65,7 +71,8 @@ class Config:
     max_episode_tokens: int = 0  # prompt + every turn and observation of an episode, at most; 0: the model's context
     env_timeout_s: float = 30.0  # a reset/step/get_reward/close slower than this ends its episode (counted)
     env_workers: int = 32  # worker threads for environments whose methods are not async
-    tools: str = ""  # FILE.py:fn1,fn2 | module:fn1,fn2: functions the model may call (TRL's tools=; a tool-capable chat template)
+    tools: str = ""  # FILE.py:fn1,fn2 | module:fn1,fn2: functions the model may call
+    #   (TRL's tools=; a tool-capable chat template)
     # sampling (the trainer scores tokens with the same temperature/top-k/top-p)
     temperature: float = 1.0  # sampling temperature (> 0)
     top_k: int = -1  # keep the k most likely tokens; -1: off
@@ -90,8 +97,11 @@ class Config:
     dual_clip: Optional[float] = None  # dual-clip constant c > 1 for negative advantages; none: off
     kl_coef: float = 0.0  # weight of the KL penalty to the original model (> 0 keeps a frozen reference)
     kl_kind: str = "k3"  # KL estimator: k1 | k2 | k3 (Schulman's)
-    teacher: str = ""  # on-policy distillation: a Hugging Face model directory or hub id with the student's tokenizer; it scores every sampled token
-    distill_coef: float = 0.0  # C > 0 (needs --teacher): each sampled token's advantage gets -C x (student - teacher log-prob), the per-token reverse KL; a dataset task may then omit --reward (rewards 0: distillation alone)
+    teacher: str = ""  # on-policy distillation: a Hugging Face model directory or hub id
+    #   with the student's tokenizer; it scores every sampled token
+    distill_coef: float = 0.0  # C > 0 (needs --teacher): each sampled token's advantage gets
+    #   -C x (student - teacher log-prob), the per-token reverse KL;
+    #   a dataset task may then omit --reward (rewards 0: distillation alone)
     is_level: str = "token"  # behaviour-policy importance weights per token or per sequence
     is_mode: str = "truncate"  # truncate (TIS) | mask (MIS) | off (the ratio is taken against the generator)
     is_low: Optional[float] = None  # with --is-mode mask: weights below this are masked; none: no lower bound
@@ -102,11 +112,15 @@ class Config:
     lr_warmup_steps: int = 0  # steps of linear warmup from lr / N to --lr
     min_lr: float = 0.0  # the learning rate at the last step, with --lr-schedule linear or cosine
     # off-policy masks and baselines (losses.py; the README's table of them)
-    adv_estimator: str = "grpo"  # advantages: grpo (group mean, --adv-scale) | rloo (leave-one-out mean) | reinforce_pp (REINFORCE++: batch-whitened)
-    geo_mask_high: Optional[float] = None  # verl's geometric rejection: drop a sequence whose per-token geometric-mean ratio trainer/generator is above this (verl: 1.001); none: off
+    adv_estimator: str = "grpo"  # advantages: grpo (group mean, --adv-scale) | rloo (leave-one-out mean)
+    #   | reinforce_pp (REINFORCE++: batch-whitened)
+    geo_mask_high: Optional[float] = None  # verl's geometric rejection: drop a sequence whose per-token geometric-mean
+    #   ratio trainer/generator is above this (verl: 1.001); none: off
     geo_mask_low: Optional[float] = None  # with --geo-mask-high: ... or below this; none: 1 / --geo-mask-high
-    dsv32_mask_kl: Optional[float] = None  # DeepSeek-V3.2: drop a negative-advantage sequence whose mean log(generator/trainer) is above this (delta); none: off
-    icepop_high: Optional[float] = None  # IcePop: drop tokens whose ratio trainer/generator is above this (paper: 5); none: off
+    dsv32_mask_kl: Optional[float] = None  # DeepSeek-V3.2: drop a negative-advantage sequence whose mean
+    #   log(generator/trainer) is above this (delta); none: off
+    icepop_high: Optional[float] = None  # IcePop: drop tokens whose ratio trainer/generator is above this
+    #   (paper: 5); none: off
     icepop_low: float = 0.5  # with --icepop-high: ... or below this (paper: 0.5)
     # GRPO recipes (DAPO)
     filter_groups: bool = False  # dynamic sampling: skip groups whose rewards are all equal; the step waits for others
@@ -116,10 +130,14 @@ class Config:
     gen_threads: int = 0  # CPU threads of the generator; 0: half the cores
     train_threads: int = 0  # CPU threads per trainer rank; 0: the rest of the cores, split between ranks
     kv_cache_mb: int = 256  # vLLM's KV cache on CPU, in MiB
-    dtype: str = "auto"  # bf16 | fp32 | auto (bf16 on GPUs, fp32 on CPU): trainer compute (fp32 master weights), vLLM, weight syncs
-    max_model_len: int = 0  # vLLM's context, prompt + completion (longer prompts are skipped and counted); 0: the model's own
-    gpu_memory_utilization: float = 0.0  # vLLM's share of each generator GPU; 0: 0.9 alone, 0.3 on a GPU shared with a trainer rank
-    grad_checkpointing: bool = False  # recompute each decoder layer's activations in the backward pass: less memory, ~1/3 more compute
+    dtype: str = "auto"  # bf16 | fp32 | auto (bf16 on GPUs, fp32 on CPU):
+    #   trainer compute (fp32 master weights), vLLM, weight syncs
+    max_model_len: int = 0  # vLLM's context, prompt + completion (longer prompts are skipped and counted);
+    #   0: the model's own
+    gpu_memory_utilization: float = 0.0  # vLLM's share of each generator GPU;
+    #   0: 0.9 alone, 0.3 on a GPU shared with a trainer rank
+    grad_checkpointing: bool = False  # recompute each decoder layer's activations in the backward pass:
+    #   less memory, ~1/3 more compute
     timeout_s: float = 300.0  # longest wait for any other process before the run fails
     gen_devices: str = ""  # generator GPUs, e.g. "0" ("" or "cpu": the CPU path); see devices.py
     train_devices: str = ""  # trainer GPUs, one FSDP2 rank each, e.g. "1,2,3"; "0" with --gen-devices 0 shares it
@@ -133,7 +151,8 @@ class Config:
     save_every: int = 0  # write a checkpoint every N steps (0: only when interrupted); each rank writes its own shards
     keep_checkpoints: int = 2  # newest checkpoints kept (0: all)
     save_hf_every: int = 0  # also write OUT/model (with --lora-rank OUT/adapter) every N steps (0: at the end only)
-    save_timeout_s: float = 1800.0  # longest a save may take: ranks wait this long for each other around one, and a stopping run for it
+    save_timeout_s: float = 1800.0  # longest a save may take: ranks wait this long for each other around one,
+    #   and a stopping run for it
     resume: str = ""  # a checkpoint folder, or "latest" (the newest under OUT/checkpoints)
     max_bad_steps: int = 10  # steps skipped for NaN/inf loss or gradients before the run stops
     # logging
@@ -155,20 +174,28 @@ CHOICES = {"loss": losses.VARIANTS, "agg": losses.AGGS, "adv_scale": losses.SCAL
 
 
 def field_help(cls) -> dict[str, tuple[str, str]]:
-    """{field: (group, help)} read from the class's source: a field's trailing comment is its help, and a
-    comment line on its own names the group of the fields below it (CleanRL's arguments dataclass, without a
-    second list to keep in step)."""
+    """{field: (group, help)} read from the class's source: a field's trailing comment is its help, continued by
+    comment lines starting `#   ` right below it; any other comment line on its own names the group of the fields
+    below it (CleanRL's arguments dataclass, without a second list to keep in step)."""
     lines: dict[int, list] = {}  # line number -> its tokens (the docstring spans lines: tokenize it whole)
     for token in tokenize.generate_tokens(io.StringIO(inspect.getsource(cls)).readline):
         if token.type not in (tokenize.INDENT, tokenize.DEDENT, tokenize.NEWLINE, tokenize.NL, tokenize.ENDMARKER):
             lines.setdefault(token.start[0], []).append(token)
-    group, found = "", {}
-    for tokens in lines.values():
+    group, found, field, previous = "", {}, None, None  # field: the one a continuation line below `previous` extends
+    for number, tokens in lines.items():
         if len(tokens) == 1 and tokens[0].type == tokenize.COMMENT:
-            group = tokens[0].string.lstrip("# ").strip()
+            text = tokens[0].string
+            if field and number == previous + 1 and text.startswith("#   "):
+                found[field] = (group, f"{found[field][1]} {text[1:].strip()}".strip())
+                previous = number
+                continue
+            group, field = text.lstrip("# ").strip(), None
         elif len(tokens) > 2 and tokens[0].type == tokenize.NAME and tokens[1].string == ":":
             comment = tokens[-1].string.lstrip("# ").strip() if tokens[-1].type == tokenize.COMMENT else ""
             found[tokens[0].string] = (group, comment)
+            field, previous = tokens[0].string, number
+        else:
+            field = None
     return found
 
 
@@ -219,7 +246,8 @@ def validate(cfg: Config) -> None:
         if getattr(cfg, name) < 1:
             problems.append(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(cfg, name)})")
     if cfg.micro_batch_tokens < 0:
-        problems.append(f"--micro-batch-tokens must be >= 0 (0: each rank's whole share at once; got {cfg.micro_batch_tokens})")
+        problems.append("--micro-batch-tokens must be >= 0 "
+                        f"(0: each rank's whole share at once; got {cfg.micro_batch_tokens})")
     if cfg.save_every < 0 or cfg.keep_checkpoints < 0 or cfg.max_bad_steps < 0 or cfg.save_hf_every < 0:
         problems.append("--save-every, --keep-checkpoints, --save-hf-every and --max-bad-steps must be >= 0")
     if cfg.save_timeout_s <= 0:

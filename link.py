@@ -38,8 +38,9 @@ def silence_limit(timeout_s: float) -> float:
 
 # ----------------------------------------------------------------------------------------------------
 # The link: one ZMQ socket, one thread. Messages are tuples (kind, *args):
-#   trainer -> generator node: hello(settings, layout, ...), credit(n), control(stop, interrupted,
-#       groups_dropped, steps_skipped, eval_request), weights(version, nbytes: the bytes follow on the weight group), bye
+#   trainer -> generator node: hello(settings, layout, ...), credit(n),
+#       control(stop, interrupted, groups_dropped, steps_skipped, eval_request),
+#       weights(version, nbytes: the bytes follow on the weight group), bye
 #   generator node -> trainer: welcome(store_port), group(RolloutGroup), state(ready, loaded_version),
 #       eval(EvalResult), bye
 #   both ways: ping (a heartbeat), error(text: why this side ends; the other side ends too)

@@ -55,8 +55,8 @@ def estimate_advantages(rewards, estimator="grpo", scale="group", eps=1e-6):
         return group_advantages(rewards, scale, eps)
     rewards = rewards.float()
     if estimator == "rloo":
-        size = rewards.shape[-1]
-        return rewards - (rewards.sum(-1, keepdim=True) - rewards) / (size - 1) if size > 1 else torch.zeros_like(rewards)
+        others_mean = (rewards.sum(-1, keepdim=True) - rewards) / max(rewards.shape[-1] - 1, 1)
+        return rewards - others_mean if rewards.shape[-1] > 1 else torch.zeros_like(rewards)
     std = rewards.std() if rewards.numel() > 1 else rewards.new_zeros(())
     return (rewards - rewards.mean()) / (std + eps)
 
@@ -118,8 +118,8 @@ def policy_loss(logp, old_logp, advantages, mask, variant="grpo", eps_low=0.2, e
       with agg="token-mean".
     dr_grpo (Liu et al. 2025, "Understanding R1-Zero-Like Training"): the grpo surrogate; meant with
       group_advantages(scale="none") and agg="seq-mean-token-sum-norm".
-    gspo (Zheng et al. 2025, Group Sequence Policy Optimization):
-        s_i = exp( (1/|y_i|) sum_t (logp_t - old_logp_t) ),  l_i = -min(s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i)
+    gspo (Zheng et al. 2025, Group Sequence Policy Optimization): s_i = exp( (1/|y_i|) sum_t (logp_t - old_logp_t) ),
+        l_i = -min(s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i)
       in the paper's token form (below); per-token advantages are reduced by their masked mean. The paper uses
       far smaller clip ranges (e.g. 3e-4 / 4e-4): pass them.
     cispo (MiniMax-M1, MiniMax 2025): l_t = -sg[min(r_t, 1 + eps_high)] A_t logp_t: the IS weight is clipped
@@ -394,7 +394,7 @@ def chunked_logprobs(hidden, weight, bias, tokens, temperature=1.0, top_k=-1, to
                      logit_scale=1.0, softcap=0.0, chunk_elements=LOGIT_CHUNK_ELEMENTS):
     """`token_logprobs(head(hidden), tokens, ...)` and the entropy of the same distribution, never holding more
     than ~`chunk_elements` logits. The family's head (heads.HeadTransform), in float32, then / temperature and
-    top-k/top-p as vLLM samples:  head(h) = logit_scale * softcap * tanh(((hidden_scale * h) @ weight.T + bias) / softcap)
+    top-k/top-p as vLLM does: head(h) = logit_scale * softcap * tanh(((hidden_scale * h) @ weight.T + bias) / softcap)
     (softcap 0: no tanh). hidden (N, H) at the positions to score, weight (V, H), bias (V,) or None, tokens (N,)
     long -> logp (N,) float32 (a gradient to hidden, weight, bias) and the detached entropy (N,) of the sampling
     distribution. Chunks of max(1, chunk_elements // V) tokens; the backward recomputes each chunk's logits and

@@ -144,7 +144,8 @@ class RunLog:
             self.logprob_diff = max(self.logprob_diff or 0.0, logprob_diff)
         self.gen = gen
         row = {"step": step, "version": version, "reward": sum(rewards) / len(rewards), "loss": loss,
-               "grad_norm": grad_norm, "zero_var_groups": zero_var, "empty_completions": int((batch.mask.sum(1) == 0).sum()), "tokens": tokens,
+               "grad_norm": grad_norm, "zero_var_groups": zero_var,
+               "empty_completions": int((batch.mask.sum(1) == 0).sum()), "tokens": tokens,
                "completion_len": float(batch.mask.sum(1).float().mean()), "dropped_stale": taken.samples_dropped,
                "dropped_stale_total": int(self.dropped), **lag, "trainer_wait_s": wait_s, "train_s": train_s,
                "publish_ms": publish_ms, "logprob_diff_on_policy": logprob_diff, "skipped": skipped,

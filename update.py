@@ -65,7 +65,7 @@ def update_on_batch(model, ref_model, optimizer, batch, cfg, rank, world_size, v
             for mb in micro_batches:
                 mb = mb.to(device)
                 terms = micro_batch_loss(model, ref_model, teacher, mb, cfg, units, tokens)
-                (terms.loss * world_size).backward()  # FSDP2 averages gradients over ranks: the factor makes it their sum
+                (terms.loss * world_size).backward()  # FSDP2 averages gradients over ranks: this makes it their sum
                 diagnostics(stats, terms, mb, cfg, version, measure_agreement=not proximal and updates == 0)
                 loss += terms.loss.detach()
             # a rank's micro-batches over the step's updates (ranks run as many: FSDP2 needs every rank's forward)
@@ -184,7 +184,8 @@ def diagnostics(stats, t: LossTerms, mb, cfg, version, measure_agreement=True) -
         stats.add(f"mismatch_tokens/lag{age}", at.sum())
     if t.weights is not None:
         dropped = t.weights >= cfg.is_high if cfg.is_mode == "truncate" else t.weights == 0
-        stats.mean("is_truncated_frac" if cfg.is_mode == "truncate" else "is_masked_frac", (t.trained & dropped).sum(), n)
+        dropped_frac = "is_truncated_frac" if cfg.is_mode == "truncate" else "is_masked_frac"
+        stats.mean(dropped_frac, (t.trained & dropped).sum(), n)
         stats.mean("is_weight_mean", torch.where(t.mask, t.weights, 0.0).sum(), m)
     for name, kept in t.kept.items():
         if name.endswith("_seq_frac"):
@@ -363,8 +364,8 @@ def shaped_rewards(groups, cfg: Config):
     penalty with --overlong-penalty; and which samples were cut at --max-new-tokens (an episode: cut by
     --max-turns or --max-episode-tokens; its penalty counts model tokens against --max-turns x --max-new-tokens)."""
     rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)
-    lengths = torch.tensor([[len(c) for c in g.completion_ids] if g.model_masks is None else list(map(sum, g.model_masks))
-                            for g in groups], dtype=torch.float32)
+    lengths = torch.tensor([[len(c) for c in g.completion_ids] if g.model_masks is None
+                            else list(map(sum, g.model_masks)) for g in groups], dtype=torch.float32)
     episodes = any(g.model_masks is not None for g in groups)
     truncated = torch.tensor([[reason == "length" for reason in g.finish_reasons or ["stop"] * len(g.rewards)]
                               for g in groups])

@@ -128,7 +128,7 @@ class WeightSyncWorker:
         """LoRA (`--lora-rank`): the buffer holds only the adapter. Copy a consistent snapshot of it and make
         it the engine's adapter `lora_id` in place of the previous one (requests keep their LoRARequest).
         `adapter_dir` holds the adapter's `adapter_config.json` (rank, alpha). Returns the version loaded."""
-        from vllm.lora.lora_model import LoRAModel  # vLLM only in its worker process (the trainer imports this file too)
+        from vllm.lora.lora_model import LoRAModel  # vLLM in its worker process only (the trainer imports this file)
         from vllm.lora.peft_helper import PEFTHelper
 
         shared = self._shared

@@ -240,7 +240,8 @@ class SharedWeights:
         for _ in range(max_tries):
             seq_before = self._wait_while_written(wait_s)
             if seq_before is None:
-                raise TimeoutError(f"read_snapshot: a writer stayed inside the buffer for {wait_s:.1f} s (writer stuck?)")
+                raise TimeoutError(f"read_snapshot: a writer stayed inside the buffer for {wait_s:.1f} s "
+                                   "(writer stuck?)")
             version = int(self.header[VERSION])
             out.copy_(self.buffer)
             if out.device.type == "cuda" or self.device_type == "cuda":

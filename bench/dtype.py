@@ -136,10 +136,10 @@ def main(argv=None) -> int:
                   f"(x{row['train_ratio']:.2f}); vLLM fp32 {row['generate_fp32']:.0f} / bf16 "
                   f"{row['generate_bf16']:.0f} tok/s (x{row['generate_ratio']:.2f})", flush=True)
         runs = whole_runs(bench.work, args.run_steps) if args.run_steps else []
-    data = {"settings": {"sizes": args.sizes, "run_steps": args.run_steps, "train_batch": args.train_batch, "train_len": args.train_len,
-                         "steps": args.steps, "warmup": args.warmup, "gen_prompts": args.gen_prompts,
-                         "gen_tokens": args.gen_tokens, "gen_threads": gen_threads, "train_threads": train_threads,
-                         "seed": args.seed}, "rows": rows, "runs": runs}
+    data = {"settings": {"sizes": args.sizes, "run_steps": args.run_steps, "train_batch": args.train_batch,
+                         "train_len": args.train_len, "steps": args.steps, "warmup": args.warmup,
+                         "gen_prompts": args.gen_prompts, "gen_tokens": args.gen_tokens, "gen_threads": gen_threads,
+                         "train_threads": train_threads, "seed": args.seed}, "rows": rows, "runs": runs}
     path = bench.save(data, plot)
     print()
     print(common.table(["model", "params", "trainer fp32 tok/s", "trainer bf16 tok/s", "bf16/fp32",
@@ -150,8 +150,9 @@ def main(argv=None) -> int:
         print()
         print(common.table(["default run", "steps/s", "bf16/fp32", "reward last 20%", "logprob diff max",
                             "logprob diff mean", "MB per sync"],
-                           [[r["dtype"], r["steps_per_s"], r["steps_per_s"] / runs[0]["steps_per_s"], r["reward_last20"],
-                             r["logprob_diff_max"], r["logprob_diff_mean"], r["sync_mb"]] for r in runs]))
+                           [[r["dtype"], r["steps_per_s"], r["steps_per_s"] / runs[0]["steps_per_s"],
+                             r["reward_last20"], r["logprob_diff_max"], r["logprob_diff_mean"], r["sync_mb"]]
+                            for r in runs]))
     print(bench.closing_line(path))
     return 0
 

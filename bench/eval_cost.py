@@ -75,7 +75,8 @@ def plot(data: dict, path: Path) -> None:
     for i, run in enumerate(data["runs"]["eval"]):
         e = run["evals"]
         label = "" if i else "greedy pass@1"
-        ax1.plot([x["step"] for x in e], [x["greedy_pass@1"] for x in e], "o-", color="tab:blue", label=label, alpha=0.8)
+        ax1.plot([x["step"] for x in e], [x["greedy_pass@1"] for x in e], "o-", color="tab:blue", label=label,
+                 alpha=0.8)
         ax1.plot([x["step"] for x in e], [x["reward"] for x in e], "s--", color="tab:green",
                  label="" if i else "mean reward of 4 samples", alpha=0.8)
         ax1.plot([x["step"] for x in e], [x["pass@4"] for x in e], "^:", color="tab:purple",

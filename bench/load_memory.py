@@ -100,7 +100,8 @@ def main(argv=None) -> int:
     fp32_gib = params * 4 / 2**30
     result = {"machine": info, "load": load.summary(), "params": params, "fp32_model_gib": round(fp32_gib, 3),
               **runs}
-    print(common.table(["checkout", f"peak RSS, {args.ranks} ranks summed (GiB)", "per rank (GiB)", "model copies", "exit"],
+    print(common.table(["checkout", f"peak RSS, {args.ranks} ranks summed (GiB)", "per rank (GiB)",
+                        "model copies", "exit"],
                        [[name, r["peak_rss_sum_gib"], r["peak_rss_per_rank_gib"],
                          round(r["peak_rss_sum_gib"] / fp32_gib, 2), r["exit_code"]] for name, r in runs.items()],
                        title=f"{args.ranks}-rank start, {params / 1e6:.0f}M parameters ({fp32_gib:.2f} GiB in fp32)"))

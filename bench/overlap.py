@@ -49,7 +49,8 @@ def measure(args, bench, model: str, rep: int) -> dict:
                         "tokens_per_step": statistics.fmean(gen["tokens"][args.warmup:]),
                         "sync_ms_median": statistics.median(gen["sync_ms"]) if gen["sync_ms"] else None,
                         "engine_ready_wait_s": gen["ready_wait_s"], "process_s": time.perf_counter() - t,
-                        "cores_by_role": gen["cores_by_role"], "foreign_cores": bench.foreign_cores(t0, time.monotonic())}
+                        "cores_by_role": gen["cores_by_role"],
+                        "foreign_cores": bench.foreign_cores(t0, time.monotonic())}
     print(f"[overlap] generation alone: {out['gen_alone']['step_s_mean'] * 1e3:.0f} ms/step (other processes: "
           f"{out['gen_alone']['foreign_cores']} cores)", flush=True)
     t, t0 = time.perf_counter(), time.monotonic()
@@ -135,7 +136,8 @@ def main(argv=None) -> int:
         data[mode] = {
             "max_lag": lag, "steps_per_s": rate, "speedup": speedup, "share_of_bound": speedup / bound,
             "share_of_pipelined": rate * max(t_gen, t_train), "share_of_cpu_bound": speedup / cpu_bound,
-            "trainer_wait_frac": med(mode, "trainer_wait_frac"), "generator_wait_frac": med(mode, "generator_wait_frac"),
+            "trainer_wait_frac": med(mode, "trainer_wait_frac"),
+            "generator_wait_frac": med(mode, "generator_wait_frac"),
             "train_s_per_step": med(mode, "train_s_mean"), "gen_busy_s_per_step": med(mode, "gen_busy_s_per_step"),
             "sync_ms_median": med(mode, "sync_ms_median"), "lag_mean": med(mode, "lag_mean"),
             "cores_by_role": reps[-1][mode]["cores_by_role"], "foreign_cores": med(mode, "foreign_cores"),

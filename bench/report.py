@@ -67,16 +67,18 @@ def build(out: Path) -> str:
         txt = (f"to reward 0.9: sync {r['sync']['reach']['0.9']['wall_s'] or float('nan'):.0f} s, {async_mode} "
                f"{r[async_mode]['reach']['0.9']['wall_s'] or float('nan'):.0f} s"
                + (f" ({sp:.2f}x sooner)" if sp else "")
-               + f"; reward over the last 10 steps {r['sync']['reward_final']:.3f} vs {r[async_mode]['reward_final']:.3f}")
+               + f"; reward over the last 10 steps {r['sync']['reward_final']:.3f} "
+               f"vs {r[async_mode]['reward_final']:.3f}")
         goals.append(["learning: async reaches the same reward sooner", "yes", txt,
                       yes(bool(sp and sp > 1 and r[async_mode]["reward_final"] >= r["sync"]["reward_final"] - 0.02))])
     lines.append(common.table(["benchmark", "goal", "measured", ""], goals))
     lines.append("")
     if ov:
         lines.append(f"**Overlap** (`overlap.json`): t_gen {ov['t_gen_s'] * 1e3:.0f} ms and t_train "
-                     f"{ov['t_train_s'] * 1e3:.0f} ms per step, each alone; bound {ov['bound']:.2f}x. Alone, generation "
-                     f"keeps {ov['gen_alone_cores']:.2f} cores busy and training {ov['train_alone_cores']:.2f}, so "
-                     f"{ov['machine']['cores']} cores allow at most {ov['cpu_bound']:.2f}x.")
+                     f"{ov['t_train_s'] * 1e3:.0f} ms per step, each alone; bound {ov['bound']:.2f}x. "
+                     f"Alone, generation keeps {ov['gen_alone_cores']:.2f} cores busy and training "
+                     f"{ov['train_alone_cores']:.2f}, so {ov['machine']['cores']} cores allow at most "
+                     f"{ov['cpu_bound']:.2f}x.")
         lines.append("")
         lines.append(common.table(
             ["mode", "steps/s", "speedup", "share of bound", "share of CPU bound", "trainer waits", "generator waits"],
@@ -89,8 +91,8 @@ def build(out: Path) -> str:
                      "copies its rows straight into the shared buffer, so there is no gather):")
         lines.append("")
         lines.append(common.table(
-            ["row", "params", "MB", "copy into buffer", "pause", "load in engine", "prefix-cache reset", "resume", "total",
-             "memcpy", "ratio"],
+            ["row", "params", "MB", "copy into buffer", "pause", "load in engine", "prefix-cache reset", "resume",
+             "total", "memcpy", "ratio"],
             [[r["name"], f"{r['params'] / 1e6:.1f}M", r["mb"], r["copy_ms"], r["pause_ms"], r["load_ms"], r["reset_ms"],
               r["resume_ms"], r["sync_ms"], r["memcpy_ms"], r["ratio"]] for r in ws["rows"]]))
         lines.append("")

@@ -10,8 +10,8 @@ planned, the way long groups do), the same seed: `--stale-rule group` (a group i
 any of its samples has a token older than --max-lag: the rule before issue 22) and `--stale-rule tokens` (only
 the stale tokens are masked; a group is dropped only when none of its tokens is fresh enough). From each step's
 `stale_by_len` census: per length bucket (model tokens, powers of two), the share of samples dropped whole and
-the share of their tokens left out of training (those of dropped samples, and the masked stale ones). Both rules keep every trained token within
---max-lag (`max_token_lag` in the summary).
+the share of their tokens left out of training (those of dropped samples, and the masked stale ones). Both
+rules keep every trained token within --max-lag (`max_token_lag` in the summary).
 """
 from __future__ import annotations
 

@@ -39,11 +39,12 @@ def main(argv=None) -> int:
             runs.append({"variant": name, "seed": seed, "flags": " ".join(flags) or "(defaults)",
                          "reward_first10": s["reward_first10"], "reward_last20": s["reward_last20"],
                          "wall_s": s["wall_s"],
-                         "clip_frac": sum(r.get("clip_frac_low", 0) + r.get("clip_frac_high", 0) for r in rows) / len(rows),
+                         "clip_frac": sum(r.get("clip_frac_low", 0) + r.get("clip_frac_high", 0)
+                                          for r in rows) / len(rows),
                          "ratio_max": max(r.get("ratio_max", 1.0) for r in rows)})
             print(json.dumps(runs[-1]), flush=True)
-    (out / "variants.json").write_text(json.dumps({"machine": common.machine_line(common.machine_info()), "steps": args.steps,
-                                                    "runs": runs}, indent=2))
+    machine = common.machine_line(common.machine_info())
+    (out / "variants.json").write_text(json.dumps({"machine": machine, "steps": args.steps, "runs": runs}, indent=2))
     print("\n| variant | seed | reward first 10% -> last 20% | wall | mean clip fraction | max ratio |")
     print("| --- | --- | --- | --- | --- | --- |")
     for r in runs:

@@ -242,7 +242,8 @@ def measure_size(name: str, shape: tuple, work: str, syncs: int, seed: int, gap_
         row["tmpfs_file"] = {**{k: med(f[k] for f in files) for k in files[0]}, "samples": len(files)}
         # like for like: the shared-memory path without the time to notice a new version
         row["shm_sync_ms_without_detect"] = copy_ms + sum(part.values())
-    return {**row, "name": name, "lora_rank": lora_rank, "base_params": base_params, "hidden": hidden, "layers": layers, "heads": heads, "params": params, "bytes": nbytes,
+    return {**row, "name": name, "lora_rank": lora_rank, "base_params": base_params, "hidden": hidden,
+            "layers": layers, "heads": heads, "params": params, "bytes": nbytes,
             "mb": nbytes / 2**20, "gather_ms": 0.0, "copy_ms": copy_ms, "publish_to_serving_ms": serve_ms,
             **part, "detect_ms": med(ms - sum(p.values()) for ms, p in zip(sync_ms, parts)), "sync_ms": total,
             "memcpy_ms": med(memcpy),

@@ -4,7 +4,8 @@ Role
     Checks, on a GPU machine (one GPU is enough), what `python train.py --gen-devices G --train-devices T`
     relies on, without vLLM's CUDA build:
     1. FSDP2 training steps on the GPU through the project's own functions (models.build_trainer_model,
-       update.update_on_batch, sync.publish_model) in a process group with the GPU layout's backend (devices.GPU_BACKEND).
+       update.update_on_batch, sync.publish_model) in a process group with the GPU layout's backend
+       (devices.GPU_BACKEND).
     2. The CUDA IPC packed sync between two processes. This process is the trainer's rank 0 and owns the
        packed device buffer (weight_buffer.SharedWeights.allocate on its GPU); a second process plays the generator's
        worker: it opens the IPC handle once (SharedWeights.from_bytes), copies seqlock-consistent snapshots
@@ -363,7 +364,8 @@ def main(argv=None) -> int:
                 receiver_device, receiver_visible, peer_here = "cuda:0", None, None
                 result["layout"] = "one GPU shared by the trainer and the receiver"
         else:
-            device, backend, receiver_device, receiver_visible, peer_here = "cpu", devices.CPU_BACKEND, "cpu", None, None
+            device, backend = "cpu", devices.CPU_BACKEND
+            receiver_device, receiver_visible, peer_here = "cpu", None, None
             result["layout"] = "cpu dry run (gloo, shared memory)"
         init_file = os.path.join(workdir, "dist-init")
         dist.init_process_group(backend, init_method=f"file://{init_file}", rank=0, world_size=1)

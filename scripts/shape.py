@@ -2,6 +2,8 @@
 
 Role: the counts issue 24 asks to hold, each a function tests/test_shape.py asserts:
     - `line_counts`: non-blank lines of every .py file (top level, tests/, bench/, examples/, scripts/).
+    - `line_widths`: the widths of the non-blank lines of the top-level modules (the code a reader reads), summed
+      up by `width_summary` (mean, 90th percentile); `long_lines`: every line over MAX_WIDTH, in every .py file.
     - `import_cycles`: cycles among the top-level modules (every import, function-level ones included).
     - `calls_below_loop`: the shortest static call chain from the training loop (train.train) to a function.
     - `sample_files`: the files a reader follows one sample through, from the generator's sampling to the loss
@@ -22,6 +24,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 FOLDERS = ("", "tests", "bench", "examples", "scripts")
 MAX_LINES = 450
+MAX_WIDTH = 120  # characters per line, in every file
 LOOP = "train.train"
 LOSS = "losses.policy_loss"  # the per-micro-batch loss
 SAMPLE_CHAINS = (("rollout.Generator.run_group", "buffer.put_group"),  # sampling -> onto the queue
@@ -38,6 +41,23 @@ def line_counts() -> dict[str, int]:
     """Non-blank lines per file (what `grep -cv '^\\s*$'` counts), by path relative to the repository."""
     return {str(p.relative_to(REPO)): sum(1 for line in p.read_text().splitlines() if line.strip())
             for p in python_files()}
+
+
+def line_widths(paths) -> list[int]:
+    """The width in characters of every non-blank line of the files."""
+    return [len(line) for p in paths for line in p.read_text().splitlines() if line.strip()]
+
+
+def width_summary(widths: list[int]) -> tuple[float, int]:
+    """(mean, 90th percentile by nearest rank: the width that 90% of the lines do not exceed)."""
+    ranked = sorted(widths)
+    return sum(ranked) / len(ranked), ranked[-(-9 * len(ranked) // 10) - 1]
+
+
+def long_lines(limit: int = MAX_WIDTH) -> list[str]:
+    """"path:line" of every line wider than `limit`, in every .py file."""
+    return [f"{p.relative_to(REPO)}:{number}" for p in python_files()
+            for number, line in enumerate(p.read_text().splitlines(), 1) if len(line) > limit]
 
 
 def top_level_modules() -> dict[str, ast.Module]:
@@ -181,8 +201,13 @@ def main() -> int:
     deepest, deepest_chain = calls_below_loop(graph, "losses.aggregate")
     files = sample_files(graph)
     cycles = import_cycles(import_graph(modules))
+    mean_width, p90_width = width_summary(line_widths(sorted(REPO.glob("*.py"))))
+    long = long_lines()
     rows = [("files over %d non-blank lines" % MAX_LINES, len(over), ", ".join(f"{p} {n}" for p, n in over.items())),
             ("largest file", max(counts.values()), max(counts, key=counts.get)),
+            ("mean line width, top-level modules", round(mean_width, 1), "characters, non-blank lines"),
+            ("90th percentile line width, same", p90_width, "characters"),
+            (f"lines over {MAX_WIDTH} characters", len(long), ", ".join(long)),
             ("import cycles", len(cycles), "; ".join(" <-> ".join(c) for c in cycles)),
             (f"calls below the loop to {LOSS}", calls, " -> ".join(chain or [])),
             ("... to the aggregation (losses.aggregate)", deepest, " -> ".join(deepest_chain or [])),

@@ -169,7 +169,8 @@ def _save_worker(rank, world, init_file, model_path, out, task, results):
             optimizer.step()
             root = checkpoint.checkpoint_root(out)
             slow = SlowWriter(os.path.join(root, ".tmp-step_00000003", "dcp"), 8 if rank == 1 else 0)
-            checkpoint.save_trainer_state(model, optimizer, model_path, cfg, 3, 1, rank, save_group, storage_writer=slow)
+            checkpoint.save_trainer_state(model, optimizer, model_path, cfg, 3, 1, rank, save_group,
+                                          storage_writer=slow)
             dist.all_reduce(torch.ones(1))  # the run's group after the save: nobody timed out meanwhile
             checkpoint.save_trainer_state(model, optimizer, model_path, cfg, 3, 1, rank, save_group)  # replaced
         else:

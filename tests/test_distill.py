@@ -147,8 +147,8 @@ def test_a_dataset_task_learns_from_the_teacher_alone_with_every_off_policy_flag
     out = tmp_path / "run"
     argv = [sys.executable, "train.py", "--out", str(out), "--model", student, "--dataset", str(rows),
             "--teacher", models["ascii_teacher"], "--distill-coef", "1", "--steps", "6", "--prompts-per-step", "4",
-            "--group-size", "4", "--max-new-tokens", "6", "--eval-every", "0", "--max-lag", "0", "--adv-estimator", "rloo",
-            "--geo-mask-high", "1.05", "--dsv32-mask-kl", "0.01", "--icepop-high", "5"]
+            "--group-size", "4", "--max-new-tokens", "6", "--eval-every", "0", "--max-lag", "0",
+            "--adv-estimator", "rloo", "--geo-mask-high", "1.05", "--dsv32-mask-kl", "0.01", "--icepop-high", "5"]
     proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

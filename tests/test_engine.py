@@ -235,7 +235,8 @@ def mismatch_by_swap(model_path, weights_by_version, groups, cfg):
                     continue
                 assert versions == sorted(versions), f"tags go back in time: {versions}"
                 with torch.no_grad():
-                    logits = model(input_ids=torch.tensor([group.prompt_ids + ids])).logits[0, len(group.prompt_ids) - 1:-1]
+                    logits = model(input_ids=torch.tensor([group.prompt_ids + ids])).logits
+                logits = logits[0, len(group.prompt_ids) - 1:-1]
                 ours = token_logprobs(logits, torch.tensor(ids), cfg.temperature, cfg.top_k, cfg.top_p)
                 diff = (ours - torch.tensor(lps)).abs()[torch.tensor(versions) == version].tolist()
                 (unswapped if len(set(versions)) == 1 else after_swap if version != versions[0] else []).extend(diff)

@@ -1,8 +1,8 @@
 """FSDP2 data parallelism of the trainer (real FSDP2 over gloo on CPU, no vLLM).
 
 - World size 1 and 2 give the same loss and the same updated weights on the same batch: each rank's
-  `update.update_on_batch`'s micro-batch terms are normalised by the whole step's count, so that the ranks' terms add up to the
-  whole batch's loss, and FSDP2's gradient averaging is undone by the world-size factor.
+  `update.update_on_batch`'s micro-batch terms are normalised by the whole step's count, so that the ranks'
+  terms add up to the whole batch's loss, and FSDP2's gradient averaging is undone by the world-size factor.
 - `sync.publish_model` at world size > 1: every rank writes only its own FSDP2 rows into the packed shared
   buffer, and the result is exactly the full (gathered) state dict, with the version in the header.
 

@@ -217,7 +217,8 @@ def test_lora_run_checkpoints_resumes_and_merges(tmp_path):
 
 def test_lora_flags_are_checked(tmp_path):
     for args, message in ((["--lora-rank", "-1"], "--lora-rank"), (["--merge-at-end"], "--merge-at-end"),
-                          (["--lora-rank", "8", "--lora-dropout", "0.05"], "--lora-dropout 0.05: RL fine-tuning runs without dropout")):
+                          (["--lora-rank", "8", "--lora-dropout", "0.05"],
+                           "--lora-dropout 0.05: RL fine-tuning runs without dropout")):
         with pytest.raises(SystemExit, match=f"^error: .*{message}"):  # before anything starts
             config.parse_args(["--out", str(tmp_path / "x"), *args])
     proc = subprocess.run([sys.executable, "train.py", "--out", str(tmp_path / "y"), "--lora-rank", "8",

@@ -22,7 +22,8 @@ import psutil
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-SMALL = ["--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "5", "--eval-prompts", "16", "--eval-samples", "2"]  # a small evaluation
+SMALL = ["--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "5",
+         "--eval-prompts", "16", "--eval-samples", "2"]  # a small evaluation
 RUN_TIMEOUT_S = 240  # a whole small run; a healthy one takes ~30 s on 2 busy cores
 SUMMARY_FIELDS = ("steps", "wall_s", "reward_first10", "reward_last20", "tokens_trained", "max_token_lag",
                   "dropped_stale", "trainer_wait_frac", "generator_wait_frac", "sync_ms_median",
@@ -188,7 +189,8 @@ def test_max_lag_0_is_on_policy_and_saves_a_usable_model(start_run):
     assert [r["eval/step"] for r in evals] == [0, 3, 6] and rows[-1]["eval/step"] == 6
     assert all(r["eval/version"] == r["eval/step"] for r in evals)  # on-policy: version = steps done
     assert all(r["eval/prompts"] == 16 and 0 <= r["eval/greedy_pass@1"] <= r["eval/pass@2"] <= 1 for r in evals)
-    assert (summary["eval_first"], summary["eval_last"]) == (evals[0]["eval/greedy_pass@1"], evals[-1]["eval/greedy_pass@1"])
+    assert summary["eval_first"] == evals[0]["eval/greedy_pass@1"]
+    assert summary["eval_last"] == evals[-1]["eval/greedy_pass@1"]
     assert [r["epoch"] for r in rows] == [0] * steps and summary["train_prompts"] > 800
 
     for field in SUMMARY_FIELDS:
@@ -225,7 +227,8 @@ def test_max_lag_0_is_on_policy_and_saves_a_usable_model(start_run):
     prompt = tokenizer("<bos>abc=", add_special_tokens=False, return_tensors="pt")
     with torch.no_grad():
         generated = model.generate(**prompt, max_new_tokens=4, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-    assert generated.shape[0] == 1 and prompt["input_ids"].shape[1] < generated.shape[1] <= prompt["input_ids"].shape[1] + 4
+    prompt_len = prompt["input_ids"].shape[1]
+    assert generated.shape[0] == 1 and prompt_len < generated.shape[1] <= prompt_len + 4
     assert torch.equal(generated[0, : prompt["input_ids"].shape[1]], prompt["input_ids"][0])
     initial = AutoModelForCausalLM.from_pretrained(run.out / "init_model", dtype=torch.float32)
     trained = model.state_dict()

@@ -1,7 +1,7 @@
-"""The repository's shape (issue 24), measured by scripts/shape.py: lines per file, no import cycle, the calls
-from the training loop down to the loss, the files one sample passes through. Static (ast): a second.
-An assertion marked xfail(strict=True) does not hold yet: it fails the suite the day it starts to hold, so
-the change that makes it hold removes the mark."""
+"""The repository's shape (issue 24), measured by scripts/shape.py: lines per file and their width, no import
+cycle, the calls from the training loop down to the loss, the files one sample passes through. Static (ast): a
+second. An assertion marked xfail(strict=True) does not hold yet: it fails the suite the day it starts to hold,
+so the change that makes it hold removes the mark."""
 import os
 import sys
 
@@ -29,6 +29,17 @@ def test_every_python_file_within_the_line_limit():
     assert len(counts) > 60 and counts["train.py"] > 100  # the files were found and counted
     over = {path: n for path, n in counts.items() if n > shape.MAX_LINES}
     assert not over, f"over {shape.MAX_LINES} non-blank lines: {over}"
+
+
+def test_no_line_over_the_width_limit_in_any_python_file():
+    assert len(shape.long_lines(limit=60)) > 1000  # the scanner reads every file's lines
+    long = shape.long_lines()
+    assert not long, f"{len(long)} lines over {shape.MAX_WIDTH} characters: {', '.join(long)}"
+
+
+def test_the_width_summary_is_the_mean_and_the_nearest_rank_90th_percentile():
+    assert shape.width_summary(list(range(1, 11))) == (5.5, 9)
+    assert shape.width_summary([10] * 9 + [100] * 2) == (290 / 11, 100)  # rank ceil(0.9 x 11) = 10
 
 
 def test_no_import_cycle_among_the_top_level_modules(modules):

@@ -1,5 +1,5 @@
-"""weight_buffer.py, sync.py and buffer.py without an engine: packing, the seqlock, handles across processes, the staleness
-rule and batch assembly."""
+"""weight_buffer.py, sync.py and buffer.py without an engine: packing, the seqlock, handles across processes, the
+staleness rule and batch assembly."""
 import dataclasses
 import queue as queue_lib
 import threading
@@ -124,7 +124,8 @@ def test_readers_wait_for_a_writer_as_long_as_a_publish_of_the_buffers_size_take
     assert small.writer_wait_s() == weight_buffer.MIN_WAIT_S
     large = weight_buffer.SharedWeights.allocate([("w", (25_000_000,))])  # 100 MB: 2 s at the slowest publish rate
     assert large.writer_wait_s() == pytest.approx(large.nbytes / weight_buffer.SLOWEST_PUBLISH_BYTES_PER_S) == 2.0
-    for read in (lambda: large.read_snapshot(torch.empty_like(large.buffer)), lambda: large.read_in_place(lambda b: None)):
+    for read in (lambda: large.read_snapshot(torch.empty_like(large.buffer)),
+                 lambda: large.read_in_place(lambda b: None)):
         large.begin_write()
         writer = threading.Timer(1.5, large.end_write, args=(large.version() + 1,))  # longer than the 1 s floor
         writer.start()

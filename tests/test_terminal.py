@@ -55,10 +55,17 @@ def test_a_field_comment_with_hashes_and_strings_is_read_whole():
         plain: int = 3
         # second group: with a colon
         other: float = 1.0  # more help
+        #   that wraps,
+        #     twice
+        # third group
+        last: int = 0  # the last
+
+        #   not a continuation (a blank line above): a group
 
     docs = config.field_help(Example)
     assert docs == {"name": ("first group", 'the help, with "quotes" and # a hash'), "plain": ("first group", ""),
-                    "other": ("second group: with a colon", "more help")}
+                    "other": ("second group: with a colon", "more help that wraps, twice"),
+                    "last": ("third group", "the last")}
 
 
 def test_configure_terminal_sets_vllm_level_and_silences_progress_bars(monkeypatch):
