@@ -400,7 +400,7 @@ def run_generator(cfg) -> int:
     settings = dataclasses.replace(settings, cfg=dataclasses.replace(settings.cfg, gen_threads=threads), **placement)
     if not problem and not os.path.isdir(settings.model) and hello["hub_id"]:  # the trainer's copy: its hub cache
         try:
-            settings = dataclasses.replace(settings, model=data.resolve_model(hello["hub_id"]))
+            settings = dataclasses.replace(settings, model=prepare.resolve_model(hello["hub_id"]))
         except data.DataError as err:
             problem = str(err)
     if not problem and not os.path.isdir(settings.model):
