@@ -1,8 +1,8 @@
 """buffer.py — the bounded rollout queue and what crosses it: the generator's only path to the trainer.
 
 Role
-    `RolloutGroup` (one prompt, its G completions, every token tagged with the version that sampled it: `tag_versions`), the
-    staleness rule (`--max-lag`), and the assembly of padded training batches.
+    `RolloutGroup` (one prompt, its G completions, every token tagged with the version that sampled it:
+    `tag_versions`), the staleness rule (`--max-lag`), and the assembly of padded training batches.
 Data contract
     - A `multiprocessing` queue of `--queue-size` groups: a full queue blocks the generator (a first bound on
       staleness and memory). Groups hold plain lists: the sender may exit before the receiver unpickles.
@@ -86,8 +86,13 @@ class Batch:
     def trimmed(self) -> "Batch":
         """The same rows without the trailing columns that are padding in every row."""
         length = int(self.attention_mask.sum(1).max()) if len(self) else self.input_ids.shape[1]
-        return self._map(lambda name, t: t if t.dim() == 1 else t[:, :length if name in ("input_ids",
-                                                                                        "attention_mask") else length - 1])
+
+        def trim(name, t):  # input_ids and attention_mask are one longer than the target-aligned tensors
+            if t.dim() == 1:
+                return t
+            return t[:, :length if name in ("input_ids", "attention_mask") else length - 1]
+
+        return self._map(trim)
 
     def to(self, device) -> "Batch":
         return self._map(lambda name, t: t.to(device))
@@ -192,12 +197,14 @@ def take_groups(q, num_groups: int, trainer_version: int, max_lag: int, timeout_
     dropped (its samples counted as stale), so a group's advantages are always computed over exactly the
     samples trained, and the logged reward is the reward of what was trained. That drops long completions
     more often (their first tokens are the oldest). stale_rule "tokens": a group is dropped only when none
-    of its model tokens is within `max_lag`; the trainer masks the stale tokens of the others (`stale_mask`). With `filter_groups` (DAPO's dynamic sampling) a group
-    whose rewards are all equal is dropped too (its advantages would all be 0). Both are replaced by the
-    generator, which must learn of each one at once (`on_drop()`): its staleness gate counts the groups the
-    trainer still needs, and waiting for this step's end would deadlock both. Raises TimeoutError if no group arrives for `timeout_s` seconds, `Stopped` if `should_stop()`
-    turns True meanwhile, and RuntimeError if `max_groups_per_step` groups (default 20 x `num_groups`)
-    arrive without enough informative ones (every prompt solved, or none ever).
+    of its model tokens is within `max_lag`; the trainer masks the stale tokens of the others
+    (`stale_mask`). With `filter_groups` (DAPO's dynamic sampling) a group whose rewards are all equal is
+    dropped too (its advantages would all be 0). Both are replaced by the generator, which must learn of
+    each one at once (`on_drop()`): its staleness gate counts the groups the trainer still needs, and
+    waiting for this step's end would deadlock both. Raises TimeoutError if no group arrives for
+    `timeout_s` seconds, `Stopped` if `should_stop()` turns True meanwhile, and RuntimeError if
+    `max_groups_per_step` groups (default 20 x `num_groups`) arrive without enough informative ones (every
+    prompt solved, or none ever).
     """
     kept_groups, kept, dropped, groups_dropped, filtered, wait, census = [], 0, 0, 0, 0, 0.0, {}
     max_groups_per_step = max_groups_per_step or 20 * num_groups

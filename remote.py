@@ -81,7 +81,7 @@ class RemoteWeights:
 
     def __init__(self, layout, dtype, trainer_link: "TrainerLink | None" = None, device="cpu"):
         self.layout, self.dtype, self.link = layout, dtype, trainer_link
-        self.buffer = torch.empty(packed_numel(layout), dtype=dtype, device=device) if trainer_link is not None else None
+        self.buffer = None if trainer_link is None else torch.empty(packed_numel(layout), dtype=dtype, device=device)
 
     @property
     def nbytes(self) -> int:

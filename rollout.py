@@ -2,12 +2,15 @@
 
 Role: streams the task's prompts (tasks.py) into the engine with continuous batching; each finished group
 is scored in a worker thread and put on the rollout queue at once. New weights are loaded from the shared
-buffer (weight_buffer.py, through vllm_worker.py) between engine steps, requests kept in flight ("inflight") or let finish ("drain");
-held-out evaluations (evaluation.py) run beside training requests. An env task (--env, --task reveal) runs
-each of a group's G samples as an episode, a chain of requests (envs.py: `run_env_group`, `eval_env_prompt`).
+buffer (weight_buffer.py, through vllm_worker.py) between engine steps, requests kept in flight
+("inflight") or let finish ("drain"); held-out evaluations (evaluation.py) run beside training requests.
+An env task (--env, --task reveal) runs each of a group's G samples as an episode, a chain of requests
+(envs.py: `run_env_group`, `eval_env_prompt`). What it serves (full weights or an adapter) comes through
+lora.Served, its devices through devices.enter_generator_devices.
 Data contract: writes `buffer.RolloutGroup`s with vLLM's processed log-probs (the behaviour policy) and, per
 token, the version of the weights that sampled it; a group starts only if the loaded weights are at most
---max-lag versions behind the trainer version that will consume it (its step less the steps skipped). Reads the buffer's version and `Control`.
+--max-lag versions behind the trainer version that will consume it (its step less the steps skipped).
+Reads the buffer's version and `Control`.
 May touch: its engine, the queue, the shared buffer (read only), `Control`. Nothing of the trainer.
 """
 from __future__ import annotations

@@ -419,7 +419,8 @@ def plan_micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
     return plan + [current] if current else plan
 
 
-def rank_micro_batch_rows(batch: buffer.Batch, rank: int, world_size: int, max_tokens: int) -> tuple[list[list[int]], int]:
+def rank_micro_batch_rows(batch: buffer.Batch, rank: int, world_size: int,
+                          max_tokens: int) -> tuple[list[list[int]], int]:
     """This rank's micro-batches as rows of `batch`, and how many micro-batches every rank runs (the most any
     rank needs: see `rank_micro_batches`)."""
     lengths = batch.attention_mask.sum(1).tolist()

@@ -149,7 +149,8 @@ def measure(model_path: str, plan: list[dict], rounds: int, seed: int, kv_delta:
     try:
         for r in range(rounds):
             for w in plan:
-                settings = dataclasses.replace(base, cfg=dataclasses.replace(base.cfg, max_new_tokens=w["max_new_tokens"]))
+                longer = dataclasses.replace(base.cfg, max_new_tokens=w["max_new_tokens"])
+                settings = dataclasses.replace(base, cfg=longer)
                 keep = dataclasses.replace(settings, cfg=dataclasses.replace(settings.cfg, kv_on_swap="keep"))
                 k = r % len(w["phases"])  # rotate the order from round to round: no phase always runs first
                 for phase in w["phases"][k:] + w["phases"][:k]:

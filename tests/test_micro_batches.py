@@ -133,7 +133,8 @@ def adapter_dir(model_path, tmp_path_factory):
 
 
 def _parity_worker(rank, world, init_file, model_path, ref_path, adapter_dir, results):
-    """Every case and split on this world: gradients (gathered), loss and metrics of one update (`update_on_batch` without an optimizer)."""
+    """Every case and split on this world: gradients (gathered), loss and metrics of one update
+    (`update_on_batch` without an optimizer)."""
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
