@@ -234,17 +234,18 @@ def _kill_group(proc):
     proc.join(timeout=5)
 
 
-def run_train_cli(out_dir: Path, args: list[str], timeout_s: float = 900.0, cpu_window=None) -> dict:
-    """`python train.py --out OUT ARGS` exactly as a user runs it; returns its summary and per-step rows.
-    With `cpu_window=(from_step, to_step)`, also the cores each process used over those steps."""
+def run_train_cli(out_dir: Path, args: list[str], timeout_s: float = 900.0, cpu_window=None, repo=REPO) -> dict:
+    """`python train.py --out OUT ARGS` exactly as a user runs it (from `repo`: another checkout may be
+    given); returns its summary and per-step rows. With `cpu_window=(from_step, to_step)`, also the cores
+    each process used over those steps."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "metrics.jsonl").unlink(missing_ok=True)
-    cmd = [PY, str(REPO / "train.py"), "--out", str(out_dir), *args]
+    cmd = [PY, str(Path(repo) / "train.py"), "--out", str(out_dir), *args]
     start = time.perf_counter()
     cpu = None
     with open(out_dir / "stdout.txt", "w") as so, open(out_dir / "stderr.txt", "w") as se:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=so, stderr=se, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        proc = subprocess.Popen(cmd, cwd=repo, stdout=so, stderr=se, env=dict(os.environ, PYTHONUNBUFFERED="1"),
                                 start_new_session=True)
         if cpu_window:
             cpu = CpuByRole(proc.pid, out_dir / "metrics.jsonl", *cpu_window)
