@@ -375,14 +375,14 @@ def group_of(prompt, episodes: list[Episode]) -> tuple[list[int], list]:
     if not shared:
         raise RuntimeError("the episodes of one group share no first token (their reset() outputs differ from "
                            "the start): give the prompt a common start, such as a BOS token")
-    p = len(shared)
+    shared_len = len(shared)
     parts = []
     for ep in episodes:
         if not ep.start:
             parts.append(([], [], [], []))
             continue
-        lead = ep.start - p  # the per-episode rest of the initial context: env tokens
-        parts.append((ep.ids[p:], [False] * lead + ep.model_mask, [0.0] * lead + ep.logprobs,
+        lead = ep.start - shared_len  # the per-episode rest of the initial context: env tokens
+        parts.append((ep.ids[shared_len:], [False] * lead + ep.model_mask, [0.0] * lead + ep.logprobs,
                       [-1] * lead + ep.versions))
     return shared, parts
 

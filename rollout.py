@@ -86,7 +86,6 @@ class Generator:
         self.sync_ms: list[float] = []  # publish -> serving, per load, not yet handed to the trainer
         self.sync_parts: list[dict] = []
         self.error: BaseException | None = None
-        self.served: Served | None = None  # what the engine serves: the full weights, or an adapter (build_engine)
         self.wake: asyncio.Event | None = None  # set when a group finishes: the loop may start the next at once
         self.eval_task: asyncio.Task | None = None  # the evaluation in flight: no weight load until it is done
         self.last_eval_step = -1  # the newest evaluation request started
@@ -97,7 +96,6 @@ class Generator:
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        self.served = served_weights(self.cfg.lora_rank, self.settings.lora_dir)
         options.update(self.served.engine_options)
         if self.cfg.max_model_len:
             options.update(max_model_len=self.cfg.max_model_len)
@@ -109,6 +107,12 @@ class Generator:
         )
         self.engine = AsyncLLM.from_engine_args(args)
         return self.engine
+
+    @functools.cached_property
+    def served(self) -> Served:
+        """What the engine serves: the full weights, or an adapter (first asked for by build_engine, after
+        the devices are set: vLLM's LoRA request is imported then)."""
+        return served_weights(self.cfg.lora_rank, self.settings.lora_dir)
 
     def generate(self, ids: list[int], params, request_id: str):
         """The engine's outputs for one request of token `ids`, under the weights it serves."""

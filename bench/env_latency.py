@@ -55,7 +55,6 @@ def measure(model_path: str, warmup_s: float, window_s: float) -> dict:
     import prepare
     import rollout
     import train
-    from lora import served_weights
     from rollout import Generator
 
     cfg = common.default_config(model=model_path, max_new_tokens=TOKENS, group_size=GROUP,
@@ -102,7 +101,7 @@ def measure(model_path: str, warmup_s: float, window_s: float) -> dict:
 
     def sync(delay_ms: int, batch_size: int = GROUP * GROUPS_IN_FLIGHT) -> float:
         gen = Generator(settings, shared, queue_lib.Queue(), train.make_control(ctx))
-        gen.engine, gen.served, gen.max_model_len = engine, served_weights(0, ""), 64
+        gen.engine, gen.max_model_len = engine, 64
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         gen.task = envs.EnvTask(cfg, tokenizer, SleepEnv, rows)  # (its request settings)
         threads = ThreadPoolExecutor(GROUP * GROUPS_IN_FLIGHT)
