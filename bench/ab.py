@@ -170,9 +170,13 @@ def main(argv=None) -> int:
     summary = {side: {k: spread([r[k] for r in rs]) for k in FIGURES} for side, rs in runs.items()}
     ratios = {k: summary["head"][k]["mean"] / summary["base"][k]["mean"]
               for k in FIGURES if summary["base"][k]["mean"] and summary["head"][k]["mean"] is not None}
+    # run i of base against run i of head, step by step (0 at every step: the same run; --max-lag 0 repeats)
+    step_diffs = [max(abs(a - b) for a, b in zip(rb["reward_curve"], rh["reward_curve"]))
+                  for rb, rh in zip(runs["base"], runs["head"])]
     data = {"settings": {"base": commits["base"], "head": commits["head"], "runs": args.runs,
                          "args": args.args, "exact_steps": STEPS, "cases": dict(CASES)},
-            "exact": exact, "runs": runs, "summary": summary, "head_over_base": ratios}
+            "exact": exact, "runs": runs, "summary": summary, "head_over_base": ratios,
+            "max_step_reward_diff": step_diffs}
     path = bench.save(data, plot)
     print()
     if exact:
@@ -185,6 +189,8 @@ def main(argv=None) -> int:
                 + [f"{ratios[k]:.3f}" if k in ratios else "-"] for k in FIGURES]
         print(common.table(["figure", f"base {commits['base'][:7]}", f"head {commits['head'][:7]}", "head / base"],
                            rows))
+        print("largest per-step reward difference, base run i vs head run i: "
+              + ", ".join(f"{d:.3g}" for d in step_diffs))
     print(bench.closing_line(path))
     return 0
 
