@@ -68,6 +68,7 @@ def update_on_batch(model, ref_model, optimizer, batch, cfg, rank, world_size, v
                 (terms.loss * world_size).backward()  # FSDP2 averages gradients over ranks: this makes it their sum
                 diagnostics(stats, terms, mb, cfg, version, measure_agreement=not proximal and updates == 0)
                 loss += terms.loss.detach()
+                del terms  # (its graph and tensors: not alive through the next micro-batch)
             # a rank's micro-batches over the step's updates (ranks run as many: FSDP2 needs every rank's forward)
             stats.max("micro_batches", stats.maxima.get("micro_batches", 0) + len(micro_batches))
             updates += 1
