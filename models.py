@@ -30,8 +30,8 @@ def build_policy(cfg, model_path, world_size, device):
 
 def build_frozen_models(cfg, prepared, policy, world_size, device):
     """(reference, teacher), each None when the run has none: the KL reference of --kl-coef (the original
-    weights; with LoRA the policy with its adapter off) and on-policy distillation's teacher (--teacher),
-    each built as `build_reference_model` builds it."""
+    weights by `build_reference_model`; with LoRA the policy itself with its adapter off, no second copy) and
+    on-policy distillation's teacher (--teacher, by `build_reference_model`, with LoRA too)."""
     dtype = devices.torch_dtype(cfg.dtype)
     reference = None
     if cfg.kl_coef > 0:
