@@ -12,6 +12,7 @@ interpreter. Two parts:
   load hits both alike), --runs times each. Per run: wall time (start-up included), reward (first 10% ->
   last 20% of steps), held-out greedy pass@1 at the end, the log-prob agreement after sync, tokens/s. The
   async schedule makes a run unrepeatable, so each side's spread is the noise a difference is judged by.
+May touch: the repository's worktree list (two scratch worktrees, removed at the end) and its scratch folder.
 """
 from __future__ import annotations
 
