@@ -17,6 +17,7 @@ import typing
 from dataclasses import dataclass
 from typing import Optional
 
+import chat
 import data
 import devices
 import envs
@@ -63,6 +64,9 @@ class Config:
     reward: str = ""  # comma-separated module:function | path/file.py:function | math (TRL's convention)
     reward_weights: str = ""  # comma-separated, one per --reward function; "": all 1
     system_prompt: str = ""  # added as a system message (chat template) or a prefix (plain text)
+    chat_template: str = ""  # a Jinja file (or a tokenizer_config.json) rendering prompts, episodes and evaluation
+    #   in place of the model's own chat template
+    chat_template_kwargs: str = ""  # a JSON object handed to every rendering, e.g. '{"enable_thinking": false}'
     reward_workers: int = 0  # 0: rewards run in a thread of the generator; N: a pool of N processes
     max_prompt_tokens: int = 0  # drop longer prompts before training starts (counted); 0: only the context limits them
     # multi-turn environments (envs.py): an episode = reset, then model turn / step until done or a limit
@@ -73,6 +77,8 @@ class Config:
     env_workers: int = 32  # worker threads for environments whose methods are not async
     tools: str = ""  # FILE.py:fn1,fn2 | module:fn1,fn2: functions the model may call
     #   (TRL's tools=; a tool-capable chat template)
+    tool_parser: str = ""  # vLLM's tool-call parser for the model's calls (its server's --tool-call-parser names:
+    #   hermes, llama3_json, qwen3_coder, mistral, ...); "": the one the chat template's format names
     # sampling (the trainer scores tokens with the same temperature/top-k/top-p)
     temperature: float = 1.0  # sampling temperature (> 0)
     top_k: int = -1  # keep the k most likely tokens; -1: off
@@ -302,6 +308,7 @@ def validate(cfg: Config) -> None:
     if cfg.max_turns < 1 or cfg.max_episode_tokens < 0 or cfg.env_workers < 1 or not cfg.env_timeout_s > 0:
         problems.append(f"--max-turns and --env-workers must be >= 1, --max-episode-tokens >= 0 and --env-timeout-s "
                         f"> 0 (got {cfg.max_turns}, {cfg.env_workers}, {cfg.max_episode_tokens}, {cfg.env_timeout_s})")
+    problems += chat_problems(cfg)
     problems += data.check_flags(cfg)  # data flags: files exist, rows complete
     problems += rewards.check(cfg)  # --reward: every function imports
     problems += tools.check(cfg)  # --tools: every function imports and has a schema
@@ -310,6 +317,21 @@ def validate(cfg: Config) -> None:
     problems += devices.problems(cfg)  # --gen-devices/--train-devices: parse, GPUs exist, one rank per GPU
     if problems:
         raise SystemExit("error: " + "\nerror: ".join(problems))
+
+
+def chat_problems(cfg: Config) -> list[str]:
+    """--chat-template (a readable Jinja template), --chat-template-kwargs (a JSON object), --tool-parser (with
+    tools; vLLM's names are checked by prepare, which imports vLLM)."""
+    out = []
+    for text, check in ((cfg.chat_template, chat.read_template), (cfg.chat_template_kwargs, chat.template_kwargs)):
+        try:
+            if text:
+                check(text)
+        except chat.TemplateError as e:
+            out.append(str(e))
+    if cfg.tool_parser and not (cfg.tools or cfg.env):
+        out.append(f"--tool-parser {cfg.tool_parser} reads tool calls: it needs --tools or an --env with tools")
+    return out
 
 
 def lora_problems(cfg: Config) -> list[str]:

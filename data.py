@@ -27,6 +27,8 @@ import sys
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
+import chat
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 @dataclass
@@ -464,8 +466,8 @@ def render_prompt(tokenizer, prompt, system_prompt: str = "") -> str:
         messages.insert(0, {"role": "system", "content": system_prompt})
     if not getattr(tokenizer, "chat_template", None):
         raise DataError("the prompt is a list of chat messages but the tokenizer has no chat template: give "
-                        "plain-text prompts, or a model whose tokenizer has one")
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+                        "plain-text prompts, a model whose tokenizer has one, or --chat-template FILE")
+    return chat.render(tokenizer, messages, True)  # (with --chat-template-kwargs)
 
 
 def encode_prompt(tokenizer, prompt, system_prompt: str = "") -> list[int]:

@@ -1,11 +1,11 @@
 """envs.py — multi-turn environments: `--env FILE.py:NAME`, an episode as a chain of engine requests, the env task.
 
 Role
-    `load_env`/`check` (config.validate: one line per problem), `Renderer` (observations to token ids: the
-    model's tokens are never re-tokenized), `run_episode` (reset -> model turn -> step -> ... -> close, with
+    `load_env`/`check` (config.validate: one line per problem), `run_episode` (reset -> model turn -> step -> ... -> close, with
     --max-turns, --max-episode-tokens, --env-timeout-s and the fault rules), `run_env_group` /
     `eval_env_prompt` (what rollout.Generator calls for an env task), `EnvTask` (rows, held-out rows, scoring);
-    `episode_stats` (a group's counters; metrics.episode_metrics sums them into the env/... keys).
+    `episode_stats` (a group's counters; metrics.episode_metrics sums them into the env/... keys). Observations
+    become token ids through chat.Renderer: the model's tokens are never re-tokenized.
 Data contract
     An env is one instance per episode of a class or zero-argument factory with `reset(**row) -> str |
     list[message] | None` (what it returns follows the prompt), `step(action: str) -> (observation, reward,
@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import data
 import rewards
 import tools as tools_lib
+from chat import Renderer, as_messages  # noqa: F401  (Renderer: envs.Renderer, as before)
 from buffer import RolloutGroup, tag_versions
 from data import DataError, Prompt, is_conversation
 
@@ -82,21 +83,22 @@ def check(cfg) -> list[str]:
     return problems
 
 
-def episode_factory(cfg):
+def episode_factory(cfg, parser=lambda: None):
     """What makes one episode's env: --env's class or factory (instances without `step`, TRL's, wrapped by
-    tools.TrlEnvironment with any --tools functions); --tools alone: a tools.ToolEnv."""
+    tools.TrlEnvironment with any --tools functions); --tools alone: a tools.ToolEnv. `parser()`: the
+    tools.ToolCallParser their tool calls are read with (made on first use)."""
     functions = tuple(tools_lib.load_functions(cfg.tools)) if getattr(cfg, "tools", "") else ()
     if not getattr(cfg, "env", ""):
-        return functools.partial(tools_lib.ToolEnv, functions)
-    return functools.partial(make_env, load_env(cfg.env), functions)
+        return lambda: tools_lib.ToolEnv(functions, parser())
+    return functools.partial(make_env, load_env(cfg.env), functions, parser)
 
 
-def make_env(factory, functions=()):
+def make_env(factory, functions=(), parser=lambda: None):
     """One instance of `factory`, as an env of the contract (reset/step)."""
     instance = factory()
     if callable(getattr(instance, "step", None)):
         return instance
-    return tools_lib.TrlEnvironment(lambda: instance, functions)
+    return tools_lib.TrlEnvironment(lambda: instance, functions, parser())
 
 
 def first_line(error: BaseException) -> str:
@@ -104,67 +106,7 @@ def first_line(error: BaseException) -> str:
 
 
 # ----------------------------------------------------------------------------------------------------
-# Token in, token out: what is new, rendered and tokenized; the sampled ids as they are
-# ----------------------------------------------------------------------------------------------------
-def as_messages(value) -> list[dict]:
-    return [{"role": "user", "content": value}] if isinstance(value, str) else list(value)
-
-
-class Renderer:
-    """Initial contexts and observations as token ids. Text mode: plain text, tokenized. Chat mode (a prompt
-    or an observation made of messages, or tools): the chat template, rendering only what is new: a fixed
-    dummy conversation is rendered with and without the observation (and the next generation prompt), and
-    the text after the dummy assistant's content is the observation's, so the template's end of turn and
-    separator belong to it and earlier turns are never rendered again (a template that rewrites history
-    cannot change what was trained). The end-of-turn token the model sampled itself is not repeated."""
-
-    MARK = "#y#"  # the dummy assistant turn's content: where the model's own tokens end
-    DUMMY = [{"role": "user", "content": "x"}, {"role": "assistant", "content": MARK}]
-
-    def __init__(self, tokenizer, system_prompt: str = ""):
-        self.tokenizer, self.system_prompt = tokenizer, system_prompt
-        self.special = set(tokenizer.all_special_ids)
-
-    def encode(self, text: str, special: bool = False) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=special)["input_ids"])
-
-    def chat_text(self, messages, tools, generation_prompt: bool) -> str:
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise DataError("chat messages need a tokenizer with a chat template")
-        extra = {"tools": tools} if tools else {}  # the one place tool schemas reach the template
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
-                                                  **extra)
-
-    def initial(self, prompt, reset_out, tools=None) -> tuple[list[int], bool]:
-        """(ids of the prompt followed by what reset returned, chat mode?)."""
-        chat = is_conversation(prompt) or isinstance(reset_out, list) or bool(tools)
-        if not chat:
-            return self.encode((prompt or "") + (reset_out or ""), special=True), False
-        messages = (as_messages(prompt) if prompt else []) + (as_messages(reset_out) if reset_out else [])
-        if self.system_prompt and (not messages or messages[0].get("role") != "system"):
-            messages.insert(0, {"role": "system", "content": self.system_prompt})
-        return self.encode(self.chat_text(messages, tools, True)), True
-
-    def observation(self, observation, chat: bool, last_token: int | None, tools=None) -> list[int]:
-        """The ids appended after a model turn that ended with `last_token`: the observation (in chat mode
-        with the template's end of turn before it and the next generation prompt after it)."""
-        if not chat:
-            text = observation if isinstance(observation, str) else "\n".join(m["content"] for m in observation)
-            return self.encode(text)
-        base = self.chat_text(self.DUMMY, tools, False)
-        full = self.chat_text(self.DUMMY + as_messages(observation), tools, True)
-        cut = base.rfind(self.MARK) + len(self.MARK)
-        if cut < len(self.MARK) or full[:cut] != base[:cut]:
-            raise RuntimeError("the chat template renders the conversation differently once an observation "
-                               "follows: cannot append observations token by token")
-        ids = self.encode(full[cut:])
-        if ids and ids[0] == last_token and last_token in self.special:
-            ids = ids[1:]  # the model ended its turn with the template's own end-of-turn token
-        return ids
-
-
-# ----------------------------------------------------------------------------------------------------
-# One episode
+# One episode (token in, token out: chat.Renderer renders and tokenizes what is new; sampled ids stay as they are)
 # ----------------------------------------------------------------------------------------------------
 class EnvFault(Exception):
     """An env call that raised, timed out or returned a malformed value: its episode ends."""
@@ -256,6 +198,9 @@ async def run_episode(gen, env, prompt, turns: Turns) -> Episode:
     ep, cancelled = Episode(), False
     budget = min(cfg.max_episode_tokens or 10**9, gen.max_model_len or 10**9)
     tools = getattr(env, "tools", None)
+    parser = getattr(env, "parser", None)
+    # tool calls are parsed from the text with its special tokens (Llama's <|python_tag|>, Mistral's [TOOL_CALLS])
+    special = {"skip_special_tokens": False} if isinstance(env, tools_lib.ToolEnv) else {}
     threads, timeout_s = task.env_threads, cfg.env_timeout_s
     try:
         reset_out = checked_observation(await call_env(ep, "reset", env.reset, (), threads, timeout_s, prompt.row),
@@ -272,14 +217,14 @@ async def run_episode(gen, env, prompt, turns: Turns) -> Episode:
             max_tokens = min(cfg.max_new_tokens, budget - len(ep.ids))
             seed = None if turns.seed is None else turns.seed + 7919 * ep.turns
             out = await model_turn(gen, ep.ids, gen.request_params(max_tokens=max_tokens, seed=seed,
-                                                                    **turns.sampling),
+                                                                    **turns.sampling, **special),
                                    f"{turns.request_id}-t{ep.turns}")
             ids = list(out.token_ids)
             ep.append(ids, [out.logprobs[i][t].logprob for i, t in enumerate(ids)] if out.logprobs is not None
                       else [0.0] * len(ids), tag_versions(out.weight_versions, len(ids)))
             ep.turns += 1
             text = out.text or ""  # (the history reward functions see: a tool call as tool_calls, as TRL's)
-            ep.transcript.append(text if not ep.chat else tools_lib.assistant_message(text) if tools
+            ep.transcript.append(text if not ep.chat else tools_lib.assistant_message(text, parser) if tools
                                  else {"role": "assistant", "content": text})
             if out.finish_reason == "length" and max_tokens < cfg.max_new_tokens:
                 ep.truncated = "max_episode_tokens"  # the budget cut the turn: no step on half an action
@@ -456,7 +401,8 @@ class EnvTask:
 
     def __init__(self, cfg, tokenizer, factory=None, rows=None):
         spec = data.spec_of(cfg)
-        self.factory = factory or episode_factory(cfg)
+        self.tool_parser = None
+        self.factory = factory or episode_factory(cfg, functools.partial(self.parser, cfg.tool_parser, tokenizer))
         self.names = ["env"] + (rewards.reward_names(spec.rewards) if spec else [])
         self.scorer = rewards.Scorer(spec.rewards if spec else (), spec.weights if spec else (),
                                      workers=spec.reward_workers if spec else 0)
@@ -472,6 +418,14 @@ class EnvTask:
         self.held_out = [self.prompt_of(row, column, answer) for row in held_rows]
         if not self.prompts:
             raise RuntimeError("the env task has no training rows")
+
+    def parser(self, name: str, tokenizer):
+        """vLLM's tool parser for this run's episodes (--tool-parser, else the one the chat template's format
+        names), made once, on the first episode that has tools (prepare checked it before the run)."""
+        if self.tool_parser is None:
+            self.tool_parser = tools_lib.ToolCallParser(tools_lib.parser_name(name, tokenizer.chat_template),
+                                                        tokenizer)
+        return self.tool_parser
 
     @staticmethod
     def rows_of(spec, cfg):

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+import chat
 import checkpoint
 import data
 import devices
@@ -81,7 +82,7 @@ def prepare_run(cfg: Config, engine_here: bool = True) -> Prepared:
                       groups_dropped=saved.get("groups_dropped", 0))
     else:
         model_path = base_model = prepare_model(cfg)
-    check_tokenizer(model_path, cfg.tools)
+    check_tokenizer(model_path, cfg)
     check_head(model_path)
     teacher = check_teacher(cfg.teacher, model_path) if cfg.teacher else ""
     layout = devices.layout_for(cfg)
@@ -109,11 +110,15 @@ def prepare_model(cfg) -> str:
     return path
 
 
-def check_tokenizer(model_path, tool_spec: str = "") -> None:
-    """The run needs an end-of-sequence token (completions must be able to stop); --tools a chat template
-    that renders tools."""
+def check_tokenizer(model_path, cfg=None) -> None:
+    """The run needs an end-of-sequence token (completions must be able to stop); an episode run a chat template
+    it can extend turn by turn (chat.template_problem); --tools a template that renders tools and a vLLM tool
+    parser that reads the calls it writes (tools.parser_problem). --chat-template(-kwargs) apply throughout."""
     try:
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        tokenizer = chat.load_tokenizer(model_path, getattr(cfg, "chat_template", ""),
+                                        getattr(cfg, "chat_template_kwargs", ""))
+    except chat.TemplateError as err:
+        raise SystemExit(f"error: {err}") from None
     except Exception as err:
         raise SystemExit(f"error: cannot load the tokenizer of {model_path}: {err}") from None
     vocab = getattr(AutoConfig.from_pretrained(model_path), "vocab_size", None)
@@ -122,7 +127,19 @@ def check_tokenizer(model_path, tool_spec: str = "") -> None:
         raise SystemExit(f"error: the tokenizer in {model_path} has no eos token the model knows (eos "
                          f"{tokenizer.eos_token!r}, id {eos}, model vocabulary {vocab}): completions could "
                          "never stop; set eos_token in its tokenizer_config.json")
-    problem = tools.tokenizer_problem(tokenizer, model_path) if tool_spec else None
+    if cfg is None or not (cfg.tools or cfg.env):
+        return
+    schemas = tools.tool_schemas(tools.load_functions(cfg.tools)) if cfg.tools else None
+    problem = tools.tokenizer_problem(tokenizer, model_path) if cfg.tools else None
+    if problem is None and getattr(tokenizer, "chat_template", None):
+        problem = chat.template_problem(tokenizer, schemas)
+    if problem is None and cfg.tools:
+        try:
+            parser = tools.ToolCallParser(tools.parser_name(cfg.tool_parser, tokenizer.chat_template), tokenizer)
+        except ValueError as err:
+            problem = str(err)
+        else:
+            problem = tools.parser_problem(parser, tokenizer, model_path)
     if problem:
         raise SystemExit(f"error: {problem}")
 

@@ -25,8 +25,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from transformers import AutoTokenizer
-
+import chat
 import data
 import envs
 from buffer import RolloutGroup, put_group, tag_versions
@@ -347,7 +346,8 @@ class Generator:
 
     async def run(self):
         self.max_model_len = getattr(getattr(self.engine, "model_config", None), "max_model_len", None)
-        self.task = make_task(self.cfg, AutoTokenizer.from_pretrained(self.settings.model), self.max_model_len)
+        self.task = make_task(self.cfg, chat.load_tokenizer(self.settings.model, self.cfg.chat_template,
+                                                             self.cfg.chat_template_kwargs), self.max_model_len)
         self.stats.update(train_prompts=len(self.task.prompts), held_out_prompts=len(self.task.held_out),
                           prompts_dropped_long=self.task.dropped_long)
         # One scoring thread (user reward functions need not be thread-safe); with a process pool, one
