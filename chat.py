@@ -63,7 +63,8 @@ def template_kwargs(text: str) -> dict:
     except json.JSONDecodeError as e:
         raise TemplateError(f"--chat-template-kwargs {text!r}: not JSON ({e.msg}, column {e.colno})") from None
     if not isinstance(value, dict):
-        raise TemplateError(f"--chat-template-kwargs {text!r}: give a JSON object, e.g. '{{\"enable_thinking\": false}}'")
+        raise TemplateError(f"--chat-template-kwargs {text!r}: give a JSON object, "
+                            "e.g. '{\"enable_thinking\": false}'")
     reserved = {"messages", "tools", "add_generation_prompt", "tokenize"} & set(value)
     if reserved:
         raise TemplateError(f"--chat-template-kwargs: {', '.join(sorted(reserved))} is set by the run itself")
@@ -159,7 +160,7 @@ class Renderer:
 
     def initial(self, prompt, reset_out, tools=None) -> tuple[list[int], bool]:
         """(ids of the prompt followed by what reset returned, chat mode?)."""
-        if not (isinstance(prompt, list) or isinstance(reset_out, list) or tools):  # (rows are checked: a list is messages)
+        if not (isinstance(prompt, list) or isinstance(reset_out, list) or tools):  # (checked rows: a list is messages)
             return self.encode((prompt or "") + (reset_out or ""), special=True), False
         messages = (as_messages(prompt) if prompt else []) + (as_messages(reset_out) if reset_out else [])
         if self.system_prompt and (not messages or messages[0].get("role") != "system"):

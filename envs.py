@@ -1,8 +1,8 @@
 """envs.py — multi-turn environments: `--env FILE.py:NAME`, an episode as a chain of engine requests, the env task.
 
 Role
-    `load_env`/`check` (config.validate: one line per problem), `run_episode` (reset -> model turn -> step -> ... -> close, with
-    --max-turns, --max-episode-tokens, --env-timeout-s and the fault rules), `run_env_group` /
+    `load_env`/`check` (config.validate: one line per problem), `run_episode` (reset -> model turn -> step -> ...
+    -> close, with --max-turns, --max-episode-tokens, --env-timeout-s and the fault rules), `run_env_group` /
     `eval_env_prompt` (what rollout.Generator calls for an env task), `EnvTask` (rows, held-out rows, scoring);
     `episode_stats` (a group's counters; metrics.episode_metrics sums them into the env/... keys). Observations
     become token ids through chat.Renderer: the model's tokens are never re-tokenized.
@@ -81,6 +81,17 @@ def check(cfg) -> list[str]:
         except Exception:
             pass
     return problems
+
+
+def runs_tools(cfg) -> bool:
+    """Whether the run's episodes call tools: --tools, or an --env whose instances have no step (TRL's classes)."""
+    if getattr(cfg, "tools", ""):
+        return True
+    if not getattr(cfg, "env", ""):
+        return False
+    factory = load_env(cfg.env)
+    target = factory if inspect.isclass(factory) else factory()
+    return not callable(getattr(target, "step", None))
 
 
 def episode_factory(cfg, parser=lambda: None):

@@ -21,6 +21,7 @@ import chat
 import checkpoint
 import data
 import devices
+import envs
 import heads
 import lora
 import tools
@@ -129,11 +130,13 @@ def check_tokenizer(model_path, cfg=None) -> None:
                          "never stop; set eos_token in its tokenizer_config.json")
     if cfg is None or not (cfg.tools or cfg.env):
         return
-    schemas = tools.tool_schemas(tools.load_functions(cfg.tools)) if cfg.tools else None
-    problem = tools.tokenizer_problem(tokenizer, model_path) if cfg.tools else None
+    with_tools = envs.runs_tools(cfg)
+    schemas = (tools.tool_schemas(tools.load_functions(cfg.tools)) if cfg.tools else [tools.PROBE_SCHEMA]) \
+        if with_tools else None
+    problem = tools.tokenizer_problem(tokenizer, model_path) if with_tools else None
     if problem is None and getattr(tokenizer, "chat_template", None):
         problem = chat.template_problem(tokenizer, schemas)
-    if problem is None and cfg.tools:
+    if problem is None and with_tools:
         try:
             parser = tools.ToolCallParser(tools.parser_name(cfg.tool_parser, tokenizer.chat_template), tokenizer)
         except ValueError as err:

@@ -16,11 +16,12 @@ Role
     `from_trl_environment(cls)`: a TRL `environment_factory` class as such an environment, unchanged.
 Data contract: a call is {"name": str, "arguments": dict}; a tool message is {"role": "tool", "name": str,
 "content": str} (a result is `str(result)`; a failure `str({"error": ...})`, as TRL writes them).
-Formats `parse_tool_calls` reads: the Hermes format of Qwen2.5, Qwen3 and most open tool-calling models, `<tool_call>{"name":
-NAME, "arguments": {...}}</tool_call>` (the body JSON, its arguments an object or a JSON string of one, or
-"parameters" as Llama 3.1 writes them); and Qwen3.5 / Qwen3-Coder's `<tool_call><function=NAME>
-<parameter=KEY>VALUE</parameter></function></tool_call>` (a value read as JSON when it parses, else as text).
-May touch: the modules it loads, and whatever the user's tools do. No engine, no tokens.
+Formats `parse_tool_calls` reads: the Hermes format of Qwen2.5, Qwen3 and most open tool-calling models,
+`<tool_call>{"name": NAME, "arguments": {...}}</tool_call>` (the body JSON, its arguments an object or a JSON
+string of one, or "parameters"); and Qwen3.5 / Qwen3-Coder's `<tool_call><function=NAME><parameter=KEY>VALUE
+</parameter></function></tool_call>` (a value read as JSON when it parses, else as text).
+May touch: the modules it loads, and whatever the user's tools do; vLLM's parsers (imported by ToolCallParser
+only). No engine, no tokens.
 """
 from __future__ import annotations
 
@@ -205,7 +206,8 @@ class ToolCallParser:
             cls = ToolParserManager.get_tool_parser(name)
         except KeyError:
             known = ", ".join(sorted(ToolParserManager.list_registered()))
-            raise ValueError(f"--tool-parser {name!r}: vLLM has no tool parser of that name (it has: {known})") from None
+            raise ValueError(f"--tool-parser {name!r}: vLLM has no tool parser of that name (it has: {known})") \
+                from None
         try:
             self.parser = cls(tokenizer)
         except Exception as e:

@@ -288,3 +288,67 @@ def test_chat_template_kwargs_reach_prompts_and_episodes(models, tmp_path):
     tokenizer = chat.load_tokenizer(path, str(tmp_path / "my.jinja"))  # --chat-template replaces the model's
     assert tokenizer.decode(data.encode_prompt(tokenizer, [{"role": "user", "content": "hi"}])) == \
         "[user] hi\n[assistant]"
+
+
+# ----------------------------------------------------------------------------------------------------
+# The real engine: vLLM serves a tiny Qwen3 with its real vocabulary; the Generator runs chat episodes on it
+# ----------------------------------------------------------------------------------------------------
+def test_vllm_runs_three_turn_qwen3_episodes_token_in_token_out(models, monkeypatch):
+    import os
+
+    import torch
+    import torch.multiprocessing as mp
+
+    import buffer
+    import rollout
+    import train
+    from test_engine import drain, settings_for, wait_until
+    from test_env import Recording
+
+    path = models("qwen3")
+    os.environ["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    rows = ([{"prompt": "Let us play.", "seed": i} for i in range(8)], [{"prompt": "Let us play.", "seed": 99}])
+    monkeypatch.setattr(rollout, "make_task", lambda cfg, tokenizer, max_len=None: envs.EnvTask(
+        cfg, tokenizer, ChatEnv, rows))
+    settings = settings_for(path, group_size=2, prompts_per_step=2, max_new_tokens=6, max_turns=5, max_lag=0,
+                            update_mode="drain", kv_cache_mb=64, env="examples/guess_env.py:GuessEnv")
+    ctx = mp.get_context("spawn")
+    gen = rollout.Generator(settings, prepare.allocate_shared_weights(path), ctx.Queue(), train.make_control(ctx))
+    engine = gen.build_engine()
+    recording, loop = Recording(engine), asyncio.new_event_loop()
+    try:
+        gen.engine = recording
+
+        async def scenario():
+            task = asyncio.create_task(gen.run())
+            await wait_until(lambda: gen.stats["groups"] >= 2 or task.done(), "2 groups", 240)
+            if task.done():
+                task.result()
+            gen.control.stop.set()
+            await task
+        loop.run_until_complete(scenario())
+        groups = drain(gen.queue)
+    finally:
+        engine.shutdown()
+        gen.engine = recording.engine = engine = None  # no second shutdown from AsyncLLM.__del__ at exit
+        pending = asyncio.all_tasks(loop)
+        for task in pending:
+            task.cancel()
+        loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        loop.close()
+    tokenizer = gen.task.renderer.tokenizer
+    assert len(groups) >= 2 and all(g.episode_stats["errors"] == 0 for g in groups)
+    for group in groups:
+        for j, (ids, mask, lps) in enumerate(zip(group.completion_ids, group.model_masks, group.behaviour_logprobs)):
+            sequence = group.prompt_ids + ids
+            assert group.episode_stats["turns"][j] == 3
+            for turn in range(3):
+                given, sampled, logprobs = recording.calls[f"group-{group.group_id}-{j}-t{turn}"]
+                assert given == sequence[:len(given)]
+                assert sequence[len(given):len(given) + len(sampled)] == sampled  # the tokens as sampled
+                k = len(given) - len(group.prompt_ids)
+                assert all(mask[k:k + len(sampled)]) and lps[k:k + len(sampled)] == logprobs
+            assert "<|im_start|>user\nNot 2; try again.<|im_end|>\n<|im_start|>assistant\n" in tokenizer.decode(
+                sequence)
+    batch = buffer.collate(buffer.to_samples(groups, torch.zeros(len(groups), 2)), pad_id=0)
+    assert int(batch.mask.sum()) == sum(sum(m) for g in groups for m in g.model_masks)
