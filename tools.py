@@ -417,4 +417,5 @@ def tokenizer_problem(tokenizer, model: str = "the model") -> str | None:
     if supports_tools(tokenizer):
         return None
     return (f"--tools: the chat template of {model} does not render tools (tool schemas, tool calls and tool "
-            "messages); give a model whose chat template supports tool calling (e.g. Qwen2.5/Qwen3 instruct)")
+            "messages); give a model whose chat template supports tool calling (e.g. Qwen2.5/Qwen3 instruct), or "
+            "--chat-template FILE with one that does")

@@ -26,18 +26,9 @@ import envs
 import prepare
 import tools
 from shipped import build_model
+from test_tools import add  # the tool the calls below call
 
 THINK = "<think>\nLet me see.\n</think>\n\n"
-
-
-def add(a: int, b: int) -> int:
-    """Add two integers.
-
-    Args:
-        a: The first integer.
-        b: The second integer.
-    """
-    return a + b
 
 
 class ChatEnv:
