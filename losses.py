@@ -1,8 +1,9 @@
 """losses.py — the GRPO loss family: functions on tensors (no optimizer, process, I/O or state; torch only).
 
-Role: train.py takes advantages from `estimate_advantages`, log-probs from `score_tokens` (no logits), off-policy
-corrections from `behaviour_weights` and the masks beside it, the loss from `policy_loss` (+ `kl_penalty`).
-Data contract (B sequences, T padded completion length, V vocabulary): rewards (groups, G); log-probs, weights
+Role: update.py takes log-probs from `score_tokens` (no logits), distillation's per-token advantages from
+`distill_advantages` (the batch's: advantages.py), off-policy corrections from `behaviour_weights` and the masks
+beside it, the loss from `policy_loss` (+ `kl_penalty`).
+Data contract (B sequences, T padded completion length, V vocabulary): log-probs, weights
 (B, T) float; advantages (B,) or (B, T); mask (B, T), True on completion tokens; logits (..., V). Masked-out
 positions never reach a result, and results there are 0. A loss: a scalar with its graph, a dict of 0-d tensors.
 Variants of `policy_loss`: grpo, dapo, dr_grpo, gspo, cispo (all minimise; formulas in its docstring)."""
@@ -11,54 +12,11 @@ import torch
 
 VARIANTS = ("grpo", "dapo", "dr_grpo", "gspo", "cispo")
 AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-SCALES = ("group", "batch", "none")
 KL_KINDS = ("k1", "k2", "k3")
-ADV_ESTIMATORS = ("grpo", "rloo", "reinforce_pp")
 IS_LEVELS, IS_MODES = ("token", "sequence"), ("truncate", "mask", "off")  # of `behaviour_weights`
 
 
-# ---------- Advantages ----------------------------------------------------------------------------
-
-
-def group_advantages(rewards, scale="group", eps=1e-6):
-    """Group-relative advantages (GRPO, Shao et al. 2024, DeepSeekMath): A_ij = (R_ij - mean_j R_ij) / (std + eps)
-    with std the unbiased std of the group (scale="group"), of the whole batch ("batch"), or no division
-    ("none": Dr. GRPO, Liu et al. 2025: the std biases towards too-easy / too-hard questions).
-    rewards (num_groups, group_size) -> the same shape; a group of size 1 has advantage 0 (std 0, never NaN)."""
-    if scale not in SCALES:
-        raise ValueError(f"unknown advantage scale {scale!r}; expected one of {SCALES}")
-    if rewards.dim() != 2:
-        raise ValueError(f"rewards must be (num_groups, group_size), got shape {tuple(rewards.shape)}")
-    rewards = rewards.float()
-    centered = rewards - rewards.mean(dim=-1, keepdim=True)
-    if scale == "none":
-        return centered
-    if scale == "group":
-        std = rewards.std(dim=-1, keepdim=True) if rewards.shape[-1] > 1 else torch.zeros_like(rewards[:, :1])
-    else:  # batch
-        std = rewards.std() if rewards.numel() > 1 else rewards.new_zeros(())
-    return centered / (std + eps)
-
-
-def estimate_advantages(rewards, estimator="grpo", scale="group", eps=1e-6):
-    """Advantages (num_groups, G) of rewards (num_groups, G) by the baseline `estimator` (ADV_ESTIMATORS):
-      grpo          `group_advantages(rewards, scale)`
-      rloo          leave-one-out mean (Kool et al. 2019; Ahmadian et al. 2024, "Back to Basics"):
-                    A_ij = R_ij - (1/(G-1)) sum_{k != j} R_ik = G/(G-1) (R_ij - mean_j R_ij); G = 1: 0
-      reinforce_pp  REINFORCE++ (Hu 2025, arXiv 2501.03262; OpenRLHF's "reinforce" estimator): no per-prompt
-                    baseline, A = (R - mean(R)) / (std(R) + eps) over the batch, unbiased std (per sample;
-                    OpenRLHF whitens over tokens, a sample once per token). One sample: 0.
-    `scale` is grpo's only: config.validate refuses another with rloo or reinforce_pp."""
-    if estimator not in ADV_ESTIMATORS:
-        raise ValueError(f"unknown advantage estimator {estimator!r}; expected one of {ADV_ESTIMATORS}")
-    if estimator == "grpo":
-        return group_advantages(rewards, scale, eps)
-    rewards = rewards.float()
-    if estimator == "rloo":
-        others_mean = (rewards.sum(-1, keepdim=True) - rewards) / max(rewards.shape[-1] - 1, 1)
-        return rewards - others_mean if rewards.shape[-1] > 1 else torch.zeros_like(rewards)
-    std = rewards.std() if rewards.numel() > 1 else rewards.new_zeros(())
-    return (rewards - rewards.mean()) / (std + eps)
+# ---------- Per-token advantages (a batch's, from its rewards: advantages.py) ----------------------
 
 
 def distill_advantages(advantages, logp, teacher_logp, mask, coef: float):

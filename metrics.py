@@ -158,7 +158,7 @@ class RunLog:
         lengths = batch.mask.sum(1)
         lags = torch.bincount((trained_from - batch.token_versions[batch.mask]).clamp(min=0))
         row.update(summarize_rewards([g.reward_stats for g in taken.groups]), completion_len_min=int(lengths.min()),
-                   completion_len_max=int(lengths.max()), unscored=sum(g.unscored for g in taken.groups),
+                   completion_len_max=int(lengths.max()), unscored=sum(len(g.unscored) for g in taken.groups),
                    gen_reward_s=gen.get("reward_s"), **{f"lag_hist/{k}": int(n) for k, n in enumerate(lags)},
                    epoch=max(g.epoch for g in taken.groups), **episode_metrics(taken.groups))
         # what staleness cost, by model-token length bucket and by turns (buffer.stale_census)

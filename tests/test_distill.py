@@ -74,7 +74,7 @@ def test_flags_and_the_teacher_check(models, tmp_path):
     with pytest.raises(data.DataError, match="needs --reward .* or --teacher"):
         data.resolve(dataset="x.jsonl")
     assert data.resolve(dataset="x.jsonl", teacher=models["teacher"]).rewards == ()
-    assert rewards.combine([], [], 3) == ([0.0, 0.0, 0.0], 0)  # no reward functions: 0 each, none unscored
+    assert rewards.combine([], [], 3) == ([0.0, 0.0, 0.0], [])  # no reward functions: 0 each, none unscored
 
 
 def env_batch():
