@@ -351,7 +351,7 @@ LOGIT_CHUNK_ELEMENTS = 2**24
 def chunked_logprobs(hidden, weight, bias, tokens, temperature=1.0, top_k=-1, top_p=1.0, hidden_scale=1.0,
                      logit_scale=1.0, softcap=0.0, chunk_elements=LOGIT_CHUNK_ELEMENTS):
     """`token_logprobs(head(hidden), tokens, ...)` and the entropy of the same distribution, never holding more
-    than ~`chunk_elements` logits. The family's head (heads.HeadTransform), in float32, then / temperature and
+    than ~`chunk_elements` logits. The family's head (heads.HeadTransform, `_head_logits`), then / temperature and
     top-k/top-p as vLLM does: head(h) = logit_scale * softcap * tanh(((hidden_scale * h) @ weight.T + bias) / softcap)
     (softcap 0: no tanh). hidden (N, H) at the positions to score, weight (V, H), bias (V,) or None, tokens (N,)
     long -> logp (N,) float32 (a gradient to hidden, weight, bias) and the detached entropy (N,) of the sampling
@@ -393,17 +393,22 @@ def score_tokens(model, decoder, lm_head, input_ids, attention_mask, targets, ma
 
 def _head_logits(h, weight, bias, head, slope=False):
     """float32 logits of a chunk through the family's transform `head` = (hidden_scale, logit_scale,
-    softcap); with slope, also d logits / d z (None where it is the constant logit_scale)."""
+    softcap); with slope, also d logits / d z in float32 (None where it is the constant logit_scale).
+    As vLLM 0.32's LogitsProcessor.forward (model_executor/layers/logits_processor.py) does it: the soft cap
+    (/ cap, tanh, * cap), then the scale, each in the matmul's output dtype (vLLM's head_dtype, by default the
+    serving dtype: bf16 matmul outputs are capped in bf16), then float32 (its sampler). In float32 nothing
+    differs; Gemma-2's cap of 30 applied in float32 after a bf16 matmul moved sampled tokens' log-probs by 0.04
+    nats on average, 0.19 at most (tests/test_heads.py's bf16 case; a scale of 0.3 alone: 0.012, 0.078)."""
     hidden_scale, logit_scale, softcap = head
-    x = torch.nn.functional.linear(h * hidden_scale if hidden_scale != 1 else h, weight, bias).float()
+    x = torch.nn.functional.linear(h * hidden_scale if hidden_scale != 1 else h, weight, bias)
     dx_dz = None
     if softcap:
         x = x.div_(softcap).tanh_()
-        dx_dz = (1 - x.square()).mul_(logit_scale) if slope else None
+        dx_dz = (1 - x.float().square()).mul_(logit_scale) if slope else None
         x.mul_(softcap)
     if logit_scale != 1:
         x.mul_(logit_scale)
-    return (x, dx_dz) if slope else x
+    return (x.float(), dx_dz) if slope else x.float()
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
