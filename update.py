@@ -110,7 +110,8 @@ class LossTerms:
 def micro_batch_loss(model, ref_model, teacher, mb, cfg, units, tokens) -> LossTerms:
     """One micro-batch's term of the update's loss: its share of the whole batch's (normalised by the
     update's `units`, and its KL term by the update's completion `tokens`)."""
-    scores = completion_logprobs(model, mb, cfg.temperature, cfg.top_k, cfg.top_p, untruncated=cfg.kl_coef > 0)
+    scores = completion_logprobs(model, mb, cfg.temperature, cfg.top_k, cfg.top_p,
+                                 untruncated=cfg.kl_coef > 0 or teacher is not None)
     proximal = mb.proximal_logp if cfg.is_mode != "off" else None
     # A stale token can lie outside the current (or proximal) policy's top-k/top-p set (log-prob -inf): leave it out.
     outside = mb.mask & ~torch.isfinite(scores.logp)
@@ -128,15 +129,20 @@ def micro_batch_loss(model, ref_model, teacher, mb, cfg, units, tokens) -> LossT
         old_logp = trainer_old
         weights = behaviour_weights(old_logp, mb.behaviour_logp, trained, level=cfg.is_level, mode=cfg.is_mode,
                                     low=cfg.is_low, high=cfg.is_high)
-    kept = off_policy_masks(cfg, trained, trainer_old, logp.detach(), mb)
-    mask = trained
-    for rule in kept.values():
-        mask = mask & rule
     advantages, reverse_kl = mb.advantages, None
     if teacher is not None:  # on-policy distillation: the teacher scores the sampled tokens (never an environment's)
         with torch.no_grad():
             teacher_logp = completion_logprobs(teacher, mb, cfg.temperature).logp
-        advantages, reverse_kl = distill_advantages(advantages, logp, teacher_logp, mask, cfg.distill_coef)
+        # like with like, as the KL term: both under the temperature alone (the student's top-k/top-p log-prob
+        # against an untruncated teacher would add -log(kept mass) of reverse KL on every token)
+        advantages, reverse_kl = distill_advantages(advantages, torch.where(trained, scores.logp_untruncated, 0.0),
+                                                    teacher_logp, trained, cfg.distill_coef)
+    kept = off_policy_masks(cfg, trained, trainer_old, logp.detach(), mb, advantages)
+    mask = trained
+    for rule in kept.values():
+        mask = mask & rule
+    if reverse_kl is not None:
+        reverse_kl = torch.where(mask, reverse_kl, 0.0)  # (its metric: over the tokens the loss trains on)
     loss, policy = policy_loss(logp, old_logp, advantages, mask, variant=cfg.loss, eps_low=cfg.eps_low,
                                eps_high=cfg.eps_high, dual_clip=cfg.dual_clip, agg=cfg.agg, max_len=cfg.max_new_tokens,
                                weights=weights, units=units)
@@ -149,16 +155,17 @@ def micro_batch_loss(model, ref_model, teacher, mb, cfg, units, tokens) -> LossT
                      None if kl is None else kl.detach(), reverse_kl)
 
 
-def off_policy_masks(cfg, trained, trainer_old, logp, mb) -> dict:
+def off_policy_masks(cfg, trained, trainer_old, logp, mb, advantages) -> dict:
     """The kept tokens of each off-policy mask the run has on (losses.py: --geo-mask-*, --dsv32-mask-kl,
     --icepop-*), by the name of the share it logs; the geometric and IcePop masks use the trainer's
-    (proximal, or current) log-probs, DeepSeek-V3.2's the current ones."""
+    (proximal, or current) log-probs, DeepSeek-V3.2's the current ones and the advantages the loss uses
+    (`advantages`: with a teacher, each token's A_t)."""
     kept = {}
     if cfg.geo_mask_high is not None:
         kept["geo_masked_seq_frac"] = geometric_mean_mask(trainer_old, mb.behaviour_logp, trained, cfg.geo_mask_low,
                                                           cfg.geo_mask_high)
     if cfg.dsv32_mask_kl is not None:
-        kept["dsv32_masked_seq_frac"] = dsv32_sequence_mask(logp, mb.behaviour_logp, mb.advantages, trained,
+        kept["dsv32_masked_seq_frac"] = dsv32_sequence_mask(logp, mb.behaviour_logp, advantages, trained,
                                                             cfg.dsv32_mask_kl)
     if cfg.icepop_high is not None:
         kept["icepop_masked_frac"] = icepop_mask(trainer_old, mb.behaviour_logp, trained, cfg.icepop_low,
