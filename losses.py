@@ -38,21 +38,23 @@ def _masked_mean(x, m_bool):
     return torch.where(m_bool, x, torch.zeros_like(x)).sum() / m_bool.sum().clamp(min=1)
 
 
-def aggregate(loss_tok, mask, agg="token-mean", max_len=None, units=None):
+def aggregate(loss_tok, mask, agg="token-mean", max_len=None, units=None, seq_lens=None):
     """Reduce a per-token loss (B, T) to a scalar. token-mean: sum over masked tokens / their number (DAPO's
-    token-level loss); seq-mean-token-mean: mean over sequences of each one's token mean (original GRPO);
+    token-level loss); seq-mean-token-mean: mean over sequences of each one's token sum / |o_i| (original GRPO);
     seq-mean-token-sum: of each one's token sum; seq-mean-token-sum-norm: seq-mean-token-sum / max_len, default
     T = mask.shape[-1] (Dr. GRPO: a constant normaliser instead of |y_i|). Fully masked sequences are left out
     of sequence means; an all-masked batch gives 0 with the graph attached (no NaN). units: the count to divide
     by (masked tokens for token-mean, else non-empty sequences), default this mask's; a micro-batch passes its
-    whole step's (every micro-batch, every rank), so that the micro-batches' losses add up to the whole batch's."""
+    whole step's (every micro-batch, every rank), so that the micro-batches' losses add up to the whole batch's.
+    seq_lens (B,): each sequence's |o_i|, default its tokens in `mask`; update.py passes the tokens it trains
+    before the off-policy masks, as `units` counts them (DeepSeek-V3.2's eq. 9: 1/|o_i| outside its mask M_it)."""
     if agg not in AGGS:
         raise ValueError(f"unknown agg {agg!r}; expected one of {AGGS}")
     m_bool = mask.bool()
     loss_tok = torch.where(m_bool, loss_tok, torch.zeros_like(loss_tok))
     if agg == "token-mean":
         return loss_tok.sum() / (m_bool.sum().clamp(min=1) if units is None else max(units, 1))
-    seq_len = m_bool.sum(dim=-1)
+    seq_len = m_bool.sum(dim=-1) if seq_lens is None else seq_lens
     valid = seq_len > 0
     seq_sum = loss_tok.sum(dim=-1)
     if agg == "seq-mean-token-mean":
@@ -66,7 +68,7 @@ def aggregate(loss_tok, mask, agg="token-mean", max_len=None, units=None):
 
 
 def policy_loss(logp, old_logp, advantages, mask, variant="grpo", eps_low=0.2, eps_high=None, dual_clip=None,
-                agg="token-mean", max_len=None, weights=None, units=None):
+                agg="token-mean", max_len=None, weights=None, units=None, seq_lens=None):
     """Policy-gradient loss of the GRPO family: (loss, metrics of `_clip_metrics`). r_t = exp(logp_t -
     old_logp_t); per-token losses (to minimise):
     grpo (Shao et al. 2024; PPO's clipped surrogate, Schulman et al. 2017):
@@ -84,7 +86,7 @@ def policy_loss(logp, old_logp, advantages, mask, variant="grpo", eps_low=0.2, e
       and detached, so every token keeps its gradient -min(r_t, 1 + eps_high) A_t (none is dropped as in PPO
       clipping); eps_low is unused (the paper sets no lower bound).
     advantages (B,) or (B, T); weights: optional (B, T) detached per-token weights (e.g. behaviour_weights)
-    multiplied into l_t; agg/max_len/units: see `aggregate`."""
+    multiplied into l_t; agg/max_len/units/seq_lens: see `aggregate`."""
     if variant not in VARIANTS:
         raise ValueError(f"unknown policy-loss variant {variant!r}; expected one of {VARIANTS}")
     if agg not in AGGS:
@@ -127,7 +129,7 @@ def policy_loss(logp, old_logp, advantages, mask, variant="grpo", eps_low=0.2, e
 
     if weights is not None:
         loss_tok = loss_tok * weights.detach()
-    loss = aggregate(loss_tok, m_bool, agg=agg, max_len=max_len, units=units)
+    loss = aggregate(loss_tok, m_bool, agg=agg, max_len=max_len, units=units, seq_lens=seq_lens)
 
     return loss, _clip_metrics(ratio, log_ratio, adv, m_bool, variant, eps_low, eps_high, dual_clip)
 
@@ -222,9 +224,12 @@ def _sequence_mean(x, m_bool):  # (B,) mean over each row's masked tokens (0 for
 
 
 # The masks below return (B, T) bool, True on the tokens kept (False off `mask`). A masked token leaves the
-# loss like one off `mask`: no gradient, and the step's normaliser (`aggregate`'s units, counted before any
-# mask) keeps it, as verl's rejection and DeepSeek-V3.2's M_{i,t} do (their 1/|o_i| and token-mean counts
-# are taken over the response, not over the kept tokens).
+# loss like one off `mask` (no gradient) but stays in the normalisers (`aggregate`'s units and each sequence's
+# |o_i|, counted before these masks), as DeepSeek-V3.2's eq. 9 has it: its M_it multiplies the token's term
+# inside (1/G) sum_i (1/|o_i|) sum_t, |o_i| the whole response. verl does otherwise: its rejection
+# (verl/trainer/ppo/rollout_corr_helper.py, compute_rollout_correction_and_add_to_batch) replaces the batch's
+# response_mask with the kept tokens, so agg_loss divides by those ("rejected samples not in denominator", as
+# its ray_trainer.py said until verl PR #3984).
 def geometric_mean_mask(old_logp, behaviour_logp, mask, low=None, high=1.001):
     """verl's geometric rejection sampling (rollout correction, rollout_rs="geometric"; Liu, Li et al. 2025,
     "When Speed Kills Stability"; verl/trainer/ppo/rollout_corr_helper.py, preset decoupled_geo_rs: high

@@ -145,7 +145,7 @@ def micro_batch_loss(model, ref_model, teacher, mb, cfg, units, tokens) -> LossT
         reverse_kl = torch.where(mask, reverse_kl, 0.0)  # (its metric: over the tokens the loss trains on)
     loss, policy = policy_loss(logp, old_logp, advantages, mask, variant=cfg.loss, eps_low=cfg.eps_low,
                                eps_high=cfg.eps_high, dual_clip=cfg.dual_clip, agg=cfg.agg, max_len=cfg.max_new_tokens,
-                               weights=weights, units=units)
+                               weights=weights, units=units, seq_lens=mb.mask.sum(-1))
     kl = None
     if cfg.kl_coef > 0:  # between the untruncated distributions
         ref_logp = reference_logprobs(ref_model, mb, cfg.temperature)

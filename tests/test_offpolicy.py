@@ -5,7 +5,8 @@
   unscored samples get advantage 0 under every estimator and stay out of its statistics.
 - In training (`update.update_on_batch` on a tiny real model, behaviour log-probs set to the model's own plus
   known offsets): the shares each rule masked, the k3 by lag and the effective sample size match the hand
-  computation from those offsets, and the loss differs from the default config's; all masked: a zero loss.
+  computation from those offsets, and the loss differs from the default config's; all masked: a zero loss;
+  a masked token stays in the normalisers (seq-mean-token-mean's |o_i|, token-mean's count).
 - Bad flag values are refused in one line. The real run with every flag is in test_distill.py (one vLLM run for
   both toolkits).
 """
@@ -22,7 +23,7 @@ import losses
 import tasks
 import update
 from config import Config, parse_args
-from test_fsdp import backward, make_batch
+from test_fsdp import PAD_ID, PROMPT, backward, make_batch
 
 
 def padded(rows, fill=0.0):
@@ -279,3 +280,25 @@ def test_mismatch_metrics_by_lag_and_the_effective_sample_size(model, perturbed)
     assert masked.metrics["is_masked_frac"] == pytest.approx(
         sum(not 0.5 <= math.exp(-x) <= 2.0 for d in deltas for x in d) / len(weights))
 
+
+def on_policy_batch(model, completions, advantages):
+    """Rows with the given completions and advantages whose behaviour log-probs are the model's own (ratio 1)."""
+    samples = [buffer.Sample(list(PROMPT), c, [0.0] * len(c), [1] * len(c), 0.0, a)
+               for c, a in zip(completions, advantages)]
+    batch = buffer.collate(samples, PAD_ID)
+    with torch.no_grad():
+        own = update.completion_logprobs(model, batch, 1.0).logp
+    return dataclasses.replace(batch, behaviour_logp=own)
+
+
+def test_seq_mean_token_mean_divides_each_sequence_by_its_tokens_before_the_masks(model):
+    """IcePop drops 3 of sequence 0's 4 tokens; every kept token's loss is 1 (A = -1, ratio 1 against the
+    generator): DeepSeek-V3.2's 1/|o_i| gives sequence 0 1/4 and sequence 1 4/4, so (0.25 + 1) / 2 = 0.625
+    (dividing by the kept tokens gave 1.0); token-mean counts the 8 tokens before the mask too: 5/8."""
+    batch = on_policy_batch(model, [[5, 6, 7, 8], [9, 10, 11, 12]], [-1.0, -1.0])
+    dropped = batch.mask[0].nonzero().flatten()[1:]
+    batch.behaviour_logp[0, dropped] += 2.0  # pi / mu = exp(-2) < 0.5: outside IcePop's band
+    for agg in ("seq-mean-token-mean", "token-mean"):
+        result = train_step(model, batch, is_mode="off", icepop_high=5.0, agg=agg)
+        assert result.metrics["icepop_masked_frac"] == pytest.approx(3 / 8)
+        assert result.loss == pytest.approx(0.625, abs=1e-6), agg
