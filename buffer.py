@@ -49,6 +49,12 @@ class RolloutGroup:
     def turns(self) -> list[int]:
         return self.episode_stats.get("turns") or [1] * len(self.completion_ids)
 
+    def model_tokens(self) -> list[int]:
+        """Per completion, the tokens the model sampled (an episode's environment tokens left out)."""
+        if self.model_masks is None:
+            return [len(c) for c in self.completion_ids]
+        return [sum(m) for m in self.model_masks]
+
 
 @dataclass
 class Sample:

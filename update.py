@@ -144,8 +144,9 @@ def micro_batch_loss(model, ref_model, teacher, mb, cfg, units, tokens) -> LossT
     if reverse_kl is not None:
         reverse_kl = torch.where(mask, reverse_kl, 0.0)  # (its metric: over the tokens the loss trains on)
     loss, policy = policy_loss(logp, old_logp, advantages, mask, variant=cfg.loss, eps_low=cfg.eps_low,
-                               eps_high=cfg.eps_high, dual_clip=cfg.dual_clip, agg=cfg.agg, max_len=cfg.max_new_tokens,
-                               weights=weights, units=units, seq_lens=mb.mask.sum(-1))
+                               eps_high=cfg.eps_high, dual_clip=cfg.dual_clip, agg=cfg.agg,
+                               max_len=model_token_budget(cfg), weights=weights, units=units,
+                               seq_lens=mb.mask.sum(-1))
     kl = None
     if cfg.kl_coef > 0:  # between the untruncated distributions
         ref_logp = reference_logprobs(ref_model, mb, cfg.temperature)
@@ -372,15 +373,20 @@ def shaped_rewards(groups, cfg: Config):
     penalty with --overlong-penalty; and which samples were cut at --max-new-tokens (an episode: cut by
     --max-turns or --max-episode-tokens; its penalty counts model tokens against --max-turns x --max-new-tokens)."""
     rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)
-    lengths = torch.tensor([[len(c) for c in g.completion_ids] if g.model_masks is None
-                            else list(map(sum, g.model_masks)) for g in groups], dtype=torch.float32)
-    episodes = any(g.model_masks is not None for g in groups)
+    lengths = torch.tensor([g.model_tokens() for g in groups], dtype=torch.float32)
     truncated = torch.tensor([[reason == "length" for reason in g.finish_reasons or ["stop"] * len(g.rewards)]
                               for g in groups])
     if cfg.overlong_penalty:
-        budget = cfg.max_new_tokens * (cfg.max_turns if episodes else 1)
-        rewards = rewards + overlong_penalty(lengths, budget, cfg.overlong_penalty)
+        rewards = rewards + overlong_penalty(lengths, model_token_budget(cfg), cfg.overlong_penalty)
     return rewards, truncated
+
+
+def model_token_budget(cfg: Config) -> int:
+    """The most model tokens one sample can hold: --max-new-tokens, or for an episode (--env, --tools, --task
+    reveal: tasks.make_task's rule) --max-turns times it: DAPO's L_max (`shaped_rewards`) and Dr. GRPO's constant
+    normaliser (--agg seq-mean-token-sum-norm), the same for every sample and step."""
+    episodes = cfg.task == "reveal" or bool(cfg.env) or bool(cfg.tools)
+    return cfg.max_new_tokens * (cfg.max_turns if episodes else 1)
 
 
 def overlong_penalty(lengths, max_len: int, cache: int):
