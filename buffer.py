@@ -39,7 +39,8 @@ class RolloutGroup:
     answer: str = ""
     gen_stats: dict = field(default_factory=dict)  # generator counters when this group was enqueued
     reward_stats: dict = field(default_factory=dict)  # per reward function: counters (rewards.call_reward)
-    unscored: int = 0  # samples no reward function scored (given the group's mean reward: zero advantage)
+    unscored: list[int] = field(default_factory=list)  # samples no reward function scored (their reward: the
+    #   group's mean; their advantage: 0, out of every statistic: `scored_mask`)
     finish_reasons: list[str] = field(default_factory=list)  # per completion: "stop" (eos or a stop string) | "length"
     epoch: int = 0  # the pass over the training prompts this group's prompt was taken in (data.walk)
     model_masks: list[list[bool]] | None = None  # per completion token: sampled by the model (None: all were)
@@ -47,6 +48,12 @@ class RolloutGroup:
 
     def turns(self) -> list[int]:
         return self.episode_stats.get("turns") or [1] * len(self.completion_ids)
+
+    def model_tokens(self) -> list[int]:
+        """Per completion, the tokens the model sampled (an episode's environment tokens left out)."""
+        if self.model_masks is None:
+            return [len(c) for c in self.completion_ids]
+        return [sum(m) for m in self.model_masks]
 
 
 @dataclass
@@ -241,6 +248,12 @@ def take_groups(q, num_groups: int, trainer_version: int, max_lag: int, timeout_
             kept_groups.append(group)
             kept += len(group.token_versions)
     return TakeResult(kept_groups, kept, dropped, groups_dropped, wait, filtered, census)
+
+
+def scored_mask(groups: list[RolloutGroup]) -> torch.Tensor:
+    """(num_groups, G) bool: False on the samples no reward function scored (advantages.estimate_advantages'
+    `scored`)."""
+    return torch.tensor([[j not in g.unscored for j in range(len(g.rewards))] for g in groups], dtype=torch.bool)
 
 
 def to_samples(groups: list[RolloutGroup], advantages: torch.Tensor) -> list[Sample]:

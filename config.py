@@ -17,6 +17,7 @@ import typing
 from dataclasses import dataclass
 from typing import Optional
 
+import advantages
 import chat
 import data
 import devices
@@ -119,7 +120,8 @@ class Config:
     min_lr: float = 0.0  # the learning rate at the last step, with --lr-schedule linear or cosine
     # off-policy masks and baselines (losses.py; the README's table of them)
     adv_estimator: str = "grpo"  # advantages: grpo (group mean, --adv-scale) | rloo (leave-one-out mean)
-    #   | reinforce_pp (REINFORCE++: batch-whitened)
+    #   | reinforce_pp (REINFORCE++ as OpenRLHF's "reinforce": batch-whitened, no group baseline)
+    #   | reinforce_baseline (REINFORCE++-baseline: the group mean subtracted, then batch-whitened)
     geo_mask_high: Optional[float] = None  # verl's geometric rejection: drop a sequence whose per-token geometric-mean
     #   ratio trainer/generator is above this (verl: 1.001); none: off
     geo_mask_low: Optional[float] = None  # with --geo-mask-high: ... or below this; none: 1 / --geo-mask-high
@@ -171,8 +173,8 @@ class Config:
     generator_addr: str = ""  # HOST:PORT the generator listens on and the trainer connects to (PORT + 1: weights)
 
 
-CHOICES = {"loss": losses.VARIANTS, "agg": losses.AGGS, "adv_scale": losses.SCALES, "kl_kind": losses.KL_KINDS,
-           "adv_estimator": losses.ADV_ESTIMATORS, "is_level": losses.IS_LEVELS, "is_mode": losses.IS_MODES,
+CHOICES = {"loss": losses.VARIANTS, "agg": losses.AGGS, "adv_scale": advantages.SCALES, "kl_kind": losses.KL_KINDS,
+           "adv_estimator": advantages.ADV_ESTIMATORS, "is_level": losses.IS_LEVELS, "is_mode": losses.IS_MODES,
            "update_mode": ("inflight", "drain"), "kv_on_swap": ("recompute", "keep"),
            "stale_rule": ("tokens", "group"), "dtype": ("auto", "bf16", "fp32"),
            "lr_schedule": ("constant", "linear", "cosine"), "log_level": ("debug", "info", "warning"),
@@ -361,8 +363,9 @@ def off_policy_problems(cfg: Config) -> list[str]:
     if cfg.adv_estimator != "grpo" and cfg.adv_scale != "group":
         out.append(f"--adv-scale {cfg.adv_scale} applies to --adv-estimator grpo only ({cfg.adv_estimator} "
                    "has its own baseline and scale)")
-    if cfg.adv_estimator == "rloo" and cfg.group_size < 2:
-        out.append("--adv-estimator rloo's leave-one-out baseline needs --group-size >= 2")
+    baselines = {"rloo": "leave-one-out baseline", "reinforce_baseline": "group-mean baseline"}
+    if cfg.adv_estimator in baselines and cfg.group_size < 2:
+        out.append(f"--adv-estimator {cfg.adv_estimator}'s {baselines[cfg.adv_estimator]} needs --group-size >= 2")
     if cfg.geo_mask_low is not None and cfg.geo_mask_high is None:
         out.append("--geo-mask-low needs --geo-mask-high (the geometric mask is off without it)")
     for name, low, high in (("geo-mask", cfg.geo_mask_low, cfg.geo_mask_high),

@@ -461,7 +461,7 @@ class EnvTask:
                       "env/errors or env/timeouts, each message reported once)", file=sys.stderr, flush=True)
 
     def score_episodes(self, prompt, episodes: list[Episode], envs_, step: int = 0):
-        """(rewards, {name: stats}, unscored) of one prompt's episodes (rewards.py's fault rules)."""
+        """(rewards, {name: stats}, unscored indices) of one prompt's episodes (rewards.py's fault rules)."""
         chat = any(ep.chat for ep in episodes)
         texts = ["".join(t for t in ep.transcript if isinstance(t, str)) if not ep.chat else
                  (ep.transcript[-1]["content"] if ep.transcript else "") for ep in episodes]

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class HeadTransform:
-    """logits = logit_scale * softcap * tanh(((hidden_scale * hidden) @ W.T + b) / softcap); then float32,
-    / temperature, top-k/top-p (vLLM's sampler). softcap 0: no soft-capping."""
+    """logits = logit_scale * softcap * tanh(((hidden_scale * hidden) @ W.T + b) / softcap), in the matmul's
+    dtype as vLLM's LogitsProcessor (losses._head_logits); then float32, / temperature, top-k/top-p (vLLM's
+    sampler). softcap 0: no soft-capping."""
     hidden_scale: float = 1.0  # on the final hidden state, before the head
     logit_scale: float = 1.0  # on the logits, after the soft cap (vLLM's LogitsProcessor `scale`)
     softcap: float = 0.0  # cap * tanh(x / cap) (Gemma-2/3's final_logit_softcapping)

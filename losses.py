@@ -1,8 +1,9 @@
 """losses.py — the GRPO loss family: functions on tensors (no optimizer, process, I/O or state; torch only).
 
-Role: train.py takes advantages from `estimate_advantages`, log-probs from `score_tokens` (no logits), off-policy
-corrections from `behaviour_weights` and the masks beside it, the loss from `policy_loss` (+ `kl_penalty`).
-Data contract (B sequences, T padded completion length, V vocabulary): rewards (groups, G); log-probs, weights
+Role: update.py takes log-probs from `score_tokens` (no logits), distillation's per-token advantages from
+`distill_advantages` (the batch's: advantages.py), off-policy corrections from `behaviour_weights` and the masks
+beside it, the loss from `policy_loss` (+ `kl_penalty`).
+Data contract (B sequences, T padded completion length, V vocabulary): log-probs, weights
 (B, T) float; advantages (B,) or (B, T); mask (B, T), True on completion tokens; logits (..., V). Masked-out
 positions never reach a result, and results there are 0. A loss: a scalar with its graph, a dict of 0-d tensors.
 Variants of `policy_loss`: grpo, dapo, dr_grpo, gspo, cispo (all minimise; formulas in its docstring)."""
@@ -11,54 +12,11 @@ import torch
 
 VARIANTS = ("grpo", "dapo", "dr_grpo", "gspo", "cispo")
 AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-SCALES = ("group", "batch", "none")
 KL_KINDS = ("k1", "k2", "k3")
-ADV_ESTIMATORS = ("grpo", "rloo", "reinforce_pp")
 IS_LEVELS, IS_MODES = ("token", "sequence"), ("truncate", "mask", "off")  # of `behaviour_weights`
 
 
-# ---------- Advantages ----------------------------------------------------------------------------
-
-
-def group_advantages(rewards, scale="group", eps=1e-6):
-    """Group-relative advantages (GRPO, Shao et al. 2024, DeepSeekMath): A_ij = (R_ij - mean_j R_ij) / (std + eps)
-    with std the unbiased std of the group (scale="group"), of the whole batch ("batch"), or no division
-    ("none": Dr. GRPO, Liu et al. 2025: the std biases towards too-easy / too-hard questions).
-    rewards (num_groups, group_size) -> the same shape; a group of size 1 has advantage 0 (std 0, never NaN)."""
-    if scale not in SCALES:
-        raise ValueError(f"unknown advantage scale {scale!r}; expected one of {SCALES}")
-    if rewards.dim() != 2:
-        raise ValueError(f"rewards must be (num_groups, group_size), got shape {tuple(rewards.shape)}")
-    rewards = rewards.float()
-    centered = rewards - rewards.mean(dim=-1, keepdim=True)
-    if scale == "none":
-        return centered
-    if scale == "group":
-        std = rewards.std(dim=-1, keepdim=True) if rewards.shape[-1] > 1 else torch.zeros_like(rewards[:, :1])
-    else:  # batch
-        std = rewards.std() if rewards.numel() > 1 else rewards.new_zeros(())
-    return centered / (std + eps)
-
-
-def estimate_advantages(rewards, estimator="grpo", scale="group", eps=1e-6):
-    """Advantages (num_groups, G) of rewards (num_groups, G) by the baseline `estimator` (ADV_ESTIMATORS):
-      grpo          `group_advantages(rewards, scale)`
-      rloo          leave-one-out mean (Kool et al. 2019; Ahmadian et al. 2024, "Back to Basics"):
-                    A_ij = R_ij - (1/(G-1)) sum_{k != j} R_ik = G/(G-1) (R_ij - mean_j R_ij); G = 1: 0
-      reinforce_pp  REINFORCE++ (Hu 2025, arXiv 2501.03262; OpenRLHF's "reinforce" estimator): no per-prompt
-                    baseline, A = (R - mean(R)) / (std(R) + eps) over the batch, unbiased std (per sample;
-                    OpenRLHF whitens over tokens, a sample once per token). One sample: 0.
-    `scale` is grpo's only: config.validate refuses another with rloo or reinforce_pp."""
-    if estimator not in ADV_ESTIMATORS:
-        raise ValueError(f"unknown advantage estimator {estimator!r}; expected one of {ADV_ESTIMATORS}")
-    if estimator == "grpo":
-        return group_advantages(rewards, scale, eps)
-    rewards = rewards.float()
-    if estimator == "rloo":
-        others_mean = (rewards.sum(-1, keepdim=True) - rewards) / max(rewards.shape[-1] - 1, 1)
-        return rewards - others_mean if rewards.shape[-1] > 1 else torch.zeros_like(rewards)
-    std = rewards.std() if rewards.numel() > 1 else rewards.new_zeros(())
-    return (rewards - rewards.mean()) / (std + eps)
+# ---------- Per-token advantages (a batch's, from its rewards: advantages.py) ----------------------
 
 
 def distill_advantages(advantages, logp, teacher_logp, mask, coef: float):
@@ -80,21 +38,23 @@ def _masked_mean(x, m_bool):
     return torch.where(m_bool, x, torch.zeros_like(x)).sum() / m_bool.sum().clamp(min=1)
 
 
-def aggregate(loss_tok, mask, agg="token-mean", max_len=None, units=None):
+def aggregate(loss_tok, mask, agg="token-mean", max_len=None, units=None, seq_lens=None):
     """Reduce a per-token loss (B, T) to a scalar. token-mean: sum over masked tokens / their number (DAPO's
-    token-level loss); seq-mean-token-mean: mean over sequences of each one's token mean (original GRPO);
+    token-level loss); seq-mean-token-mean: mean over sequences of each one's token sum / |o_i| (original GRPO);
     seq-mean-token-sum: of each one's token sum; seq-mean-token-sum-norm: seq-mean-token-sum / max_len, default
     T = mask.shape[-1] (Dr. GRPO: a constant normaliser instead of |y_i|). Fully masked sequences are left out
     of sequence means; an all-masked batch gives 0 with the graph attached (no NaN). units: the count to divide
     by (masked tokens for token-mean, else non-empty sequences), default this mask's; a micro-batch passes its
-    whole step's (every micro-batch, every rank), so that the micro-batches' losses add up to the whole batch's."""
+    whole step's (every micro-batch, every rank), so that the micro-batches' losses add up to the whole batch's.
+    seq_lens (B,): each sequence's |o_i|, default its tokens in `mask`; update.py passes the tokens it trains
+    before the off-policy masks, as `units` counts them (DeepSeek-V3.2's eq. 9: 1/|o_i| outside its mask M_it)."""
     if agg not in AGGS:
         raise ValueError(f"unknown agg {agg!r}; expected one of {AGGS}")
     m_bool = mask.bool()
     loss_tok = torch.where(m_bool, loss_tok, torch.zeros_like(loss_tok))
     if agg == "token-mean":
         return loss_tok.sum() / (m_bool.sum().clamp(min=1) if units is None else max(units, 1))
-    seq_len = m_bool.sum(dim=-1)
+    seq_len = m_bool.sum(dim=-1) if seq_lens is None else seq_lens
     valid = seq_len > 0
     seq_sum = loss_tok.sum(dim=-1)
     if agg == "seq-mean-token-mean":
@@ -108,7 +68,7 @@ def aggregate(loss_tok, mask, agg="token-mean", max_len=None, units=None):
 
 
 def policy_loss(logp, old_logp, advantages, mask, variant="grpo", eps_low=0.2, eps_high=None, dual_clip=None,
-                agg="token-mean", max_len=None, weights=None, units=None):
+                agg="token-mean", max_len=None, weights=None, units=None, seq_lens=None):
     """Policy-gradient loss of the GRPO family: (loss, metrics of `_clip_metrics`). r_t = exp(logp_t -
     old_logp_t); per-token losses (to minimise):
     grpo (Shao et al. 2024; PPO's clipped surrogate, Schulman et al. 2017):
@@ -126,7 +86,7 @@ def policy_loss(logp, old_logp, advantages, mask, variant="grpo", eps_low=0.2, e
       and detached, so every token keeps its gradient -min(r_t, 1 + eps_high) A_t (none is dropped as in PPO
       clipping); eps_low is unused (the paper sets no lower bound).
     advantages (B,) or (B, T); weights: optional (B, T) detached per-token weights (e.g. behaviour_weights)
-    multiplied into l_t; agg/max_len/units: see `aggregate`."""
+    multiplied into l_t; agg/max_len/units/seq_lens: see `aggregate`."""
     if variant not in VARIANTS:
         raise ValueError(f"unknown policy-loss variant {variant!r}; expected one of {VARIANTS}")
     if agg not in AGGS:
@@ -169,7 +129,7 @@ def policy_loss(logp, old_logp, advantages, mask, variant="grpo", eps_low=0.2, e
 
     if weights is not None:
         loss_tok = loss_tok * weights.detach()
-    loss = aggregate(loss_tok, m_bool, agg=agg, max_len=max_len, units=units)
+    loss = aggregate(loss_tok, m_bool, agg=agg, max_len=max_len, units=units, seq_lens=seq_lens)
 
     return loss, _clip_metrics(ratio, log_ratio, adv, m_bool, variant, eps_low, eps_high, dual_clip)
 
@@ -264,9 +224,12 @@ def _sequence_mean(x, m_bool):  # (B,) mean over each row's masked tokens (0 for
 
 
 # The masks below return (B, T) bool, True on the tokens kept (False off `mask`). A masked token leaves the
-# loss like one off `mask`: no gradient, and the step's normaliser (`aggregate`'s units, counted before any
-# mask) keeps it, as verl's rejection and DeepSeek-V3.2's M_{i,t} do (their 1/|o_i| and token-mean counts
-# are taken over the response, not over the kept tokens).
+# loss like one off `mask` (no gradient) but stays in the normalisers (`aggregate`'s units and each sequence's
+# |o_i|, counted before these masks), as DeepSeek-V3.2's eq. 9 has it: its M_it multiplies the token's term
+# inside (1/G) sum_i (1/|o_i|) sum_t, |o_i| the whole response. verl does otherwise: its rejection
+# (verl/trainer/ppo/rollout_corr_helper.py, compute_rollout_correction_and_add_to_batch) replaces the batch's
+# response_mask with the kept tokens, so agg_loss divides by those ("rejected samples not in denominator", as
+# its ray_trainer.py said until verl PR #3984).
 def geometric_mean_mask(old_logp, behaviour_logp, mask, low=None, high=1.001):
     """verl's geometric rejection sampling (rollout correction, rollout_rs="geometric"; Liu, Li et al. 2025,
     "When Speed Kills Stability"; verl/trainer/ppo/rollout_corr_helper.py, preset decoupled_geo_rs: high
@@ -393,7 +356,7 @@ LOGIT_CHUNK_ELEMENTS = 2**24
 def chunked_logprobs(hidden, weight, bias, tokens, temperature=1.0, top_k=-1, top_p=1.0, hidden_scale=1.0,
                      logit_scale=1.0, softcap=0.0, chunk_elements=LOGIT_CHUNK_ELEMENTS):
     """`token_logprobs(head(hidden), tokens, ...)` and the entropy of the same distribution, never holding more
-    than ~`chunk_elements` logits. The family's head (heads.HeadTransform), in float32, then / temperature and
+    than ~`chunk_elements` logits. The family's head (heads.HeadTransform, `_head_logits`), then / temperature and
     top-k/top-p as vLLM does: head(h) = logit_scale * softcap * tanh(((hidden_scale * h) @ weight.T + bias) / softcap)
     (softcap 0: no tanh). hidden (N, H) at the positions to score, weight (V, H), bias (V,) or None, tokens (N,)
     long -> logp (N,) float32 (a gradient to hidden, weight, bias) and the detached entropy (N,) of the sampling
@@ -435,17 +398,22 @@ def score_tokens(model, decoder, lm_head, input_ids, attention_mask, targets, ma
 
 def _head_logits(h, weight, bias, head, slope=False):
     """float32 logits of a chunk through the family's transform `head` = (hidden_scale, logit_scale,
-    softcap); with slope, also d logits / d z (None where it is the constant logit_scale)."""
+    softcap); with slope, also d logits / d z in float32 (None where it is the constant logit_scale).
+    As vLLM 0.32's LogitsProcessor.forward (model_executor/layers/logits_processor.py) does it: the soft cap
+    (/ cap, tanh, * cap), then the scale, each in the matmul's output dtype (vLLM's head_dtype, by default the
+    serving dtype: bf16 matmul outputs are capped in bf16), then float32 (its sampler). In float32 nothing
+    differs; Gemma-2's cap of 30 applied in float32 after a bf16 matmul moved sampled tokens' log-probs by 0.04
+    nats on average, 0.19 at most (tests/test_heads.py's bf16 case; a scale of 0.3 alone: 0.012, 0.078)."""
     hidden_scale, logit_scale, softcap = head
-    x = torch.nn.functional.linear(h * hidden_scale if hidden_scale != 1 else h, weight, bias).float()
+    x = torch.nn.functional.linear(h * hidden_scale if hidden_scale != 1 else h, weight, bias)
     dx_dz = None
     if softcap:
         x = x.div_(softcap).tanh_()
-        dx_dz = (1 - x.square()).mul_(logit_scale) if slope else None
+        dx_dz = (1 - x.float().square()).mul_(logit_scale) if slope else None
         x.mul_(softcap)
     if logit_scale != 1:
         x.mul_(logit_scale)
-    return (x, dx_dz) if slope else x
+    return (x.float(), dx_dz) if slope else x.float()
 
 
 class _ChunkedLogprobs(torch.autograd.Function):

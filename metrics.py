@@ -134,6 +134,8 @@ class RunLog:
         for g in taken.groups:
             self.sync_ms += g.gen_stats.get("sync_ms", [])
         tokens = int(batch.mask.sum())
+        # the model's sampled tokens per completion, before stale and overlong masking (`trained_len`: after)
+        lengths = torch.tensor([n for g in taken.groups for n in g.model_tokens()])
         self.tokens_trained += tokens
         self.dropped += taken.samples_dropped
         self.wait_s += wait_s
@@ -145,9 +147,10 @@ class RunLog:
         self.gen = gen
         row = {"step": step, "version": version, "reward": sum(rewards) / len(rewards), "loss": loss,
                "grad_norm": grad_norm, "zero_var_groups": zero_var,
-               "empty_completions": int((batch.mask.sum(1) == 0).sum()), "tokens": tokens,
-               "completion_len": float(batch.mask.sum(1).float().mean()), "dropped_stale": taken.samples_dropped,
-               "dropped_stale_total": int(self.dropped), **lag, "trainer_wait_s": wait_s, "train_s": train_s,
+               "empty_completions": int((lengths == 0).sum()), "tokens": tokens,
+               "completion_len": float(lengths.float().mean()), "trained_len": float(batch.mask.sum(1).float().mean()),
+               "dropped_stale": taken.samples_dropped, "dropped_stale_total": int(self.dropped), **lag,
+               "trainer_wait_s": wait_s, "train_s": train_s,
                "publish_ms": publish_ms, "logprob_diff_on_policy": logprob_diff, "skipped": skipped,
                "gen_tokens": gen.get("tokens"), "gen_idle_s": gen.get("idle_s"),
                "gen_elapsed_s": gen.get("elapsed_s"), "gen_loaded_version": gen.get("loaded_version"),
@@ -155,10 +158,9 @@ class RunLog:
                "sync_ms": (self.sync_ms[-1] if self.sync_ms else None), "wall_s": time.perf_counter() - self.start,
                **metrics}
         # per reward function: mean/std/none_frac/errors/time_s; lengths; tokens per lag
-        lengths = batch.mask.sum(1)
         lags = torch.bincount((trained_from - batch.token_versions[batch.mask]).clamp(min=0))
         row.update(summarize_rewards([g.reward_stats for g in taken.groups]), completion_len_min=int(lengths.min()),
-                   completion_len_max=int(lengths.max()), unscored=sum(g.unscored for g in taken.groups),
+                   completion_len_max=int(lengths.max()), unscored=sum(len(g.unscored) for g in taken.groups),
                    gen_reward_s=gen.get("reward_s"), **{f"lag_hist/{k}": int(n) for k, n in enumerate(lags)},
                    epoch=max(g.epoch for g in taken.groups), **episode_metrics(taken.groups))
         # what staleness cost, by model-token length bucket and by turns (buffer.stale_census)

@@ -7,7 +7,7 @@ Role: `load_reward` (`module:function`, `path/file.py:function` or a built-in na
 Data contract: functions are called as TRL's GRPOTrainer calls them, `f(prompts=, completions=,
 completion_ids=, trainer_state=, **columns)` (the answer column also as `answer`), and return one
 float | None each. None, NaN or a raise leave the function out of that sample's weighted sum, counted; a
-sample no function scored gets its group's mean reward (zero advantage).
+sample no function scored gets its group's mean reward and is reported unscored (its advantage: 0).
 May touch: the modules it is pointed at. Importable without vLLM or torch.
 """
 from __future__ import annotations
@@ -153,12 +153,13 @@ def call_reward(func, n: int, kwargs: dict) -> tuple[list, dict, str | None]:
     return values, stats, fault
 
 
-def combine(values_per_func: list[list], weights, n: int) -> tuple[list[float], int]:
+def combine(values_per_func: list[list], weights, n: int) -> tuple[list[float], list[int]]:
     """Weighted sum over the functions that scored each sample; unscored samples get the mean of the scored
-    ones (zero advantage); no functions at all (a --teacher run learning from it alone): 0 each, none unscored.
-    Returns (rewards, number of unscored samples)."""
+    ones (what the step's reward logs; their advantage is 0, advantages.estimate_advantages); no functions at all
+    (a --teacher run learning from it alone): 0 each, none unscored. Returns (rewards, the unscored samples'
+    indices)."""
     if not values_per_func:
-        return [0.0] * n, 0
+        return [0.0] * n, []
     rewards, unscored = [], []
     for j in range(n):
         got = [(w, vals[j]) for w, vals in zip(weights, values_per_func) if vals[j] is not None]
@@ -169,7 +170,7 @@ def combine(values_per_func: list[list], weights, n: int) -> tuple[list[float], 
             unscored.append(j)
     scored = [r for r in rewards if r is not None]
     fill = sum(scored) / len(scored) if scored else 0.0
-    return [fill if r is None else r for r in rewards], len(unscored)
+    return [fill if r is None else r for r in rewards], unscored
 
 
 def reward_kwargs(prompt, completions: list[str], completion_ids: list[list[int]], columns: dict,
@@ -222,7 +223,7 @@ class Scorer:
 
     def score(self, prompt, completions: list[str], completion_ids: list[list[int]], columns: dict,
               step: int = 0, first: tuple = (), extra: dict | None = None) -> tuple[list[float], dict, int]:
-        """(rewards, {name: stats}, unscored) for one group. Never raises for a faulty reward function.
+        """(rewards, {name: stats}, unscored indices) for one group. Never raises for a faulty reward function.
         `first`: (name, weight, values) terms added before the functions' (an episode's environment reward);
         `extra`: keyword arguments for the functions beyond TRL's (in a thread only: `environments=`)."""
         n = len(completions)

@@ -244,7 +244,7 @@ class Generator:
     async def enqueue(self, group: RolloutGroup):
         """Count a scored group and put it on the rollout queue, stamped with the generator's counters."""
         self.stats["reward_s"] = self.stats.get("reward_s", 0.0) + sum(s["time_s"] for s in group.reward_stats.values())
-        self.stats["unscored"] = self.stats.get("unscored", 0) + group.unscored
+        self.stats["unscored"] = self.stats.get("unscored", 0) + len(group.unscored)
         self.stats["groups"] += 1  # counted with its tokens once scored (a run stopping mid-score drops it)
         self.stats["tokens"] += sum(map(sum, group.model_masks)) if group.model_masks is not None else \
             sum(map(len, group.completion_ids))

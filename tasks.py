@@ -5,7 +5,7 @@ Role
     multi-turn `reveal` task: envs.EnvTask, `is_env` True, scored per episode); the generator sees only
         prompts: list[Prompt]   training prompts, encoded, too-long ones dropped (walked in epochs, data.walk)
         held_out: list[Prompt]  held-out prompts in a fixed order (evaluation takes the first K)
-        score(prompt, completion_texts, completion_ids, step) -> (rewards, {name: stats}, unscored)
+        score(prompt, completion_texts, completion_ids, step) -> (rewards, {name: stats}, unscored indices)
         needs_text: bool        False: `score` reads token ids only, so vLLM skips detokenizing
         dropped_long: int       prompts dropped as too long;  close()
     `rewards` has one float per completion (never None/NaN: rewards.py's fault rules); `score` runs in a worker
@@ -144,7 +144,7 @@ class CopyTask:
         n = len(rewards)
         stats = {"n": n, "count": n, "sum": sum(rewards), "sumsq": sum(r * r for r in rewards), "none": 0,
                  "invalid": 0, "errors": 0, "time_s": time.perf_counter() - t0}
-        return rewards, {"copy": stats}, 0
+        return rewards, {"copy": stats}, []
 
     def close(self):
         pass

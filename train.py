@@ -30,7 +30,7 @@ import metrics
 import prepare
 from models import build_frozen_models, build_policy, check_layout, checkpoint_layers
 from config import Config, inactive_flags, parse_args
-from losses import estimate_advantages
+from advantages import estimate_advantages
 from processes import make_control, run_children, saving, wait_for
 from rollout import generator_main
 from sync import publish_model, trainable_parameters
@@ -74,7 +74,9 @@ def train(trainer: Rank) -> int:
         wait_s, t_step = time.perf_counter() - t_wait, time.perf_counter()
         # ---- the algorithm: rewards -> advantages -> a batch of fresh-enough tokens -> the GRPO update ----
         rewards, truncated = shaped_rewards(taken.groups, cfg)
-        advantages = estimate_advantages(rewards, cfg.adv_estimator, cfg.adv_scale)
+        # an unscored sample (a reward or env fault) gets advantage 0 and stays out of every statistic
+        scored = buffer.scored_mask(taken.groups)
+        advantages = estimate_advantages(rewards, cfg.adv_estimator, cfg.adv_scale, scored=scored)
         batch = buffer.collate(buffer.to_samples(taken.groups, advantages), trainer.pad_id)
         stale = buffer.stale_mask(batch, trainer.version, cfg.max_lag)  # (none left with --stale-rule group)
         batch.mask &= ~stale  # --max-lag bounds every trained token's age

@@ -110,7 +110,8 @@ class LossTerms:
 def micro_batch_loss(model, ref_model, teacher, mb, cfg, units, tokens) -> LossTerms:
     """One micro-batch's term of the update's loss: its share of the whole batch's (normalised by the
     update's `units`, and its KL term by the update's completion `tokens`)."""
-    scores = completion_logprobs(model, mb, cfg.temperature, cfg.top_k, cfg.top_p, untruncated=cfg.kl_coef > 0)
+    scores = completion_logprobs(model, mb, cfg.temperature, cfg.top_k, cfg.top_p,
+                                 untruncated=cfg.kl_coef > 0 or teacher is not None)
     proximal = mb.proximal_logp if cfg.is_mode != "off" else None
     # A stale token can lie outside the current (or proximal) policy's top-k/top-p set (log-prob -inf): leave it out.
     outside = mb.mask & ~torch.isfinite(scores.logp)
@@ -128,18 +129,24 @@ def micro_batch_loss(model, ref_model, teacher, mb, cfg, units, tokens) -> LossT
         old_logp = trainer_old
         weights = behaviour_weights(old_logp, mb.behaviour_logp, trained, level=cfg.is_level, mode=cfg.is_mode,
                                     low=cfg.is_low, high=cfg.is_high)
-    kept = off_policy_masks(cfg, trained, trainer_old, logp.detach(), mb)
-    mask = trained
-    for rule in kept.values():
-        mask = mask & rule
     advantages, reverse_kl = mb.advantages, None
     if teacher is not None:  # on-policy distillation: the teacher scores the sampled tokens (never an environment's)
         with torch.no_grad():
             teacher_logp = completion_logprobs(teacher, mb, cfg.temperature).logp
-        advantages, reverse_kl = distill_advantages(advantages, logp, teacher_logp, mask, cfg.distill_coef)
+        # like with like, as the KL term: both under the temperature alone (the student's top-k/top-p log-prob
+        # against an untruncated teacher would add -log(kept mass) of reverse KL on every token)
+        advantages, reverse_kl = distill_advantages(advantages, torch.where(trained, scores.logp_untruncated, 0.0),
+                                                    teacher_logp, trained, cfg.distill_coef)
+    kept = off_policy_masks(cfg, trained, trainer_old, logp.detach(), mb, advantages)
+    mask = trained
+    for rule in kept.values():
+        mask = mask & rule
+    if reverse_kl is not None:
+        reverse_kl = torch.where(mask, reverse_kl, 0.0)  # (its metric: over the tokens the loss trains on)
     loss, policy = policy_loss(logp, old_logp, advantages, mask, variant=cfg.loss, eps_low=cfg.eps_low,
-                               eps_high=cfg.eps_high, dual_clip=cfg.dual_clip, agg=cfg.agg, max_len=cfg.max_new_tokens,
-                               weights=weights, units=units)
+                               eps_high=cfg.eps_high, dual_clip=cfg.dual_clip, agg=cfg.agg,
+                               max_len=model_token_budget(cfg), weights=weights, units=units,
+                               seq_lens=mb.mask.sum(-1))
     kl = None
     if cfg.kl_coef > 0:  # between the untruncated distributions
         ref_logp = reference_logprobs(ref_model, mb, cfg.temperature)
@@ -149,16 +156,17 @@ def micro_batch_loss(model, ref_model, teacher, mb, cfg, units, tokens) -> LossT
                      None if kl is None else kl.detach(), reverse_kl)
 
 
-def off_policy_masks(cfg, trained, trainer_old, logp, mb) -> dict:
+def off_policy_masks(cfg, trained, trainer_old, logp, mb, advantages) -> dict:
     """The kept tokens of each off-policy mask the run has on (losses.py: --geo-mask-*, --dsv32-mask-kl,
     --icepop-*), by the name of the share it logs; the geometric and IcePop masks use the trainer's
-    (proximal, or current) log-probs, DeepSeek-V3.2's the current ones."""
+    (proximal, or current) log-probs, DeepSeek-V3.2's the current ones and the advantages the loss uses
+    (`advantages`: with a teacher, each token's A_t)."""
     kept = {}
     if cfg.geo_mask_high is not None:
         kept["geo_masked_seq_frac"] = geometric_mean_mask(trainer_old, mb.behaviour_logp, trained, cfg.geo_mask_low,
                                                           cfg.geo_mask_high)
     if cfg.dsv32_mask_kl is not None:
-        kept["dsv32_masked_seq_frac"] = dsv32_sequence_mask(logp, mb.behaviour_logp, mb.advantages, trained,
+        kept["dsv32_masked_seq_frac"] = dsv32_sequence_mask(logp, mb.behaviour_logp, advantages, trained,
                                                             cfg.dsv32_mask_kl)
     if cfg.icepop_high is not None:
         kept["icepop_masked_frac"] = icepop_mask(trainer_old, mb.behaviour_logp, trained, cfg.icepop_low,
@@ -365,15 +373,20 @@ def shaped_rewards(groups, cfg: Config):
     penalty with --overlong-penalty; and which samples were cut at --max-new-tokens (an episode: cut by
     --max-turns or --max-episode-tokens; its penalty counts model tokens against --max-turns x --max-new-tokens)."""
     rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)
-    lengths = torch.tensor([[len(c) for c in g.completion_ids] if g.model_masks is None
-                            else list(map(sum, g.model_masks)) for g in groups], dtype=torch.float32)
-    episodes = any(g.model_masks is not None for g in groups)
+    lengths = torch.tensor([g.model_tokens() for g in groups], dtype=torch.float32)
     truncated = torch.tensor([[reason == "length" for reason in g.finish_reasons or ["stop"] * len(g.rewards)]
                               for g in groups])
     if cfg.overlong_penalty:
-        budget = cfg.max_new_tokens * (cfg.max_turns if episodes else 1)
-        rewards = rewards + overlong_penalty(lengths, budget, cfg.overlong_penalty)
+        rewards = rewards + overlong_penalty(lengths, model_token_budget(cfg), cfg.overlong_penalty)
     return rewards, truncated
+
+
+def model_token_budget(cfg: Config) -> int:
+    """The most model tokens one sample can hold: --max-new-tokens, or for an episode (--env, --tools, --task
+    reveal: tasks.make_task's rule) --max-turns times it: DAPO's L_max (`shaped_rewards`) and Dr. GRPO's constant
+    normaliser (--agg seq-mean-token-sum-norm), the same for every sample and step."""
+    episodes = cfg.task == "reveal" or bool(cfg.env) or bool(cfg.tools)
+    return cfg.max_new_tokens * (cfg.max_turns if episodes else 1)
 
 
 def overlong_penalty(lengths, max_len: int, cache: int):

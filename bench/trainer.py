@@ -41,7 +41,7 @@ def bare_loop(model_path: str, groups: list, prompts_per_step: int, lr: float, t
     import buffer
     import train
     import models
-    from losses import group_advantages
+    from advantages import group_advantages
 
     torch.set_num_threads(threads)
     torch.manual_seed(seed)

@@ -91,7 +91,7 @@ def synthetic_batch(seed: int, rows: int = 16, prompt_len: int = 6, completion_l
     import torch
 
     import buffer
-    from losses import group_advantages
+    from advantages import group_advantages
 
     rng = torch.Generator().manual_seed(seed)
     rewards = torch.rand(rows // group, group, generator=rng)

@@ -78,9 +78,21 @@ def use_losses():
     assert float(metrics["ratio_mean"]) == 1.0
 
 
+def use_advantages():
+    import torch
+
+    import advantages
+
+    rewards, scored = torch.tensor([[1.0, 0.0, 0.5, 0.5]]), torch.tensor([[True, True, False, False]])
+    for estimator in advantages.ADV_ESTIMATORS:
+        got = advantages.estimate_advantages(rewards, estimator, scored=scored)
+        assert got[0, 2:].tolist() == [0.0, 0.0] and got[0, 0] > 0 > got[0, 1], estimator
+
+
 COPYABLE = {
     "weight_buffer.py": use_weight_buffer,
     "losses.py": use_losses,
+    "advantages.py": use_advantages,
 }
 
 

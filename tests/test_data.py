@@ -171,7 +171,7 @@ def test_trl_calling_convention_with_extra_columns(user_module):
     assert seen["completion_ids"] == [[1, 2], [3]]
     assert seen["sol"] == ["7", "7"] and seen["answer"] == ["7", "7"] and seen["level"] == [3, 3]
     assert seen["trainer_state"].global_step == 5
-    assert rewards == [3.0 + 1.0, 1.0 + 0.0] and unscored == 0  # `simple` got only what it takes
+    assert rewards == [3.0 + 1.0, 1.0 + 0.0] and unscored == []  # `simple` got only what it takes
     assert set(stats) == {"capture", "simple"} and stats["simple"]["sum"] == 1.0
     # chat prompts: completions come as assistant messages, as in TRL
     chat = [{"role": "user", "content": "q?"}]
@@ -194,19 +194,19 @@ def test_fault_rules_none_nan_errors_and_weights(tmp_path, monkeypatch):
     scorer = Scorer([f"faulty_rewards:{f}" for f in ("ok", "some_none", "raises", "wrong_count")],
                          weights=[1.0, 0.5, 1.0, 1.0], log=logged.append)
     rewards, stats, unscored = scorer.score("p", ["a", "b", "c", "d"], [[1]] * 4, {})
-    assert rewards == [1.0, 2.0 + 5.0, 3.0, 4.0] and unscored == 0  # None/NaN left out of the weighted sum
+    assert rewards == [1.0, 2.0 + 5.0, 3.0, 4.0] and unscored == []  # None/NaN left out of the weighted sum
     assert (stats["some_none"]["none"], stats["some_none"]["invalid"], stats["some_none"]["count"]) == (2, 1, 1)
     assert stats["raises"]["errors"] == 1 and stats["raises"]["count"] == 0
     assert stats["wrong_count"]["errors"] == 1
     assert any("boom" in m for m in logged) and any("returned 1 values for 4" in m for m in logged)
     scorer.score("p", ["a", "b", "c", "d"], [[1]] * 4, {})
     assert len([m for m in logged if "boom" in m]) == 1  # reported once, counted always
-    # a sample no function scored gets its group's mean (zero advantage); a group nobody scored gets 0
+    # a sample no function scored gets its group's mean and is named unscored; a group nobody scored gets 0
     scorer = Scorer(["faulty_rewards:some_none"], log=logged.append)
     rewards, _, unscored = scorer.score("p", list("abcd"), [[1]] * 4, {})
-    assert rewards == [10.0] * 4 and unscored == 3
+    assert rewards == [10.0] * 4 and unscored == [0, 2, 3]
     rewards, stats, unscored = Scorer(["faulty_rewards:all_none"]).score("p", list("ab"), [[1]] * 2, {})
-    assert rewards == [0.0, 0.0] and unscored == 2 and stats["all_none"]["none"] == 2
+    assert rewards == [0.0, 0.0] and unscored == [0, 1] and stats["all_none"]["none"] == 2
     metrics = summarize([stats, stats])
     assert metrics["reward/all_none/none_frac"] == 1.0 and metrics["reward/all_none/mean"] is None
 

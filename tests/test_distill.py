@@ -6,10 +6,12 @@
 - `update.update_on_batch` with a teacher (one update's gradients, no optimizer), on tiny models in-process:
   the loss and gradients are those of the plain computation (full logits) with the distillation advantages,
   `distill_reverse_kl` is the mean over the model's tokens only (an environment's tokens, mask False, are
-  neither scored nor trained), and C > 0 changes the loss.
+  neither scored nor trained), and C > 0 changes the loss. A teacher identical to the student adds no reverse
+  KL under top-k/top-p (both sides untruncated); DeepSeek-V3.2's mask reads the A_t the loss uses.
 - One run through the real vLLM generator: a dataset task with no --reward learns from the teacher alone, and
   logs a finite `distill_reverse_kl`.
 """
+import dataclasses
 import json
 import math
 import shutil
@@ -74,7 +76,7 @@ def test_flags_and_the_teacher_check(models, tmp_path):
     with pytest.raises(data.DataError, match="needs --reward .* or --teacher"):
         data.resolve(dataset="x.jsonl")
     assert data.resolve(dataset="x.jsonl", teacher=models["teacher"]).rewards == ()
-    assert rewards.combine([], [], 3) == ([0.0, 0.0, 0.0], 0)  # no reward functions: 0 each, none unscored
+    assert rewards.combine([], [], 3) == ([0.0, 0.0, 0.0], [])  # no reward functions: 0 each, none unscored
 
 
 def env_batch():
@@ -128,6 +130,43 @@ def test_the_update_with_a_teacher_scores_only_the_model_tokens(models):
     assert abs(with_env - reverse_kl) > 1e-3  # the environment's tokens would have moved the mean
     assert "distill_reverse_kl" not in results["plain"].metrics
     assert abs(got.loss - results["plain"].loss) > 1e-3  # C > 0 changes the loss
+
+
+def test_a_teacher_identical_to_the_student_adds_no_reverse_kl_under_top_k_and_top_p(models):
+    """Both sides untruncated: under --top-p 0.9 a truncated student against the same model untruncated read
+    -log(kept mass) of reverse KL on every token (0.105 nats at mass 0.9)."""
+    student = AutoModelForCausalLM.from_pretrained(models["student"], dtype=torch.float32)
+    teacher = AutoModelForCausalLM.from_pretrained(models["student"], dtype=torch.float32).requires_grad_(False)
+    batch = env_batch()
+    for sampling in (dict(top_p=0.9), dict(top_k=5), dict(top_k=8, top_p=0.8)):
+        results = {}
+        for name, changes in (("plain", {}), ("distill", dict(teacher=models["student"], distill_coef=0.5))):
+            cfg = Config(is_mode="off", temperature=0.9, **sampling, **changes)
+            results[name] = update.update_on_batch(student, None, None, batch, cfg, 0, 1, version=0, step=0,
+                                                   teacher=teacher if changes else None)
+            student.zero_grad(set_to_none=True)
+        assert results["distill"].metrics["distill_reverse_kl"] == 0.0, sampling
+        assert results["distill"].loss == pytest.approx(results["plain"].loss, abs=1e-7), sampling
+    assert results["distill"].metrics["outside_support_tokens"] > 0  # some sampled tokens lie outside the set
+
+
+def test_deepseek_v32_mask_reads_the_distillation_advantage_the_loss_uses(models):
+    """Every task advantage is +0.05, so on its own the mask keeps everything; the loss trains on
+    A_t = 0.05 - C k_t, and the mask drops the tokens (of sequences far from the generator) where A_t < 0."""
+    student = AutoModelForCausalLM.from_pretrained(models["student"], dtype=torch.float32)
+    teacher = AutoModelForCausalLM.from_pretrained(models["teacher"], dtype=torch.float32).requires_grad_(False)
+    batch = env_batch()
+    with torch.no_grad():
+        own = update.completion_logprobs(student, batch, 1.0).logp
+        teacher_logp = update.completion_logprobs(teacher, batch, 1.0).logp
+    batch = dataclasses.replace(batch, advantages=torch.full((3,), 0.05), behaviour_logp=own + 0.5)  # log(mu/pi) 0.5
+    cfg = Config(teacher=models["teacher"], distill_coef=1.0, dsv32_mask_kl=0.1)
+    tokens = int(batch.mask.sum())
+    terms = update.micro_batch_loss(student, None, teacher, batch, cfg, tokens, tokens)
+    negative = batch.mask & (0.05 - (own - teacher_logp) < 0)  # A_t < 0, by hand
+    assert 0 < int(negative.sum()) < tokens
+    assert torch.equal(terms.kept["dsv32_masked_seq_frac"], batch.mask & ~negative)
+    assert torch.equal(update.micro_batch_loss(student, None, None, batch, cfg, tokens, tokens).mask, batch.mask)
 
 
 def test_a_dataset_task_learns_from_the_teacher_alone_with_every_off_policy_flag(models, tmp_path):

@@ -294,7 +294,7 @@ def test_a_faulty_env_ends_only_its_episode(engine_env, monkeypatch):
         stats = group.episode_stats
         assert stats["turns"] == [3, 1, 1, 1]
         assert stats["errors"] == 2 and stats["timeouts"] == 1
-        assert group.unscored == 3 and group.rewards[0] == 3.0 and group.rewards[1:] == [3.0] * 3  # the mean
+        assert group.unscored == [1, 2, 3] and group.rewards[0] == 3.0 and group.rewards[1:] == [3.0] * 3  # the mean
         assert any(line == "step raised ValueError: boom" for line in stats["error_lines"])
         assert any("timed out after 0.5 s" in line for line in stats["error_lines"])
         assert any("step returned str" in line for line in stats["error_lines"])

@@ -1,5 +1,6 @@
-"""Tests for losses.py's advantages, loss variants, aggregation, KL and importance weights: every expected
-value is computed here by hand (plain python math over the small cases written out below), never by losses.py.
+"""Tests for advantages.py's group advantages and losses.py's loss variants, aggregation, KL and importance
+weights: every expected value is computed here by hand (plain python math over the small cases written out
+below), never by the code under test.
 Token scoring (token_logprobs, chunked_logprobs): tests/test_token_logprobs.py."""
 
 import math
@@ -8,6 +9,7 @@ import statistics
 import pytest
 import torch
 
+import advantages
 import losses
 
 # ---------------------------------------------------------------------------
@@ -46,7 +48,7 @@ REWARDS = [[1.0, 0.0, 0.0, 1.0], [2.0, 2.0, 2.0, 2.0], [0.0, 0.0, 0.0, 3.0]]
 
 
 def test_group_advantages_group_scale():
-    got = losses.group_advantages(torch.tensor(REWARDS), scale="group", eps=1e-6)
+    got = advantages.group_advantages(torch.tensor(REWARDS), scale="group", eps=1e-6)
     for g, row in enumerate(REWARDS):
         mu, sd = statistics.mean(row), statistics.stdev(row)  # stdev: unbiased
         for j, x in enumerate(row):
@@ -57,7 +59,7 @@ def test_group_advantages_group_scale():
 
 
 def test_group_advantages_batch_scale():
-    got = losses.group_advantages(torch.tensor(REWARDS), scale="batch", eps=1e-6)
+    got = advantages.group_advantages(torch.tensor(REWARDS), scale="batch", eps=1e-6)
     sd = statistics.stdev([x for row in REWARDS for x in row])
     for g, row in enumerate(REWARDS):
         mu = statistics.mean(row)
@@ -66,20 +68,20 @@ def test_group_advantages_batch_scale():
 
 
 def test_group_advantages_no_scale_dr_grpo():
-    got = losses.group_advantages(torch.tensor(REWARDS), scale="none")
+    got = advantages.group_advantages(torch.tensor(REWARDS), scale="none")
     assert got.tolist() == [[0.5, -0.5, -0.5, 0.5], [0.0] * 4, [-0.75, -0.75, -0.75, 2.25]]
 
 
 @pytest.mark.parametrize("scale", ["group", "batch", "none"])
 def test_group_advantages_size_one_group_is_zero(scale):
-    got = losses.group_advantages(torch.tensor([[1.0], [3.0]]), scale=scale)
+    got = advantages.group_advantages(torch.tensor([[1.0], [3.0]]), scale=scale)
     assert got.shape == (2, 1)
     assert torch.all(got == 0) and not torch.isnan(got).any()
 
 
 def test_group_advantages_unknown_scale():
     with pytest.raises(ValueError, match="unknown advantage scale 'foo'.*group"):
-        losses.group_advantages(torch.zeros(2, 2), scale="foo")
+        advantages.group_advantages(torch.zeros(2, 2), scale="foo")
 
 
 # ---------------------------------------------------------------------------

@@ -181,7 +181,8 @@ def reference(model, ref_model, batch, cfg):
     tokens = int(batch.mask.sum())
     units = tokens if cfg.agg == "token-mean" else int((batch.mask.sum(1) > 0).sum())
     loss, metrics = losses.policy_loss(logp, old, batch.advantages, mask, variant=cfg.loss, agg=cfg.agg,
-                                       max_len=cfg.max_new_tokens, weights=weights, units=units)
+                                       max_len=cfg.max_new_tokens, weights=weights, units=units,
+                                       seq_lens=batch.mask.sum(-1))  # |o_i|, counted as units are
     metrics = {name: float(value) for name, value in metrics.items()}
     if cfg.kl_coef > 0:
         with torch.no_grad():

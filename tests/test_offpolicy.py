@@ -1,10 +1,12 @@
 """The off-policy toolkit (losses.py, update.off_policy_masks): sequence and token masks, mismatch metrics, baselines.
 
 - Each mask (verl's geometric-mean rejection, DeepSeek-V3.2's off-policy sequence masking, IcePop's token mask),
-  the k3 mismatch and each advantage estimator against a hand computation written out here in plain Python.
+  the k3 mismatch and each advantage estimator against a hand computation written out here in plain Python;
+  unscored samples get advantage 0 under every estimator and stay out of its statistics.
 - In training (`update.update_on_batch` on a tiny real model, behaviour log-probs set to the model's own plus
   known offsets): the shares each rule masked, the k3 by lag and the effective sample size match the hand
-  computation from those offsets, and the loss differs from the default config's; all masked: a zero loss.
+  computation from those offsets, and the loss differs from the default config's; all masked: a zero loss;
+  a masked token stays in the normalisers (seq-mean-token-mean's |o_i|, token-mean's count).
 - Bad flag values are refused in one line. The real run with every flag is in test_distill.py (one vLLM run for
   both toolkits).
 """
@@ -15,11 +17,13 @@ import statistics
 import pytest
 import torch
 
+import advantages
+import buffer
 import losses
 import tasks
 import update
 from config import Config, parse_args
-from test_fsdp import backward, make_batch
+from test_fsdp import PAD_ID, PROMPT, backward, make_batch
 
 
 def padded(rows, fill=0.0):
@@ -94,32 +98,99 @@ REWARDS = [[1.0, 0.0, 0.0, 1.0], [0.0, 0.5, 0.0, 3.0], [2.0, 2.0, 2.0, 2.0]]
 
 
 def test_rloo_subtracts_the_mean_of_the_others():
-    got = losses.estimate_advantages(torch.tensor(REWARDS), "rloo")
+    got = advantages.estimate_advantages(torch.tensor(REWARDS), "rloo")
     expected = [[r - (sum(g) - r) / (len(g) - 1) for r in g] for g in REWARDS]
     assert got.flatten().tolist() == pytest.approx([a for g in expected for a in g], abs=1e-6)
     assert expected[0][0] == pytest.approx(2 / 3)
-    assert losses.estimate_advantages(torch.tensor([[1.0], [3.0]]), "rloo").tolist() == [[0.0], [0.0]]  # G = 1
+    assert advantages.estimate_advantages(torch.tensor([[1.0], [3.0]]), "rloo").tolist() == [[0.0], [0.0]]  # G = 1
 
 
 def test_reinforce_pp_whitens_over_the_whole_batch():
     flat = [r for g in REWARDS for r in g]
     mean, std = statistics.mean(flat), statistics.stdev(flat)
-    got = losses.estimate_advantages(torch.tensor(REWARDS), "reinforce_pp", eps=1e-6)
+    got = advantages.estimate_advantages(torch.tensor(REWARDS), "reinforce_pp", eps=1e-6)
     assert got.flatten().tolist() == pytest.approx([(r - mean) / (std + 1e-6) for r in flat], abs=1e-5)
     assert got[2].abs().sum() > 0  # a group of equal rewards still moves: no per-prompt baseline
-    assert losses.estimate_advantages(torch.tensor([[5.0]]), "reinforce_pp").tolist() == [[0.0]]
+    assert advantages.estimate_advantages(torch.tensor([[5.0]]), "reinforce_pp").tolist() == [[0.0]]
+
+
+def test_reinforce_baseline_subtracts_the_group_mean_then_whitens_over_the_batch():
+    centered = [r - statistics.mean(g) for g in REWARDS for r in g]
+    mean, std = statistics.mean(centered), statistics.stdev(centered)
+    got = advantages.estimate_advantages(torch.tensor(REWARDS), "reinforce_baseline", eps=1e-6)
+    assert got.flatten().tolist() == pytest.approx([(c - mean) / (std + 1e-6) for c in centered], abs=1e-5)
+    assert got[2].tolist() == pytest.approx([-mean / (std + 1e-6)] * 4, abs=1e-6)  # equal rewards: ~0, not whitened
+    whitened_only = advantages.estimate_advantages(torch.tensor(REWARDS), "reinforce_pp")
+    assert got[0, 0] != pytest.approx(whitened_only[0, 0].item())  # reinforce_pp has no group baseline
+    assert "reinforce_baseline" in advantages.ADV_ESTIMATORS
+    assert parse_args(["--adv-estimator", "reinforce_baseline"]).adv_estimator == "reinforce_baseline"
+
+
+# Group 0 has two unscored samples (None: a reward or env fault), which rewards.combine fills with the mean of
+# the scored ones; group 1 is fully scored; group 2 has nothing scored (filled with 0). Counted as scored, the
+# filled values shrank grpo's group std (1.22 for 0.71) and rloo's baseline, and reinforce_pp whitened them.
+UNSCORED = [[1.0, 0.0, None, None], [1.0, 1.0, 1.0, 0.0], [None] * 4]
+
+
+def by_hand(estimator, groups):
+    """Each estimator over the scored samples alone (None: unscored), written out: unscored samples get 0."""
+    kept = [[r for r in g if r is not None] for g in groups]
+    flat = [r for s in kept for r in s]
+    centered = [r - statistics.mean(s) for s in kept for r in s]
+    out = []
+    for g, s in zip(groups, kept):
+        for r in g:
+            if r is None or (estimator in ("grpo", "rloo") and len(s) < 2):
+                out.append(0.0)
+            elif estimator == "grpo":
+                out.append((r - statistics.mean(s)) / (statistics.stdev(s) + 1e-6))
+            elif estimator == "rloo":
+                out.append(r - (sum(s) - r) / (len(s) - 1))
+            elif estimator == "reinforce_pp":
+                out.append((r - statistics.mean(flat)) / (statistics.stdev(flat) + 1e-6))
+            else:  # reinforce_baseline
+                c = r - statistics.mean(s)
+                out.append((c - statistics.mean(centered)) / (statistics.stdev(centered) + 1e-6))
+    return out
+
+
+@pytest.mark.parametrize("estimator", advantages.ADV_ESTIMATORS)
+def test_unscored_samples_get_zero_advantage_and_leave_the_statistics(estimator):
+    filled = torch.tensor([[1.0, 0.0, 0.5, 0.5], [1.0, 1.0, 1.0, 0.0], [0.0] * 4])  # as rewards.combine fills them
+    scored = torch.tensor([[v is not None for v in g] for g in UNSCORED])
+    got = advantages.estimate_advantages(filled, estimator, scored=scored)
+    assert got.flatten().tolist() == pytest.approx(by_hand(estimator, UNSCORED), abs=1e-5)
+    assert got[0, 2:].tolist() == [0.0, 0.0] and got[2].tolist() == [0.0] * 4  # exactly (reinforce_pp had 0.18, -0.89)
+    # every sample scored: the same as without `scored`
+    full = torch.tensor(REWARDS)
+    assert torch.equal(advantages.estimate_advantages(full, estimator, scored=torch.ones(full.shape, dtype=torch.bool)),
+                       advantages.estimate_advantages(full, estimator))
+
+
+def test_the_unscored_samples_reach_the_advantages_by_index():
+    import rewards as rewards_lib
+
+    groups = []
+    for values in UNSCORED:
+        filled, unscored = rewards_lib.combine([values], [1.0], len(values))
+        groups.append(buffer.RolloutGroup(0, [1], [[2]] * 4, [[0.0]] * 4, [[0]] * 4, filled, unscored=unscored))
+    assert [g.unscored for g in groups] == [[2, 3], [], [0, 1, 2, 3]]
+    assert [g.rewards for g in groups] == [[1.0, 0.0, 0.5, 0.5], [1.0, 1.0, 1.0, 0.0], [0.0] * 4]  # what is logged
+    assert buffer.scored_mask(groups).tolist() == [[v is not None for v in g] for g in UNSCORED]
 
 
 def test_grpo_is_group_advantages_and_an_unknown_estimator_is_refused():
     rewards = torch.tensor(REWARDS)
-    assert torch.equal(losses.estimate_advantages(rewards, "grpo", "batch"), losses.group_advantages(rewards, "batch"))
+    assert torch.equal(advantages.estimate_advantages(rewards, "grpo", "batch"),
+                       advantages.group_advantages(rewards, "batch"))
     with pytest.raises(ValueError, match="unknown advantage estimator"):
-        losses.estimate_advantages(rewards, "ppo")
+        advantages.estimate_advantages(rewards, "ppo")
 
 
 def test_bad_flags_are_refused_in_one_line_each():
     for argv, message in ((["--adv-estimator", "rloo", "--adv-scale", "batch"], "applies to --adv-estimator grpo only"),
                           (["--adv-estimator", "rloo", "--group-size", "1"], "needs --group-size >= 2"),
+                          (["--adv-estimator", "reinforce_baseline", "--group-size", "1"], "needs --group-size >= 2"),
                           (["--geo-mask-low", "0.99"], "needs --geo-mask-high"),
                           (["--geo-mask-high", "0.99"], "0 < low <= 1 <= high"),
                           (["--geo-mask-high", "0"], "0 < low <= 1 <= high"),
@@ -208,3 +279,26 @@ def test_mismatch_metrics_by_lag_and_the_effective_sample_size(model, perturbed)
     masked = train_step(model, batch, is_mode="mask")
     assert masked.metrics["is_masked_frac"] == pytest.approx(
         sum(not 0.5 <= math.exp(-x) <= 2.0 for d in deltas for x in d) / len(weights))
+
+
+def on_policy_batch(model, completions, advantages):
+    """Rows with the given completions and advantages whose behaviour log-probs are the model's own (ratio 1)."""
+    samples = [buffer.Sample(list(PROMPT), c, [0.0] * len(c), [1] * len(c), 0.0, a)
+               for c, a in zip(completions, advantages)]
+    batch = buffer.collate(samples, PAD_ID)
+    with torch.no_grad():
+        own = update.completion_logprobs(model, batch, 1.0).logp
+    return dataclasses.replace(batch, behaviour_logp=own)
+
+
+def test_seq_mean_token_mean_divides_each_sequence_by_its_tokens_before_the_masks(model):
+    """IcePop drops 3 of sequence 0's 4 tokens; every kept token's loss is 1 (A = -1, ratio 1 against the
+    generator): DeepSeek-V3.2's 1/|o_i| gives sequence 0 1/4 and sequence 1 4/4, so (0.25 + 1) / 2 = 0.625
+    (dividing by the kept tokens gave 1.0); token-mean counts the 8 tokens before the mask too: 5/8."""
+    batch = on_policy_batch(model, [[5, 6, 7, 8], [9, 10, 11, 12]], [-1.0, -1.0])
+    dropped = batch.mask[0].nonzero().flatten()[1:]
+    batch.behaviour_logp[0, dropped] += 2.0  # pi / mu = exp(-2) < 0.5: outside IcePop's band
+    for agg in ("seq-mean-token-mean", "token-mean"):
+        result = train_step(model, batch, is_mode="off", icepop_high=5.0, agg=agg)
+        assert result.metrics["icepop_masked_frac"] == pytest.approx(3 / 8)
+        assert result.loss == pytest.approx(0.625, abs=1e-6), agg

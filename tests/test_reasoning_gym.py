@@ -42,7 +42,7 @@ def test_an_rg_task_builds_offline_and_scores_with_reasoning_gyms_scorer(offline
     rewards, stats, unscored = task.score(prompt, completions, [[0]] * 4)
     assert rewards[0] == 1.0 and rewards[1] < 1.0 and rewards[2] < 1.0  # no <answer> tags: no answer
     assert rewards[3] == 1.0  # the last tagged answer counts (reasoning-gym's extract_answer)
-    assert unscored == 0 and stats["reasoning_gym_reward"]["count"] == 4
+    assert unscored == [] and stats["reasoning_gym_reward"]["count"] == 4
     fresh = data.rg_dataset("rg:leg_counting", "train")  # a new generator: the same rows (fixed seeds)
     assert [fresh[i]["question"] for i in range(5)] == [p.prompt for p in task.prompts[:5]]
 

@@ -1,5 +1,6 @@
 """The knobs of today's GRPO recipes: the learning-rate schedule, DAPO's overlong penalty and filter, and
-the warning for flags that cannot act."""
+the warning for flags that cannot act; Dr. GRPO's constant normaliser (an episode's token budget); the step's
+completion lengths (the sampled tokens, before stale and overlong masking)."""
 import math
 
 import pytest
@@ -145,3 +146,45 @@ def test_two_mini_batch_ppo_update_matches_the_hand_computed_one(tmp_path):
     assert run["metrics"]["ratio_max"] > 1.05
     cispo = got["cispo"]["params"]
     assert max(float(abs(cispo[n] - run["params"][n]).max()) for n in cispo) > 1e-4
+
+
+def test_dr_grpos_constant_normaliser_is_the_episodes_token_budget(tmp_path):
+    """seq-mean-token-sum-norm divides by the most model tokens a sample can hold: --max-new-tokens, and for an
+    episode (here --task reveal) --max-turns x --max-new-tokens, the budget DAPO's overlong penalty uses."""
+    import tasks
+    from transformers import AutoModelForCausalLM
+
+    from test_offpolicy import on_policy_batch
+
+    model = AutoModelForCausalLM.from_pretrained(tasks.build_tiny_model(str(tmp_path / "tiny"), seed=0))
+    batch = on_policy_batch(model, [[5, 6, 7], [8, 9, 10, 11, 12]], [0.5, -1.0])
+    token_sums = 3 * -0.5 + 5 * 1.0  # ratio 1 against the generator: each token's loss is -A
+    cfgs = {budget: config.Config(is_mode="off", agg="seq-mean-token-sum-norm", max_new_tokens=5, max_turns=4,
+                                  **changes) for changes, budget in ((dict(), 5), (dict(task="reveal"), 20))}
+    for budget, cfg in cfgs.items():
+        result = update.update_on_batch(model, None, None, batch, cfg, 0, 1, version=1, step=0)
+        model.zero_grad(set_to_none=True)
+        assert result.loss == pytest.approx(token_sums / 2 / budget, rel=1e-5), cfg.task  # (reveal, before: / 5)
+    assert [update.model_token_budget(cfg) for cfg in cfgs.values()] == [5, 20]
+
+
+def test_completion_lengths_count_the_sampled_tokens_before_stale_and_overlong_masking(tmp_path):
+    """A fully stale sample is not an empty completion: completion_len (and _min, _max, empty_completions)
+    counts the model's sampled tokens, trained_len what the masks left to train."""
+    import metrics
+
+    group = buffer.RolloutGroup(0, [1], [[5] * 4, [5] * 2, [5] * 6], [[-1.0] * 4, [-1.0] * 2, [-1.0] * 6],
+                                [[3] * 4, [1] * 2, [3] * 3 + [-1, -1] + [3]], [1.0, 0.0, 0.5],
+                                model_masks=[[True] * 4, [True] * 2, [True] * 3 + [False] * 2 + [True]])
+    taken = buffer.TakeResult([group], 3, 0, 0, 0.0)
+    batch = buffer.collate(buffer.to_samples([group], torch.zeros(1, 3)), 0)
+    batch.mask &= ~buffer.stale_mask(batch, trainer_version=3, max_lag=1)  # sample 1 (version 1) is all stale
+    assert batch.mask.sum(1).tolist() == [4, 0, 4]
+    log = metrics.RunLog(config.Config(out=str(tmp_path), steps=1), world_size=1)
+    log.step(0, 4, taken, batch, {}, loss=0.0, grad_norm=0.0, logprob_diff=None, wait_s=0.0, train_s=0.0,
+             publish_ms=0.0, skipped=False)
+    log.file.close()
+    row = log.rows[-1]
+    assert row["empty_completions"] == 0 and row["completion_len"] == pytest.approx((4 + 2 + 4) / 3)
+    assert (row["completion_len_min"], row["completion_len_max"]) == (2, 4)  # an episode's env tokens left out
+    assert row["trained_len"] == pytest.approx(8 / 3) and row["tokens"] == 8

@@ -335,7 +335,7 @@ def test_tools_round_trip_through_the_episode_runner(tmp_path, ascii_model, toke
     keys = episode_metrics([SimpleNamespace(episode_stats=stats)])
     assert keys["env/tool_calls"] == 1 and keys["env/tool_call_parse_failures"] == 1
     rewards_, _, unscored = task.score_episodes(task.prompts[0], [ep], [env])
-    assert rewards_ == [1.0] and unscored == 0
+    assert rewards_ == [1.0] and unscored == []
     import sys
     completions, environments = sys.modules["user_r"].SEEN[-1]
     assert environments == [env] and completions[0][-1]["content"] == "The sum is 5."
