@@ -82,11 +82,22 @@ def episode_metrics(groups) -> dict:
     return out
 
 
+def all_faults_warning(row: dict, episodes: int) -> str | None:
+    """The warning for a step whose every episode ended in an environment fault: it trains on zero advantages
+    only, and would otherwise look like a quiet step."""
+    faults = (row.get("env/errors") or 0) + (row.get("env/timeouts") or 0)
+    if not episodes or faults < episodes:
+        return None
+    return (f"warning: every episode of step {row['step']} ended in an environment fault ({row.get('env/error')}): "
+            "the run learns nothing from such steps (counted in env/errors, env/timeouts)")
+
+
 class RunLog:
     """Rank 0's metrics: one JSON row per step, a progress line, wandb, and the summary at the end."""
 
     def __init__(self, cfg, world_size, start_step=0):
         self.cfg, self.rows, self.start = cfg, [], time.perf_counter()
+        self.warned_all_faults = False
         self.tokens_trained = self.dropped = self.wait_s = self.train_s = 0.0
         self.max_token_lag, self.logprob_diff, self.sync_ms, self.gen = 0, None, [], {}
         self.sync_mb = None  # set by the trainer: the size of the packed shared buffer
@@ -163,6 +174,10 @@ class RunLog:
                    completion_len_max=int(lengths.max()), unscored=sum(len(g.unscored) for g in taken.groups),
                    gen_reward_s=gen.get("reward_s"), **{f"lag_hist/{k}": int(n) for k, n in enumerate(lags)},
                    epoch=max(g.epoch for g in taken.groups), **episode_metrics(taken.groups))
+        warning = all_faults_warning(row, sum(len(g.rewards) for g in taken.groups))
+        if warning and not self.warned_all_faults:  # once a run
+            self.warned_all_faults = True
+            print(warning, file=sys.stderr, flush=True)
         # what staleness cost, by model-token length bucket and by turns (buffer.stale_census)
         row.update(stale_by_len=taken.stale.get("len", {}), stale_by_turns=taken.stale.get("turns", {}))
         for result in evals:  # usually none; two answers in one step: the row keeps the newer

@@ -318,6 +318,15 @@ def test_the_reveal_task_runs_end_to_end(tmp_path):
     assert os.path.exists(out / "plots.png")
 
 
+def test_a_step_whose_every_episode_faulted_is_warned_about():
+    from metrics import all_faults_warning
+
+    row = {"step": 3, "env/errors": 6, "env/timeouts": 2, "env/error": "step raised ValueError: boom"}
+    warning = all_faults_warning(row, 8)
+    assert warning.startswith("warning: every episode of step 3") and "boom" in warning
+    assert all_faults_warning(row, 9) is None and all_faults_warning({"step": 0}, 8) is None
+
+
 def test_stale_tokens_are_masked_not_their_group(monkeypatch):
     """--stale-rule tokens keeps the group of a long sample whose first tokens are too old and masks exactly
     those; --stale-rule group drops it. Either way no trained token is older than --max-lag."""
