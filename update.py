@@ -187,7 +187,10 @@ def diagnostics(stats, t: LossTerms, mb, cfg, version, measure_agreement=True) -
     k3 = mismatch_k3(t.logp, mb.behaviour_logp, t.trained)
     stats.mean("mismatch_k3", k3.sum(), n)
     lag = version - mb.token_versions
-    for age in range(cfg.max_lag + 1):  # every trained token's lag is within --max-lag (buffer.stale_mask)
+    # every trained token's lag is within --max-lag (buffer.stale_mask) and within the version (token versions are
+    # >= 0): the loop stops at both, since each lag costs a few tensor ops and two names per micro-batch, and a run
+    # that never drops (--max-lag 1000000) looped a million times per micro-batch (minutes and GBs a step)
+    for age in range(min(cfg.max_lag, version) + 1):
         at = t.trained & (lag == age)
         stats.mean(f"mismatch_k3/lag{age}", (k3 * at).sum(), at.sum())
         stats.add(f"mismatch_tokens/lag{age}", at.sum())

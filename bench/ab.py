@@ -1,6 +1,7 @@
 """bench/ab.py — did a change of the code leave the run alone? Two revisions side by side on one machine.
 
     python bench/ab.py --base REV [--head REV] [--runs 3] [--args "..."] --out DIR   # DIR/ab.json, DIR/ab.png
+    python bench/ab.py --smoke --out DIR   # the suite's size (tests/test_bench.py): HEAD against itself, one run each
 
 Both revisions are checked out into scratch worktrees (`git worktree add --detach`) and run with this
 interpreter. Two parts:
@@ -150,13 +151,15 @@ def spread(values: list) -> dict:
 
 
 def main(argv=None) -> int:
-    p = common.parser(__doc__)
-    p.add_argument("--base", required=True, help="the revision before the change (a commit, tag or branch)")
+    p = common.parser(__doc__, smoke={"base": "HEAD", "runs": 1})
+    p.add_argument("--base", default="", help="the revision before the change (a commit, tag or branch; required)")
     p.add_argument("--head", default="HEAD", help="the revision after it")
     p.add_argument("--runs", type=int, default=3, help="train.py runs per revision (0: the exact part only)")
     p.add_argument("--args", default="", help="train.py flags of every run (default: none, the default run)")
     p.add_argument("--skip-exact", action="store_true", help="leave out the update-on-fixed-batches part")
     args = common.parse_args(p, argv)
+    if not args.base:
+        p.error("--base is required (or --smoke)")
     with common.Bench("ab", args) as bench:
         trees, commits = {}, {}
         try:

@@ -23,6 +23,7 @@ import time
 import traceback
 from pathlib import Path
 
+import engines
 from machine import CpuByRole, LoadMonitor, cores_by_role, machine_info, machine_line, tree_cpu
 
 REPO = Path(__file__).resolve().parent.parent
@@ -104,9 +105,10 @@ def plt():
     return pyplot
 
 
-def parser(doc: str, sizes: dict | None = None):
-    """The options every benchmark takes (--out, --work, --seed; --sizes when it has model `sizes`);
-    the benchmark adds its own. Its description is the first paragraph of the benchmark's docstring."""
+def parser(doc: str, sizes: dict | None = None, smoke: dict | None = None):
+    """The options every benchmark takes (--out, --work, --seed; --sizes when it has model `sizes`; --smoke
+    when it has a `smoke` size: {dest: value} of its own options); the benchmark adds its own. Its
+    description is the first paragraph of the benchmark's docstring."""
     p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     p.add_argument("--out", default="bench_out", help="folder for NAME.json and NAME.png")
     p.add_argument("--work", default="", help="scratch folder for runs (default: a temporary folder, "
@@ -114,11 +116,19 @@ def parser(doc: str, sizes: dict | None = None):
     p.add_argument("--seed", type=int, default=0)
     if sizes:
         p.add_argument("--sizes", default=",".join(sizes), help=f"comma-separated, from {', '.join(sizes)}")
+    if smoke:
+        p.smoke = smoke
+        p.add_argument("--smoke", action="store_true", help="the tiny size tests/test_bench.py runs (figures are "
+                       "meaningless; flags given beside it win): " + " ".join(f"{k}={v!r}" for k, v in smoke.items()))
     return p
 
 
 def parse_args(p, argv, sizes: dict | None = None):
-    """`p.parse_args(argv)`; with `sizes`, `args.sizes` becomes the list of sizes asked for (checked)."""
+    """`p.parse_args(argv)`, with the smoke size's values as defaults under --smoke; with `sizes`,
+    `args.sizes` becomes the list of sizes asked for (checked)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if getattr(p, "smoke", None) and "--smoke" in argv:
+        p.set_defaults(**p.smoke)
     args = p.parse_args(argv)
     if sizes:
         args.sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
@@ -196,9 +206,12 @@ def _child_main(fn, args, results):
     results.join_thread()
 
 
-def in_child(fn, *args, timeout_s: float = 600.0, what: str = "child"):
+def in_child(fn, *args, timeout_s: float = 600.0, what: str = "child", in_session: bool = False):
     """Run `fn(*args)` in a spawned child in its own process group; return its result (picklable).
-    The whole group is killed afterwards, so no engine process outlives the call."""
+    The whole group is killed afterwards, so no engine process outlives the call. `in_session`: in a smoke
+    session (bench/engines.py) `fn` runs in this process instead (on the session's engines, if it needs one)."""
+    if in_session and engines.SESSION is not None:
+        return fn(*args)
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -266,10 +279,15 @@ def run_train_cli(out_dir: Path, args: list[str], timeout_s: float = 900.0, cpu_
     if rc != 0:
         tail = (out_dir / "stderr.txt").read_text()[-3000:]
         raise RuntimeError(f"{' '.join(cmd)} ended with {rc}:\n{tail}")
-    summary = json.loads((out_dir / "summary.json").read_text())
-    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return {"summary": summary, "rows": rows, "process_s": total_s, "cmd": " ".join(cmd[1:]),
+    return {**read_run(out_dir), "process_s": total_s, "cmd": " ".join(cmd[1:]),
             "cores_by_role": cpu.result() if cpu else None}
+
+
+def read_run(out_dir: Path) -> dict:
+    """A finished run's summary (OUT/summary.json) and per-step rows (OUT/metrics.jsonl)."""
+    summary = json.loads((Path(out_dir) / "summary.json").read_text())
+    lines = (Path(out_dir) / "metrics.jsonl").read_text().splitlines()
+    return {"summary": summary, "rows": [json.loads(line) for line in lines if line.strip()]}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -339,6 +357,9 @@ def build_model(path: Path, seed: int = 0, **sizes) -> str:
     from tasks import build_tiny_model
 
     path = Path(path)
+    if engines.SESSION is not None:  # one folder per model for the session's benchmarks (one engine each)
+        models = engines.SESSION.models
+        path = models.setdefault((seed, tuple(sorted(sizes.items()))), Path(engines.SESSION.work) / f"m{len(models)}")
     if not (path / "config.json").exists():
         build_tiny_model(str(path), seed=seed, **sizes)
     return str(path)
@@ -451,9 +472,13 @@ def train_alone(cfg, model_path: str, groups: list, out_dir: Path, timeout_s: fl
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    # --max-lag: the oldest sample of each step's groups against the version the trainer is at then, so nothing is
+    # dropped or masked, and the per-lag diagnostics cost what a run's do (a lag they need, no more)
+    lag = max(buffer.sample_lag(i // cfg.prompts_per_step, v) for i, g in enumerate(groups) for v in g.token_versions)
     # no held-out evaluation: no generator would answer, and its last step would wait --timeout-s for one
-    cfg = dataclasses.replace(cfg, out=str(out_dir), max_lag=10**6, queue_size=len(groups) + 1, eval_every=0,
-                              steps=len(groups) // cfg.prompts_per_step, timeout_s=min(cfg.timeout_s, 60.0))
+    cfg = dataclasses.replace(cfg, out=str(out_dir), max_lag=max(cfg.max_lag, lag), queue_size=len(groups) + 1,
+                              eval_every=0, steps=len(groups) // cfg.prompts_per_step,
+                              timeout_s=min(cfg.timeout_s, 60.0))
     ctx = mp.get_context("spawn")
     shared = prepare.allocate_shared_weights(model_path)
     queue = buffer.RolloutQueue(ctx=ctx)
@@ -491,19 +516,6 @@ def train_alone(cfg, model_path: str, groups: list, out_dir: Path, timeout_s: fl
         cores = {"trainer": cores.pop("parent", 0.0), **cores}
     return rows, cores
 
-
-def memcpy_ms(buffer, repeats: int = 7) -> list[float]:
-    """Milliseconds of copying `buffer` into a fresh tensor of its size, `repeats` times (after one warm copy)."""
-    import torch
-
-    dst = torch.empty_like(buffer)
-    dst.copy_(buffer)
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        dst.copy_(buffer)
-        times.append((time.perf_counter() - t) * 1e3)
-    return times
 
 def intervals(ends: list[float], warmup: int) -> list[float]:
     """Per-step durations from cumulative end times, skipping `warmup` steps."""

@@ -1,6 +1,7 @@
 """bench/distill.py — does a teacher's per-token signal get a random-init student to the teacher's reward sooner?
 
     python bench/distill.py --out DIR        # writes DIR/distill.json and DIR/distill.png (25-35 min on 2 cores)
+    python bench/distill.py --smoke --out DIR   # the suite's size (tests/test_bench.py): --steps 12 --seeds 1
 
 (a) The teacher: a default run, `python train.py` (its OUT/model), or `--teacher OUT/model` to reuse one
 (its final reward is read from OUT/metrics.jsonl).
@@ -31,7 +32,7 @@ def reach_step(rows: list[dict], target: float) -> int | None:
 
 
 def main(argv=None) -> int:
-    p = common.parser(__doc__)
+    p = common.parser(__doc__, smoke={"steps": 12, "seeds": "1"})
     p.add_argument("--steps", type=int, default=300, help="steps of the teacher's run and of each student's")
     p.add_argument("--seeds", default="1,2", help="the students' seeds (their random inits), comma-separated")
     p.add_argument("--coef", type=float, default=0.1, help="--distill-coef of the distilled students")

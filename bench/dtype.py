@@ -1,10 +1,13 @@
 """bench/dtype.py — is bf16 faster than fp32 on this machine? Trainer step and vLLM generation, side by side.
 
     python bench/dtype.py --out DIR        # writes DIR/dtype.json and DIR/dtype.png; ~5 min on 2 cores
+    python bench/dtype.py --smoke --out DIR   # the suite's size (tests/test_bench.py): tiny, 2 x 16 tokens, 1 step,
+                                              # 4 prompts x 8 tokens, --repeats 1, runs of 12 steps
 
 What `--dtype auto` picks on the CPU path (devices.CPU_DEFAULT_DTYPE) is decided from this benchmark.
 For each model size (random-init Qwen2/Llama from `tasks.build_tiny_model`, alphabet "ascii" so sequences
-can be long), in alternating order fp32, bf16, fp32, bf16 (drift on a shared machine cancels to first order):
+can be long), in alternating order fp32, bf16, fp32, bf16 (`--repeats` rounds; drift on a shared machine cancels
+to first order):
 - trainer: `models.build_trainer_model(compute_dtype=...)` (FSDP2, world size 1, with bf16 the mixed-precision
   policy: bf16 compute, fp32 master weights and gradient reduction), AdamW; a step = forward, log-softmax of
   the targets, a policy-gradient loss, backward, optimizer step, on a batch of random token ids;
@@ -99,7 +102,9 @@ def generate_rate(model_path: str, dtype: str, threads: int, prompts: int, token
 
 
 def main(argv=None) -> int:
-    p = common.parser(__doc__, sizes=SIZES)
+    p = common.parser(__doc__, sizes=SIZES, smoke={
+        "sizes": "tiny", "train_batch": 2, "train_len": 16, "steps": 1, "warmup": 1, "gen_prompts": 4, "gen_tokens": 8,
+        "repeats": 1, "run_steps": 12})
     p.add_argument("--train-batch", type=int, default=16, help="sequences per trainer step")
     p.add_argument("--train-len", type=int, default=128, help="tokens per sequence in a trainer step")
     p.add_argument("--steps", type=int, default=6, help="trainer steps measured, after --warmup")
@@ -107,6 +112,7 @@ def main(argv=None) -> int:
     p.add_argument("--gen-prompts", type=int, default=64)
     p.add_argument("--gen-tokens", type=int, default=128)
     p.add_argument("--run-steps", type=int, default=60, help="steps of each whole default run (0: none)")
+    p.add_argument("--repeats", type=int, default=2, help="rounds of fp32 then bf16: trainer steps, whole runs")
     args = common.parse_args(p, argv, sizes=SIZES)
     rows = []
     with common.Bench("dtype", args) as bench:
@@ -116,11 +122,11 @@ def main(argv=None) -> int:
             model = common.build_model(bench.work / f"model_{name}", seed=args.seed, alphabet="ascii",
                                        **SIZES[name])
             runs = {(side, d): [] for side in ("train", "generate") for d in DTYPES}
-            for _ in range(2):
+            for _ in range(args.repeats):
                 for d in DTYPES:
                     runs["train", d].append(common.in_child(
                         train_rate, model, d, train_threads, args.train_batch, args.train_len, args.steps,
-                        args.warmup, args.seed, timeout_s=600, what=f"trainer {d}")["tokens_per_s"])
+                        args.warmup, args.seed, timeout_s=600, what=f"trainer {d}", in_session=True)["tokens_per_s"])
             for d in DTYPES:  # one engine per dtype: a start costs ~10 s, and two calls are timed inside
                 runs["generate", d].append(common.in_child(
                     generate_rate, model, d, gen_threads, args.gen_prompts, args.gen_tokens, args.seed,
@@ -135,7 +141,7 @@ def main(argv=None) -> int:
             print(f"[dtype] {name}: trainer fp32 {row['train_fp32']:.0f} / bf16 {row['train_bf16']:.0f} tok/s "
                   f"(x{row['train_ratio']:.2f}); vLLM fp32 {row['generate_fp32']:.0f} / bf16 "
                   f"{row['generate_bf16']:.0f} tok/s (x{row['generate_ratio']:.2f})", flush=True)
-        runs = whole_runs(bench.work, args.run_steps) if args.run_steps else []
+        runs = whole_runs(bench.work, args.run_steps, args.repeats) if args.run_steps else []
     data = {"settings": {"sizes": args.sizes, "run_steps": args.run_steps, "train_batch": args.train_batch,
                          "train_len": args.train_len, "steps": args.steps, "warmup": args.warmup,
                          "gen_prompts": args.gen_prompts, "gen_tokens": args.gen_tokens, "gen_threads": gen_threads,
@@ -157,10 +163,10 @@ def main(argv=None) -> int:
     return 0
 
 
-def whole_runs(work: Path, steps: int) -> list[dict]:
-    """The default run in each dtype, twice, alternating; one row per dtype (rates averaged)."""
+def whole_runs(work: Path, steps: int, repeats: int) -> list[dict]:
+    """The default run in each dtype, `repeats` times, alternating; one row per dtype (rates averaged)."""
     measured = {d: [] for d in DTYPES}
-    for i in range(2):
+    for i in range(repeats):
         for d in DTYPES:
             got = common.run_train_cli(work / f"run_{d}_{i}", ["--steps", str(steps), "--dtype", d, "--max-lag", "0",
                                                                 "--log-every", str(steps)])

@@ -1,15 +1,17 @@
 """bench/env_latency.py — does a slow environment stall generation? Tokens/s against the env's step latency.
 
     python bench/env_latency.py --out DIR       # writes DIR/env_latency.json and DIR/env_latency.png
+    python bench/env_latency.py --smoke --out DIR   # the suite's size (tests/test_bench.py): 2 groups in flight,
+                                                    # 1 s warm-ups and 1.5 s windows
 
 An environment whose `step` sleeps D ms (D = 0, 20, 100; a plain `time.sleep`, so it runs in the generator's
 worker threads), 4 turns per episode, on one vLLM engine (the tiny model, 8 tokens per turn). Two ways to run
-the same episodes on it, each for a fixed window after a warm-up:
+the same episodes on it, each for a fixed window after a warm-up (longer if no group finished in it):
 - pipeline: the project's generator (rollout.Generator with an env task, envs.py): every episode is its own
-  chain of requests and env calls, up to 32 groups of 8 episodes in flight, the staleness gate open;
-- sync: a synchronous turn-by-turn rollout loop: a batch of 256 episodes (sync32: of 32), each turn one batched
-  engine call for every live episode, then every env step (in parallel threads), and the next turn waits for
-  all of them.
+  chain of requests and env calls, up to 32 groups (`--groups`) of 8 episodes in flight, the staleness gate open;
+- sync: a synchronous turn-by-turn rollout loop: a batch of 256 episodes (8 x `--groups`; sync32: of 32), each
+  turn one batched engine call for every live episode, then every env step (in parallel threads), and the next
+  turn waits for all of them.
 Reported: model tokens/s for each D and the ratio to D = 0 (goal: the pipeline keeps >= 0.9 at D = 100 ms).
 """
 from __future__ import annotations
@@ -19,9 +21,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+import engines  # noqa: E402
 
 DELAYS_MS = (0, 20, 100)
-TURNS, TOKENS, GROUP, GROUPS_IN_FLIGHT = 4, 8, 8, 32
+TURNS, TOKENS, GROUP = 4, 8, 8
 
 
 class SleepEnv:
@@ -40,7 +43,7 @@ class SleepEnv:
         return "=", 0.0, self.k >= TURNS
 
 
-def measure(model_path: str, warmup_s: float, window_s: float) -> dict:
+def measure(model_path: str, warmup_s: float, window_s: float, groups_in_flight: int) -> dict:
     """In the child: one engine, then each (mode, D) in turn; returns tokens/s per mode and D."""
     import asyncio
     import queue as queue_lib
@@ -58,15 +61,16 @@ def measure(model_path: str, warmup_s: float, window_s: float) -> dict:
     from rollout import Generator
 
     cfg = common.default_config(model=model_path, max_new_tokens=TOKENS, group_size=GROUP,
-                                prompts_per_step=GROUPS_IN_FLIGHT, max_inflight_groups=GROUPS_IN_FLIGHT,
+                                prompts_per_step=groups_in_flight, max_inflight_groups=groups_in_flight,
                                 max_turns=TURNS, eval_every=0, gen_threads=1, kv_cache_mb=128, env_workers=256)
     settings = common.run_ahead_settings(cfg, model_path)
     rows = ([{"seed": i} for i in range(1000)], [{"seed": 10_000}])
-    rollout.make_task = lambda c, tokenizer, max_len=None: envs.EnvTask(c, tokenizer, SleepEnv, rows)
+    make_task, rollout.make_task = rollout.make_task, lambda c, tokenizer, max_len=None: envs.EnvTask(
+        c, tokenizer, SleepEnv, rows)  # (put back at the end: a smoke session runs other benchmarks after)
     ctx = mp.get_context("spawn")
     shared = prepare.allocate_shared_weights(model_path)
-    engine = Generator(settings, shared, ctx.Queue(), train.make_control(ctx)).build_engine()
-    loop = asyncio.new_event_loop()
+    engine = engines.engine_for(Generator(settings, shared, ctx.Queue(), train.make_control(ctx)))
+    loop = engines.event_loop()
     results = {"pipeline": {}, "sync": {}, "sync32": {}}
 
     def pipeline(delay_ms: int) -> float:
@@ -89,6 +93,8 @@ def measure(model_path: str, warmup_s: float, window_s: float) -> dict:
             await asyncio.sleep(warmup_s)
             t0, n0 = time.perf_counter(), gen.stats["tokens"]
             await asyncio.sleep(window_s)
+            while gen.stats["tokens"] == n0 and time.perf_counter() - t0 < 60:  # until a group has finished in it
+                await asyncio.sleep(0.05)
             rate = (gen.stats["tokens"] - n0) / (time.perf_counter() - t0)
             gen.control.stop.set()
             await task
@@ -99,12 +105,12 @@ def measure(model_path: str, warmup_s: float, window_s: float) -> dict:
         finally:
             done.set()
 
-    def sync(delay_ms: int, batch_size: int = GROUP * GROUPS_IN_FLIGHT) -> float:
+    def sync(delay_ms: int, batch_size: int = GROUP * groups_in_flight) -> float:
         gen = Generator(settings, shared, queue_lib.Queue(), train.make_control(ctx))
         gen.engine, gen.max_model_len = engine, 64
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         gen.task = envs.EnvTask(cfg, tokenizer, SleepEnv, rows)  # (its request settings)
-        threads = ThreadPoolExecutor(GROUP * GROUPS_IN_FLIGHT)
+        threads = ThreadPoolExecutor(max(batch_size, GROUP * groups_in_flight))
         start_ids = tokenizer("<bos>=", add_special_tokens=False)["input_ids"]
         obs_ids = tokenizer("=", add_special_tokens=False)["input_ids"]
         counter = [0]
@@ -150,21 +156,24 @@ def measure(model_path: str, warmup_s: float, window_s: float) -> dict:
                 print(f"[env_latency] {mode} D={delay_ms} ms: {results[mode][str(delay_ms)]:.0f} tokens/s",
                       flush=True)
     finally:
-        engine.shutdown()
+        rollout.make_task = make_task
+        engines.release(engine, loop)
     return results
 
 
 def main(argv=None) -> int:
-    p = common.parser(__doc__)
+    p = common.parser(__doc__, smoke={"warmup_s": 1.0, "window_s": 1.5, "groups": 2})
     p.add_argument("--warmup-s", type=float, default=4.0)
     p.add_argument("--window-s", type=float, default=15.0)
+    p.add_argument("--groups", type=int, default=32, help="groups of 8 episodes in flight (the sync batch: all)")
     args = common.parse_args(p, argv)
     with common.Bench("env_latency", args) as bench:
         model = common.build_model(bench.work / "init_model", seed=args.seed)
-        rates = common.in_child(measure, model, args.warmup_s, args.window_s, timeout_s=600, what="env_latency")
+        rates = common.in_child(measure, model, args.warmup_s, args.window_s, args.groups, timeout_s=600,
+                                what="env_latency", in_session=True)
     ratios = {mode: {d: rates[mode][d] / rates[mode]["0"] for d in rates[mode]} for mode in rates}
     data = {"settings": {"delays_ms": list(DELAYS_MS), "turns": TURNS, "tokens_per_turn": TOKENS,
-                         "episodes_in_flight": GROUP * GROUPS_IN_FLIGHT, "warmup_s": args.warmup_s,
+                         "episodes_in_flight": GROUP * args.groups, "warmup_s": args.warmup_s,
                  "window_s": args.window_s},
             "tokens_per_s": rates, "ratio_to_d0": ratios}
     path = bench.save(data, plot)

@@ -1,6 +1,7 @@
 """bench/eval_cost.py — what held-out evaluation costs a run, and what it shows.
 
     python bench/eval_cost.py --out DIR       # writes DIR/eval_cost.json and DIR/eval_cost.png
+    python bench/eval_cost.py --smoke --out DIR   # the suite's size (tests/test_bench.py): --steps 12 --rounds 1
 
 The default run (`python train.py`: the copy task, 300 steps, `--eval-every 50`) against the same run with
 `--eval-every 0`, same seed and model, alternated over `--rounds` rounds (the order swaps every round, so
@@ -22,7 +23,7 @@ MODES = (("eval", []), ("no_eval", ["--eval-every", "0"]))
 
 
 def main(argv=None) -> int:
-    p = common.parser(__doc__)
+    p = common.parser(__doc__, smoke={"steps": 12, "rounds": 1})
     p.add_argument("--steps", type=int, default=300, help="optimizer steps per run")
     p.add_argument("--rounds", type=int, default=2, help="runs of each mode")
     args = common.parse_args(p, argv)

@@ -1,6 +1,7 @@
 """bench/generator.py — what does the generator cost on top of bare vLLM? Tokens/s side by side, one engine.
 
     python bench/generator.py --out DIR      # writes DIR/generator.json and DIR/generator.png
+    python bench/generator.py --smoke --out DIR   # the suite's size (tests/test_bench.py): one round, 4 + 3 steps
 
 One vLLM engine, built by the project's own `rollout.Generator.build_engine` (same engine arguments, same
 threads), serves these phases, interleaved for `--rounds` rounds (the order rotates from round to round):
@@ -39,6 +40,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+import engines  # noqa: E402
 import kv_swap  # noqa: E402
 # torch, vLLM and the project are imported in the functions that run in child processes (common.py)
 
@@ -77,9 +79,8 @@ def measure(model_path: str, plan: list[dict], rounds: int, seed: int, kv_delta:
     base = common.run_ahead_settings(cfg, model_path)  # the stand-in trainer never lags
     builder = Generator(base, prepare.allocate_shared_weights(model_path), ctx.Queue(), train.make_control(ctx))
     t = time.perf_counter()
-    engine = builder.build_engine()
+    engine, loop = engines.engine_for(builder), engines.event_loop()  # (a smoke session's: bench/engines.py)
     engine_s = time.perf_counter() - t
-    loop = asyncio.new_event_loop()
     pps = cfg.prompts_per_step
 
     async def bare(tag: str, settings, steps: int) -> dict:
@@ -175,13 +176,8 @@ def measure(model_path: str, plan: list[dict], rounds: int, seed: int, kv_delta:
                     print(f"[generator] round {r} {w['name']:8s} {phase:16s} {rate['tokens_per_s']:8.0f} tok/s "
                           f"({rate['step_s_mean'] * 1e3:.0f} ms/step)", flush=True)
     finally:
-        engine.shutdown()
+        engines.release(engine, loop)
         builder.engine = engine = None
-        pending = asyncio.all_tasks(loop)  # the engine's output handler, cancelled by shutdown
-        for task in pending:
-            task.cancel()
-        loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
-        loop.close()
     return {"runs": runs, "engine_start_s": engine_s, "threads": base.cfg.gen_threads}
 
 
@@ -213,7 +209,7 @@ def summarize(runs: dict) -> dict:
 
 
 def main(argv=None) -> int:
-    p = common.parser(__doc__)
+    p = common.parser(__doc__, smoke={"steps": 4, "warmup": 2, "long_tokens": 8, "long_steps": 3, "rounds": 1})
     p.add_argument("--steps", type=int, default=25, help="steps' worth of groups per phase (default workload)")
     p.add_argument("--warmup", type=int, default=5, help="first steps of each phase left out (default workload)")
     p.add_argument("--long-tokens", type=int, default=40, help="new tokens per completion, long workload (0: skip)")
@@ -231,7 +227,7 @@ def main(argv=None) -> int:
     with common.Bench("generator", args) as bench:
         model = common.build_model(bench.work / "init_model", seed=args.seed)
         res = common.in_child(measure, model, plan, args.rounds, args.seed, args.kv_delta, timeout_s=900,
-                              what="generator benchmark")
+                              what="generator benchmark", in_session=True)
     workloads = {w["name"]: {**{k: v for k, v in w.items() if k != "name"}, **summarize(res["runs"][w["name"]])}
                  for w in plan}
     d = workloads["default"]

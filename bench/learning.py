@@ -1,6 +1,7 @@
 """bench/learning.py — does async reach the same reward sooner? Reward against wall time and against steps.
 
     python bench/learning.py --out DIR       # writes DIR/learning.json and DIR/learning.png
+    python bench/learning.py --smoke --out DIR   # the suite's size (tests/test_bench.py): --steps 12
 
 Two runs of `python train.py` on the default task, same seed, same model, same steps: `--max-lag 0`
 (synchronous, strictly on-policy) and `--max-lag 4` (asynchronous). Wall time is the run's own clock
@@ -22,7 +23,7 @@ SMOOTH = 10
 
 
 def main(argv=None) -> int:
-    p = common.parser(__doc__)
+    p = common.parser(__doc__, smoke={"steps": 12})
     p.add_argument("--steps", type=int, default=300, help="optimizer steps per run")
     p.add_argument("--async-lag", type=int, default=4, help="--max-lag of the asynchronous run")
     args = common.parse_args(p, argv)

@@ -1,11 +1,13 @@
 """bench/load_memory.py — host memory of a trainer start on N ranks: every rank loading the model, or one.
 
     python bench/load_memory.py --out DIR [--before-repo /work/main] [--ranks 2] [--hidden 1024 --layers 16]
+    python bench/load_memory.py --smoke --out DIR   # the suite's size (tests/test_bench.py): this checkout alone
+                                                    # (--before-repo ''), hidden 64, 2 layers, vocabulary 512
 
 Builds a random Qwen2-style model (~300M parameters with the defaults) once, then, for each checkout
-(`--before-repo`, e.g. main's code, and this one), spawns `--ranks` gloo ranks that each call that checkout's
-`models.build_trainer_model(model, 2)` and sample the peak RSS of the ranks, summed (every 0.1 s, from
-the parent). Both checkouts run side by side in one invocation, one after the other, on the same model file.
+(`--before-repo`, e.g. main's code, none if ''; and this one), spawns `--ranks` gloo ranks that each call that
+checkout's `models.build_trainer_model(model, 2)` and sample the peak RSS of the ranks, summed (every 0.1 s,
+from the parent). Both checkouts run side by side in one invocation, one after the other, on the same model file.
 Writes DIR/load_memory_{N}ranks.json. On CPU the shards are host memory too (one copy in all); on GPUs
 they are on the devices.
 """
@@ -77,7 +79,7 @@ def save_in_bf16(model: str, dst: Path) -> str:
 
 
 def main(argv=None) -> int:
-    p = common.parser(__doc__)
+    p = common.parser(__doc__, smoke={"before_repo": "", "hidden": 64, "layers": 2, "vocab": 512})
     p.add_argument("--before-repo", default="/work/main", help="the checkout to compare with (main's code)")
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--layers", type=int, default=16)
@@ -85,7 +87,7 @@ def main(argv=None) -> int:
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--disk-dtype", default="bf16", choices=["bf16", "fp32"],
                    help="the weights' dtype on disk (fp32 files load without a copy: memory-mapped)")
-    args = p.parse_args(argv)
+    args = common.parse_args(p, argv)
     out = Path(args.out)
     work = Path(args.work or tempfile.mkdtemp(prefix="load-memory-"))
     model = common.build_model(work / f"model-h{args.hidden}-l{args.layers}", hidden=args.hidden, layers=args.layers,
@@ -95,8 +97,8 @@ def main(argv=None) -> int:
     params = common.count_params(model)
     info = common.machine_info()
     with common.LoadMonitor() as load:
-        runs = {"before": peak_of_ranks(args.before_repo, model, args.ranks),
-                "after": peak_of_ranks(str(common.REPO), model, args.ranks)}
+        runs = {"before": peak_of_ranks(args.before_repo, model, args.ranks)} if args.before_repo else {}
+        runs["after"] = peak_of_ranks(str(common.REPO), model, args.ranks)
     fp32_gib = params * 4 / 2**30
     result = {"machine": info, "load": load.summary(), "params": params, "fp32_model_gib": round(fp32_gib, 3),
               **runs}

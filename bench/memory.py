@@ -1,6 +1,8 @@
 """bench/memory.py — does a trainer step's memory stay flat as the batch grows, at a real vocabulary?
 
     python bench/memory.py --out DIR         # writes DIR/memory.json and DIR/memory.png, prints a table
+    python bench/memory.py --smoke --out DIR   # the suite's size (tests/test_bench.py): 2 rows of 8 tokens,
+                                               # vocabulary 512, micro-batches of 16 tokens, then the whole batch
 
 Model: the project's `tasks.build_tiny_model` with a real vocabulary (151,936 tokens, Qwen2.5's size;
 hidden 128, 2 layers, tied embeddings): the LM head and its softmax are a real model's, the rest is small.
@@ -133,7 +135,8 @@ def measure(model_path: str, sequences: int, length: int, budgets: list[int], ma
 
 
 def main(argv=None) -> int:
-    p = common.parser(__doc__)
+    p = common.parser(__doc__, smoke={"sequences": "2", "lengths": "8", "vocab": 512, "prompt_len": 4,
+                                      "micro_batch_tokens": 16, "whole_max_tokens": 24})
     p.add_argument("--sequences", default="16,64,256", help="sequences per step, comma-separated")
     p.add_argument("--lengths", default="128,512,2048", help="completion lengths, comma-separated")
     p.add_argument("--vocab", type=int, default=VOCAB)
@@ -146,7 +149,7 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=1, help="full steps of each mode per tokens/s measurement")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
     p.add_argument("--grad-checkpointing", action="store_true", help="as the trainer's flag, in every measurement")
-    args = p.parse_args(argv)
+    args = common.parse_args(p, argv)
 
     import config
 

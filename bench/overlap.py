@@ -1,6 +1,7 @@
 """bench/overlap.py — does asynchrony keep both sides busy? Sync against async, side by side, in one run.
 
     python bench/overlap.py --out DIR        # writes DIR/overlap.json and DIR/overlap.png, prints a table
+    python bench/overlap.py --smoke --out DIR  # the suite's size (tests/test_bench.py): --steps 6 --warmup 2
 
 What runs, all with the default workload (the tiny model, 32 prompts x 8 completions, 5 new tokens) and the
 same thread budget per process as `python train.py` (half the cores for the generator, the rest for the
@@ -85,7 +86,7 @@ def measure(args, bench, model: str, rep: int) -> dict:
 
 
 def main(argv=None) -> int:
-    p = common.parser(__doc__)
+    p = common.parser(__doc__, smoke={"steps": 6, "warmup": 2})
     p.add_argument("--steps", type=int, default=40, help="optimizer steps per run")
     p.add_argument("--warmup", type=int, default=5, help="first steps left out of every rate")
     p.add_argument("--repeats", type=int, default=1, help="repeat the whole set; medians are reported")

@@ -1,6 +1,8 @@
 """bench/peak_rss.py — the peak memory of a whole `train.py` run: every process it starts, added up.
 
     python bench/peak_rss.py [--out FILE.json] -- TRAIN.PY ARGS...
+    python bench/peak_rss.py --smoke [--out FILE.json] [-- ARGS...]   # the suite's size (tests/test_bench.py):
+                                                    # a 12-step run of 4 prompts x 4 (SMOKE_ARGS; ARGS added after)
 
 Runs `python train.py ARGS` and, every `--interval` seconds, reads the memory of the run's whole process
 tree (the parent, the generator, vLLM's EngineCore and workers, the trainer ranks, helpers): the sum of
@@ -21,6 +23,9 @@ from pathlib import Path
 import psutil
 
 REPO = Path(__file__).resolve().parent.parent
+# a tiny run that still has every kind of row (on policy, so every step measures the agreement; evaluations)
+SMOKE_ARGS = ["--steps", "12", "--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "5",
+              "--max-lag", "0", "--eval-every", "6", "--eval-prompts", "8"]
 
 
 def role(proc, root_pid: int) -> str:
@@ -62,9 +67,11 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="", help="also write the figures to this JSON file")
     p.add_argument("--interval", type=float, default=0.5)
+    p.add_argument("--smoke", action="store_true", help="train.py's arguments start with " + " ".join(SMOKE_ARGS))
     args = p.parse_args(argv[:split])
 
-    cmd = [sys.executable, str(REPO / "train.py"), *argv[split + 1:]]
+    train_args = (SMOKE_ARGS if args.smoke else []) + argv[split + 1:]
+    cmd = [sys.executable, str(REPO / "train.py"), *train_args]
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=REPO)
     root = psutil.Process(proc.pid)
@@ -83,7 +90,7 @@ def main(argv=None) -> int:
             by_role[r] = max(by_role.get(r, 0), q)
         time.sleep(args.interval)
     gib = 2**30
-    result = {"cmd": " ".join(["python", "train.py", *argv[split + 1:]]), "exit_code": proc.returncode,
+    result = {"cmd": " ".join(["python", "train.py", *train_args]), "exit_code": proc.returncode,
               "wall_s": time.perf_counter() - start, "peak_rss_sum_gib": peak_rss / gib,
               "peak_pss_sum_gib": peak_pss / gib, "peak_pss_by_role_gib": {k: v / gib for k, v in by_role.items()},
               "processes_at_pss_peak": [{"pid": pid, "role": r, "name": n, "rss_gib": a / gib, "pss_gib": b / gib}

@@ -1,6 +1,7 @@
 """bench/stale_bias.py — does the staleness rule drop long completions more often? Drop rate by length.
 
     python bench/stale_bias.py --out DIR       # writes DIR/stale_bias.json and DIR/stale_bias.png
+    python bench/stale_bias.py --smoke --out DIR   # the suite's size (tests/test_bench.py): 12 steps, 8 new tokens
 
 Two runs of `python train.py` on the default copy task with a long tail of completion lengths: the random-init
 tiny model with --max-new-tokens 48 (it stops only when it samples <eos>, so lengths spread from 1 to 48; a
@@ -36,7 +37,7 @@ def census(rows: list[dict]) -> dict:
 
 
 def main(argv=None) -> int:
-    p = common.parser(__doc__)
+    p = common.parser(__doc__, smoke={"steps": 12, "max_new_tokens": 8})
     p.add_argument("--steps", type=int, default=150, help="optimizer steps per run")
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--max-lag", type=int, default=1)

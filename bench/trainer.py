@@ -1,6 +1,7 @@
 """bench/trainer.py — what does the trainer cost on top of a bare FSDP2 loop? Tokens/s side by side.
 
     python bench/trainer.py --out DIR        # writes DIR/trainer.json and DIR/trainer.png
+    python bench/trainer.py --smoke --out DIR   # the suite's size (tests/test_bench.py): tiny, --steps 6 --warmup 2
 
 1. Batches: the real generator (`rollout.generator_main`) produces `--steps` steps of rollouts on the
    default task (32 prompts x 8 completions), recorded once.
@@ -81,7 +82,7 @@ def rate(step_s: list[float], tokens: list[int], warmup: int) -> dict:
 
 
 def main(argv=None) -> int:
-    p = common.parser(__doc__, sizes=SIZES)
+    p = common.parser(__doc__, sizes=SIZES, smoke={"sizes": "tiny", "steps": 6, "warmup": 2})
     p.add_argument("--steps", type=int, default=25, help="batches (optimizer steps) per measurement")
     p.add_argument("--warmup", type=int, default=5, help="first steps of each measurement left out")
     args = common.parse_args(p, argv, sizes=SIZES)
@@ -100,7 +101,7 @@ def main(argv=None) -> int:
             run_cfg = common.default_config(model=model, seed=args.seed, steps=args.steps)
             bare = []
             b = common.in_child(bare_loop, model, groups, cfg.prompts_per_step, cfg.lr, threads, args.seed,
-                                timeout_s=600, what="bare FSDP2 loop")
+                                timeout_s=600, what="bare FSDP2 loop", in_session=True)
             bare.append(rate(b["step_s"], b["tokens"], args.warmup))
             metrics = common.train_alone(run_cfg, model, groups, work / f"project_{name}")
             walls = [r["wall_s"] for r in metrics]
@@ -111,7 +112,7 @@ def main(argv=None) -> int:
             proj["train_ms_mean"] = statistics.fmean(r["train_s"] for r in window) * 1e3
             proj["publish_ms_mean"] = statistics.fmean(r["publish_ms"] for r in window)
             b = common.in_child(bare_loop, model, groups, cfg.prompts_per_step, cfg.lr, threads, args.seed,
-                                timeout_s=600, what="bare FSDP2 loop")
+                                timeout_s=600, what="bare FSDP2 loop", in_session=True)
             bare.append(rate(b["step_s"], b["tokens"], args.warmup))
             bare_rate = statistics.fmean(x["tokens_per_s"] for x in bare)
             row = {"name": name, "params": common.count_params(model), "threads": threads,

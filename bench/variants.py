@@ -1,6 +1,7 @@
 """bench/variants.py — the loss variants on the default task, where they act: PPO mini-batches.
 
     python bench/variants.py --out DIR       # writes DIR/variants.json; about 15 minutes on 2 cores
+    python bench/variants.py --smoke --out DIR   # the suite's size (tests/test_bench.py): --steps 12 --seeds 0
 
 Runs `python train.py` on the default task for each variant and seed: the default (one update per batch,
 `--loss grpo`) and `--loss grpo|dapo|cispo` with `--mini-batches 4` (four optimizer steps per rollout batch,
@@ -23,7 +24,7 @@ VARIANTS = {"default (grpo, 1 update)": [], "grpo, 4 mini-batches": ["--loss", "
 
 
 def main(argv=None) -> int:
-    p = common.parser(__doc__)
+    p = common.parser(__doc__, smoke={"steps": 12, "seeds": [0]})
     p.add_argument("--steps", type=int, default=300, help="steps per run")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     args = common.parse_args(p, argv)

@@ -1,9 +1,12 @@
 """bench/weight_sync.py — how long from the trainer publishing new weights to the generator serving them?
 
     python bench/weight_sync.py --out DIR     # writes DIR/weight_sync.json and DIR/weight_sync.png
+    python bench/weight_sync.py --smoke --out DIR   # the suite's size (tests/test_bench.py): the default tiny model
+                                                    # (full and LoRA rows), 1M cross-machine, --syncs 2 --gap-s 0.2
 
 For models of about 1M, 10M, 100M and 300M parameters (Qwen2 built from configs by the project's
-`tasks.build_tiny_model`, random weights), each in its own process:
+`tasks.build_tiny_model`, random weights; also `tiny`, the default model, not in the default list), each in its
+own process (the engine is bench/engines.py's: the smokes of tests/test_bench.py share it):
 - the trainer side is the project's: an FSDP2 model (`models.build_trainer_model`, one rank) publishing into
   the packed shared buffer with `sync.publish_model` (no gather: each rank writes its own rows);
 - the generator side is the project's `rollout.Generator` with its real vLLM engine, running its own loop
@@ -40,11 +43,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-from weight_sync_cross import cross_table, measure_cross_machine, plot_cross  # noqa: E402
+import engines  # noqa: E402
+from weight_sync_cross import cross_table, measure_cross_machine, memcpy_ms, plot_cross  # noqa: E402
 # torch, vLLM and the project are imported in the functions that run in child processes (common.py)
 
 # name -> (hidden, layers, heads); vocabulary 26, MLP 4x hidden, tied embeddings (head size 32 or 64)
 SIZES = {"1M": (128, 4, 4), "10M": (256, 10, 4), "100M": (768, 11, 12), "300M": (1024, 18, 16)}
+ALL_SIZES = {**SIZES, "tiny": None}  # tiny: the default model (the smoke's: its engine is the other smokes')
 
 
 
@@ -129,16 +134,23 @@ def measure_size(name: str, shape: tuple, work: str, syncs: int, seed: int, gap_
     import torch.multiprocessing as mp
 
     import devices
+    import lora  # also without LoRA: lora.synced_parameters names what a full sync publishes
     import prepare
     import sync
     import train
     import models
     from rollout import Generator
 
-    hidden, layers, heads = shape
     t_build = time.perf_counter()
-    path = common.build_model(Path(work) / f"model_{name}", seed=seed, hidden=hidden, layers=layers, heads=heads)
+    sizes = {} if shape is None else dict(zip(("hidden", "layers", "heads"), shape))
+    path = common.build_model(Path(work) / f"model_{name}", seed=seed, **sizes)
     build_s = time.perf_counter() - t_build
+    if shape is None:
+        from transformers import AutoConfig
+
+        c = AutoConfig.from_pretrained(path)
+        shape = (c.hidden_size, c.num_hidden_layers, c.num_attention_heads)
+    hidden, layers, heads = shape
     cfg = common.default_config(model=path, max_lag=0, prompts_per_step=1, group_size=2, max_new_tokens=1,
                                 lora_rank=lora_rank)
     torch.set_num_threads(cfg.train_threads)
@@ -146,7 +158,6 @@ def measure_size(name: str, shape: tuple, work: str, syncs: int, seed: int, gap_
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=0, world_size=1)
     lora_config, lora_dir = None, ""
     if lora_rank:
-        import lora
         from weight_buffer import SharedWeights
 
         lora_config = lora.peft_config(lora_rank, 2 * lora_rank, 0.0, "all-linear")
@@ -163,7 +174,7 @@ def measure_size(name: str, shape: tuple, work: str, syncs: int, seed: int, gap_
     params = sum(p.numel() for p in synced)
     nbytes = shared.buffer.numel() * shared.buffer.element_size()
 
-    memcpy = common.memcpy_ms(shared.buffer)  # the same bytes, same process, same threads
+    memcpy = memcpy_ms(shared.buffer)  # the same bytes, same process, same threads
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
@@ -171,7 +182,7 @@ def measure_size(name: str, shape: tuple, work: str, syncs: int, seed: int, gap_
     prepared = prepare.Prepared(path, path, devices.layout_for(cfg))
     gen = Generator(prepare.generator_settings(cfg, prepared, lora_dir), shared, queue, control)
     t_engine = time.perf_counter()
-    engine = gen.build_engine()
+    engine, loop = engines.engine_for(gen), engines.event_loop()
     engine_s = time.perf_counter() - t_engine
     publish_ms, wall_ms = [], []
 
@@ -204,7 +215,7 @@ def measure_size(name: str, shape: tuple, work: str, syncs: int, seed: int, gap_
         return profile, files
 
     try:
-        profile, files = asyncio.run(scenario())
+        profile, files = loop.run_until_complete(scenario())
         groups = []
         while True:
             try:
@@ -212,7 +223,7 @@ def measure_size(name: str, shape: tuple, work: str, syncs: int, seed: int, gap_
             except Exception:
                 break
     finally:
-        engine.shutdown()
+        engines.release(engine, loop)
         gen.engine = engine = None  # no second shutdown from __del__ at exit
         dist.destroy_process_group()
         if os.path.exists(init_file):
@@ -253,7 +264,8 @@ def measure_size(name: str, shape: tuple, work: str, syncs: int, seed: int, gap_
 
 
 def main(argv=None) -> int:
-    p = common.parser(__doc__, sizes=SIZES)
+    p = common.parser(__doc__, sizes=SIZES, smoke={"sizes": "tiny", "lora_sizes": "tiny", "cross_sizes": "1M",
+                                                   "syncs": 2, "gap_s": 0.2})
     p.add_argument("--syncs", type=int, default=6, help="weight updates per size (the first is left out)")
     p.add_argument("--gap-s", type=float, default=1.2, help="idle time before each update (vLLM's processes "
                                                             "busy-poll for 1 s after each message)")
@@ -263,7 +275,7 @@ def main(argv=None) -> int:
     p.add_argument("--cross-sizes", default="10M,100M", help="sizes that also get a cross-machine row (gloo over "
                                                              "loopback, no engine); '' for none")
     p.add_argument("--cross-only", action="store_true", help="only the cross-machine rows: DIR/weight_sync_cross.json")
-    args = common.parse_args(p, argv, sizes=SIZES)
+    args = common.parse_args(p, argv, sizes=ALL_SIZES)
     cross_sizes = [s.strip() for s in args.cross_sizes.split(",") if s.strip()]
     if any(s not in SIZES for s in cross_sizes):
         p.error(f"--cross-sizes: choose from {', '.join(SIZES)}")
@@ -277,14 +289,14 @@ def main(argv=None) -> int:
         print(bench.closing_line(path))
         return 0
     lora_sizes = [s.strip() for s in args.lora_sizes.split(",") if s.strip()]
-    if any(s not in SIZES for s in lora_sizes):
-        p.error(f"--lora-sizes: choose from {', '.join(SIZES)}")
+    if any(s not in ALL_SIZES for s in lora_sizes):
+        p.error(f"--lora-sizes: choose from {', '.join(ALL_SIZES)}")
     rows = []
     with common.Bench("weight_sync", args) as bench:
         for name, rank in [(n, 0) for n in args.sizes] + [(n, args.lora_rank) for n in lora_sizes]:
             t = time.perf_counter()
-            row = common.in_child(measure_size, name, SIZES[name], str(bench.work), args.syncs + 1, args.seed,
-                                  args.gap_s, rank, timeout_s=600, what=f"weight sync {name}")
+            row = common.in_child(measure_size, name, ALL_SIZES[name], str(bench.work), args.syncs + 1, args.seed,
+                                  args.gap_s, rank, timeout_s=600, what=f"weight sync {name}", in_session=True)
             row["process_s"] = time.perf_counter() - t
             full = next((r for r in rows if r["name"] == name and not r["lora_rank"]), None)
             if rank and full is not None:

@@ -20,6 +20,20 @@ import common  # noqa: E402
 # torch and the project are imported in the functions that run in child processes (common.py)
 
 
+def memcpy_ms(buffer, repeats: int = 7) -> list[float]:
+    """Milliseconds of copying `buffer` into a fresh tensor of its size, `repeats` times (after one warm copy)."""
+    import torch
+
+    dst = torch.empty_like(buffer)
+    dst.copy_(buffer)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        dst.copy_(buffer)
+        times.append((time.perf_counter() - t) * 1e3)
+    return times
+
+
 def _cross_receiver(port: int, shapes, dtype, versions: int, results) -> None:
     """The generator node's side of the cross-machine row: receive `versions` publishes into its own buffer."""
     from datetime import timedelta
@@ -69,7 +83,7 @@ def measure_cross_machine(name: str, shape: tuple, work: str, seed: int, syncs: 
     nbytes = shared.nbytes
     med = statistics.median
 
-    memcpy = common.memcpy_ms(shared.buffer)
+    memcpy = memcpy_ms(shared.buffer)
     shm = []
     for version in range(1, syncs + 1):
         t = time.perf_counter()

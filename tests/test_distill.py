@@ -173,8 +173,8 @@ def test_a_dataset_task_learns_from_the_teacher_alone_with_every_off_policy_flag
     """One vLLM run for both toolkits of issue 23: distillation alone (no --reward), beside the off-policy
     masks, rloo and the mismatch metrics, on policy (test_offpolicy.py checks their values by hand). The student
     is a Granite (its logits scaled: heads.py) with the teacher's tokenizer, so the run also checks, for the
-    suite, that the trainer and vLLM agree after a sync on a transformed LM head (test_heads.py runs the
-    other families with ASYNCGRPO_ALL_HEAD_RUNS=1)."""
+    suite, that the trainer and vLLM agree after a sync on a transformed LM head in a whole run (test_heads.py
+    checks every transformed family on a vLLM engine)."""
     from test_heads import RUN_HEAD_GAIN, tiny_model
 
     student = str(tmp_path / "granite_student")

@@ -13,6 +13,7 @@
 import dataclasses
 import math
 import statistics
+import time
 
 import pytest
 import torch
@@ -259,6 +260,18 @@ def test_masks_act_in_training_as_computed_by_hand(model, perturbed):
     assert not {"geo_masked_seq_frac", "dsv32_masked_seq_frac", "icepop_masked_frac"} & set(default.metrics)
     # all masked: nothing left to train on, a zero loss (the normaliser keeps its count: no NaN)
     assert train_step(model, batch, geo_mask_high=1.0001, geo_mask_low=0.9999).loss == 0.0
+
+
+def test_a_max_lag_that_never_drops_costs_only_the_lags_a_batch_can_have(model, perturbed):
+    """--max-lag 10**6 at version 1: the per-lag metrics stop at the version (no lag can exceed it), so the step
+    takes no longer and logs the same as with --max-lag 1 (issue 29: a loop to --max-lag took ~2 minutes here)."""
+    batch, _ = perturbed
+    start = time.perf_counter()
+    huge = backward(model, None, batch, Config(max_lag=10**6), 0, 1, version=1)
+    model.zero_grad(set_to_none=True)
+    assert time.perf_counter() - start < 10
+    assert huge.metrics == pytest.approx(train_step(model, batch).metrics)
+    assert "mismatch_k3/lag1" in huge.metrics
 
 
 def test_mismatch_metrics_by_lag_and_the_effective_sample_size(model, perturbed):

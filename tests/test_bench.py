@@ -1,0 +1,247 @@
+"""Every benchmark script (bench/*.py with a main) at its smoke size (`--smoke`, given in each one's docstring):
+it finishes (main returns 0), writes its result file with the fields it promises, and its figures are finite.
+The helpers (common.py, machine.py, kv_swap.py, weight_sync_cross.py) run inside the scripts that use them.
+
+The benchmarks run in this process; what they start (vLLM engines, trainer processes, ranks, probes) is real,
+but shared where it is expensive:
+- one real `python train.py` run, made by `bench/peak_rss.py --smoke` (peak_rss's own smoke), stands in for
+  every train.py run a benchmark asks `common.run_train_cli` for: each one's flags go through train.py's own
+  parser and checks (`config.parse_args`), and its OUT gets the recorded run's files (model/ linked);
+- one real generation-alone recording (`common.generate_alone`) serves overlap.py and trainer.py;
+- a smoke session (bench/engines.py) for the whole module: generator.py, env_latency.py and weight_sync.py run
+  their measurements in this process on one vLLM engine for the tiny model (and one with LoRA), and models of
+  the same seed and sizes are built once.
+The vLLM engines started here run without a worker process beside their EngineCore (VLLM_ENABLE_V1_MULTIPROCESSING=0,
+as bench/engines.py's): half the start-up. memory.py runs through run_all.py (as `python bench/memory.py --smoke`);
+report.py reads what the others wrote.
+"""
+import importlib
+import json
+import math
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+import config
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "bench"))
+import common  # noqa: E402
+import engines  # noqa: E402
+
+
+def finite(*values):
+    """Every value a finite number (a wrong key, a None or a NaN fails here)."""
+    for v in values:
+        assert isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v), values
+    return True
+
+
+def positive(*values):
+    return finite(*values) and all(v > 0 for v in values)
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory):
+    return tmp_path_factory.mktemp("bench_out")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def session(tmp_path_factory):
+    """The smoke session; afterwards, this process's torch threads as they were (benchmarks set their own)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    with engines.Session(tmp_path_factory.mktemp("session")) as s:
+        yield s
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    """The one real train.py run, under bench/peak_rss.py --smoke: (its folder, peak_rss's figures)."""
+    import peak_rss
+
+    where = tmp_path_factory.mktemp("recorded")
+    with pytest.MonkeyPatch.context() as env:  # (no vLLM worker process beside the EngineCore: engines.py)
+        env.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        assert peak_rss.main(["--smoke", "--out", str(where / "peak_rss.json"), "--", "--out", str(where / "run")]) == 0
+    return where / "run", json.loads((where / "peak_rss.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def runs(recorded):
+    """`common.run_train_cli` replaying the recorded run; the list of the configs the benchmarks asked for."""
+    run_dir, peak = recorded
+    asked = []
+
+    def run_train_cli(out_dir, args, timeout_s=900.0, cpu_window=None, repo=common.REPO):
+        out_dir = Path(out_dir)
+        asked.append(config.parse_args(["--out", str(out_dir), *args]))  # train.py's parser and checks
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for name in ("metrics.jsonl", "summary.json"):
+            shutil.copy(run_dir / name, out_dir / name)
+        if not (out_dir / "model").exists():
+            (out_dir / "model").symlink_to(run_dir / "model")  # a teacher for distill.py's students
+        return {**common.read_run(out_dir), "process_s": peak["wall_s"], "cmd": " ".join(["train.py", *args]),
+                "cores_by_role": None}
+
+    real_generate, generated = common.generate_alone, {}
+
+    def generate_alone(cfg, model_path, steps, cpu_from_step=None):
+        if not generated:  # the first caller's recording, with the CPU window overlap.py reads
+            with pytest.MonkeyPatch.context() as env:  # (no vLLM worker process beside the EngineCore: engines.py)
+                env.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+                generated.update(real_generate(cfg, model_path, steps=steps, cpu_from_step=2), steps=steps)
+        assert steps == generated["steps"], "the smokes share one recording: the same --steps"
+        return dict(generated)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(common, "run_train_cli", run_train_cli)
+        mp.setattr(common, "generate_alone", generate_alone)
+        yield asked
+
+
+def smoke(name, out, *args):
+    """`python bench/NAME.py --smoke --out OUT ARGS`, in this process; NAME's JSON."""
+    assert importlib.import_module(name).main(["--smoke", "--out", str(out), *args]) == 0
+    return json.loads((out / f"{name}.json").read_text())
+
+
+def test_peak_rss_measures_the_recorded_run(recorded):
+    run_dir, peak = recorded
+    assert peak["exit_code"] == 0 and positive(peak["wall_s"], peak["peak_pss_sum_gib"], peak["peak_rss_sum_gib"])
+    assert {"parent", "child", "vllm_engine_core"} <= set(peak["peak_pss_by_role_gib"])  # (the worker: in the core)
+    rows = common.read_run(run_dir)["rows"]
+    assert [r["step"] for r in rows if "step" in r][-1] == 11 and any("eval/step" in r for r in rows)
+
+
+def test_overlap(runs, out):
+    runs.clear()
+    data = smoke("overlap", out)
+    assert [c.max_lag for c in runs] == [0, 1, 2, 4] and all(c.steps == 6 for c in runs)
+    assert positive(data["t_gen_s"], data["t_train_s"], data["cpu_bound"]) and 1 <= data["bound"] <= 2
+    assert data["t_train_s"] < 10  # seconds a step, not minutes (issue 29: a loop sized by --max-lag 10**6)
+    for mode in data["modes"]:
+        assert positive(data[mode]["steps_per_s"], data[mode]["speedup"], data[mode]["share_of_bound"])
+
+
+def test_weight_sync(out):
+    data = smoke("weight_sync", out)
+    full, adapter = data["rows"]
+    assert (full["name"], adapter["name"]) == ("tiny", "tiny LoRA r8") and full["params"] > 10 * adapter["params"]
+    for row in (full, adapter):
+        assert positive(row["sync_ms"], row["copy_ms"], row["memcpy_ms"], row["load_ms"], row["ratio"])
+        assert row["samples"] == 2
+    prof = full["load_profile"]
+    assert prof["engine_tensors_in_buffer"] == 0 and not prof["torn"] and prof["engine_tensors"] > 0
+    assert positive(adapter["tmpfs_file"]["sync_ms"], adapter["ratio_to_full"])
+    (cross,) = data["cross_machine"]
+    assert cross["same_bytes"] and positive(cross["cross_ms"], cross["shm_publish_ms"], cross["cross_over_memcpy"])
+
+
+def test_generator(out):
+    data = smoke("generator", out)
+    assert positive(data["ratio"], data["ratio_nosync"], data["bare_tokens_per_s"], data["pipeline_tokens_per_s"])
+    long = data["workloads"]["long"]
+    assert positive(long["ratio"], long["ratio_keep"]) and long["sync_ms_median"] is not None
+    assert long["pipeline_mismatch"]["unswapped"]["tokens"] + long["pipeline_mismatch"]["after_swap"]["tokens"] > 0
+
+
+def test_env_latency(out):
+    data = smoke("env_latency", out)
+    assert set(data["tokens_per_s"]) == {"pipeline", "sync", "sync32"}
+    for rates in data["tokens_per_s"].values():
+        assert set(rates) == {"0", "20", "100"} and positive(*rates.values())
+
+
+def test_dtype(runs, out):
+    runs.clear()
+    data = smoke("dtype", out)
+    (row,) = data["rows"]
+    assert positive(row["train_fp32"], row["train_bf16"], row["generate_fp32"], row["generate_bf16"])
+    assert [c.dtype for c in runs] == ["fp32", "bf16"] and all(c.max_lag == 0 for c in runs)
+    assert [r["dtype"] for r in data["runs"]] == ["fp32", "bf16"] and positive(data["runs"][0]["steps_per_s"])
+
+
+def test_trainer(runs, out):
+    data = smoke("trainer", out)
+    (row,) = data["rows"]
+    assert row["name"] == "tiny" and positive(row["ratio"], row["bare_tokens_per_s"], row["project_tokens_per_s"])
+    assert positive(row["project"]["train_ms_mean"], row["project"]["publish_ms_mean"])
+
+
+def test_load_memory(tmp_path, out):
+    assert importlib.import_module("load_memory").main(["--smoke", "--out", str(out), "--work", str(tmp_path)]) == 0
+    data = json.loads((out / "load_memory_2ranks.json").read_text())
+    assert "before" not in data and data["after"]["exit_code"] == 0 and len(data["after"]["peak_rss_per_rank_gib"]) == 2
+    assert positive(data["after"]["peak_rss_sum_gib"], data["fp32_model_gib"])
+
+
+def test_ab_finds_a_revision_equal_to_itself(runs, out):
+    runs.clear()
+    data = smoke("ab", out)
+    assert data["settings"]["base"] == data["settings"]["head"] and len(runs) == 2
+    assert data["exact"] and all(case["identical"] for case in data["exact"].values()), data["exact"]
+    assert data["max_step_reward_diff"] == [0.0]  # the same recorded run on both sides
+
+
+def test_learning(runs, out):
+    runs.clear()
+    data = smoke("learning", out)
+    assert [c.max_lag for c in runs] == [0, 4] and all(c.steps == 12 for c in runs)
+    assert positive(data["wall_speedup"]) and data["runs"]["sync"]["steps"] == 12
+
+
+def test_eval_cost(runs, out):
+    runs.clear()
+    data = smoke("eval_cost", out)
+    assert sorted(c.eval_every for c in runs) == [0, config.Config().eval_every]
+    assert positive(data["cost_ratio"]) and data["runs"]["eval"][0]["evals"]
+
+
+def test_stale_bias(runs, out):
+    runs.clear()
+    data = smoke("stale_bias", out)
+    assert [c.stale_rule for c in runs] == ["group", "tokens"] and all(c.max_new_tokens == 8 for c in runs)
+    assert all(data["runs"][rule]["steps"] == 12 for rule in ("group", "tokens"))
+
+
+def test_variants(runs, out):
+    runs.clear()
+    assert importlib.import_module("variants").main(["--smoke", "--out", str(out)]) == 0
+    data = json.loads((out / "variants.json").read_text())
+    assert [(c.loss, c.mini_batches) for c in runs] == [("grpo", 1), ("grpo", 4), ("dapo", 4), ("cispo", 4)]
+    assert all(finite(r["reward_last20"], r["clip_frac"], r["ratio_max"]) for r in data["runs"])
+
+
+def test_distill(runs, out):
+    runs.clear()
+    data = smoke("distill", out)
+    teacher, plain, distilled = runs
+    assert not teacher.teacher and not plain.teacher and distilled.teacher.endswith("teacher/model")
+    assert distilled.distill_coef == 0.1 and plain.seed == distilled.seed == 1
+    assert positive(data["teacher"]["final_reward"], data["target"]) and set(data["runs"]) == {"grpo_seed1",
+                                                                                               "distill_seed1"}
+
+
+def test_run_all_runs_memory_at_its_smoke_size(tmp_path):
+    import run_all
+
+    assert run_all.main(["--smoke", "--only", "memory", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "memory.json").read_text())
+    assert [(r["sequences"], r["mode"]) for r in data["rows"]] == [(2, "micro-batched"), (2, "whole batch")]
+    assert positive(*(r["peak_mib"] for r in data["rows"])) and positive(data["speed"][0]["ratio"])
+    assert (tmp_path / "summary.md").exists()
+
+
+def test_report_reads_what_the_smokes_wrote(out):
+    import report
+
+    assert report.main(["--out", str(out)]) == 0
+    text = (out / "summary.md").read_text()
+    for name, heading in (("overlap", "**Overlap**"), ("weight_sync", "**Weight sync**"),
+                          ("generator", "**Generator**"), ("trainer", "**Trainer**"), ("learning", "**Learning**")):
+        assert ((out / f"{name}.json").exists()) == (heading in text), name
