@@ -113,5 +113,6 @@ def close_loop(loop) -> None:
     pending = asyncio.all_tasks(loop)
     for task in pending:
         task.cancel()
-    loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+    if pending:  # (gather() of nothing would belong to another loop)
+        loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
     loop.close()
