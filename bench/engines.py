@@ -1,14 +1,16 @@
 """bench/engines.py — a benchmark's vLLM engine and event loop: its own, or shared by the smokes of one process.
 
 Role: generator.py, env_latency.py and weight_sync.py build their engine with `engine_for(builder)` (a
-`rollout.Generator`), run it on `event_loop()` and end with `release(engine, loop)`. Run alone, that is the
-builder's own engine (`Generator.build_engine`), a new loop, and the engine shut down and the loop closed at
-the end: what the benchmark measures. Inside `Session` (tests/test_bench.py runs several smokes in one
+`rollout.Generator`), run it on `event_loop()` and end with `release(engine, loop)`; generator.py starts its
+stand-in trainers with `helper`. Run alone, that is the builder's own engine (`Generator.build_engine`), a new
+loop, the engine shut down and the loop closed at the end, and a process per stand-in: what the benchmark
+measures. Inside `Session` (tests/test_bench.py runs several smokes in one
 process) an engine serves every benchmark that asks for the same model and adapter rank, on one loop for all,
 shut down when the session closes; `common.in_child(..., in_session=True)` then runs in this process (those
 measurements: the engine's, and the trainer steps that start no vLLM), and `common.build_model` gives one folder
 per (seed, sizes). Figures measured in a session are meaningless: an engine keeps the first asker's options (KV
-cache, threads) and the weights the last one loaded, and a peak RSS is the whole process's.
+cache, threads) and the weights the last one loaded, a stand-in trainer is a thread of this process (no
+process start), and a peak RSS is the whole process's.
 Data contract: engines are vLLM `AsyncLLM`s; a shared one is never shut down by a benchmark.
 May touch: the process's environment in a session (VLLM_ALLOW_INSECURE_SERIALIZATION, read when an engine starts:
 weight_sync.py sends its profiling function to the worker; VLLM_ENABLE_V1_MULTIPROCESSING=0 while an engine
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 
 SESSION = None  # the Session in force, if any
 
@@ -90,11 +93,26 @@ def release(engine, loop) -> None:
         close_loop(loop)
 
 
+class _Thread(threading.Thread):
+    """A helper run as a thread, with the process methods the benchmarks call (kill: nothing to kill)."""
+
+    def kill(self):
+        pass
+
+
+def helper(ctx, target, args):
+    """`ctx.Process(target=target, args=args)`, or in a session a daemon thread (not started)."""
+    if SESSION is None:
+        return ctx.Process(target=target, args=args)
+    return _Thread(target=target, args=args, daemon=True)
+
+
 def close_loop(loop) -> None:
     """Let the engine's output handler (cancelled by its shutdown) finish on `loop`, then close it: left pending,
     its ZMQ socket stays open and the interpreter hangs at exit."""
     pending = asyncio.all_tasks(loop)
     for task in pending:
         task.cancel()
-    loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+    if pending:  # (gather() of nothing would belong to another loop)
+        loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
     loop.close()

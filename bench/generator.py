@@ -125,7 +125,7 @@ def measure(model_path: str, plan: list[dict], rounds: int, seed: int, kv_delta:
         gen = Generator(settings, shared, queue, control)
         gen.engine = engine
         results, armed = ctx.Queue(), ctx.Event()
-        proc = ctx.Process(target=stand_in_entry, args=(
+        proc = engines.helper(ctx, stand_in_entry, (  # a process (a thread in a smoke session)
             results, queue, control, kv_swap.PerturbingPublisher(shared, kv_delta) if score else shared, model_path,
             steps, pps, publish, score, 120.0, armed))
         proc.start()

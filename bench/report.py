@@ -1,6 +1,8 @@
 """bench/report.py — one markdown page from the benchmarks' JSON files: the goals, met or not, and the tables.
 
     python bench/report.py --out DIR         # reads DIR/*.json, writes DIR/summary.md and prints it
+
+It has no size of its own (no --smoke): tests/test_bench.py runs it on what the other scripts' smokes wrote.
 """
 from __future__ import annotations
 

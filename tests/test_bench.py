@@ -32,6 +32,12 @@ import common  # noqa: E402
 import engines  # noqa: E402
 
 
+# the scripts this module runs (memory.py through run_all.py); the rest of bench/ are helpers they import
+SCRIPTS = {"peak_rss", "overlap", "weight_sync", "generator", "env_latency", "dtype", "trainer", "load_memory", "ab",
+           "learning", "eval_cost", "stale_bias", "variants", "distill", "run_all", "memory", "report"}
+HELPERS = {"common", "engines", "kv_swap", "machine", "weight_sync_cross"}
+
+
 def finite(*values):
     """Every value a finite number (a wrong key, a None or a NaN fails here)."""
     for v in values:
@@ -108,6 +114,12 @@ def smoke(name, out, *args):
     """`python bench/NAME.py --smoke --out OUT ARGS`, in this process; NAME's JSON."""
     assert importlib.import_module(name).main(["--smoke", "--out", str(out), *args]) == 0
     return json.loads((out / f"{name}.json").read_text())
+
+
+def test_every_script_has_a_smoke_size_and_runs_here():
+    files = {p.stem: p.read_text() for p in (REPO / "bench").glob("*.py")}
+    assert {name for name, text in files.items() if "__main__" in text} == SCRIPTS and set(files) == SCRIPTS | HELPERS
+    assert all("--smoke" in files[name] for name in SCRIPTS - {"report"})  # report.py reads, at no size
 
 
 def test_peak_rss_measures_the_recorded_run(recorded):
