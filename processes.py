@@ -7,13 +7,14 @@ after the current step with a checkpoint (130 / 143); a second Ctrl-C stops at o
 child is forwarded to the parent (SLURM signals every process of a job step): any number of them is one
 stop. While a trainer saves (`saving`), the parent waits for it up to --save-timeout-s before it kills.
 The generator has its own process group, so killing it also kills vLLM's EngineCore: nothing is left behind;
-a child whose parent dies (SIGKILL, a CI timeout) ends at once, with its group. A child that succeeds skips
-the interpreter's teardown (os._exit after multiprocessing's exit step).
+a child whose parent dies (SIGKILL, a CI timeout) ends at once, with its group. A child that succeeds, and the
+parent, end without the interpreter's teardown (`exit_now`).
 Data contract: `Control`, the flags and counters every child shares; `run_children(ctx, children, errors,
 control)`, children by name -> (function, args, own_process_group) ("trainer*" ranks end the run; a
 generator node, remote.py, runs the generator alone); (name, traceback) pairs on `errors`.
 May touch: the processes it starts, the parent's signal handlers while the run lasts.
 """
+import atexit
 import contextlib
 import multiprocessing.connection
 import multiprocessing.util
@@ -84,13 +85,18 @@ def child_entry(name, fn, args, errors, own_process_group):
         errors.join_thread()  # the traceback must reach the parent before this process ends
         sys.stderr.flush()
         os._exit(1)
-    # Done. multiprocessing's own exit step hands on what this process put on the run's queues; then the
-    # process ends here: the interpreter's teardown of torch and vLLM (C++ threads, allocations) took 10-20 s
-    # of every run's end, and nothing of ours is in it (every file and process group is closed by `fn`).
+    exit_now(0)
+
+
+def exit_now(code: int) -> None:
+    """End this process once its work is done: the exit handlers run (atexit's, then multiprocessing's, which
+    hands on what the process put on the run's queues), but not the interpreter's teardown of torch and vLLM
+    (their C++ threads and allocations: 3-20 s at the end of every run, none of it ours)."""
+    atexit._run_exitfuncs()
     multiprocessing.util._exit_function()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 def end_with_parent(own_process_group: bool) -> None:

@@ -31,7 +31,7 @@ import prepare
 from models import build_frozen_models, build_policy, check_layout, checkpoint_layers
 from config import Config, inactive_flags, parse_args
 from advantages import estimate_advantages
-from processes import make_control, run_children, saving, wait_for
+from processes import exit_now, make_control, run_children, saving, wait_for
 from rollout import generator_main
 from sync import publish_model, trainable_parameters
 from update import learning_rate, shaped_rewards, update_on_batch
@@ -314,4 +314,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())
