@@ -274,4 +274,7 @@ def test_tiny_moe_trains_on_two_fsdp2_ranks_with_evaluation_and_checkpoints(tmp_
     assert summary["steps"] == 4 and summary["eval_last"] is not None
     print(f"TINY_MOE, 2 ranks: max |trainer - vLLM| on-policy log-prob {summary['logprob_diff_after_sync']:.1e}")
     assert summary["logprob_diff_after_sync"] is not None and summary["logprob_diff_after_sync"] <= 1e-4
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl") if line.strip()]
+    synced = [r["logprob_diff_on_policy"] for r in rows if r.get("step", 0) >= 2 and "logprob_diff_on_policy" in r]
+    assert synced and all(d is not None and d <= 1e-4 for d in synced)  # steps trained on published weights
     assert (out / "checkpoints" / "step_00000004").is_dir()
