@@ -233,6 +233,10 @@ def test_a_config_scored_otherwise_than_vllm_samples_it_is_refused_in_one_line(t
     [problem] = devices.engine_problems(str(tmp_path), False, 64, 5, 64, "fp32")
     assert "one token wider" in problem and "--max-model-len 4 or less" in problem and "\n" not in problem
     assert devices.engine_problems(str(tmp_path), False, 4, 2, 64, "fp32") == []
+    # LoRA on an MoE model: vLLM's CPU backend has no LoRA path for MoE layers (its Triton kernels only)
+    [problem] = devices.engine_problems(str(tmp_path), False, 4, 2, 64, "fp32", 8)
+    assert "Mixture-of-Experts" in problem and "--lora-rank" in problem and "\n" not in problem
+    assert devices.engine_problems(str(tmp_path), True, 4, 2, 64, "fp32", 8) == []  # GPUs: not refused (not run)
     # EXAONE-MoE with a window and no sliding layer: RoPE in vLLM's layers, none in transformers' (0.12 apart)
     full = transformers.AutoConfig.for_model("exaone_moe", layer_types=["full_attention"] * 2, num_hidden_layers=2)
     assert "applies no RoPE" in heads.head_problem(full)
