@@ -3,10 +3,12 @@
 Role: `WeightSyncWorker` is mixed into vLLM's worker (`worker_extension_cls="vllm_worker.WeightSyncWorker"`)
 and reloads the engine's weights, or with --lora-rank its adapter, from the packed buffer (weight_buffer.py)
 between engine steps, called through `collective_rpc` (arguments are bytes).
-Data contract: the buffer's `Slot`s are named as vLLM's `load_weights` (or PEFT's adapter files) expect; a
-load returns the version it loaded, never a torn mix.
-May touch: the vLLM worker it is installed into (private vLLM 0.32 APIs: the layer-wise reload, the LoRA
-manager), and its logger's filters.
+Data contract: the buffer's `Slot`s are named and shaped as the trainer's (transformers 5) parameters, or PEFT's
+adapter files; each slot is handed to vLLM as the checkpoint tensors it stands for (transformers' reverse weight
+conversion: a fused 3-D MoE expert tensor becomes the per-expert tensors vLLM's loader expects, as
+`save_pretrained` writes them). A load returns the version it loaded, never a torn mix.
+May touch: the vLLM worker it is installed into (private vLLM 0.32 APIs: the layer-wise reload, the MoE
+layers' kernels, the LoRA manager), and its logger's filters.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ VIEW_TRIES = 3  # torn in-place reloads before the worker falls back to a snapsh
 GPU_VIEW_TRIES = 20  # torn in-place reloads before a GPU worker gives up (it has no snapshot to fall back to)
 GPU_MIN_WAIT_S = 120.0  # the least a GPU worker waits for a publish (a gather over NCCL) to finish
 RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"  # vLLM 0.32's layer-wise reload
+INPLACE_LOGGER = "vllm.model_executor.model_loader.reload.inplace"  # its summary of weights not loaded
 
 
 class ExpectedReloadWarnings(logging.Filter):
@@ -40,6 +43,58 @@ class ExpectedReloadWarnings(logging.Filter):
         return not expected
 
 
+def checkpoint_skeleton(hf_config):
+    """The trainer's model (transformers 5) on the meta device: what names the reverse weight conversion."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(hf_config)
+
+
+def checkpoint_tensors(skeleton, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """One trainer parameter as the checkpoint's tensors vLLM's `load_weights` expects: transformers' reverse
+    weight conversion (what `save_pretrained` writes). Most families' dense weights pass as they are; a fused
+    MoE expert tensor (`mlp.experts.gate_up_proj`, experts x 2 intermediate x hidden) becomes one tensor per
+    expert and projection (`mlp.experts.0.gate_proj.weight`, or Mixtral's `block_sparse_moe.experts.0.w1.weight`):
+    views of `tensor` where they can be, else copies of one parameter at a time."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return list(revert_weight_conversion(skeleton, {name: tensor}).items())
+
+
+def drop_moe_kernels(model) -> list:
+    """Make the coming reload rebuild every MoE layer's kernel. vLLM 0.32 builds it once, at the first load,
+    and runs the kernel's own post-load step only then: on CPU that step packs the expert weights into the
+    grouped-GEMM layout the kernel reads (fused_moe/experts/cpu_moe.py). A reload that finds a kernel copies
+    the new weights in unpacked, and the engine samples from weights read in the wrong layout (a tiny
+    Qwen3-MoE: 0.019 off the trainer's log-probs after one publish). With no kernel, the reload's processing builds and
+    packs it as at start; the layer-wise reload then copies the packed weights into the engine's own storage.
+    Only kernels with a post-load step of their own are dropped (the others, most GPU kernels, take the new
+    weights as they are). Returns (layer class, its quant method) for each kernel dropped."""
+    from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEExperts
+
+    dropped = []
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        experts = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
+        post_load = getattr(type(experts), "process_weights_after_loading", None)
+        if experts is not None and post_load is not FusedMoEExperts.process_weights_after_loading:
+            method.moe_kernel = None
+            dropped.append((type(module).__name__, method))
+    return dropped
+
+
+class ExpectedUnloadedWeights(logging.Filter):
+    """Drops vLLM's "Following weights were not loaded" warning when the only weights a sync leaves out are MoE
+    routers' score-correction biases (GLM-4-MoE, DeepSeek-V3 style): buffers in transformers, never trained,
+    so vLLM's copy from the start is still the trainer's. Any other weight left out still shows."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.msg).startswith("Following weights were not loaded") or not record.args:
+            return True
+        return not all(str(name).endswith("e_score_correction_bias") for name in record.args[0])
+
+
 class WeightSyncWorker:
     """vLLM worker extension (`worker_extension_cls="vllm_worker.WeightSyncWorker"`).
 
@@ -50,8 +105,10 @@ class WeightSyncWorker:
 
     def attach_shared_weights(self, handles: bytes) -> int:
         self._shared = SharedWeights.from_bytes(handles)
+        self._skeleton = checkpoint_skeleton(self.model_runner.model_config.hf_config)
         tied = getattr(self.model_runner.model_config.hf_config, "tie_word_embeddings", False)
         logging.getLogger(RELOAD_LOGGER).addFilter(ExpectedReloadWarnings(tied))
+        logging.getLogger(INPLACE_LOGGER).addFilter(ExpectedUnloadedWeights())
         # On a GPU worker `.buffer` opens the CUDA IPC handle here, once (on the buffer's own GPU, which must be
         # visible to this process). No snapshot on a GPU: vLLM has already sized its KV cache to fill its share.
         # On CPU a snapshot is allocated only if an in-place load ever has to fall back to it.
@@ -103,10 +160,15 @@ class WeightSyncWorker:
 
         def weights():
             for slot in shared.layout:
-                view = shared.view(slot, buffer)
-                yield slot.name, view if view.device == device else view.to(device, non_blocking=True)
+                for name, view in checkpoint_tensors(self._skeleton, slot.name, shared.view(slot, buffer)):
+                    yield name, view if view.device == device else view.to(device, non_blocking=True)
 
+        dropped = drop_moe_kernels(self.model_runner.get_model())
         self.model_runner.reload_weights(weights_iterator=weights())
+        unloaded = sorted({name for name, method in dropped if method.moe_kernel is None})
+        if unloaded:  # the reload never processed these layers: their expert weights were not loaded
+            raise RuntimeError(f"vLLM's reload loaded no expert weights into {', '.join(unloaded)} (its loader "
+                               "copies them past the layer-wise reload): this MoE family cannot take weight syncs")
 
     def _refresh_tied_lm_head(self) -> None:
         """With tied embeddings the checkpoint has no `lm_head.weight`, so the layer-wise reload never
