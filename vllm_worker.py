@@ -14,6 +14,7 @@ import logging
 
 import torch
 
+from routes import RouteRecorder
 from weight_buffer import SharedWeights
 
 VIEW_TRIES = 3  # torn in-place reloads before the worker falls back to a snapshot copy (CPU)
@@ -40,7 +41,7 @@ class ExpectedReloadWarnings(logging.Filter):
         return not expected
 
 
-class WeightSyncWorker:
+class WeightSyncWorker(RouteRecorder):
     """vLLM worker extension (`worker_extension_cls="vllm_worker.WeightSyncWorker"`).
 
     Mixed into vLLM's worker class, so `self` is the worker: `self.model_runner.reload_weights` does the
