@@ -3,10 +3,12 @@
 Role: `WeightSyncWorker` is mixed into vLLM's worker (`worker_extension_cls="vllm_worker.WeightSyncWorker"`)
 and reloads the engine's weights, or with --lora-rank its adapter, from the packed buffer (weight_buffer.py)
 between engine steps, called through `collective_rpc` (arguments are bytes).
-Data contract: the buffer's `Slot`s are named as vLLM's `load_weights` (or PEFT's adapter files) expect; a
-load returns the version it loaded, never a torn mix.
-May touch: the vLLM worker it is installed into (private vLLM 0.32 APIs: the layer-wise reload, the LoRA
-manager), and its logger's filters.
+Data contract: the buffer's `Slot`s are named and shaped as the trainer's (transformers 5) parameters, or PEFT's
+adapter files; each slot is handed to vLLM as the checkpoint tensors it stands for (transformers' reverse weight
+conversion: a fused 3-D MoE expert tensor becomes the per-expert tensors vLLM's loader expects, as
+`save_pretrained` writes them). A load returns the version it loaded, never a torn mix.
+May touch: the vLLM worker it is installed into (private vLLM 0.32 APIs: the layer-wise reload, the MoE
+layers' kernels, the LoRA manager), and its logger's filters.
 """
 from __future__ import annotations
 
@@ -41,6 +43,38 @@ class ExpectedReloadWarnings(logging.Filter):
         return not expected
 
 
+def checkpoint_skeleton(hf_config):
+    """The trainer's model (transformers 5) on the meta device: what names the reverse weight conversion."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(hf_config)
+
+
+def checkpoint_tensors(skeleton, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """One trainer parameter as the checkpoint's tensors vLLM's `load_weights` expects: transformers' reverse
+    weight conversion (what `save_pretrained` writes). Most families' dense weights pass as they are; a fused
+    MoE expert tensor (`mlp.experts.gate_up_proj`, experts x 2 intermediate x hidden) becomes one tensor per
+    expert and projection (`mlp.experts.0.gate_proj.weight`, or Mixtral's `block_sparse_moe.experts.0.w1.weight`):
+    views of `tensor` where they can be, else copies of one parameter at a time."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return list(revert_weight_conversion(skeleton, {name: tensor}).items())
+
+
+def drop_moe_kernels(model) -> None:
+    """Make the coming reload rebuild every MoE layer's kernel. vLLM 0.32 builds it once, at the first load,
+    and runs the kernel's own post-load step only then: on CPU that step packs the expert weights into the
+    grouped-GEMM layout the kernel reads (fused_moe/experts/cpu_moe.py). A reload that finds a kernel copies
+    the new weights in unpacked, and the engine samples from weights read in the wrong layout (a tiny
+    Qwen3-MoE: 0.29 nats off the trainer's log-probs). With no kernel, the reload's processing builds and
+    packs it as at start; the layer-wise reload then copies the packed weights into the engine's own storage."""
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if getattr(method, "moe_kernel", None) is not None:
+            method.moe_kernel = None
+
+
 class WeightSyncWorker(RouteRecorder):
     """vLLM worker extension (`worker_extension_cls="vllm_worker.WeightSyncWorker"`).
 
@@ -51,6 +85,7 @@ class WeightSyncWorker(RouteRecorder):
 
     def attach_shared_weights(self, handles: bytes) -> int:
         self._shared = SharedWeights.from_bytes(handles)
+        self._skeleton = checkpoint_skeleton(self.model_runner.model_config.hf_config)
         tied = getattr(self.model_runner.model_config.hf_config, "tie_word_embeddings", False)
         logging.getLogger(RELOAD_LOGGER).addFilter(ExpectedReloadWarnings(tied))
         # On a GPU worker `.buffer` opens the CUDA IPC handle here, once (on the buffer's own GPU, which must be
@@ -104,9 +139,10 @@ class WeightSyncWorker(RouteRecorder):
 
         def weights():
             for slot in shared.layout:
-                view = shared.view(slot, buffer)
-                yield slot.name, view if view.device == device else view.to(device, non_blocking=True)
+                for name, view in checkpoint_tensors(self._skeleton, slot.name, shared.view(slot, buffer)):
+                    yield name, view if view.device == device else view.to(device, non_blocking=True)
 
+        drop_moe_kernels(self.model_runner.get_model())
         self.model_runner.reload_weights(weights_iterator=weights())
 
     def _refresh_tied_lm_head(self) -> None:
