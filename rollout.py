@@ -10,7 +10,8 @@ lora.Served, its devices through devices.enter_generator_devices; with --router-
 each sample's routes come through routes.GeneratorRoutes.
 Data contract: writes `buffer.RolloutGroup`s with vLLM's processed log-probs (the behaviour policy) and, per
 token, the version of the weights that sampled it (and, when recorded, its routes); a group starts only if the
-loaded weights are at most --max-lag versions behind the trainer version that will consume it (its step less the steps skipped).
+loaded weights are at most --max-lag versions behind the trainer version that will consume it (its step less
+the steps skipped).
 Reads the buffer's version and `Control`.
 May touch: its engine, the queue, the shared buffer (read only), `Control`. Nothing of the trainer.
 """
