@@ -37,6 +37,7 @@ class Config:
     steps: int = 300  # steps to train for: rollout batches, one model version each (a resume counts on)
     seed: int = 0  # seeds the tiny model, the prompts drawn and the sampling
     model: str = ""  # Hugging Face model directory or hub id; "" builds the tiny default model into OUT/init_model
+    #   (TINY_MOE: a tiny Qwen3-MoE, 8 experts, 2 routed per token, the copy tokenizer, into OUT/init_moe_model)
     out: str = "runs/latest"  # output folder: metrics.jsonl, summary.json, plots.png, model/, checkpoints/
     # asynchrony
     max_lag: int = 2  # train only on samples whose oldest token is <= this many versions old (0: on-policy)

@@ -278,6 +278,14 @@ def engine_problems(model_path: str, on_gpu: bool, max_model_len: int, max_new_t
     if context and context <= max_new_tokens:
         problems.append(f"--max-new-tokens {max_new_tokens} fills the whole context ({context} tokens) of "
                         f"{model_path}: lower it (or raise --max-model-len)")
+    window = getattr(text, "sliding_window", None)
+    sliding = "sliding_attention" in (getattr(text, "layer_types", None) or [])
+    if getattr(text, "model_type", "") in ("cohere2", "cohere2_moe") and sliding and context and context > window:
+        # vLLM 0.32 (commandr.py, cohere2_moe.py) lets a sliding layer see sliding_window + 1 tokens (Cohere's
+        # training convention), transformers 5 sliding_window: a tiny Cohere2-MoE measured 0.14 apart in log-prob
+        problems.append(f"{model_path}: vLLM serves its sliding-window layers one token wider than transformers "
+                        f"({window} + 1 against {window}), so sequences longer than {window} tokens would be "
+                        f"scored on another distribution than sampled: give --max-model-len {window} or less")
     layers = getattr(text, "num_hidden_layers", None)
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     if not on_gpu and context and layers and kv_heads and head_dim:

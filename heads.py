@@ -2,8 +2,10 @@
 
 Role: the trainer scores tokens with its own chunked LM head (losses.chunked_logprobs), so it must apply the
 family's transform exactly as vLLM 0.32 and transformers do: `head_transform(config)` reads it from a Hugging
-Face config, `head_problem(config)` says in one line why a model's head is not known (prepare.py refuses the
-run before anything starts). The math itself lives in losses.py, as plain numbers.
+Face config, `head_problem(config)` says in one line why a model's head is not known, or why a family (or
+config) vLLM serves would be scored otherwise than it samples: the Mixture-of-Experts families measured not to
+agree (MOE_REFUSED) and two routing or attention settings (prepare.py refuses the run before anything starts).
+The math itself lives in losses.py, as plain numbers.
 Data contract: a `transformers.PretrainedConfig` in, a frozen `HeadTransform` out. Touches nothing.
 
 The table below was read from vLLM 0.32 (model_executor/models/*.py: `LogitsProcessor(scale=..., soft_cap=...)`,
@@ -32,18 +34,21 @@ PLAIN_HEADS = {
     "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM", "phi3": "Phi3ForCausalLM", "olmo2": "Olmo2ForCausalLM",
-    "gemma": "GemmaForCausalLM",
+    "gemma": "GemmaForCausalLM", "olmoe": "OlmoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
+    "exaone_moe": "ExaoneMoeForCausalLM", "ernie4_5_moe": "Ernie4_5_MoeForCausalLM", "afmoe": "AfmoeForCausalLM",
 }
 TRANSFORMED_HEADS = {
     # logits / logits_scaling (vLLM: scale = 1 / logits_scaling)
     "granite": ("GraniteForCausalLM", lambda c: HeadTransform(logit_scale=1.0 / c.logits_scaling)),
     "granitemoe": ("GraniteMoeForCausalLM", lambda c: HeadTransform(logit_scale=1.0 / c.logits_scaling)),
+    "granitemoeshared": ("GraniteMoeSharedForCausalLM", lambda c: HeadTransform(logit_scale=1.0 / c.logits_scaling)),
     # final_logit_softcapping * tanh(logits / final_logit_softcapping), None: off
     "gemma2": ("Gemma2ForCausalLM", lambda c: HeadTransform(softcap=c.final_logit_softcapping or 0.0)),
     "gemma3_text": ("Gemma3ForCausalLM", lambda c: HeadTransform(softcap=c.final_logit_softcapping or 0.0)),
     # logits * logit_scale
     "cohere": ("CohereForCausalLM", lambda c: HeadTransform(logit_scale=c.logit_scale)),
     "cohere2": ("Cohere2ForCausalLM", lambda c: HeadTransform(logit_scale=c.logit_scale)),
+    "cohere2_moe": ("Cohere2MoeForCausalLM", lambda c: HeadTransform(logit_scale=c.logit_scale)),
 }
 # Attributes vLLM reads on families that do not define them (LlamaForCausalLM, and so Mistral and Phi-3, takes
 # `logit_scale`; its Transformers backend, used for OLMo-2, takes both), which transformers then ignores:
@@ -51,12 +56,36 @@ TRANSFORMED_HEADS = {
 STRAY = {"logit_scale": 1.0, "final_logit_softcapping": None, "logits_scaling": 1.0}
 # vLLM's Cohere (commandr.py) and Gemma-2 always use the input embedding as the LM head: an untied lm_head is
 # dropped (Cohere, silently) or fails the load (Gemma-2), where transformers uses it.
-TIED_ONLY = ("cohere", "cohere2", "gemma2")
+TIED_ONLY = ("cohere", "cohere2", "cohere2_moe", "gemma2")
+
+
+# Mixture-of-Experts families vLLM 0.32 serves on CPU whose tokens the trainer does not score as vLLM samples them
+# (tiny random-init models of each, tests/test_moe.py): refused with the reason measured. The MoE families in
+# the tables above agree after a weight publish to <= 1e-4 in fp32 (tests/test_moe.py).
+MOE_REFUSED = {
+    "gpt_oss": "vLLM 0.32's layer-wise reload loads none of its expert weights (GptOssRoutedExperts: \"Failed to "
+               "load weights\"): after a weight sync vLLM would sample from the old experts",
+    "phimoe": "vLLM 0.32 serves the architecture transformers 5 writes (PhimoeForCausalLM) through its Transformers "
+              "modeling backend, and its own PhiMoEForCausalLM gave NaN log-probs on a tiny model: not checked",
+    "llama4_text": "transformers 5's Llama4ForCausalLM.get_decoder() returns the whole model, not its decoder: the "
+                   "trainer's chunked LM head cannot read the final hidden states",
+}
 
 
 def head_problem(config) -> str:
     """Why the trainer cannot score this model's tokens as vLLM samples them ("" when it can)."""
     model_type = getattr(config, "model_type", None)
+    if model_type in MOE_REFUSED:
+        return f"model type {model_type!r}: {MOE_REFUSED[model_type]}"
+    if model_type == "afmoe" and not afmoe_routes_as_transformers(config):
+        return ("model type 'afmoe': vLLM routes by the config's score_func, route_norm, n_group and topk_group "
+                "(the released checkpoints' fields), transformers 5 always by normalized sigmoid scores, ungrouped, "
+                "without muP: give a config with score_func 'sigmoid', route_norm true, n_group and topk_group 1, "
+                f"mup_enabled false (this one: {afmoe_routing(config)})")
+    if model_type == "exaone_moe" and getattr(config, "sliding_window", None) and \
+            "sliding_attention" not in (getattr(config, "layer_types", None) or []):
+        return ("model type 'exaone_moe' with a sliding_window but no sliding-attention layer: transformers then "
+                "applies no RoPE in any layer and vLLM applies it in all (measured 0.12 apart in log-prob)")
     if model_type in TRANSFORMED_HEADS:
         transform = TRANSFORMED_HEADS[model_type][1](config)
         if transform.logit_scale <= 0 or transform.softcap < 0:
@@ -77,6 +106,19 @@ def head_problem(config) -> str:
         return (f"model type {model_type!r} sets {', '.join(stray)}: vLLM would apply it to the logits and "
                 "transformers would not")
     return ""
+
+
+def afmoe_routing(config) -> dict:
+    return {name: getattr(config, name, None) for name in ("score_func", "route_norm", "n_group", "topk_group",
+                                                             "mup_enabled")}
+
+
+def afmoe_routes_as_transformers(config) -> bool:
+    """An AFMoE config vLLM routes as transformers does (measured to agree; transformers 5's own config class
+    lacks the fields vLLM reads, and vLLM then cannot start)."""
+    routing = afmoe_routing(config)
+    return routing["score_func"] == "sigmoid" and routing["route_norm"] is True and \
+        routing["n_group"] in (None, 1) and routing["topk_group"] in (None, 1) and not routing["mup_enabled"]
 
 
 def head_transform(config) -> HeadTransform:

@@ -6,7 +6,8 @@ model, resolves --resume, checks the tokenizer (and --teacher's against it), the
 vLLM can serve the model, and writes OUT/config.json; `generator_settings` is what the generator process starts with.
 Data contract: `Prepared` (the weights to start from, the original model, where a resume continues, the
 device layout, the teacher) is computed once in the parent and passed to every child.
-May touch: OUT/config.json and OUT/init_model (the tiny default model); reads the checkpoint's trainer_state.json.
+May touch: OUT/config.json, OUT/init_model (the tiny default model) and OUT/init_moe_model (--model TINY_MOE);
+reads the checkpoint's trainer_state.json.
 """
 import dataclasses
 import json
@@ -29,7 +30,7 @@ import tools
 from config import Config
 from rollout import GeneratorSettings
 from weight_buffer import SharedWeights, make_layout, named_shapes_of, packed_numel
-from tasks import build_tiny_model
+from tasks import TINY_MOE, TINY_MOE_EXPERTS, build_tiny_model
 
 
 def resolve(cfg: Config) -> Config:
@@ -108,11 +109,13 @@ def prepare_run(cfg: Config, engine_here: bool = True) -> Prepared:
 
 
 def prepare_model(cfg) -> str:
-    if cfg.model:
+    """--model's local directory; with no --model the tiny default model, with TINY_MOE a tiny Qwen3-MoE,
+    built once into OUT (random weights from --seed, the copy task's tokenizer)."""
+    if cfg.model and cfg.model != TINY_MOE:
         return local_model("--model", cfg.model)
-    path = os.path.abspath(os.path.join(cfg.out, "init_model"))
+    path = os.path.abspath(os.path.join(cfg.out, "init_moe_model" if cfg.model else "init_model"))
     if not os.path.exists(os.path.join(path, "config.json")):
-        build_tiny_model(path, seed=cfg.seed)
+        build_tiny_model(path, seed=cfg.seed, experts=TINY_MOE_EXPERTS if cfg.model else 0)
     return path
 
 
@@ -165,6 +168,12 @@ def resolve_model(model: str) -> str:
     except Exception as e:
         raise data.DataError(f"--model {model}: not a local directory, and the hub download failed "
                              f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+
+
+def hub_id_of(model: str) -> str:
+    """--model as a hub id another node downloads for itself ("": a local directory, or a tiny model built
+    into OUT, which a generator node reads from the same folder)."""
+    return "" if model in ("", TINY_MOE) or os.path.exists(os.path.expanduser(model)) else model
 
 
 def local_model(flag: str, name: str) -> str:

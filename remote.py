@@ -159,7 +159,7 @@ class TrainerLink:
     def handshake(self, settings, shapes, dtype: torch.dtype, device: torch.device) -> bool:
         """Send the generator its settings and the weight layout; join the weight group. False: failed
         (the line is printed)."""
-        hub_id = "" if not self.cfg.model or os.path.exists(os.path.expanduser(self.cfg.model)) else self.cfg.model
+        hub_id = prepare.hub_id_of(self.cfg.model)
         self.link.send("hello", dict(settings=settings, shapes=shapes, dtype=str(dtype).removeprefix("torch."),
                                      hub_id=hub_id,
                                      groups_dropped=self.control.groups_dropped.value,

@@ -9,7 +9,8 @@ Role
         needs_text: bool        False: `score` reads token ids only, so vLLM skips detokenizing
         dropped_long: int       prompts dropped as too long;  close()
     `rewards` has one float per completion (never None/NaN: rewards.py's fault rules); `score` runs in a worker
-    thread. `build_tiny_model` writes the default model: a random-init Qwen2 and a character tokenizer.
+    thread. `build_tiny_model` writes the default model: a random-init Qwen2 and a character tokenizer (with
+    `experts`, the `--model TINY_MOE` model: a random-init Qwen3-MoE and the same tokenizer).
     Data flows one way, tasks.py -> data.py: `make_task` calls data.spec_of and data.prompt_limit, a dataset task
     data.dataset_rows once and data.encode_rows once per set; data.py never calls back (nor imports this module).
 May touch: the tokenizer, the files data.py is pointed at. No engine, no queue, no trainer.
@@ -23,7 +24,8 @@ import time
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import (LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM,
+                          Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 import data
 import rewards
@@ -32,6 +34,8 @@ from data import Prompt
 SPECIALS = ["<pad>", "<bos>", "<eos>"]
 SYMBOLS = list("0123456789abcdefghij+=_")
 ASCII = [chr(i) for i in range(32, 127)] + ["\n", "\t"]  # printable ASCII, newline, tab
+TINY_MOE = "TINY_MOE"  # --model TINY_MOE: the copy task on a tiny Qwen3-MoE (build_tiny_model's `experts`)
+TINY_MOE_EXPERTS, TINY_MOE_ACTIVE = 8, 2  # experts per MoE layer, experts routed per token
 LETTERS = "abcdefghij"
 COPY_LENGTH = 3
 # A chat template that uses only printable ASCII (so the "ascii" tiny tokenizer encodes it faithfully).
@@ -54,7 +58,7 @@ TINY_TOOL_CHAT_TEMPLATE = (
 
 
 def build_tiny_model(path: str, seed: int = 0, hidden: int = 128, layers: int = 2, heads: int = 4,
-                     alphabet: str = "copy", vocab_size: int = 0) -> str:
+                     alphabet: str = "copy", vocab_size: int = 0, experts: int = 0) -> str:
     """Write a random-init Qwen2 model and its character tokenizer to `path` (Hugging Face format).
 
     alphabet="copy": the default 26 symbols (the copy task's), 64 positions.
@@ -65,7 +69,9 @@ def build_tiny_model(path: str, seed: int = 0, hidden: int = 128, layers: int = 
     transformers 5 loads any tokenizer saved next to a Qwen2 config as `Qwen2Tokenizer`, whose byte-level
     pre-tokenizer would drop every space and newline of a character vocabulary.
     vocab_size > the alphabet's: the vocabulary is filled up to that size with tokens `<|N|>` that text
-    never encodes to but the model can sample (the LM head and softmax of a real model, e.g. 151,936)."""
+    never encodes to but the model can sample (the LM head and softmax of a real model, e.g. 151,936).
+    experts > 0 (copy alphabet): a Qwen3-MoE instead, every layer a mixture of `experts` experts of
+    `hidden` intermediate units each, TINY_MOE_ACTIVE routed per token (`--model TINY_MOE`: 8 experts)."""
     if alphabet not in ("copy", "ascii"):
         raise ValueError(f"alphabet must be 'copy' or 'ascii' (got {alphabet!r})")
     ascii_ = alphabet == "ascii"
@@ -80,10 +86,17 @@ def build_tiny_model(path: str, seed: int = 0, hidden: int = 128, layers: int = 
     if ascii_:
         tokenizer.chat_template = TINY_TOOL_CHAT_TEMPLATE
     config_class, model_class = (LlamaConfig, LlamaForCausalLM) if ascii_ else (Qwen2Config, Qwen2ForCausalLM)
+    moe = {}
+    if experts:
+        if ascii_:
+            raise ValueError("build_tiny_model: experts with the copy alphabet only")
+        config_class, model_class = Qwen3MoeConfig, Qwen3MoeForCausalLM
+        moe = dict(num_experts=experts, num_experts_per_tok=TINY_MOE_ACTIVE, moe_intermediate_size=hidden,
+                   head_dim=hidden // heads)
     config = config_class(vocab_size=len(vocab), hidden_size=hidden, num_hidden_layers=layers,
                           num_attention_heads=heads, num_key_value_heads=heads, intermediate_size=4 * hidden,
                           max_position_embeddings=1024 if ascii_ else 64, tie_word_embeddings=True,
-                          bos_token_id=1, eos_token_id=2, pad_token_id=0, dtype="float32")
+                          bos_token_id=1, eos_token_id=2, pad_token_id=0, dtype="float32", **moe)
     torch.manual_seed(seed)
     model = model_class(config)
     tmp = path + ".tmp"

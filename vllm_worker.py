@@ -62,17 +62,26 @@ def checkpoint_tensors(skeleton, name: str, tensor: torch.Tensor) -> list[tuple[
     return list(revert_weight_conversion(skeleton, {name: tensor}).items())
 
 
-def drop_moe_kernels(model) -> None:
+def drop_moe_kernels(model) -> list:
     """Make the coming reload rebuild every MoE layer's kernel. vLLM 0.32 builds it once, at the first load,
     and runs the kernel's own post-load step only then: on CPU that step packs the expert weights into the
     grouped-GEMM layout the kernel reads (fused_moe/experts/cpu_moe.py). A reload that finds a kernel copies
     the new weights in unpacked, and the engine samples from weights read in the wrong layout (a tiny
     Qwen3-MoE: 0.29 nats off the trainer's log-probs). With no kernel, the reload's processing builds and
-    packs it as at start; the layer-wise reload then copies the packed weights into the engine's own storage."""
+    packs it as at start; the layer-wise reload then copies the packed weights into the engine's own storage.
+    Only kernels with a post-load step of their own are dropped (the others, most GPU kernels, take the new
+    weights as they are). Returns (layer class, its quant method) for each kernel dropped."""
+    from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEExperts
+
+    dropped = []
     for module in model.modules():
         method = getattr(module, "quant_method", None)
-        if getattr(method, "moe_kernel", None) is not None:
+        experts = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
+        post_load = getattr(type(experts), "process_weights_after_loading", None)
+        if experts is not None and post_load is not FusedMoEExperts.process_weights_after_loading:
             method.moe_kernel = None
+            dropped.append((type(module).__name__, method))
+    return dropped
 
 
 class WeightSyncWorker(RouteRecorder):
@@ -142,8 +151,12 @@ class WeightSyncWorker(RouteRecorder):
                 for name, view in checkpoint_tensors(self._skeleton, slot.name, shared.view(slot, buffer)):
                     yield name, view if view.device == device else view.to(device, non_blocking=True)
 
-        drop_moe_kernels(self.model_runner.get_model())
+        dropped = drop_moe_kernels(self.model_runner.get_model())
         self.model_runner.reload_weights(weights_iterator=weights())
+        unloaded = sorted({name for name, method in dropped if method.moe_kernel is None})
+        if unloaded:  # the reload never processed these layers: their expert weights were not loaded
+            raise RuntimeError(f"vLLM's reload loaded no expert weights into {', '.join(unloaded)} (its loader "
+                               "copies them past the layer-wise reload): this MoE family cannot take weight syncs")
 
     def _refresh_tied_lm_head(self) -> None:
         """With tied embeddings the checkpoint has no `lm_head.weight`, so the layer-wise reload never

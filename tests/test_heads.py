@@ -41,6 +41,17 @@ FAMILIES = {
     "gemma3_text": dict(final_logit_softcapping=2.0),
     "cohere": dict(logit_scale=4.0, tie_word_embeddings=True),
     "cohere2": dict(logit_scale=4.0, tie_word_embeddings=True),
+    "olmoe": dict(num_experts=4, num_experts_per_tok=2),
+    "glm4_moe": dict(n_routed_experts=4, first_k_dense_replace=0, **MOE),
+    "exaone_moe": dict(num_experts=4, layer_types=["sliding_attention"], sliding_window=4, mlp_layer_types=["sparse"],
+                       **MOE),
+    "ernie4_5_moe": dict(moe_num_experts=4, moe_k=2, moe_intermediate_size=32, moe_layer_start_index=0),
+    "afmoe": dict(num_experts=4, num_dense_layers=0, layer_types=["full_attention"], score_func="sigmoid",
+                  route_norm=True, n_group=1, topk_group=1, **MOE),
+    "granitemoeshared": dict(logits_scaling=0.25, num_local_experts=4, num_experts_per_tok=2,
+                             shared_intermediate_size=32),
+    "cohere2_moe": dict(logit_scale=4.0, tie_word_embeddings=True, num_experts=4, layer_types=["full_attention"],
+                        mlp_layer_types=["sparse"], num_experts_per_tok=2),
 }
 HEAD_GAIN = 40.0  # the random head's logits (std ~0.16) times this: a softcap at 2.0 bites
 SAMPLINGS = {"plain": (1.0, -1, 1.0), "T, top-k, top-p": (0.7, 40, 0.9)}
