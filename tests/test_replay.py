@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from transformers import AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 import buffer
 import models
@@ -212,30 +212,63 @@ def test_an_episode_keeps_each_positions_first_routes_turn_after_turn():
 
 
 # ----------------------------------------------------------------------------------------------------
-# One real run
+# vLLM: an engine in this process, then one real run
 # ----------------------------------------------------------------------------------------------------
-def build_tiny_moe(path: Path) -> str:
-    """A random-init Qwen3-MoE with the copy task's tokenizer (what vLLM's CPU backend serves: head size 32)."""
-    dense = tasks.build_tiny_model(str(path.parent / "dense"))
-    torch.manual_seed(0)
-    Qwen3MoeForCausalLM(tiny_moe_config()).save_pretrained(path)
-    AutoTokenizer.from_pretrained(dense).save_pretrained(path)
-    return str(path)
+def own_top_k(model, ids: list[int]) -> np.ndarray:
+    """(positions, layers, top_k) sorted: the experts the Hugging Face model's routers choose for `ids`."""
+    caught = {}
+    hooks = [layer.mlp.gate.register_forward_hook(lambda m, a, out, i=i: caught.__setitem__(i, out[2]))
+             for i, layer in enumerate(model.model.layers)]
+    with torch.no_grad():
+        model(torch.tensor([ids]))
+    for hook in hooks:
+        hook.remove()
+    return torch.stack([caught[i] for i in range(len(caught))], 1).sort(-1).values.numpy()
+
+
+def test_the_worker_records_each_sample_and_a_prefix_cache_hit_gets_its_blocks_routes(tmp_path, monkeypatch):
+    """vLLM (fp32, in this process): a request of 4 samples, then the same prompt again, which reuses the first
+    one's KV blocks (32-token blocks here; the CPU path's default 128 is longer than the tiny model's context):
+    every sample's routes, prompt included, are the Hugging Face model's own top-k at every position it read."""
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # (the engine in this process: a quicker start)
+    from transformers import AutoModelForCausalLM
+    from vllm import LLM, SamplingParams
+
+    path = tasks.build_tiny_model(str(tmp_path / "moe"), experts=tasks.TINY_MOE_EXPERTS)
+    llm = LLM(model=path, dtype="float32", seed=0, enforce_eager=True, kv_cache_memory_bytes=32 * 2**20,
+              worker_extension_cls="vllm_worker.WeightSyncWorker", enable_prefix_caching=True, block_size=32)
+    try:
+        layers, top_k, experts = llm.collective_rpc("start_routes", args=("",))[0]  # (record every request)
+        prompt = [1] + [3 + (7 * j) % 23 for j in range(39)]
+        outs = [llm.generate([{"prompt_token_ids": prompt}], SamplingParams(n=n, max_tokens=8, seed=0),
+                             use_tqdm=False)[0] for n in (4, 1)]
+        taken = [dict(llm.collective_rpc("take_routes", args=(o.request_id,))[0]) for o in outs]
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    assert (layers, top_k, experts) == (2, tasks.TINY_MOE_ACTIVE, tasks.TINY_MOE_EXPERTS)
+    assert outs[1].num_cached_tokens == 32 and sorted(taken[0]) == [0, 1, 2, 3] and sorted(taken[1]) == [0]
+    model = AutoModelForCausalLM.from_pretrained(path)
+    for out, by_index in zip(outs, taken):
+        for c in out.outputs:
+            ids = prompt + list(c.token_ids)
+            got = np.frombuffer(by_index[c.index], np.uint8).reshape(-1, layers, top_k)
+            assert len(got) == len(ids) - 1  # every position vLLM read; the last sampled token it never reads
+            assert np.array_equal(np.sort(got, -1), own_top_k(model, ids)[:-1])
 
 
 def test_recorded_routes_match_the_trainers_own_across_turns_swaps_and_micro_batches(tmp_path):
-    model = build_tiny_moe(tmp_path / "moe")
     out = tmp_path / "run"
     # --lr 1e-12 leaves the fp32 weights as they are while versions advance (every publish is loaded, in flight):
     # the trainer's own top-k is then what vLLM computed, position by position, whatever the swaps did
-    args = ["--model", model, "--task", "reveal", "--router-record", "--dtype", "fp32", "--steps", "4", "--lr", "1e-12",
+    args = ["--model", "TINY_MOE", "--task", "reveal", "--router-record", "--dtype", "fp32", "--steps", "3",
+            "--lr", "1e-12",
             "--max-lag", "2", "--prompts-per-step", "4", "--group-size", "4", "--micro-batch-tokens", "64",
             "--eval-every", "0", "--out", str(out)]
-    proc = subprocess.run([sys.executable, "train.py", *args], cwd=REPO, capture_output=True, text=True, timeout=300,
+    proc = subprocess.run([sys.executable, "train.py", *args], cwd=REPO, capture_output=True, text=True, timeout=600,
                           env=dict(os.environ, PYTHONUNBUFFERED="1"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert len(rows) == 4 and max(r["micro_batches"] for r in rows) > 1
+    assert len(rows) == 3 and max(r["micro_batches"] for r in rows) > 1
     assert sum(r["gen_swap_requests"] for r in rows) > 0  # weights were swapped under running requests
     assert max(r["env/turns_mean"] for r in rows) > 1  # episodes of several requests
     for r in rows:
