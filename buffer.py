@@ -16,7 +16,8 @@ Data contract
       on model-sampled completion tokens; update.py splits a batch into each rank's micro-batches.
     - With --router-replay or --router-record a sample carries the routes of every position of prompt +
       completion (routes.py: numpy, uint8 or uint16, all bits set where missing), like its versions; a batch's
-      `routes` are (num_samples, seq_len, layers, top_k) int16, aligned with `input_ids`, -1 where missing.
+      `routes` are (num_samples, seq_len, layers, top_k), aligned with `input_ids`, as narrow: uint8 (255 where
+      missing or padding), or int32 for uint16 routes (65535 there).
 May touch: the queue it is handed. Nothing of the trainer's model or the engine.
 """
 from __future__ import annotations
@@ -85,7 +86,7 @@ class Batch:
     rewards: torch.Tensor  # (B,)
     # (B, L-1) the trainer's log-probs before the batch's first update (the proximal policy), once computed
     proximal_logp: torch.Tensor | None = None
-    routes: torch.Tensor | None = None  # (B, L, layers, top_k) int16, -1 where missing (--router-replay/-record)
+    routes: torch.Tensor | None = None  # (B, L, layers, top_k) uint8 or int32, all ones where missing (routes.py)
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -297,16 +298,19 @@ def collate(samples: list[Sample], pad_id: int) -> Batch:
 
 
 def collate_routes(samples: list[Sample], length: int) -> torch.Tensor | None:
-    """(B, length, layers, top_k) int16: each sample's routes from position 0, -1 where missing or padding."""
+    """(B, length, layers, top_k): each sample's routes from position 0 as they came (uint8; uint16 as int32, which
+    torch handles), the missing mark (all ones of the routes' dtype) where missing or padding."""
     shaped = [s.routes for s in samples if s.routes is not None]
     if not shaped:
         return None
-    routes = torch.full((len(samples), length, *shaped[0].shape[1:]), -1, dtype=torch.int16)
+    narrow = shaped[0].dtype == np.uint8
+    missing = np.iinfo(shaped[0].dtype).max
+    routes = torch.full((len(samples), length, *shaped[0].shape[1:]), missing,
+                        dtype=torch.uint8 if narrow else torch.int32)
     for i, s in enumerate(samples):
         if s.routes is not None and len(s.routes):
-            rows = s.routes[:length].astype(np.int32)
-            rows[rows == np.iinfo(s.routes.dtype).max] = -1
-            routes[i, :len(rows)] = torch.from_numpy(rows)
+            rows = s.routes[:length]
+            routes[i, :len(rows)] = torch.from_numpy(rows if narrow else rows.astype(np.int32))
     return routes
 
 

@@ -14,8 +14,9 @@ Role
     decisions that had no route to replay (`router/missing`).
     Activation checkpointing (--grad-checkpointing) recomputes a layer in the backward pass: the context spans
     the backward too (update.py), so the recompute routes as the forward did; a layer counts once per context.
-Data contract: a batch's `routes` is (B, T, decoder layers, top_k) int16 aligned with `input_ids`, -1 where
-missing (buffer.collate); a layer without a MoE block ignores its rows. torch only.
+Data contract: a batch's `routes` is (B, T, decoder layers, top_k) aligned with `input_ids` (buffer.collate):
+uint8 with 255 where missing, or a wider integer type with -1 or 65535 (uint16's all ones) there; a layer
+without a MoE block ignores its rows. torch only.
 May touch: the routers' `forward` (an instance attribute) of the model it is given, nothing else.
 """
 from __future__ import annotations
@@ -61,7 +62,10 @@ class RouterReplay:
         # a position's routes matter when its output is scored: a real token followed by a real target
         needed = torch.zeros_like(attention_mask, dtype=torch.bool)
         needed[:, :-1] = attention_mask[:, :-1].bool() & attention_mask[:, 1:].bool() & rows[:, None]
-        self.routes, self.needed = routes.reshape(b * t, self.layers, self.top_k).long(), needed.reshape(-1)
+        wide = routes.long()
+        absent = (wide < 0) | (wide == (255 if routes.dtype == torch.uint8 else 65535))
+        self.routes = torch.where(absent, -1, wide).reshape(b * t, self.layers, self.top_k)
+        self.needed = needed.reshape(-1)
         self.measure, self.counted = measure, set()
         zero = torch.zeros((), dtype=torch.long, device=routes.device)
         self.counts = {"agree": zero, "decisions": zero, "missing": zero}

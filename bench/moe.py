@@ -13,7 +13,14 @@ alone, no policy change in it), on the built-in copy task:
     dense   the default dense tiny model: the floor bf16 kernels alone leave
 Per run, over its steps: mismatch_k3 (mean and median), router/agreement, router/missing, the largest per-token
 |trainer - generator| log-prob on policy, the reward, the trainer's step time and the generator's tokens/s.
-ratio = mismatch_k3 without replay (record) / with it (replay); the same for plain / replay.
+ratio = mismatch_k3 without replay (record) / with it (replay); the same for plain / replay. Runs that replay
+and runs that do not train differently (their weights part after step 0), so their figures also differ by
+what each trained into; the paired measurement below compares the two on the very same tokens.
+Paired, in a child process: vLLM (bf16, the worker's route recording) samples --paired-prompts copy prompts x 8
+completions of exactly N tokens (N = 5, the copy task's, and --paired-tokens); the trainer's model
+(`models.build_trainer_model`, bf16 compute) scores them twice, its routers live, then replaying the recorded
+routes (`update.completion_logprobs` inside `replay.routed_by`): mismatch_k3 and max |delta log p| of each, on
+the tiny MoE's initial weights and (not at the smoke size) on the weights the replay run ended with.
 The cost of carrying routes, measured in this process on groups shaped as the runs' (8 samples of 5 + 5
 tokens, routes of 2 layers x top-2) and as a Qwen3-30B-A3B's would be (48 layers x top-8, 128 experts, 8
 samples of 512 + 512 tokens): bytes per token; a group's time through a rollout queue (pickled by the
@@ -86,37 +93,115 @@ def carrying_cost(shape: dict, repeats: int, groups: int) -> dict:
 
     import buffer
 
-    out = {}
-    for with_routes in (False, True):
-        made = groups_of(shape, groups, with_routes)
-        q = buffer.RolloutQueue(0, multiprocessing.get_context("spawn"))
-        queue_ms, collate_ms = [], []
-        for _ in range(repeats):
+    made = {kind: groups_of(shape, groups, kind == "routes") for kind in ("none", "routes")}
+    q = buffer.RolloutQueue(0, multiprocessing.get_context("spawn"))
+    times = {kind: {"queue_ms_per_group": [], "collate_ms": []} for kind in made}
+    for round_ in range(repeats + 1):  # alternating, after a warm-up round
+        for kind, batch in made.items():
             t = time.perf_counter()
-            for g in made:
+            for g in batch:
                 q.put(g)
-            for _ in made:
+            for _ in batch:
                 q.get(timeout=60)
-            queue_ms.append((time.perf_counter() - t) * 1e3 / len(made))
-            samples = buffer.to_samples(made, torch.zeros(len(made), 8))
+            queue_ms = (time.perf_counter() - t) * 1e3 / len(batch)
+            samples = buffer.to_samples(batch, torch.zeros(len(batch), 8))
             t = time.perf_counter()
             buffer.collate(samples, pad_id=0)
-            collate_ms.append((time.perf_counter() - t) * 1e3)
-        q.close()
-        out["routes" if with_routes else "none"] = {"queue_ms_per_group": statistics.median(queue_ms),
-                                                    "collate_ms": statistics.median(collate_ms)}
-        if with_routes:
-            out["bytes_per_token"] = buffer.route_stats(made)["router/bytes_per_token"]
+            if round_:
+                times[kind]["queue_ms_per_group"].append(queue_ms)
+                times[kind]["collate_ms"].append((time.perf_counter() - t) * 1e3)
+    q.close()
+    out = {kind: {what: statistics.median(v) for what, v in figures.items()} for kind, figures in times.items()}
+    out["bytes_per_token"] = buffer.route_stats(made["routes"])["router/bytes_per_token"]
     out["queue_ratio"] = out["routes"]["queue_ms_per_group"] / out["none"]["queue_ms_per_group"]
     out["collate_ratio"] = out["routes"]["collate_ms"] / out["none"]["collate_ms"]
     return out
 
 
+def paired(model_path: str, prompts: int, lengths: list[int], threads: int, seed: int) -> dict:
+    """{N: figures} of one model's samples scored with live and with replayed routes (in a child process)."""
+    import os
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    import tempfile
+
+    import torch
+    import torch.distributed as dist
+    from vllm import LLM, SamplingParams
+
+    import buffer
+    import chat
+    import losses
+    import models
+    import replay
+    import routes
+    import tasks
+    import update
+
+    torch.set_num_threads(threads)
+    llm = LLM(model=model_path, dtype=torch.bfloat16, seed=seed, enforce_eager=True, kv_cache_memory_bytes=64 * 2**20,
+              worker_extension_cls="vllm_worker.WeightSyncWorker", enable_prefix_caching=True)
+    layers, top_k, experts = llm.collective_rpc("start_routes", args=("",))[0]
+    dtype = routes.route_dtype(experts)
+    task = tasks.CopyTask(chat.load_tokenizer(model_path))
+    batches = {}
+    for n in lengths:
+        outs = llm.generate([{"prompt_token_ids": p.prompt_ids} for p in task.prompts[:prompts]],
+                            SamplingParams(n=8, max_tokens=n, min_tokens=n, ignore_eos=True, logprobs=0, seed=seed),
+                            use_tqdm=False)
+        groups = []
+        for o in outs:
+            taken = dict(llm.collective_rpc("take_routes", args=(o.request_id,))[0])
+            cs = sorted(o.outputs, key=lambda c: c.index)
+            groups.append(buffer.RolloutGroup(0, list(o.prompt_token_ids), [list(c.token_ids) for c in cs],
+                                              [[c.logprobs[i][t].logprob for i, t in enumerate(c.token_ids)] for c in cs],
+                                              [[0] * n for _ in cs], [0.0] * 8, routes=[routes.fitted(
+                                                  np_rows(taken[c.index], dtype, layers, top_k),
+                                                  len(o.prompt_token_ids) + n, layers, top_k, dtype) for c in cs]))
+        batches[n] = buffer.collate(buffer.to_samples(groups, torch.zeros(len(groups), 8)), pad_id=0)
+    llm.llm_engine.engine_core.shutdown()
+    init_file = tempfile.mktemp(prefix="asyncgrpo-bench-dist-")
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=0, world_size=1)
+    try:
+        model = models.build_trainer_model(model_path, 1, compute_dtype=torch.bfloat16)
+        base = model
+        state = replay.install(model, base.model.layers, base.config, True)
+        out = {}
+        for n, batch in batches.items():
+            row = {"samples": len(batch), "tokens": int(batch.mask.sum())}
+            for name, on in (("live", False), ("replayed", True)):
+                state.replay = on
+                with torch.no_grad(), replay.routed_by(model, batch) as counts:
+                    logp = update.completion_logprobs(model, batch, 1.0).logp
+                k3 = losses.mismatch_k3(logp, batch.behaviour_logp, batch.mask)
+                row[f"k3_{name}"] = float(k3[batch.mask].mean())
+                row[f"max_diff_{name}"] = float((logp - batch.behaviour_logp).abs()[batch.mask].max())
+                if not on:
+                    row["agreement"] = int(counts["agree"]) / max(1, int(counts["decisions"]))
+            row["ratio"] = row["k3_live"] / row["k3_replayed"]
+            out[str(n)] = row
+        return out
+    finally:
+        dist.destroy_process_group()
+        if os.path.exists(init_file):
+            os.unlink(init_file)
+
+
+def np_rows(data: bytes, dtype, layers: int, top_k: int):
+    import numpy as np
+
+    return np.frombuffer(data, dtype=dtype).reshape(-1, layers, top_k)
+
+
 def main(argv=None) -> int:
-    p = common.parser(__doc__, smoke={"steps": 3, "repeats": 2, "groups": 4})
+    p = common.parser(__doc__, smoke={"steps": 3, "repeats": 2, "groups": 4, "paired_prompts": 2,
+                                      "paired_tokens": 8})
     p.add_argument("--steps", type=int, default=60, help="optimizer steps per run")
     p.add_argument("--repeats", type=int, default=5, help="rounds of each cost measurement (their median)")
     p.add_argument("--groups", type=int, default=32, help="groups per cost round (a step's worth)")
+    p.add_argument("--paired-prompts", type=int, default=32, help="prompts (x 8 samples) of the paired measurement")
+    p.add_argument("--paired-tokens", type=int, default=32, help="the longer completions of the paired measurement")
     args = common.parse_args(p, argv)
     common.setup_paths()
     runs = {}
@@ -130,6 +215,13 @@ def main(argv=None) -> int:
             print(f"[moe] {name}: {runs[name]['steps']} steps, mismatch_k3 {common.fmt(runs[name]['mismatch_k3'])}, "
                   f"agreement {common.fmt(runs[name]['agreement'])}", flush=True)
         costs = {name: carrying_cost(shape, args.repeats, args.groups) for name, shape in SHAPES.items()}
+        threads = common.default_config().gen_threads
+        init = common.build_model(bench.work / "init_moe", seed=args.seed, experts=8)
+        weights = {"initial": init} if args.smoke else {"initial": init, "trained (replay run)":
+                                                        str(bench.work / "replay" / "model")}
+        pairs = {name: common.in_child(paired, path, args.paired_prompts, [5, args.paired_tokens], threads,
+                                       args.seed, timeout_s=900, what=f"paired {name}")
+                 for name, path in weights.items()}
     ratio = lambda a, b: runs[a]["mismatch_k3"] / runs[b]["mismatch_k3"] if runs[a]["mismatch_k3"] and \
         runs[b]["mismatch_k3"] else None  # noqa: E731
     data = {"settings": {"steps": args.steps, "seed": args.seed, "dtype": "bf16", "max_lag": 0, "task": "copy",
@@ -137,7 +229,7 @@ def main(argv=None) -> int:
                          "groups": args.groups},
             "runs": runs, "ratio_record_over_replay": ratio("record", "replay"),
             "ratio_plain_over_replay": ratio("plain", "replay"), "ratio_replay_over_dense": ratio("replay", "dense"),
-            "shapes": SHAPES, "costs": costs}
+            "shapes": SHAPES, "costs": costs, "paired": pairs}
     path = bench.save(data, plot)
     print()
     print(common.table(["run", "mismatch_k3 mean", "median", "router/agreement", "missing", "max |Δ log p|",
@@ -148,6 +240,11 @@ def main(argv=None) -> int:
     print(f"mismatch_k3 without replay / with it: {common.fmt(data['ratio_record_over_replay'])} (record / replay), "
           f"{common.fmt(data['ratio_plain_over_replay'])} (plain / replay); replay / dense "
           f"{common.fmt(data['ratio_replay_over_dense'])}")
+    print(common.table(["weights", "completion tokens", "samples", "mismatch_k3 live", "replayed", "ratio",
+                        "max |Δ log p| live", "replayed", "router/agreement"],
+                       [[name, int(n), r["samples"], r["k3_live"], r["k3_replayed"], r["ratio"], r["max_diff_live"],
+                         r["max_diff_replayed"], r["agreement"]] for name, rows in pairs.items()
+                        for n, r in rows.items()]))
     print(common.table(["shape", "bytes/token", "queue ms/group: none", "routes", "ratio", "collate ms: none",
                         "routes", "ratio"],
                        [[name, c["bytes_per_token"], c["none"]["queue_ms_per_group"], c["routes"]["queue_ms_per_group"],

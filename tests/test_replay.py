@@ -13,6 +13,7 @@ them in the trainer's MoE routers.
   weights swapped in flight: every recorded route matches the trainer's own top-k at its position (a route off by
   one position or one sample would match about 1 in 28 times), none is missing.
 """
+import dataclasses
 import json
 import os
 import subprocess
@@ -144,8 +145,12 @@ def test_routes_follow_their_tokens_through_collation_and_micro_batches():
         samples.append(buffer.Sample([1] + list(rng.integers(3, 27, p - 1)), list(rng.integers(3, 27, c)),
                                      [-1.0] * c, [0] * c, 1.0, float(rng.normal()), routes=rows))
     batch = buffer.collate(samples, pad_id=0)
-    assert batch.routes.shape == (5, 11, LAYERS, TOP_K) and batch.routes.dtype == torch.int16
-    assert (batch.routes[0, 7:] == -1).all() and (batch.routes[0, :7].numpy() == samples[0].routes[:7]).all()
+    assert batch.routes.shape == (5, 11, LAYERS, TOP_K) and batch.routes.dtype == torch.uint8
+    assert (batch.routes[0, 7:] == 255).all() and (batch.routes[0, :8].numpy() == samples[0].routes).all()
+    rows = samples[0].routes.astype(np.uint16) * 300  # (uint16: 256 experts or more)
+    rows[-1] = 65535
+    wide = buffer.collate([dataclasses.replace(samples[0], routes=rows)], 0)
+    assert wide.routes.dtype == torch.int32 and torch.equal(wide.routes[0], torch.from_numpy(rows.astype(np.int32)))
     grads = []
     for tokens in (0, 12):  # one micro-batch; micro-batches of at most 12 padded tokens (one or two rows)
         model = tiny_moe(replay_on=True)
