@@ -255,8 +255,11 @@ def enter_rank_device(layout: DeviceLayout, rank: int, device: torch.device) -> 
 CPU_ATTENTION_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 
+EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")  # MoE configs' names
+
+
 def engine_problems(model_path: str, on_gpu: bool, max_model_len: int, max_new_tokens: int, kv_cache_mb: int,
-                    dtype: str) -> list[str]:
+                    dtype: str, lora_rank: int = 0) -> list[str]:
     """What would stop vLLM from serving `model_path` with these settings, found from its config.json before
     anything starts (vLLM itself finds it inside its worker, as a stack trace): one line each."""
     config = AutoConfig.from_pretrained(model_path)
@@ -278,6 +281,10 @@ def engine_problems(model_path: str, on_gpu: bool, max_model_len: int, max_new_t
     if context and context <= max_new_tokens:
         problems.append(f"--max-new-tokens {max_new_tokens} fills the whole context ({context} tokens) of "
                         f"{model_path}: lower it (or raise --max-model-len)")
+    if lora_rank and not on_gpu and any(getattr(text, name, None) for name in EXPERT_COUNTS):
+        problems.append(f"{model_path} is a Mixture-of-Experts model: vLLM 0.32 runs MoE layers under LoRA only with "
+                        "its Triton kernels, which its CPU backend lacks (the engine fails at its first step): "
+                        "train it without --lora-rank here, or on GPUs")
     window = getattr(text, "sliding_window", None)
     sliding = "sliding_attention" in (getattr(text, "layer_types", None) or [])
     if getattr(text, "model_type", "") in ("cohere2", "cohere2_moe") and sliding and context and context > window:

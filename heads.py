@@ -63,10 +63,18 @@ TIED_ONLY = ("cohere", "cohere2", "cohere2_moe", "gemma2")
 # (tiny random-init models of each, tests/test_moe.py): refused with the reason measured. The MoE families in
 # the tables above agree after a weight publish to <= 1e-4 in fp32 (tests/test_moe.py).
 MOE_REFUSED = {
+    "deepseek_v2": "vLLM 0.32 runs its MLA attention on CPU only at kv_lora_rank 512 + qk_rope_head_dim 64, and there "
+                   "its log-probs were 2.3e-3 off transformers' in fp32 (tiny model, before any sync)",
+    "deepseek_v3": "vLLM 0.32 runs its MLA attention on CPU only at kv_lora_rank 512 + qk_rope_head_dim 64, and there "
+                   "its log-probs were 0.011 off transformers' in fp32 (tiny model, before any sync); transformers 5's "
+                   "config also lacks the topk_method vLLM reads (without it vLLM cannot load the weights)",
     "gpt_oss": "vLLM 0.32's layer-wise reload loads none of its expert weights (GptOssRoutedExperts: \"Failed to "
                "load weights\"): after a weight sync vLLM would sample from the old experts",
     "phimoe": "vLLM 0.32 serves the architecture transformers 5 writes (PhimoeForCausalLM) through its Transformers "
               "modeling backend, and its own PhiMoEForCausalLM gave NaN log-probs on a tiny model: not checked",
+    "minimax_m2": "vLLM 0.32's CPU MoE router has no sigmoid top-k without expert groups, MiniMax-M2's routing "
+                  "(its engine fails at the first forward); transformers 5's config also lacks the rotary_dim and "
+                  "scoring_func vLLM reads",
     "llama4_text": "transformers 5's Llama4ForCausalLM.get_decoder() returns the whole model, not its decoder: the "
                    "trainer's chunked LM head cannot read the final hidden states",
 }

@@ -14,6 +14,7 @@ May touch: the model it is handed and the folders it is told to write.
 from __future__ import annotations
 
 import copy
+import json
 import os
 from dataclasses import dataclass, field
 
@@ -78,6 +79,8 @@ def served_weights(rank: int, adapter_dir: str) -> Served:
         return Served()
     from vllm.lora.request import LoRARequest
 
+    with open(os.path.join(adapter_dir, "adapter_config.json")) as f:  # PEFT doubles a fused MoE gate_up_proj's rank
+        rank = max([rank, *json.load(f).get("rank_pattern", {}).values()])
     return Served(dict(enable_lora=True, max_lora_rank=engine_max_rank(rank), max_loras=1, max_cpu_loras=1),
                   dict(lora_request=LoRARequest("policy", SERVED_ID, adapter_dir)), adapter_dir)
 

@@ -232,7 +232,7 @@ def check_head(model_path) -> None:
 def check_engine(model_path, cfg, layout) -> None:
     """A model or context vLLM cannot serve here (e.g. a head size its CPU backend lacks): one line, now."""
     problems = devices.engine_problems(model_path, layout.on_gpu, cfg.max_model_len, cfg.max_new_tokens,
-                                       cfg.kv_cache_mb, cfg.dtype)
+                                       cfg.kv_cache_mb, cfg.dtype, cfg.lora_rank)
     if problems:
         raise SystemExit("error: " + "\nerror: ".join(problems))
 

@@ -409,7 +409,7 @@ def run_generator(cfg) -> int:
     if not problem:
         run = settings.cfg
         problem = "; ".join(engine_problems(settings.model, placement["device"] == "cuda", run.max_model_len,
-                                            run.max_new_tokens, run.kv_cache_mb, run.dtype)
+                                            run.max_new_tokens, run.kv_cache_mb, run.dtype, run.lora_rank)
                             # episodes run here: the --env must load on this machine too
                             + [f"on the generator node: {p}" for p in envs.check(run)])
     if problem:

@@ -308,6 +308,7 @@ def packed_numel(layout) -> int:
 
 
 def named_shapes_of(model: torch.nn.Module) -> list[tuple[str, tuple[int, ...]]]:
-    """Parameter names and shapes in checkpoint naming (tied weights appear once)."""
+    """Parameter names and shapes as the trainer's model (transformers) has them, tied weights once: for most
+    families the checkpoint's, for MoE ones fused expert tensors (the vLLM worker converts them on load)."""
     return [(name, tuple(p.shape)) for name, p in model.named_parameters()]
 

@@ -233,6 +233,10 @@ def test_a_config_scored_otherwise_than_vllm_samples_it_is_refused_in_one_line(t
     [problem] = devices.engine_problems(str(tmp_path), False, 64, 5, 64, "fp32")
     assert "one token wider" in problem and "--max-model-len 4 or less" in problem and "\n" not in problem
     assert devices.engine_problems(str(tmp_path), False, 4, 2, 64, "fp32") == []
+    # LoRA on an MoE model: vLLM's CPU backend has no LoRA path for MoE layers (its Triton kernels only)
+    [problem] = devices.engine_problems(str(tmp_path), False, 4, 2, 64, "fp32", 8)
+    assert "Mixture-of-Experts" in problem and "--lora-rank" in problem and "\n" not in problem
+    assert devices.engine_problems(str(tmp_path), True, 4, 2, 64, "fp32", 8) == []  # GPUs: not refused (not run)
     # EXAONE-MoE with a window and no sliding layer: RoPE in vLLM's layers, none in transformers' (0.12 apart)
     full = transformers.AutoConfig.for_model("exaone_moe", layer_types=["full_attention"] * 2, num_hidden_layers=2)
     assert "applies no RoPE" in heads.head_problem(full)
@@ -274,4 +278,7 @@ def test_tiny_moe_trains_on_two_fsdp2_ranks_with_evaluation_and_checkpoints(tmp_
     assert summary["steps"] == 4 and summary["eval_last"] is not None
     print(f"TINY_MOE, 2 ranks: max |trainer - vLLM| on-policy log-prob {summary['logprob_diff_after_sync']:.1e}")
     assert summary["logprob_diff_after_sync"] is not None and summary["logprob_diff_after_sync"] <= 1e-4
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl") if line.strip()]
+    synced = [r["logprob_diff_on_policy"] for r in rows if r.get("step", 0) >= 2 and "logprob_diff_on_policy" in r]
+    assert synced and all(d is not None and d <= 1e-4 for d in synced)  # steps trained on published weights
     assert (out / "checkpoints" / "step_00000004").is_dir()
