@@ -2,13 +2,14 @@
 generator sent it to, with gate weights from the trainer's own router, so the router keeps its gradient.
 
 Role
-    `install(model, layers, config, replay)` patches the router of each Hugging Face MoE block (transformers 5:
-    `mlp.gate`, returning (router logits, top-k weights, top-k experts)) in place: parameter names, sharding and
-    checkpoints are untouched. `routed_by(model, batch)` is the context one micro-batch's forward and backward
-    run in: it hands the patched routers the batch's recorded routes. Where a token has a route, its experts are
-    the recorded ones and their weights are the router's softmax at those experts (renormalised over the top-k
-    where the family does), as the family's own router computes them for its own choice; a token without one
-    (padding, the last token of a row, a missing route) keeps the live router's choice. With replay off the
+    `install(model, layers, config, replay)` patches the router of each Hugging Face MoE block (transformers 5's
+    routers, e.g. `mlp.gate`, returning router logits, top-k weights and top-k experts) in place: parameter
+    names, sharding and checkpoints are untouched. `routed_by(model, batch)` is the context one micro-batch's
+    forward and backward run in: it hands the patched routers the batch's recorded routes. Where a token has a
+    route, its experts are the recorded ones and their weights what the family's router computes for the
+    experts it chose (`Rule`: softmax or sigmoid scores, over all experts or the chosen ones, renormalised and
+    scaled where the family does), from the router's own logits; a token without one (padding, the last token
+    of a row, a missing route) keeps the live router's choice. With replay off the
     patched router returns exactly what the original does and only counts (--router-record): the share of
     token x layer decisions where the trainer's own top-k equals the generator's (`router/agreement`), and the
     decisions that had no route to replay (`router/missing`).
@@ -23,14 +24,34 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from dataclasses import dataclass
 
 import torch
 
 ATTRIBUTE = "router_replay"  # where install() leaves the state on the model
-# model_type -> the MoE block's router, and whether its top-k weights are renormalised (a config field's name,
-# or True): routers that take a softmax over all experts and keep the top k (transformers 5's TopKRouter)
-ROUTERS = {"qwen3_moe": ("gate", "norm_topk_prob"), "qwen2_moe": ("gate", "norm_topk_prob"),
-           "olmoe": ("gate", "norm_topk_prob"), "mixtral": ("gate", True)}
+
+
+@dataclass(frozen=True)
+class Rule:
+    """How a family's router (transformers 5) weighs the experts it chose; a str names a config field."""
+    router: str = "mlp.gate"  # the router's path in a decoder layer
+    score: str = "softmax"  # softmax | sigmoid (or a config field holding one)
+    chosen_only: bool = False  # the scores of the chosen experts' logits alone (not over every expert)
+    normalize: bool | str = True  # the chosen weights divided by their sum
+    scale: float | str = 1.0  # then multiplied by this
+    experts_first: bool = False  # it returns (experts, weights, logits), not (logits, weights, experts)
+
+
+ROUTERS = {"qwen3_moe": Rule(normalize="norm_topk_prob"), "qwen2_moe": Rule(normalize="norm_topk_prob"),
+           "olmoe": Rule(normalize="norm_topk_prob"), "mixtral": Rule(), "ernie4_5_moe": Rule(),
+           "glm4_moe": Rule(score="sigmoid", normalize="norm_topk_prob", scale="routed_scaling_factor"),
+           "exaone_moe": Rule(score="sigmoid", normalize="norm_topk_prob", scale="routed_scaling_factor"),
+           "afmoe": Rule(router="mlp.router", score="sigmoid", scale="route_scale"),
+           "cohere2_moe": Rule(score="expert_selection_fn", chosen_only=True, normalize="norm_topk_prob"),
+           "granitemoe": Rule(router="block_sparse_moe.router", chosen_only=True, normalize=False,
+                              experts_first=True),
+           "granitemoeshared": Rule(router="block_sparse_moe.router", chosen_only=True, normalize=False,
+                                    experts_first=True)}
 
 
 def problem(config) -> str | None:
@@ -38,10 +59,14 @@ def problem(config) -> str | None:
     kind = getattr(config, "model_type", "?")
     if kind in ROUTERS:
         return None
-    if not any(hasattr(config, name) for name in ("num_experts", "num_local_experts", "n_routed_experts")):
+    if not any(hasattr(config, name) for name in ("num_experts", "num_local_experts", "n_routed_experts",
+                                                  "moe_num_experts")):
         return f"--router-replay/--router-record need a Mixture-of-Experts model ({kind} has no experts)"
-    return (f"--router-replay/--router-record: the trainer replays routes of {', '.join(ROUTERS)} (a softmax top-k "
-            f"router); not of {kind}")
+    return f"--router-replay/--router-record: the trainer replays routes of {', '.join(ROUTERS)}; not of {kind}"
+
+
+def top_k_of(config) -> int:
+    return getattr(config, "num_experts_per_tok", None) or getattr(config, "moe_k")
 
 
 class RouterReplay:
@@ -86,37 +111,56 @@ class RouterReplay:
             self.counts["missing"] = self.counts["missing"] + (~present & needed).sum()
 
 
-def route(forward, state: RouterReplay, layer: int, normalize: bool, hidden_states):
-    """A patched router: the original's (logits, weights, experts), with the recorded experts where the
-    micro-batch has them (replay on) and weights the router's softmax at them, so the gradient reaches it."""
-    logits, weights, experts = forward(hidden_states)
+def weigh(logits: torch.Tensor, chosen: torch.Tensor, score: str, chosen_only: bool, normalize: bool,
+          scale: float) -> torch.Tensor:
+    """(tokens, top_k) float32 weights of the `chosen` experts, as the family's router weighs its own choice."""
+    logits = logits.float()
+    if chosen_only:
+        logits = logits.gather(-1, chosen)
+    weights = torch.softmax(logits, dim=-1) if score == "softmax" else torch.sigmoid(logits)
+    if not chosen_only:
+        weights = weights.gather(-1, chosen)
+    if normalize and not (chosen_only and score == "softmax"):  # (a softmax over the chosen sums to 1)
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * scale
+
+
+def route(forward, state: RouterReplay, layer: int, rule: dict, hidden_states, *args):
+    """A patched router: the original's outputs, with the recorded experts where the micro-batch has them
+    (replay on) and their weights from the router's own logits (`weigh`), so the gradient reaches it."""
+    out = forward(hidden_states, *args)
+    experts_first = rule["experts_first"]
+    experts, weights, logits = out if experts_first else out[::-1]
     if state.routes is None:
-        return logits, weights, experts
+        return out
     recorded = state.routes[:, layer].to(experts.device)
     present = (recorded >= 0).all(-1)
     state.count(layer, experts, recorded, present)
     if not state.replay:
-        return logits, weights, experts
+        return out
     chosen = torch.where(present[:, None], recorded, experts)
-    replayed = torch.softmax(logits.float(), dim=-1).gather(-1, chosen)
-    if normalize:
-        replayed = replayed / replayed.sum(-1, keepdim=True)
-    return logits, torch.where(present[:, None], replayed.to(weights.dtype), weights), chosen
+    replayed = weigh(logits, chosen, rule["score"], rule["chosen_only"], rule["normalize"], rule["scale"])
+    weights = torch.where(present[:, None], replayed.to(weights.dtype), weights)
+    return (chosen, weights, logits) if experts_first else (logits, weights, chosen)
 
 
 def install(model, layers, config, replay: bool) -> RouterReplay:
     """Patch the router of every MoE block of `layers` (the decoder layers of the Hugging Face model inside
     `model`); the state is left on `model` for `routed_by`."""
-    name, normalize = ROUTERS[config.model_type]
-    normalize = getattr(config, normalize) if isinstance(normalize, str) else normalize
+    spec = ROUTERS[config.model_type]
+    rule = {field: getattr(config, value) if isinstance(value, str) and field in ("normalize", "scale") else value
+            for field, value in vars(spec).items()}
+    rule["score"] = spec.score if spec.score in ("softmax", "sigmoid") else getattr(config, spec.score)
     layers = list(layers)
-    state = RouterReplay(replay, len(layers), config.num_experts_per_tok)
+    state = RouterReplay(replay, len(layers), top_k_of(config))
     patched = 0
     for index, layer in enumerate(layers):
-        router = getattr(getattr(layer, "mlp", None), name, None)
+        router = layer
+        for name in spec.router.split("."):
+            router = getattr(router, name, None)
         if router is None or not hasattr(router, "top_k"):  # a dense layer of a mixed model
             continue
-        router.forward = functools.partial(route, router.forward, state, index, bool(normalize))
+        router.forward = functools.partial(route, router.forward, state, index, rule)
         patched += 1
     if not patched:
         raise RuntimeError(f"no MoE router found in the {config.model_type} model: nothing to replay")

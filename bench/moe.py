@@ -154,11 +154,11 @@ def paired(model_path: str, prompts: int, lengths: list[int], threads: int, seed
         for o in outs:
             taken = dict(llm.collective_rpc("take_routes", args=(o.request_id,))[0])
             cs = sorted(o.outputs, key=lambda c: c.index)
-            groups.append(buffer.RolloutGroup(0, list(o.prompt_token_ids), [list(c.token_ids) for c in cs],
-                                              [[c.logprobs[i][t].logprob for i, t in enumerate(c.token_ids)] for c in cs],
-                                              [[0] * n for _ in cs], [0.0] * 8, routes=[routes.fitted(
-                                                  np_rows(taken[c.index], dtype, layers, top_k),
-                                                  len(o.prompt_token_ids) + n, layers, top_k, dtype) for c in cs]))
+            logprobs = [[c.logprobs[i][t].logprob for i, t in enumerate(c.token_ids)] for c in cs]
+            rows = [routes.fitted(np_rows(taken[c.index], dtype, layers, top_k), len(o.prompt_token_ids) + n,
+                                  layers, top_k, dtype) for c in cs]
+            groups.append(buffer.RolloutGroup(0, list(o.prompt_token_ids), [list(c.token_ids) for c in cs], logprobs,
+                                              [[0] * n for _ in cs], [0.0] * 8, routes=rows))
         batches[n] = buffer.collate(buffer.to_samples(groups, torch.zeros(len(groups), 8)), pad_id=0)
     llm.llm_engine.engine_core.shutdown()
     init_file = tempfile.mktemp(prefix="asyncgrpo-bench-dist-")

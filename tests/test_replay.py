@@ -172,6 +172,46 @@ def test_a_model_without_replayable_routes_is_refused_in_one_line():
     assert "not of deepseek_v3" in replay.problem(other)
 
 
+@pytest.mark.parametrize("family", sorted(replay.ROUTERS))
+def test_each_family_replays_its_own_choice_exactly_and_other_routes_with_a_router_gradient(family):
+    """Replaying a model's own top-k gives its plain forward (the weights rule is the family's own); replaying
+    random routes changes the output and the router gets a gradient (tests/test_moe.py's tiny configs)."""
+    from test_moe import tiny_moe as family_moe
+
+    ids = torch.randint(3, 26, (2, 6), generator=torch.Generator().manual_seed(4))
+    model = family_moe(family)
+    with torch.no_grad():
+        expected = model(ids).logits
+    layers = model.model.layers
+    state = replay.install(model, layers, model.config, replay=False)
+    seen = {}
+    state.count = lambda layer, own, recorded, present: seen.__setitem__(layer, own.detach().clone())
+    top_k = state.top_k
+    with torch.no_grad(), replay.routed_by(model, Batch(ids, torch.full((2, 6, len(layers), top_k), -1))):
+        model(ids)
+    assert seen, family
+    own = torch.full((12, len(layers), top_k), -1)
+    for layer, experts in seen.items():
+        own[:, layer] = experts
+    state.replay = True
+    with torch.no_grad(), replay.routed_by(model, Batch(ids, own.reshape(2, 6, len(layers), top_k))):
+        torch.testing.assert_close(model(ids).logits, expected, rtol=1e-5, atol=1e-5)
+    g = torch.Generator().manual_seed(5)
+    experts = model.config.to_dict()
+    count = next(experts[k] for k in ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+                 if experts.get(k))
+    other = torch.rand(2, 6, len(layers), count, generator=g).argsort(-1)[..., :top_k]
+    other[:, :, [i for i in range(len(layers)) if i not in seen]] = -1
+    with replay.routed_by(model, Batch(ids, other)):
+        logits = model(ids).logits
+        logits.float().logsumexp(-1).sum().backward()
+    assert not torch.allclose(logits.detach(), expected, atol=1e-4)
+    routers = [p for n, p in model.named_parameters() if p.grad is not None and any(
+        key in n for key in ("gate.weight", "router.weight", "router.gate.weight", "router.layer.weight"))
+               and "gate_up" not in n and "shared_expert_gate" not in n]
+    assert routers and all(p.grad.abs().sum() > 0 for p in routers), family
+
+
 # ----------------------------------------------------------------------------------------------------
 # The worker's store and the episode merge (numpy; engine steps written by hand)
 # ----------------------------------------------------------------------------------------------------
@@ -259,6 +299,45 @@ def test_the_worker_records_each_sample_and_a_prefix_cache_hit_gets_its_blocks_r
             got = np.frombuffer(by_index[c.index], np.uint8).reshape(-1, layers, top_k)
             assert len(got) == len(ids) - 1  # every position vLLM read; the last sampled token it never reads
             assert np.array_equal(np.sort(got, -1), own_top_k(model, ids)[:-1])
+
+
+@pytest.mark.parametrize("family", ["glm4_moe", "granitemoe"])
+def test_vllm_records_the_routes_other_routers_choose(family, tmp_path, monkeypatch):
+    """Two routers unlike Qwen's (tests/test_moe.py's tiny configs): GLM-4-MoE (a dense first layer, sigmoid
+    scores, grouped choice with a bias) and Granite-MoE (a softmax over the chosen logits, its outputs in another
+    order): vLLM's recorded routes are the Hugging Face model's own top-k, a dense layer's rows missing."""
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from test_moe import tiny_moe as family_moe
+    from vllm import LLM, SamplingParams
+
+    path = tasks.build_tiny_model(str(tmp_path / family))  # (the copy tokenizer; the family's model replaces it)
+    model = family_moe(family)
+    model.save_pretrained(path)
+    llm = LLM(model=path, dtype="float32", seed=0, enforce_eager=True, kv_cache_memory_bytes=32 * 2**20,
+              worker_extension_cls="vllm_worker.WeightSyncWorker", max_model_len=64)
+    try:
+        layers, top_k, _ = llm.collective_rpc("start_routes", args=("",))[0]
+        out = llm.generate([{"prompt_token_ids": [1, 5, 9, 7, 22]}], SamplingParams(n=2, max_tokens=8, seed=0),
+                           use_tqdm=False)[0]
+        taken = dict(llm.collective_rpc("take_routes", args=(out.request_id,))[0])
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    caught = {}
+    state = replay.install(model, model.model.layers, model.config, replay=False)  # (counts each layer's top-k)
+    state.count = lambda layer, own, recorded, present: caught.__setitem__(layer, own.sort(-1).values)
+    for c in out.outputs:
+        ids = [1, 5, 9, 7, 22] + list(c.token_ids)
+        with torch.no_grad(), replay.routed_by(model, Batch(torch.tensor([ids]),
+                                                            torch.full((1, len(ids), layers, top_k), -1))):
+            model(torch.tensor([ids]))
+        got = np.sort(np.frombuffer(taken[c.index], np.uint8).reshape(-1, layers, top_k), -1)
+        assert len(got) == len(ids) - 1 and len(caught) >= 1
+        for layer in range(layers):
+            if layer in caught:
+                assert np.array_equal(got[:, layer], caught[layer][:-1].numpy())
+            else:  # a dense layer
+                assert (got[:, layer] == 255).all()
+    assert (family == "glm4_moe") == (sorted(caught) == [1])  # (GLM-4-MoE's first layer is dense)
 
 
 def test_recorded_routes_match_the_trainers_own_across_turns_swaps_and_micro_batches(tmp_path):
