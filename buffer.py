@@ -14,6 +14,10 @@ Data contract
       counted (`dropped_stale`), never silent.
     - `Batch` tensors are (num_samples, seq_len - 1), aligned with targets `input_ids[:, 1:]`; `mask` is True
       on model-sampled completion tokens; update.py splits a batch into each rank's micro-batches.
+    - With --router-replay or --router-record a sample carries the routes of every position of prompt +
+      completion (routes.py: numpy, uint8 or uint16, all bits set where missing), like its versions; a batch's
+      `routes` are (num_samples, seq_len, layers, top_k), aligned with `input_ids`, as narrow: uint8 (255 where
+      missing or padding), or int32 for uint16 routes (65535 there).
 May touch: the queue it is handed. Nothing of the trainer's model or the engine.
 """
 from __future__ import annotations
@@ -25,6 +29,7 @@ import queue as queue_lib
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -45,6 +50,7 @@ class RolloutGroup:
     epoch: int = 0  # the pass over the training prompts this group's prompt was taken in (data.walk)
     model_masks: list[list[bool]] | None = None  # per completion token: sampled by the model (None: all were)
     episode_stats: dict = field(default_factory=dict)  # multi-turn episodes: turns, env time, faults (envs.py)
+    routes: list | None = None  # per completion: the routes of prompt + completion (routes.py); None: not recorded
 
     def turns(self) -> list[int]:
         return self.episode_stats.get("turns") or [1] * len(self.completion_ids)
@@ -65,6 +71,7 @@ class Sample:
     reward: float
     advantage: float
     model_mask: list[bool] | None = None  # None: every completion token was sampled by the model
+    routes: np.ndarray | None = None  # (prompt + completion, layers, top_k) (routes.py)
 
 
 @dataclass
@@ -79,6 +86,7 @@ class Batch:
     rewards: torch.Tensor  # (B,)
     # (B, L-1) the trainer's log-probs before the batch's first update (the proximal policy), once computed
     proximal_logp: torch.Tensor | None = None
+    routes: torch.Tensor | None = None  # (B, L, layers, top_k) uint8 or int32, all ones where missing (routes.py)
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -97,7 +105,7 @@ class Batch:
         def trim(name, t):  # input_ids and attention_mask are one longer than the target-aligned tensors
             if t.dim() == 1:
                 return t
-            return t[:, :length if name in ("input_ids", "attention_mask") else length - 1]
+            return t[:, :length if name in ("input_ids", "attention_mask", "routes") else length - 1]
 
         return self._map(trim)
 
@@ -260,7 +268,8 @@ def to_samples(groups: list[RolloutGroup], advantages: torch.Tensor) -> list[Sam
     """Flatten groups into samples; `advantages[g, j]` is sample j's of group g."""
     return [Sample(group.prompt_ids, group.completion_ids[j], group.behaviour_logprobs[j], group.token_versions[j],
                    group.rewards[j], float(advantages[g, j]),
-                   None if group.model_masks is None else group.model_masks[j])
+                   None if group.model_masks is None else group.model_masks[j],
+                   None if group.routes is None else group.routes[j])
             for g, group in enumerate(groups) for j in range(len(group.completion_ids))]
 
 
@@ -284,7 +293,32 @@ def collate(samples: list[Sample], pad_id: int) -> Batch:
             versions[i, p - 1 : p - 1 + c] = torch.tensor(s.token_versions, dtype=torch.long)
     advantages = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-    return Batch(input_ids, attention, input_ids[:, 1:].clone(), mask, behaviour, versions, advantages, rewards)
+    return Batch(input_ids, attention, input_ids[:, 1:].clone(), mask, behaviour, versions, advantages, rewards,
+                 routes=collate_routes(samples, length))
+
+
+def collate_routes(samples: list[Sample], length: int) -> torch.Tensor | None:
+    """(B, length, layers, top_k): each sample's routes from position 0 as they came (uint8; uint16 as int32, which
+    torch handles), the missing mark (all ones of the routes' dtype) where missing or padding."""
+    shaped = [s.routes for s in samples if s.routes is not None]
+    if not shaped:
+        return None
+    narrow = shaped[0].dtype == np.uint8
+    missing = np.iinfo(shaped[0].dtype).max
+    routes = torch.full((len(samples), length, *shaped[0].shape[1:]), missing,
+                        dtype=torch.uint8 if narrow else torch.int32)
+    for i, s in enumerate(samples):
+        if s.routes is not None and len(s.routes):
+            rows = s.routes[:length]
+            routes[i, :len(rows)] = torch.from_numpy(rows if narrow else rows.astype(np.int32))
+    return routes
+
+
+def route_stats(groups: list[RolloutGroup]) -> dict:
+    """What carrying routes costs: their bytes per position (prompt + completion) of the groups taken."""
+    carried = [(r.nbytes, len(r)) for g in groups if g.routes is not None for r in g.routes]
+    positions = sum(n for _, n in carried)
+    return {"router/bytes_per_token": sum(b for b, _ in carried) / positions} if positions else {}
 
 
 def stale_mask(batch: Batch, trainer_version: int, max_lag: int) -> torch.Tensor:

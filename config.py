@@ -135,6 +135,11 @@ class Config:
     filter_groups: bool = False  # dynamic sampling: skip groups whose rewards are all equal; the step waits for others
     overlong_filter: bool = False  # leave completions cut at --max-new-tokens out of the loss
     overlong_penalty: int = 0  # L > 0: DAPO's soft overlong penalty over the last L tokens before --max-new-tokens
+    # Mixture-of-Experts routing (routes.py records the generator's, replay.py replays them in the trainer)
+    router_replay: bool = False  # the trainer sends each token to the experts the generator's router chose for it
+    #   (recorded by vLLM), with gate weights from its own router (which keeps its gradient)
+    router_record: bool = False  # record the generator's routes and log router/agreement without replaying them
+    #   (--router-replay records them too)
     # machinery
     gen_threads: int = 0  # CPU threads of the generator; 0: half the cores
     train_threads: int = 0  # CPU threads per trainer rank; 0: the rest of the cores, split between ranks

@@ -15,7 +15,8 @@ Data contract
     ends the episode: its reward does not apply (rewards.py's None), counted with the error's first line.
     An episode is one token sequence: prompt ids + model turn ids (as sampled: log-prob, version) +
     observation ids (version -1, log-prob 0, never trained) + ...; each turn is a new engine request whose
-    prompt is the whole sequence so far. A group's shared prompt is its episodes' common prefix.
+    prompt is the whole sequence so far. A group's shared prompt is its episodes' common prefix. Recorded
+    routes (routes.py) cover the whole sequence: each turn adds what its request computed first.
 May touch: the env instances it makes, the generator's engine through `Generator` (requests only).
 """
 from __future__ import annotations
@@ -35,6 +36,7 @@ import rewards
 import tools as tools_lib
 from chat import Renderer, as_messages  # noqa: F401  (Renderer: envs.Renderer, as before)
 from buffer import RolloutGroup, tag_versions
+from routes import fitted, known_prefix
 from data import DataError, Prompt, is_conversation
 
 SEED_ROWS, HELD_OUT_SEED_ROWS = 10_000, 1_000  # an --env without --dataset: rows {"seed": i}
@@ -143,6 +145,7 @@ class Episode:
     env_s: list[float] = field(default_factory=list)  # each reset/step/get_reward/close call
     transcript: list = field(default_factory=list)  # model turns and observations (text or messages)
     chat: bool = False
+    routes: object = None  # numpy (positions so far, layers, top_k) when routes are recorded (routes.py)
 
     def append(self, ids, logprobs=None, versions=None):
         model = logprobs is not None
@@ -213,6 +216,7 @@ async def run_episode(gen, env, prompt, turns: Turns) -> Episode:
     # tool calls are parsed from the text with its special tokens (Llama's <|python_tag|>, Mistral's [TOOL_CALLS])
     special = {"skip_special_tokens": False} if isinstance(env, tools_lib.ToolEnv) else {}
     threads, timeout_s = task.env_threads, cfg.env_timeout_s
+    routes = gen.routes if turns.request_id.startswith("group-") else None  # (recorded for training only)
     try:
         reset_out = checked_observation(await call_env(ep, "reset", env.reset, (), threads, timeout_s, prompt.row),
                                         "reset", True)
@@ -227,9 +231,13 @@ async def run_episode(gen, env, prompt, turns: Turns) -> Episode:
         while True:
             max_tokens = min(cfg.max_new_tokens, budget - len(ep.ids))
             seed = None if turns.seed is None else turns.seed + 7919 * ep.turns
-            out = await model_turn(gen, ep.ids, gen.request_params(max_tokens=max_tokens, seed=seed,
-                                                                    **turns.sampling, **special),
-                                   f"{turns.request_id}-t{ep.turns}")
+            known = known_prefix(ep.routes) if routes else 0  # (positions whose routes it holds)
+            request_id = f"{turns.request_id}-t{ep.turns}"
+            out = await model_turn(gen, ep.ids, gen.request_params(
+                max_tokens=max_tokens, seed=seed, **turns.sampling, **special,
+                **(routes.request_options(known) if routes else {})), request_id)
+            if routes:
+                ep.routes = await routes.turn(gen.engine, request_id, out, ep.routes, known)
             ids = list(out.token_ids)
             ep.append(ids, [out.logprobs[i][t].logprob for i, t in enumerate(ids)] if out.logprobs is not None
                       else [0.0] * len(ids), tag_versions(out.weight_versions, len(ids)))
@@ -373,8 +381,11 @@ async def run_env_group(gen, group_id: int, prompt, epoch: int) -> RolloutGroup:
     scores, reward_stats, unscored = await asyncio.get_running_loop().run_in_executor(
         gen.reward_threads, gen.task.score_episodes, prompt, episodes, envs_, gen.loaded_version)
     shared, parts = group_of(prompt, episodes)
+    routes = None if gen.routes is None else [  # each sample's sequence: the shared prompt + its part
+        fitted(ep.routes, len(shared) + len(p[0]), gen.routes.layers, gen.routes.top_k, gen.routes.dtype)
+        for ep, p in zip(episodes, parts)]
     return RolloutGroup(group_id, shared, [p[0] for p in parts], [p[2] for p in parts], [p[3] for p in parts],
-                        scores, prompt.answer, reward_stats=reward_stats, unscored=unscored, epoch=epoch,
+                        scores, prompt.answer, reward_stats=reward_stats, unscored=unscored, epoch=epoch, routes=routes,
                         finish_reasons=["length" if ep.truncated else "stop" for ep in episodes],
                         model_masks=[p[1] for p in parts], episode_stats=episode_stats(episodes, envs_))
 

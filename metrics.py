@@ -173,7 +173,8 @@ class RunLog:
         row.update(summarize_rewards([g.reward_stats for g in taken.groups]), completion_len_min=int(lengths.min()),
                    completion_len_max=int(lengths.max()), unscored=sum(len(g.unscored) for g in taken.groups),
                    gen_reward_s=gen.get("reward_s"), **{f"lag_hist/{k}": int(n) for k, n in enumerate(lags)},
-                   epoch=max(g.epoch for g in taken.groups), **episode_metrics(taken.groups))
+                   epoch=max(g.epoch for g in taken.groups), **episode_metrics(taken.groups),
+                   **buffer.route_stats(taken.groups))  # (recorded routes: router/bytes_per_token)
         warning = all_faults_warning(row, sum(len(g.rewards) for g in taken.groups))
         if warning and not self.warned_all_faults:  # once a run
             self.warned_all_faults = True

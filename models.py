@@ -20,12 +20,18 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import devices
 import lora
+import replay
 
 
 def build_policy(cfg, model_path, world_size, device):
-    """The model the run trains (with --lora-rank a trainable adapter on frozen base weights)."""
-    return build_trainer_model(model_path, world_size, device, lora.config_of(cfg), seed=cfg.seed,
-                               compute_dtype=devices.torch_dtype(cfg.dtype))
+    """The model the run trains (with --lora-rank a trainable adapter on frozen base weights); with
+    --router-replay its MoE routers replay the generator's routes (--router-record: they compare with them)."""
+    model = build_trainer_model(model_path, world_size, device, lora.config_of(cfg), seed=cfg.seed,
+                                compute_dtype=devices.torch_dtype(cfg.dtype))
+    if cfg.router_replay or cfg.router_record:
+        base = lora.base_model_of(model)
+        replay.install(model, base.model.layers, base.config, cfg.router_replay)
+    return model
 
 
 def build_frozen_models(cfg, prepared, policy, world_size, device):

@@ -25,6 +25,7 @@ import devices
 import envs
 import heads
 import lora
+import replay
 import tools
 from config import Config
 from rollout import GeneratorSettings
@@ -86,6 +87,10 @@ def prepare_run(cfg: Config, engine_here: bool = True) -> Prepared:
         model_path = base_model = prepare_model(cfg)
     check_tokenizer(model_path, cfg)
     check_head(model_path)
+    if cfg.router_replay or cfg.router_record:  # a model whose routes the trainer cannot replay: one line, now
+        problem = replay.problem(AutoConfig.from_pretrained(model_path))
+        if problem:
+            raise SystemExit(f"error: {model_path}: {problem}")
     teacher = check_teacher(cfg.teacher, model_path) if cfg.teacher else ""
     layout = devices.layout_for(cfg)
     if layout.shared_gpus and not cfg.lora_rank:  # the full weights' buffer lies on vLLM's GPU: leave it room

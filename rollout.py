@@ -6,10 +6,12 @@ buffer (weight_buffer.py, through vllm_worker.py) between engine steps, requests
 ("inflight") or let finish ("drain"); held-out evaluations (evaluation.py) run beside training requests.
 An env task (--env, --task reveal) runs each of a group's G samples as an episode, a chain of requests
 (envs.py: `run_env_group`, `eval_env_prompt`). What it serves (full weights or an adapter) comes through
-lora.Served, its devices through devices.enter_generator_devices.
+lora.Served, its devices through devices.enter_generator_devices; with --router-replay or --router-record,
+each sample's routes come through routes.GeneratorRoutes.
 Data contract: writes `buffer.RolloutGroup`s with vLLM's processed log-probs (the behaviour policy) and, per
-token, the version of the weights that sampled it; a group starts only if the loaded weights are at most
---max-lag versions behind the trainer version that will consume it (its step less the steps skipped).
+token, the version of the weights that sampled it (and, when recorded, its routes); a group starts only if the
+loaded weights are at most --max-lag versions behind the trainer version that will consume it (its step less
+the steps skipped).
 Reads the buffer's version and `Control`.
 May touch: its engine, the queue, the shared buffer (read only), `Control`. Nothing of the trainer.
 """
@@ -34,6 +36,7 @@ from devices import enter_generator_devices, torch_dtype
 from evaluation import EvalResult, requested
 from data import Prompt
 from lora import Served, served_weights
+from routes import GeneratorRoutes
 from tasks import make_task
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -88,6 +91,8 @@ class Generator:
         self.wake: asyncio.Event | None = None  # set when a group finishes: the loop may start the next at once
         self.eval_task: asyncio.Task | None = None  # the evaluation in flight: no weight load until it is done
         self.last_eval_step = -1  # the newest evaluation request started
+        recorded = self.cfg.router_replay or self.cfg.router_record
+        self.routes = GeneratorRoutes(settings.device == "cuda") if recorded else None
 
     def build_engine(self):
         options = enter_generator_devices(self.settings, self.cfg.kv_cache_mb)  # (sets CUDA_VISIBLE_DEVICES)
@@ -95,7 +100,7 @@ class Generator:
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        options.update(self.served.engine_options)
+        options.update(self.served.engine_options, **(self.routes.engine_options if self.routes else {}))
         if self.cfg.max_model_len:
             options.update(max_model_len=self.cfg.max_model_len)
         args = AsyncEngineArgs(
@@ -236,9 +241,12 @@ class Generator:
         # Rewards run in worker threads (or the task's process pool), never on this event loop.
         rewards, reward_stats, unscored = await asyncio.get_running_loop().run_in_executor(
             self.reward_threads, self.task.score, prompt, texts, completions, self.loaded_version)
+        outputs = sorted(final.outputs, key=lambda c: c.index)
+        routes = None if self.routes is None else await self.routes.sequences(  # prompt + completion, each
+            self.engine, f"group-{group_id}", outputs, [len(prompt.prompt_ids) + len(ids) for ids in completions])
         group = RolloutGroup(group_id, prompt.prompt_ids, completions, logprobs, versions, rewards, prompt.answer,
-                             reward_stats=reward_stats, unscored=unscored, epoch=epoch,
-                             finish_reasons=[c.finish_reason for c in sorted(final.outputs, key=lambda c: c.index)])
+                             reward_stats=reward_stats, unscored=unscored, epoch=epoch, routes=routes,
+                             finish_reasons=[c.finish_reason for c in outputs])
         await self.enqueue(group)
 
     async def enqueue(self, group: RolloutGroup):
@@ -355,6 +363,8 @@ class Generator:
         self.reward_threads = ThreadPoolExecutor(max(1, self.cfg.reward_workers), thread_name_prefix="reward")
         await self.engine.update_weight_version(str(self.loaded_version))
         await self.engine.collective_rpc("attach_shared_weights", args=(self.shared.to_bytes(),))
+        if self.routes is not None:
+            await self.routes.start(self.engine)
         # The trainer may use a GPU it shares with vLLM from now on; it must, before its first publish, which
         # a buffer that starts empty waits for below.
         self.control.engine_started.set()

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 import buffer
 import heads
+import replay
 from config import Config
 from losses import (behaviour_weights, distill_advantages, dsv32_sequence_mask, geometric_mean_mask, icepop_mask,
                     kl_penalty, mismatch_k3, policy_loss, score_tokens)
@@ -53,7 +54,8 @@ def update_on_batch(model, ref_model, optimizer, batch, cfg, rank, world_size, v
     stats, norms, skipped, updates = StepStats(), [], 0, 0
     proximal = cfg.is_mode != "off" and cfg.mini_batches * cfg.ppo_epochs > 1
     if proximal:
-        batch = dataclasses.replace(batch, proximal_logp=proximal_logprobs(model, batch, cfg, rank, world_size, device))
+        batch = dataclasses.replace(batch, proximal_logp=proximal_logprobs(model, batch, cfg, rank, world_size, device,
+                                                                           stats))
         agreement(stats, batch.proximal_logp, batch, version)  # on the weights the generator sampled with
     for epoch in range(cfg.ppo_epochs):
         for rows in mini_batch_rows(len(batch), cfg, step, epoch):
@@ -64,8 +66,11 @@ def update_on_batch(model, ref_model, optimizer, batch, cfg, rank, world_size, v
             loss = torch.zeros((), device=device)
             for mb in micro_batches:
                 mb = mb.to(device)
-                terms = micro_batch_loss(model, ref_model, teacher, mb, cfg, units, tokens)
-                (terms.loss * world_size).backward()  # FSDP2 averages gradients over ranks: this makes it their sum
+                # recorded routes (--router-replay) hold through the backward: a checkpointed layer recomputes them
+                with replay.routed_by(model, mb, measure=not proximal and updates == 0) as routing:
+                    terms = micro_batch_loss(model, ref_model, teacher, mb, cfg, units, tokens)
+                    (terms.loss * world_size).backward()  # FSDP2 averages gradients over ranks: their sum
+                replay.add_counts(stats, routing)
                 diagnostics(stats, terms, mb, cfg, version, measure_agreement=not proximal and updates == 0)
                 loss += terms.loss.detach()
                 del terms  # (its graph and tensors: not alive through the next micro-batch)
@@ -338,17 +343,19 @@ def reference_logprobs(ref_model, batch, temperature):
         return completion_logprobs(ref_model, batch, temperature).logp
 
 
-def proximal_logprobs(model, batch, cfg, rank, world_size, device="cpu") -> torch.Tensor:
+def proximal_logprobs(model, batch, cfg, rank, world_size, device="cpu", stats=None) -> torch.Tensor:
     """(B, T) log-probs of the batch's tokens under the weights before its first update (the proximal policy),
     without gradients, micro-batched and chunked as training is. Each rank scores its own rows; a sum over
-    ranks gives every rank all of them."""
+    ranks gives every rank all of them. `stats`: where the routers' agreement is counted (recorded routes)."""
     out = torch.zeros(batch.mask.shape)
     plan, count = rank_micro_batch_rows(batch, rank, world_size, cfg.micro_batch_tokens)
     with torch.no_grad():
         for i in range(count):  # a rank with fewer micro-batches runs fillers: FSDP2 needs every rank's forward
             rows = plan[i] if i < len(plan) else [0]
-            mb = batch.select(rows).trimmed()
-            logp = completion_logprobs(model, mb.to(device), cfg.temperature, cfg.top_k, cfg.top_p).logp
+            mb = batch.select(rows).trimmed().to(device)
+            with replay.routed_by(model, mb, measure=stats is not None and i < len(plan)) as routing:
+                logp = completion_logprobs(model, mb, cfg.temperature, cfg.top_k, cfg.top_p).logp
+            replay.add_counts(stats, routing)
             if i < len(plan):
                 out[rows, :logp.shape[1]] = logp.float().cpu()
     if world_size > 1:

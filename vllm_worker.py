@@ -16,6 +16,7 @@ import logging
 
 import torch
 
+from routes import RouteRecorder
 from weight_buffer import SharedWeights
 
 VIEW_TRIES = 3  # torn in-place reloads before the worker falls back to a snapshot copy (CPU)
@@ -95,7 +96,7 @@ class ExpectedUnloadedWeights(logging.Filter):
         return not all(str(name).endswith("e_score_correction_bias") for name in record.args[0])
 
 
-class WeightSyncWorker:
+class WeightSyncWorker(RouteRecorder):
     """vLLM worker extension (`worker_extension_cls="vllm_worker.WeightSyncWorker"`).
 
     Mixed into vLLM's worker class, so `self` is the worker: `self.model_runner.reload_weights` does the

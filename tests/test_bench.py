@@ -34,7 +34,7 @@ import engines  # noqa: E402
 
 # the scripts this module runs (memory.py through run_all.py); the rest of bench/ are helpers they import
 SCRIPTS = {"peak_rss", "overlap", "weight_sync", "generator", "env_latency", "dtype", "trainer", "load_memory", "ab",
-           "learning", "eval_cost", "stale_bias", "variants", "distill", "run_all", "memory", "report"}
+           "learning", "eval_cost", "stale_bias", "variants", "distill", "moe", "run_all", "memory", "report"}
 HELPERS = {"common", "engines", "kv_swap", "machine", "weight_sync_cross"}
 
 
@@ -237,6 +237,18 @@ def test_distill(runs, out):
     assert distilled.distill_coef == 0.1 and plain.seed == distilled.seed == 1
     assert positive(data["teacher"]["final_reward"], data["target"]) and set(data["runs"]) == {"grpo_seed1",
                                                                                                "distill_seed1"}
+
+
+def test_moe(runs, out):
+    runs.clear()
+    data = smoke("moe", out)
+    assert [(c.model, c.router_record, c.router_replay) for c in runs] == [
+        ("TINY_MOE", False, False), ("TINY_MOE", True, False), ("TINY_MOE", False, True), ("", False, False)]
+    assert all(c.dtype == "bf16" and c.max_lag == 0 and c.steps == 3 for c in runs)
+    assert set(data["runs"]) == {"plain", "record", "replay", "dense"} and positive(data["runs"]["plain"]["train_s"])
+    for shape in data["costs"].values():  # measured here, in this process: real figures even at the smoke size
+        assert positive(shape["bytes_per_token"], shape["queue_ratio"], shape["collate_ratio"])
+    assert data["costs"]["tiny"]["bytes_per_token"] == 4 and data["costs"]["30B-A3B"]["bytes_per_token"] == 384
 
 
 def test_run_all_runs_memory_at_its_smoke_size(tmp_path):
