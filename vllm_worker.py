@@ -14,6 +14,7 @@ import logging
 
 import torch
 
+import tracing
 from weight_buffer import SharedWeights
 
 VIEW_TRIES = 3  # torn in-place reloads before the worker falls back to a snapshot copy (CPU)
@@ -56,6 +57,7 @@ class WeightSyncWorker:
         # visible to this process). No snapshot on a GPU: vLLM has already sized its KV cache to fill its share.
         # On CPU a snapshot is allocated only if an in-place load ever has to fall back to it.
         self._snapshot = None
+        tracing.watch_engine(self)  # (with OUT/trace: each engine step, from now on)
         return self._shared.buffer.numel()
 
     def _load_device(self) -> torch.device:
@@ -64,6 +66,7 @@ class WeightSyncWorker:
         except AttributeError:
             return torch.device("cpu")
 
+    @tracing.timed("load weights", track="weight loads", step_from_result=True)
     def load_shared_weights(self, min_version: int = -1) -> int:
         """Reload the newest consistent weights into the engine; returns the version loaded.
 
@@ -124,6 +127,7 @@ class WeightSyncWorker:
         if method is not None and hasattr(method, "process_weights_after_loading"):
             method.process_weights_after_loading(lm_head)
 
+    @tracing.timed("load adapter", track="weight loads", step_from_result=True)
     def load_shared_adapter(self, min_version: int, adapter_dir: str, lora_id: int) -> int:
         """LoRA (`--lora-rank`): the buffer holds only the adapter. Copy a consistent snapshot of it and make
         it the engine's adapter `lora_id` in place of the previous one (requests keep their LoRARequest).
