@@ -262,6 +262,7 @@ def plot_versions(ax, steps: list[dict]) -> None:
     """Each trained step (at its end): its tokens by the version that sampled them (dot area: share; colour:
     lag), under the version it trained from."""
     by_lag: dict[int, list] = {}
+    steps = [e for e in steps if "version" in e["args"]]
     for e in steps:
         counts = {int(v): n for v, n in e["args"].get("tokens_by_version", {}).items() if int(v) >= 0}
         total = sum(counts.values()) or 1
@@ -297,7 +298,8 @@ def busy_line(rows, steps) -> str:
 
 if __name__ == "__main__":
     for d in sys.argv[1:] or ["runs/latest"]:
-        print(plot_run(d))
+        if os.path.exists(os.path.join(d, "metrics.jsonl")):
+            print(plot_run(d))
         if os.path.isdir(os.path.join(d, "trace")):  # a run in progress (or killed): its processes' files
             tracing.merge(d)
         if os.path.exists(os.path.join(d, "trace.json")):

@@ -113,7 +113,7 @@ def last_steps(events: list[dict], steps: int) -> list[dict]:
     if len(ends) <= steps:
         return events
     cut = ends[-steps - 1]
-    return [e for e in events if e["ts"] + e.get("dur", 0) >= cut]
+    return [e for e in events if e["ts"] + e.get("dur", 0) > cut]
 
 
 def request_phases(events: list[dict]) -> list[dict]:

@@ -23,6 +23,18 @@ weights; the cores each process used (trainer, generator, vLLM's EngineCore and 
 window; the CPU bound (both stages' CPU-seconds per step, measured alone, fitted into the machine's cores:
 overlap cannot beat it when the stages together need more cores than there are); and a cross-check of
 t_gen and t_train read off the sync run itself (the trainer's wait and train time per step).
+
+Where the missing share goes, per mode, from the run's OUT/trace.json (bench/traces.py) over the same steady
+window. A step takes T = trainer wait + trainer work; the bound allows T* = max(t_gen, t_train), so the share
+missing is (T - T*) / T, split exactly into (each a share of T):
+- the trainer waited while the generator swapped weights (`wait_swap`), waited at the staleness gate for
+  newer weights (`wait_gate`), or was blocked on a full queue (`wait_full_queue`);
+- it waited while the generator generated, beyond the max(0, t_gen - t_train) the bound itself leaves
+  (`wait_generating`); of which an estimate of CPU contention on the generator's side (`gen_contention`:
+  vLLM's engine time per scheduled token in the run against generation alone, times the step's tokens), the
+  rest generation not overlapped with training;
+- training took longer than alone (`train_contention`: the trainer's work per step less t_train; CPU
+  contention, plus what the run adds: publishing to a generator that reads, evaluation).
 """
 from __future__ import annotations
 
@@ -33,6 +45,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+import traces  # noqa: E402
 
 MODES = (("sync", 0), ("lag1", 1), ("lag2", 2), ("lag4", 4))
 
@@ -49,6 +62,7 @@ def measure(args, bench, model: str, rep: int) -> dict:
                         "step_s_typical": common.typical_mean(gen_steps),
                         "tokens_per_step": statistics.fmean(gen["tokens"][args.warmup:]),
                         "sync_ms_median": statistics.median(gen["sync_ms"]) if gen["sync_ms"] else None,
+                        "engine_s_per_token": gen.get("engine_s_per_token"),
                         "engine_ready_wait_s": gen["ready_wait_s"], "process_s": time.perf_counter() - t,
                         "cores_by_role": gen["cores_by_role"],
                         "foreign_cores": bench.foreign_cores(t0, time.monotonic())}
@@ -78,6 +92,8 @@ def measure(args, bench, model: str, rep: int) -> dict:
         st["max_token_lag"] = run["summary"].get("max_token_lag")
         st["dropped_stale"] = run["summary"].get("dropped_stale")
         st["foreign_cores"] = bench.foreign_cores(t0, time.monotonic())
+        trace = work / f"{mode}{rep}" / "trace.json"
+        st["trace"] = traces.steady_breakdown(traces.load(trace), args.warmup) if trace.exists() else None
         out[mode] = st
         print(f"[overlap] {mode:5s} (--max-lag {lag}): {st['steps_per_s']:.2f} steps/s, trainer waits "
               f"{st['trainer_wait_frac']:.0%}, generator waits {st.get('generator_wait_frac') or 0:.0%} "
@@ -142,6 +158,8 @@ def main(argv=None) -> int:
             "train_s_per_step": med(mode, "train_s_mean"), "gen_busy_s_per_step": med(mode, "gen_busy_s_per_step"),
             "sync_ms_median": med(mode, "sync_ms_median"), "lag_mean": med(mode, "lag_mean"),
             "cores_by_role": reps[-1][mode]["cores_by_role"], "foreign_cores": med(mode, "foreign_cores"),
+            "missing": missing_share([r[mode].get("trace") for r in reps], t_gen, t_train,
+                                     med("gen_alone", "engine_s_per_token")),
         }
     path = bench.save(data, plot)
 
@@ -159,6 +177,16 @@ def main(argv=None) -> int:
           f"{cpu_gen + cpu_train:.3f} CPU-s per step on {info['cores']} cores -> at most {cpu_bound:.2f}x")
     print(common.table(["mode", "max lag", "steps/s", "speedup", "share of bound", "share of CPU bound", "trainer wait",
                         "generator wait", "train ms/step", "gen busy ms/step", "other processes (cores)"], rows))
+    parts = ["share_of_pipelined", "missing", "wait_swap", "wait_gate", "wait_full_queue", "wait_generating",
+             "gen_contention", "train_contention", "gen_swap", "gen_gate", "gen_full_queue"]
+    miss_rows = [[m] + [data[m]["missing"][k] for k in parts] for m, _ in MODES if data[m]["missing"]]
+    if miss_rows:
+        print()
+        print(common.table(["mode", "T*/T", "missing", "waits: swap", "waits: gate", "waits: full queue",
+                            "waits: generation", "(of it: CPU contention)", "training slower than alone",
+                            "gen: swapping", "gen: at the gate", "gen: queue full"], miss_rows,
+                           title="where the missing share of the bound goes (shares of a step, from the traces; "
+                                 "'waits': the trainer waits while the generator does that):"))
     roles = ["trainer", "generator", "engine_core", "vllm_worker", "parent", "helpers", "total"]
     cpu_rows = []
     if data["alone"]["gen"].get("cores_by_role"):
@@ -174,10 +202,34 @@ def main(argv=None) -> int:
     return 0
 
 
+def missing_share(breakdowns: list, t_gen: float, t_train: float, engine_s_per_token: float | None) -> dict | None:
+    """The missing share of the bound and its parts, as shares of a step (medians over repeats); see the
+    module's docstring. None without a trace."""
+    rows = [b for b in breakdowns if b]
+    if not rows:
+        return None
+
+    def med(key):
+        return statistics.median(b[key] for b in rows)
+
+    step, bound = med("step_s"), max(t_gen, t_train)
+    generating = med("wait_while_generating_s") - max(0.0, t_gen - t_train)
+    contention = 0.0
+    if engine_s_per_token:  # the engine's time per step in the run less the same tokens at its speed alone
+        contention = max(0.0, min(generating, med("engine_s") - engine_s_per_token * med("engine_tokens")))
+    out = {"share_of_pipelined": bound / step, "missing": 1 - bound / step,
+           "wait_swap": med("wait_during_swap_s") / step, "wait_gate": med("wait_during_gate_s") / step,
+           "wait_full_queue": med("wait_during_full_queue_s") / step, "gen_contention": contention / step,
+           "wait_generating": generating / step, "train_contention": (med("trainer_busy_s") - t_train) / step,
+           "gen_swap": med("gen_swap_s") / step, "gen_gate": med("gen_gate_s") / step,
+           "gen_full_queue": med("gen_full_queue_s") / step, "step_s": step, "trace": rows[-1]}
+    return out
+
+
 def plot(data: dict, path: Path) -> None:
     plt = common.plt()
     modes = data["modes"]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 4.5))
     rates = [data[m]["steps_per_s"] for m in modes]
     ax1.bar(modes, rates, color=["#999999"] + ["#1f77b4"] * (len(modes) - 1))
     ax1.axhline(data["sequential_steps_per_s"], ls="--", color="k", lw=1,
@@ -202,6 +254,23 @@ def plot(data: dict, path: Path) -> None:
     ax2.set_ylabel("fraction of wall time")
     ax2.set_title("who waits")
     ax2.legend(fontsize=7)
+    parts = (("wait_swap", "trainer waits: swap"), ("wait_gate", "trainer waits: staleness gate"),
+             ("wait_full_queue", "trainer waits: queue full"), ("gen_contention", "trainer waits: generation, "
+                                                                                  "CPU contention (estimate)"),
+             ("not_overlapped", "trainer waits: generation, not overlapped"),
+             ("train_contention", "training slower than alone"))
+    bottom = [0.0] * len(modes)
+    for key, label in parts:
+        values = [(m_["wait_generating"] - m_["gen_contention"] if key == "not_overlapped" else m_[key])
+                  if m_ else 0.0 for m_ in (data[m]["missing"] for m in modes)]
+        ax3.bar(list(x), values, 0.6, bottom=bottom, label=label)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax3.plot(list(x), [data[m]["missing"]["missing"] if data[m]["missing"] else 0 for m in modes], "k_", ms=30,
+             mew=2, label="missing: 1 - max(t_gen, t_train) / step")
+    ax3.set_xticks(list(x), modes)
+    ax3.set_ylabel("share of a step")
+    ax3.set_title("where the missing share goes (from the traces)")
+    ax3.legend(fontsize=6)
     common.save_figure(fig, path, data, "overlap")
 
 
