@@ -11,7 +11,7 @@ at `eval/step`), `completion_len` (+ `_min`, `_max`), `lag_hist/<k>` (older runs
 held-out evaluation, completion length, staleness, sync latency, epochs (env runs: episodes instead). The
 timeline reads the trace's events by their "cat" (tracing.py): each trainer rank's waits and work, the
 generator's engine steps, idle engine, staleness gate, weight swaps and full-queue waits, the queue's depth, the
-requests in flight, and each step's trained tokens by version (rank 0's step spans).
+requests in the engine (from the request spans), and each step's trained tokens by version (rank 0's step spans).
 May touch: OUT/plots.png and OUT/timeline.png (and OUT/trace.json, through tracing.merge, from the command line).
 """
 from __future__ import annotations
@@ -247,36 +247,53 @@ def zoom_window(steps: list[dict]) -> tuple[float, float, int, int]:
 
 
 def plot_counters(ax, events) -> None:
-    """The rollout queue's depth (groups) and the generator's requests in flight."""
-    for name, key, color, axis in (("rollout queue", "groups", "tab:brown", ax),
-                                   ("requests in flight", "requests", "tab:green", ax.twinx())):
-        pts = [(e["ts"] / 1e6, e["args"][key]) for e in events if e["ph"] == "C" and e["name"] == name]
-        if pts:
-            xs, ys = zip(*sorted(pts))
-            axis.step(xs, ys, where="post", color=color, lw=0.8)
-        axis.set_ylabel(f"{name}", color=color, fontsize=8)
-    ax.set_title("rollout queue depth (groups waiting) and requests in the engine", fontsize=10)
+    """The rollout queue's depth (groups) and the generator's requests in the engine (from its request spans)."""
+    pts = sorted((e["ts"] / 1e6, e["args"]["groups"]) for e in events
+                 if e["ph"] == "C" and e["name"] == "rollout queue")
+    if pts:
+        ax.step(*zip(*pts), where="post", color="tab:brown", lw=0.8)
+    changes = sorted([(e["ts"], 1) for e in events if e["ph"] == "X" and e["cat"] == "request"]
+                     + [(e["ts"] + e["dur"], -1) for e in events if e["ph"] == "X" and e["cat"] == "request"])
+    right, level, xs, ys = ax.twinx(), 0, [], []
+    for ts, delta in changes:
+        level += delta
+        xs.append(ts / 1e6)
+        ys.append(level)
+    if xs:
+        right.step(xs, ys, where="post", color="tab:green", lw=0.8)
+    ax.set_ylabel("rollout queue (groups)", color="tab:brown", fontsize=8)
+    right.set_ylabel("requests in the engine", color="tab:green", fontsize=8)
+    ax.set_title("rollout queue depth (groups waiting) and the generator's requests in the engine", fontsize=10)
 
 
 def plot_versions(ax, steps: list[dict]) -> None:
-    """Each trained step (at its end): its tokens by the version that sampled them (dot area: share; colour:
-    lag), under the version it trained from."""
-    by_lag: dict[int, list] = {}
+    """Each trained step (a bar over its wait and work): the shares of its tokens by their lag, the versions between
+    the weights it trained from and those that sampled them."""
+    shares: dict[int, dict[int, float]] = {}  # lag -> {step: share}
+    lefts, width = [], []  # (each bar from the end of the step before: steps tile the time)
     steps = [e for e in steps if "version" in e["args"]]
-    for e in steps:
+    for i, e in enumerate(steps):
         counts = {int(v): n for v, n in e["args"].get("tokens_by_version", {}).items() if int(v) >= 0}
         total = sum(counts.values()) or 1
         for v, n in counts.items():
-            by_lag.setdefault(e["args"]["version"] - 1 - v, []).append(((e["ts"] + e["dur"]) / 1e6, v, 40 * n / total))
-    ax.step([(e["ts"] + e["dur"]) / 1e6 for e in steps], [e["args"]["version"] - 1 for e in steps], where="post",
-            color="k", lw=0.6, label="version trained from")
-    for lag, dots in sorted(by_lag.items()):
-        xs, ys, sizes = zip(*dots)
-        ax.scatter(xs, ys, s=sizes, color=f"C{lag % 10}", label=f"tokens {lag} version{'s' * (lag != 1)} old")
-    ax.set(ylabel="version")
-    ax.set_title("each trained batch's tokens by the weight version that sampled them (dot area: share)",
-                 fontsize=10)
-    ax.legend(fontsize=8, loc="upper left", markerscale=1.5)
+            lag = e["args"]["version"] - 1 - v
+            shares.setdefault(lag, {})[i] = shares.get(lag, {}).get(i, 0.0) + n / total
+        width.append((e["ts"] + e["dur"]) / 1e6 - (lefts[-1] + width[-1] if lefts else e["ts"] / 1e6))
+        lefts.append((e["ts"] + e["dur"]) / 1e6 - width[-1])
+    bottom = [0.0] * len(steps)
+    for lag in sorted(shares):
+        values = [shares[lag].get(i, 0.0) for i in range(len(steps))]
+        ax.bar(lefts, values, width=width, bottom=bottom, align="edge", color=f"C{lag % 10}", lw=0,
+               label=f"{lag} version{'s' * (lag != 1)} old")
+        bottom = [b + v for b, v in zip(bottom, values)]
+    if steps:
+        first, last = steps[0]["args"], steps[-1]["args"]
+        ax.text(0.995, 1.02, f"trained versions {first['version'] - 1} to {last['version'] - 1}", ha="right",
+                va="bottom", transform=ax.transAxes, fontsize=8)
+    ax.set(ylabel="share of tokens", ylim=(0, 1))
+    ax.set_title("each trained batch's tokens by the weight version that sampled them (lag: versions behind "
+                 "the weights trained)", fontsize=10)
+    ax.legend(fontsize=8, loc="lower left", title="lag", title_fontsize=8, ncol=6)
 
 
 def busy_line(rows, steps) -> str:
@@ -291,8 +308,8 @@ def busy_line(rows, steps) -> str:
 
     trainer, everything = rows[0][1], rows[-1][1]
     return (f"{len(steps)} steps; trainer 0 waits for data {share(trainer, 'wait'):.0%} of the time; vLLM's engine "
-            f"runs steps {share(everything, 'engine'):.0%}, has nothing to run {share(everything, 'idle'):.0%} "
-            f"(waiting for new weights {share(everything, 'staleness gate'):.0%}), swaps weights "
+            f"runs steps {share(everything, 'engine'):.0%} of it, has nothing to run {share(everything, 'idle'):.0%}; "
+            f"the generator may start no group (--max-lag) {share(everything, 'staleness gate'):.0%}, swaps weights "
             f"{share(everything, 'swap'):.0%}")
 
 

@@ -173,7 +173,7 @@ class Recorder:
         self.meta = [{"ph": "M", "name": "process_name", "pid": self.pid, "args": {"name": name}},
                      {"ph": "M", "name": "process_sort_index", "pid": self.pid, "args": {"sort_index": sort}}]
         self.segment, self.segments, self.lane_count = 0, [0], 0
-        self.new_segment, self.last_flush, self.in_flight, self.broken = True, time.perf_counter(), 0, False
+        self.new_segment, self.last_flush, self.broken = True, time.perf_counter(), False
 
     def track(self, name: str) -> int:
         tid = self.tracks.get(name)
@@ -361,16 +361,11 @@ async def _request(outputs, request_id, args):
     lane = _lane.get()
     own = lane is None
     lane = rec.take_lane() if own else lane
-    rec.in_flight += 1
-    rec.add("C", "requests in flight", "requests in flight", "main", t0, None, {"requests": rec.in_flight})
     try:
         async for out in outputs:
             yield out
     finally:
-        t1 = time.perf_counter()
-        rec.add("X", "request", "request", lane, t0, t1, dict(args, id=request_id))
-        rec.in_flight -= 1
-        rec.add("C", "requests in flight", "requests in flight", "main", t1, None, {"requests": rec.in_flight})
+        rec.add("X", "request", "request", lane, t0, time.perf_counter(), dict(args, id=request_id))
         if own:
             rec.free_lane(lane)
 
@@ -391,7 +386,7 @@ def swap(t0: float, t1: float, t2: float, t3: float, version: int, requests: int
 def watch_engine(worker) -> None:
     """In vLLM's worker (its extension's first call): each engine step a span on "engine steps" with what the
     scheduler sent it (requests, tokens; the ids of requests new, resumed or preempted, by the id the
-    generator sent), and a counter of the requests and tokens per step."""
+    generator sent)."""
     rank = getattr(worker, "rank", 0)
     rec = start(f"vLLM worker {rank}", sort=200 + rank)
     if rec is None or rank != 0:
@@ -399,9 +394,7 @@ def watch_engine(worker) -> None:
     execute, sample, pending = worker.execute_model, getattr(worker, "sample_tokens", None), []
 
     def record(t0, args):
-        t1 = time.perf_counter()
-        rec.add("X", "engine step", "engine", "engine steps", t0, t1, args)
-        rec.add("C", "engine", "engine", "main", t0, None, {"requests": args["requests"], "tokens": args["tokens"]})
+        rec.add("X", "engine step", "engine", "engine steps", t0, time.perf_counter(), args)
 
     def execute_model(scheduler_output, *a, **k):
         t0 = time.perf_counter()

@@ -429,7 +429,6 @@ def generate_alone(cfg, model_path: str, steps: int, cpu_from_step: int | None =
     import prepare
     import processes
     import rollout
-    import tracing
     import train
     import traces
 
@@ -442,12 +441,8 @@ def generate_alone(cfg, model_path: str, steps: int, cpu_from_step: int | None =
     proc = ctx.Process(target=processes.child_entry, name="generator", args=(
         "generator", rollout.generator_main, (settings, shared, queue, control), errors, True))
     t_spawn = time.perf_counter()
-    trace_dir = tempfile.mkdtemp(prefix="asyncgrpo-bench-gen-trace-")
-    tracing.configure(trace_dir, steps + 1)  # (the generator and vLLM's processes read it as they start)
-    try:
+    with traces.Recording() as recording:  # (the generator and vLLM's processes it starts: traced)
         proc.start()
-    finally:
-        tracing.unconfigure()
     snaps = []
 
     def on_step(step):  # CPU time of the generator's processes at the start and the end of the window
@@ -462,10 +457,7 @@ def generate_alone(cfg, model_path: str, steps: int, cpu_from_step: int | None =
         processes.kill_tree(proc, True)
     result["process_s"] = time.perf_counter() - t_spawn
     result["cores_by_role"] = cores_by_role(snaps, proc.pid, "generator") if len(snaps) == 2 else None
-    merged = tracing.merge(trace_dir)
-    result["engine_s_per_token"] = traces.engine_seconds_per_token(traces.load(merged), cpu_from_step or 0) \
-        if merged else None
-    shutil.rmtree(trace_dir, ignore_errors=True)
+    result["engine_s_per_token"] = traces.engine_seconds_per_token(recording.events(), cpu_from_step or 0)
     return result
 
 

@@ -2,6 +2,7 @@
 
     python bench/overlap.py --out DIR        # writes DIR/overlap.json and DIR/overlap.png, prints a table
     python bench/overlap.py --smoke --out DIR  # the suite's size (tests/test_bench.py): --steps 6 --warmup 2
+    python bench/overlap.py --modes lag2 --steps 30 --out DIR   # sync (the baseline) and --max-lag 2 only
 
 What runs, all with the default workload (the tiny model, 32 prompts x 8 completions, 5 new tokens) and the
 same thread budget per process as `python train.py` (half the cores for the generator, the rest for the
@@ -81,7 +82,7 @@ def measure(args, bench, model: str, rep: int) -> dict:
                           "foreign_cores": bench.foreign_cores(t0, time.monotonic())}
     print(f"[overlap] training alone:   {out['train_alone']['step_s_mean'] * 1e3:.0f} ms/step (other processes: "
           f"{out['train_alone']['foreign_cores']} cores)", flush=True)
-    for mode, lag in MODES:
+    for mode, lag in args.modes:
         t0 = time.monotonic()
         run = common.run_train_cli(work / f"{mode}{rep}", ["--steps", str(args.steps), "--max-lag", str(lag),
                                                             "--model", model, "--seed", str(args.seed)],
@@ -106,7 +107,14 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=40, help="optimizer steps per run")
     p.add_argument("--warmup", type=int, default=5, help="first steps left out of every rate")
     p.add_argument("--repeats", type=int, default=1, help="repeat the whole set; medians are reported")
+    p.add_argument("--modes", default=",".join(m for m, _ in MODES), help="comma-separated subset (sync is the "
+                                                                         "baseline: always run)")
     args = common.parse_args(p, argv)
+    asked = {m.strip() for m in args.modes.split(",")} | {"sync"}
+    if asked - {m for m, _ in MODES}:
+        p.error(f"unknown --modes {sorted(asked - {m for m, _ in MODES})}; choose from {[m for m, _ in MODES]}")
+    args.modes = [(m, lag) for m, lag in MODES if m in asked]
+    modes = args.modes
     if args.steps <= args.warmup + 2:
         p.error("--steps must exceed --warmup by at least 3")
     reps = []
@@ -138,7 +146,7 @@ def main(argv=None) -> int:
             "cpu_s_per_step": {"gen": cpu_gen, "train": cpu_train}, "cpu_bound": cpu_bound,
             "cpu_bound_steps_per_s": cpu_bound_rate,
             "sequential_steps_per_s": 1 / (t_gen + t_train), "pipelined_steps_per_s": 1 / max(t_gen, t_train),
-            "alone": {"gen": reps[-1]["gen_alone"], "train": reps[-1]["train_alone"]}, "modes": [m for m, _ in MODES],
+            "alone": {"gen": reps[-1]["gen_alone"], "train": reps[-1]["train_alone"]}, "modes": [m for m, _ in modes],
             "repeats": reps}
     sync_rate = med("sync", "steps_per_s")
     # Cross-check from the sync run itself, where the stages take turns: the trainer's wait per step is the
@@ -147,7 +155,7 @@ def main(argv=None) -> int:
     s_train = med("sync", "train_s_mean")
     data["from_sync_run"] = {"t_gen_s": s_gen, "t_train_s": s_train,
                              "bound": (s_gen + s_train) / max(s_gen, s_train)}
-    for mode, lag in MODES:
+    for mode, lag in modes:
         rate = med(mode, "steps_per_s")
         speedup = rate / sync_rate
         data[mode] = {
@@ -166,7 +174,7 @@ def main(argv=None) -> int:
     rows = [[m, data[m]["max_lag"], data[m]["steps_per_s"], data[m]["speedup"], data[m]["share_of_bound"],
              data[m]["share_of_cpu_bound"],
              data[m]["trainer_wait_frac"], data[m]["generator_wait_frac"], data[m]["train_s_per_step"] * 1e3,
-             (data[m]["gen_busy_s_per_step"] or 0) * 1e3, data[m]["foreign_cores"]] for m, _ in MODES]
+             (data[m]["gen_busy_s_per_step"] or 0) * 1e3, data[m]["foreign_cores"]] for m, _ in modes]
     print()
     print(f"t_gen {t_gen * 1e3:.0f} ms/step alone, t_train {t_train * 1e3:.0f} ms/step alone, bound "
           f"(t_gen + t_train) / max = {bound:.2f}x")
@@ -179,7 +187,7 @@ def main(argv=None) -> int:
                         "generator wait", "train ms/step", "gen busy ms/step", "other processes (cores)"], rows))
     parts = ["share_of_pipelined", "missing", "wait_swap", "wait_gate", "wait_full_queue", "wait_generating",
              "gen_contention", "train_contention", "gen_swap", "gen_gate", "gen_full_queue"]
-    miss_rows = [[m] + [data[m]["missing"][k] for k in parts] for m, _ in MODES if data[m]["missing"]]
+    miss_rows = [[m] + [data[m]["missing"][k] for k in parts] for m, _ in modes if data[m]["missing"]]
     if miss_rows:
         print()
         print(common.table(["mode", "T*/T", "missing", "waits: swap", "waits: gate", "waits: full queue",
@@ -191,7 +199,7 @@ def main(argv=None) -> int:
     cpu_rows = []
     if data["alone"]["gen"].get("cores_by_role"):
         cpu_rows.append(["generation alone"] + [data["alone"]["gen"]["cores_by_role"].get(r) for r in roles])
-    for m, _ in MODES:
+    for m, _ in modes:
         if data[m].get("cores_by_role"):
             cpu_rows.append([m] + [data[m]["cores_by_role"].get(r) for r in roles])
     if cpu_rows:

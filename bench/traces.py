@@ -6,13 +6,35 @@ meanwhile: swapping weights, waiting at the staleness gate, blocked on a full qu
 work (forward and backward, optimizer, publish, evaluation); the generator's swaps, gate, full-queue waits and
 idle engine; vLLM's engine steps (time and scheduled tokens). `engine_seconds_per_token` is the engine's time
 per scheduled token after a given weight version (a generation-alone run has no trainer steps).
+`Recording` traces the processes a benchmark starts inside it (as train.run does a run's).
 Data contract: reads the events' "cat" and args as tracing.py writes them; times in seconds.
-Imports nothing of the project.
 """
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 from pathlib import Path
+
+import tracing
+
+
+class Recording:
+    """`with Recording() as r: proc.start()`: the processes started inside record a trace (as a run's do);
+    `r.events()` afterwards merges what they wrote (and removes it)."""
+
+    def __enter__(self):
+        self.folder = tempfile.mkdtemp(prefix="asyncgrpo-bench-trace-")
+        tracing.configure(self.folder, 10**9)
+        return self
+
+    def __exit__(self, *exc):
+        tracing.unconfigure()
+
+    def events(self) -> list[dict]:
+        merged = tracing.merge(self.folder)
+        shutil.rmtree(self.folder, ignore_errors=True)
+        return load(merged) if merged else []
 
 
 def load(path) -> list[dict]:

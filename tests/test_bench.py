@@ -35,7 +35,7 @@ import engines  # noqa: E402
 
 # the scripts this module runs (memory.py through run_all.py); the rest of bench/ are helpers they import
 SCRIPTS = {"peak_rss", "overlap", "weight_sync", "generator", "env_latency", "dtype", "trainer", "load_memory", "ab",
-           "learning", "eval_cost", "stale_bias", "variants", "distill", "run_all", "memory", "report"}
+           "learning", "eval_cost", "stale_bias", "variants", "distill", "run_all", "memory", "report", "trace_cost"}
 HELPERS = {"common", "engines", "kv_swap", "machine", "traces", "weight_sync_cross"}
 
 
@@ -213,6 +213,14 @@ def test_eval_cost(runs, out):
     data = smoke("eval_cost", out)
     assert sorted(c.eval_every for c in runs) == [0, config.Config().eval_every]
     assert positive(data["cost_ratio"]) and data["runs"]["eval"][0]["evals"]
+
+
+def test_trace_cost(runs, out):
+    runs.clear()
+    data = smoke("trace_cost", out)
+    assert [c.trace_steps for c in runs] == [300, 0] and all(c.steps == 12 for c in runs)
+    assert positive(data["cost_ratio_wall"], data["cost_ratio_process"], data["kb_per_step"], data["draw_s"])
+    assert data["events_per_step"] > 10 and (out / "trace_cost.png").exists()
 
 
 def test_stale_bias(runs, out):

@@ -78,7 +78,7 @@ def test_a_run_writes_a_valid_trace_with_both_sides_and_a_timeline(recorded_run)
 
 
 RECORD = """
-import json, sys, time
+import json, os, sys, time
 import tracing
 name, steps, cat = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 rec, t0 = tracing.start(name), tracing.clock()
@@ -90,13 +90,13 @@ for step in range(steps):
 wall_ns = time.time_ns()
 tracing.complete("mark", tracing.clock())
 tracing.flush()
-print(json.dumps({"wall_ns": wall_ns, "pid": rec.pid, "files": sorted(__import__("os").listdir(rec.folder))}))
+print(json.dumps({"wall_ns": wall_ns, "pid": rec.pid, "files": sorted(os.listdir(rec.folder))}))
 """
 
 
 def record_in_child(name: str, steps: int, cat: str) -> dict:
-    proc = subprocess.run([sys.executable, "-c", RECORD, name, str(steps), cat], cwd=REPO, capture_output=True, text=True,
-                          timeout=60, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    proc = subprocess.run([sys.executable, "-c", RECORD, name, str(steps), cat], cwd=REPO, capture_output=True,
+                          text=True, timeout=60, env=dict(os.environ, PYTHONPATH=str(REPO)))
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
 
