@@ -293,7 +293,8 @@ def plot_versions(ax, steps: list[dict]) -> None:
     ax.set(ylabel="share of tokens", ylim=(0, 1))
     ax.set_title("each trained batch's tokens by the weight version that sampled them (lag: versions behind "
                  "the weights trained)", fontsize=10)
-    ax.legend(fontsize=8, loc="lower left", title="lag", title_fontsize=8, ncol=6)
+    if shares:
+        ax.legend(fontsize=8, loc="lower left", title="lag", title_fontsize=8, ncol=6)
 
 
 def busy_line(rows, steps) -> str:
