@@ -23,6 +23,7 @@ May touch: OUT/trace/ (each process its own files) and OUT/trace.json; nothing e
 from __future__ import annotations
 
 import atexit
+import bisect
 import contextvars
 import functools
 import glob
@@ -133,7 +134,8 @@ def request_phases(events: list[dict]) -> list[dict]:
                 resumed.setdefault(rid, []).append((e["ts"], e["ts"] + e["dur"]))
         elif e.get("cat") == "swap" and e["ph"] == "X":
             swaps.append((e["ts"], e["ts"] + e["dur"]))
-    phases = []
+    phases, swaps = [], sorted(swaps)
+    swap_starts = [a for a, _ in swaps]
     for e in events:
         if e.get("cat") != "request" or e["ph"] != "X":
             continue
@@ -141,7 +143,8 @@ def request_phases(events: list[dict]) -> list[dict]:
         if rid not in first:  # (no engine step of it in the trace: its phases are unknown)
             continue
         running = min(max(first[rid], start), end)
-        spans = [(a, b, "paused (weight swap)") for a, b in swaps if a < end and b > running]
+        near = swaps[max(0, bisect.bisect_left(swap_starts, running) - 1):bisect.bisect_left(swap_starts, end)]
+        spans = [(a, b, "paused (weight swap)") for a, b in near if a < end and b > running]
         resumes = sorted(r for r in resumed.get(rid, ()) if start <= r[0] <= end)
         for p in preempted.get(rid, ()):
             later = [r for r in resumes if r[0] >= p]

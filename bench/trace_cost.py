@@ -9,14 +9,21 @@ neither always runs first). Reported: the medians of the run's own clock (`wall_
 is up) and of the whole process (start-up, the end's merge and drawing included), their ratios traced / not,
 each mode's spread (max - min over its runs, as a share of its median: the noise the ratio must be read
 against), and the trace's size: events and bytes per step, trace.json's size, the time to draw timeline.png.
+On a shared machine the runs' spread hides a cost this small, so the recording's own CPU time is measured too,
+in this process: tracing.py's calls as the run makes them (spans with arguments, lanes and requests on an
+asyncio loop, vLLM scheduler outputs of 256 requests read, every event written to its file), per event, times
+the run's events per step: the CPU seconds per step the trace costs, against the run's seconds per step.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
@@ -65,6 +72,9 @@ def main(argv=None) -> int:
             "spread_process": {m: spread(m, "process_s") for m, _ in MODES},
             "trace_mb": median("trace", "trace_mb"), "events_per_step": median("trace", "events_per_step"),
             "kb_per_step": median("trace", "kb_per_step"), "draw_s": median("trace", "draw_s")}
+    data["cpu_us_per_event"] = recording_cost()
+    data["cpu_share_of_step"] = data["cpu_us_per_event"] * 1e-6 * data["events_per_step"] / statistics.median(
+        x["wall_s"] / args.steps for x in runs["trace"])
     data["cost_ratio_wall"] = data["median_wall_s"]["trace"] / data["median_wall_s"]["no_trace"]
     data["cost_ratio_process"] = data["median_process_s"]["trace"] / data["median_process_s"]["no_trace"]
     path = bench.save(data, plot)
@@ -79,8 +89,53 @@ def main(argv=None) -> int:
           f"{data['spread_wall']['trace']:.0%} traced, {data['spread_wall']['no_trace']:.0%} not; trace.json "
           f"{data['trace_mb']:.2f} MB, {data['kb_per_step']:.1f} kB and {data['events_per_step']:.0f} events per "
           f"step; timeline.png drawn in {data['draw_s']:.1f} s")
+    print(f"recording, measured alone: {data['cpu_us_per_event']:.1f} us of CPU per event, "
+          f"{data['cpu_us_per_event'] * data['events_per_step'] / 1e3:.2f} ms per step = "
+          f"{data['cpu_share_of_step']:.2%} of a step")
     print(bench.closing_line(path))
     return 0
+
+
+def recording_cost(n: int = 4000) -> float:
+    """CPU microseconds per event of tracing.py as a run uses it, written to its file (median of 3 tries)."""
+    import tracing
+
+    scheduled = SimpleNamespace(  # (what one engine step of the default run hands vLLM's worker)
+        num_scheduled_tokens={f"{k}_group-{g}-0badcafe": 1 for g in range(32) for k in range(8)},
+        total_num_scheduled_tokens=256, scheduled_new_reqs=[SimpleNamespace(req_id=f"{k}_group-9-0badcafe")
+                                                            for k in range(8)],
+        scheduled_cached_reqs=SimpleNamespace(resumed_req_ids=set()), preempted_req_ids=set())
+
+    async def outputs():
+        yield None
+
+    async def group(i):
+        async for _ in tracing.request(outputs(), f"group-{i}", n=8):
+            pass
+
+    async def groups():
+        await asyncio.gather(*(tracing.on_lane(group(i), f"group {i}", group=i) for i in range(n // 4)))
+
+    def work(traced: bool):
+        t0 = time.process_time()
+        for i in range(n // 2):  # spans with arguments, as engine steps' (read from vLLM's scheduler output)
+            t = tracing.clock()
+            tracing.complete("engine step", t, cat="engine", track="engine steps",
+                             **(tracing.step_args(scheduled) if traced else {}))
+        asyncio.run(groups())  # a lane and a request each: two spans
+        tracing.flush()
+        return time.process_time() - t0
+
+    tries = []
+    for _ in range(3):
+        off = work(False)  # the same calls with no trace (the loop and its tasks)
+        tracing.configure(tempfile.mkdtemp(prefix="asyncgrpo-trace-cost-"), 10**9)
+        tracing.start("bench")
+        on = work(True)
+        tracing.unconfigure()
+        tracing._recorder = None
+        tries.append((on - off) / n * 1e6)
+    return statistics.median(tries)
 
 
 def trace_size(out: Path, steps: int) -> dict:
