@@ -33,8 +33,9 @@ class Recording:
 
     def events(self) -> list[dict]:
         merged = tracing.merge(self.folder)
+        events = load(merged) if merged else []
         shutil.rmtree(self.folder, ignore_errors=True)
-        return load(merged) if merged else []
+        return events
 
 
 def load(path) -> list[dict]:
