@@ -175,8 +175,8 @@ TRAINER_SPANS = (("wait", "#f4a6a6", "trainer waits for data"), ("forward", "#1f
                  ("evaluation", "#7f7f7f", "evaluation"), ("checkpoint", "#000000", "checkpoint / save"),
                  ("save model", "#000000", None))
 ENGINE_SPANS = (("engine", "#2ca02c", "engine step (vLLM)"),)
-GENERATOR_SPANS = (("idle", "#d9d9d9", "engine idle"), ("staleness gate", "#ff7f0e", "waiting for new weights"),
-                   ("queue full", "#8c564b", "blocked: queue full"), ("swap", "#d62728", "weight swap"))
+GENERATOR_SPANS = (("idle", "#c7c7c7", "engine idle"), ("staleness gate", "#ff7f0e", "no group may start (--max-lag)"),
+                   ("queue full", "#8c564b", "a group blocked: queue full"), ("swap", "#d62728", "weight swap"))
 
 
 def plot_timeline(out_dir: str) -> str | None:
@@ -199,7 +199,8 @@ def plot_timeline(out_dir: str) -> str | None:
     fig, (ax_all, ax_zoom, ax_queue, ax_version) = plt.subplots(
         4, 1, figsize=(15, 11), gridspec_kw={"height_ratios": [3, 3, 1.6, 2.2]})
     draw_rows(ax_all, rows)
-    ax_all.set_title("both sides over the run (wall time since the start; shading: what each side does)", fontsize=10)
+    ax_all.set_title("both sides over the run (wall time since the start; a thin orange bar over grey: the generator "
+                     "waits for newer weights)", fontsize=10)
     window = zoom_window(steps)
     draw_rows(ax_zoom, rows, window)
     ax_zoom.set_title(f"zoom: steps {window[2]}-{window[3]}", fontsize=10)
@@ -211,7 +212,7 @@ def plot_timeline(out_dir: str) -> str | None:
     fig.legend(handles=[matplotlib.patches.Patch(color=c, label=label) for _, c, label in
                         TRAINER_SPANS + ENGINE_SPANS + GENERATOR_SPANS if label],
                loc="upper center", bbox_to_anchor=(0.5, 0.975), ncol=7, fontsize=8, frameon=False)
-    fig.suptitle(f"{os.path.abspath(out_dir)}: {busy_line(rows, steps)}", fontsize=9, y=0.995)
+    fig.suptitle(f"{out_dir}: {busy_line(rows, steps)}", fontsize=9, y=0.995)
     fig.tight_layout(rect=(0, 0, 1, 0.93))
     path = os.path.join(out_dir, "timeline.png")
     fig.savefig(path, dpi=90)
@@ -226,7 +227,8 @@ def draw_rows(ax, rows, window=None) -> None:
         for cat, color, _ in kinds:
             bars = [(e["ts"] / 1e6, e["dur"] / 1e6) for e in events if e["cat"] == cat
                     and e["ts"] / 1e6 < hi and (e["ts"] + e["dur"]) / 1e6 > lo]
-            height = 0.35 if cat in ("forward", "backward", "optimizer", "proximal log-probs") else 0.7
+            thin = cat in ("forward", "backward", "optimizer", "proximal log-probs", "staleness gate")
+            height = 0.35 if thin else 0.7
             ax.broken_barh(bars, (-y - height / 2, height), color=color, lw=0)
     ax.set_yticks([-y for y in range(len(rows))], [label for label, _, _ in rows], fontsize=8)
     ax.set_ylim(-len(rows) + 0.4, 0.6)

@@ -28,14 +28,17 @@ t_gen and t_train read off the sync run itself (the trainer's wait and train tim
 Where the missing share goes, per mode, from the run's OUT/trace.json (bench/traces.py) over the same steady
 window. A step takes T = trainer wait + trainer work; the bound allows T* = max(t_gen, t_train), so the share
 missing is (T - T*) / T, split exactly into (each a share of T):
-- the trainer waited while the generator swapped weights (`wait_swap`), waited at the staleness gate for
-  newer weights (`wait_gate`), or was blocked on a full queue (`wait_full_queue`);
+- the trainer waited while the generator swapped weights (`wait_swap`), had nothing in the engine because the
+  staleness gate let no group start (waiting for newer weights: `wait_weights`), had nothing in the engine
+  otherwise (`wait_idle`), or had a group blocked on a full queue (`wait_full_queue`);
 - it waited while the generator generated, beyond the max(0, t_gen - t_train) the bound itself leaves
   (`wait_generating`); of which an estimate of CPU contention on the generator's side (`gen_contention`:
   vLLM's engine time per scheduled token in the run against generation alone, times the step's tokens), the
   rest generation not overlapped with training;
-- training took longer than alone (`train_contention`: the trainer's work per step less t_train; CPU
-  contention, plus what the run adds: publishing to a generator that reads, evaluation).
+- the trainer evaluated (`evaluation`: asking for and collecting held-out evaluations, the final one waited
+  for; training alone evaluates nothing);
+- training took longer than alone (`train_contention`: the trainer's other work per step less t_train: CPU
+  contention, and what the run adds, such as publishing to a generator that reads).
 """
 from __future__ import annotations
 
@@ -185,14 +188,16 @@ def main(argv=None) -> int:
           f"{cpu_gen + cpu_train:.3f} CPU-s per step on {info['cores']} cores -> at most {cpu_bound:.2f}x")
     print(common.table(["mode", "max lag", "steps/s", "speedup", "share of bound", "share of CPU bound", "trainer wait",
                         "generator wait", "train ms/step", "gen busy ms/step", "other processes (cores)"], rows))
-    parts = ["share_of_pipelined", "missing", "wait_swap", "wait_gate", "wait_full_queue", "wait_generating",
-             "gen_contention", "train_contention", "gen_swap", "gen_gate", "gen_full_queue"]
+    parts = ["share_of_pipelined", "missing", "wait_swap", "wait_weights", "wait_idle", "wait_full_queue",
+             "wait_generating", "gen_contention", "evaluation", "train_contention", "gen_swap", "gen_weights",
+             "gen_full_queue"]
     miss_rows = [[m] + [data[m]["missing"][k] for k in parts] for m, _ in modes if data[m]["missing"]]
     if miss_rows:
         print()
-        print(common.table(["mode", "T*/T", "missing", "waits: swap", "waits: gate", "waits: full queue",
-                            "waits: generation", "(of it: CPU contention)", "training slower than alone",
-                            "gen: swapping", "gen: at the gate", "gen: queue full"], miss_rows,
+        print(common.table(["mode", "T*/T", "missing", "waits: swap", "waits: for weights", "waits: idle engine",
+                            "waits: full queue", "waits: generation", "(of it: CPU contention)", "evaluation",
+                            "training slower than alone", "gen: swapping", "gen: waiting for weights",
+                            "gen: queue full"], miss_rows,
                            title="where the missing share of the bound goes (shares of a step, from the traces; "
                                  "'waits': the trainer waits while the generator does that):"))
     roles = ["trainer", "generator", "engine_core", "vllm_worker", "parent", "helpers", "total"]
@@ -226,11 +231,14 @@ def missing_share(breakdowns: list, t_gen: float, t_train: float, engine_s_per_t
     if engine_s_per_token:  # the engine's time per step in the run less the same tokens at its speed alone
         contention = max(0.0, min(generating, med("engine_s") - engine_s_per_token * med("engine_tokens")))
     out = {"share_of_pipelined": bound / step, "missing": 1 - bound / step,
-           "wait_swap": med("wait_during_swap_s") / step, "wait_gate": med("wait_during_gate_s") / step,
-           "wait_full_queue": med("wait_during_full_queue_s") / step, "gen_contention": contention / step,
-           "wait_generating": generating / step, "train_contention": (med("trainer_busy_s") - t_train) / step,
-           "gen_swap": med("gen_swap_s") / step, "gen_gate": med("gen_gate_s") / step,
-           "gen_full_queue": med("gen_full_queue_s") / step, "step_s": step, "trace": rows[-1]}
+           "wait_swap": med("wait_during_swap_s") / step, "wait_weights": med("wait_for_weights_s") / step,
+           "wait_idle": med("wait_engine_idle_s") / step, "wait_full_queue": med("wait_during_full_queue_s") / step,
+           "gen_contention": contention / step, "wait_generating": generating / step,
+           "evaluation": med("evaluation_s") / step,
+           "train_contention": (med("trainer_busy_s") - med("evaluation_s") - t_train) / step,
+           "gen_swap": med("gen_swap_s") / step,
+           "gen_weights": med("gen_for_weights_s") / step, "gen_full_queue": med("gen_full_queue_s") / step,
+           "step_s": step, "trace": rows[-1]}
     return out
 
 
@@ -262,10 +270,10 @@ def plot(data: dict, path: Path) -> None:
     ax2.set_ylabel("fraction of wall time")
     ax2.set_title("who waits")
     ax2.legend(fontsize=7)
-    parts = (("wait_swap", "trainer waits: swap"), ("wait_gate", "trainer waits: staleness gate"),
-             ("wait_full_queue", "trainer waits: queue full"), ("gen_contention", "trainer waits: generation, "
-                                                                                  "CPU contention (estimate)"),
-             ("not_overlapped", "trainer waits: generation, not overlapped"),
+    parts = (("wait_swap", "trainer waits: swap"), ("wait_weights", "trainer waits: generator waits for weights"),
+             ("wait_idle", "trainer waits: engine idle"), ("wait_full_queue", "trainer waits: queue full"),
+             ("gen_contention", "trainer waits: generation, CPU contention (estimate)"),
+             ("not_overlapped", "trainer waits: generation, not overlapped"), ("evaluation", "evaluation"),
              ("train_contention", "training slower than alone"))
     bottom = [0.0] * len(modes)
     for key, label in parts:

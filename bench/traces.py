@@ -1,11 +1,13 @@
 """bench/traces.py — stage times read from a run's OUT/trace.json (tracing.py), for bench/overlap.py.
 
 Role: `steady_breakdown(trace, warmup)` sums, over a run's steady window (after the first `warmup` steps, as
-common.steady), what each side did per step: trainer rank 0's wait for data (split by what the generator did
-meanwhile: swapping weights, waiting at the staleness gate, blocked on a full queue, anything else) and its
-work (forward and backward, optimizer, publish, evaluation); the generator's swaps, gate, full-queue waits and
-idle engine; vLLM's engine steps (time and scheduled tokens). `engine_seconds_per_token` is the engine's time
-per scheduled token after a given weight version (a generation-alone run has no trainer steps).
+common.steady), what each side did per step: trainer rank 0's wait for data, split by what the generator did
+meanwhile (in this order: swapping weights; nothing in the engine while the staleness gate let no group
+start, i.e. waiting for newer weights; nothing in the engine otherwise; a group blocked on a full queue;
+generating), and its work (forward and backward, optimizer, publish, evaluation); the generator's swaps, its
+waits for weights with nothing to run, its full-queue waits, its idle engine; vLLM's engine steps (time,
+tokens). `engine_seconds_per_token` is the engine's time per scheduled token after a given weight version (a
+generation-alone run has no trainer steps).
 `Recording` traces the processes a benchmark starts inside it (as train.run does a run's).
 Data contract: reads the events' "cat" and args as tracing.py writes them; times in seconds.
 """
@@ -107,25 +109,23 @@ def steady_breakdown(events: list[dict], warmup: int) -> dict | None:
     def per_step(cat, pid=None):
         return clip(intervals(events, cat, pid), lo, hi)
 
-    wait, swap, gate, full = per_step("wait", trainer), per_step("swap"), per_step("staleness gate"), \
-        per_step("queue full")
-    wait_swap = intersect(wait, swap)
-    wait_gate = intersect(subtract(wait, swap), gate)
-    wait_full = intersect(subtract(subtract(wait, swap), gate), full)
+    wait, swap, idle, full = per_step("wait", trainer), per_step("swap"), per_step("idle"), per_step("queue full")
+    for_weights = intersect(idle, per_step("staleness gate"))  # nothing to run, and no group may start
+    parts, rest = {}, wait
+    for key, spans in (("swap", swap), ("weights", for_weights), ("idle", idle), ("full_queue", full)):
+        parts[key], rest = intersect(rest, spans), subtract(rest, spans)
     engine = [e for e in events if e["ph"] == "X" and e.get("cat") == "engine" and lo <= e["ts"] / 1e6 < hi]
-    out = {"steps": n, "window_s": hi - lo, "step_s": (hi - lo) / n,
-           "trainer_wait_s": total(wait) / n, "wait_during_swap_s": total(wait_swap) / n,
-           "wait_during_gate_s": total(wait_gate) / n, "wait_during_full_queue_s": total(wait_full) / n,
-           "trainer_busy_s": total(per_step("step", trainer)) / n,
+    out = {"steps": n, "window_s": hi - lo, "step_s": (hi - lo) / n, "trainer_wait_s": total(wait) / n,
+           "wait_during_swap_s": total(parts["swap"]) / n, "wait_for_weights_s": total(parts["weights"]) / n,
+           "wait_engine_idle_s": total(parts["idle"]) / n, "wait_during_full_queue_s": total(parts["full_queue"]) / n,
+           "wait_while_generating_s": total(rest) / n, "trainer_busy_s": total(per_step("step", trainer)) / n,
            "engine_s": total(intervals(engine, "engine")) / n,
            "engine_tokens": sum(e["args"]["tokens"] for e in engine) / n}
-    out["wait_while_generating_s"] = (out["trainer_wait_s"] - out["wait_during_swap_s"] - out["wait_during_gate_s"]
-                                      - out["wait_during_full_queue_s"])
     for key, cat in (("forward_backward_s", ("forward", "backward")), ("optimizer_s", ("optimizer",)),
                      ("publish_s", ("publish",)), ("evaluation_s", ("evaluation", "checkpoint", "save model"))):
         out[key] = sum(total(per_step(c, trainer)) for c in cat) / n
-    for key, spans in (("gen_swap_s", swap), ("gen_gate_s", gate), ("gen_full_queue_s", full),
-                       ("gen_idle_s", per_step("idle"))):
+    for key, spans in (("gen_swap_s", swap), ("gen_for_weights_s", for_weights), ("gen_full_queue_s", full),
+                       ("gen_idle_s", idle)):
         out[key] = total(spans) / n
     return out
 

@@ -132,7 +132,8 @@ def test_overlap(runs, out):
     assert positive(data["t_gen_s"], data["t_train_s"], data["cpu_bound"]) and 1 <= data["bound"] <= 2
     assert data["t_train_s"] < 10  # seconds a step, not minutes (issue 29: a loop sized by --max-lag 10**6)
     assert positive(data["alone"]["gen"]["engine_s_per_token"])  # (from the generation-alone run's trace)
-    parts = ("wait_swap", "wait_gate", "wait_full_queue", "wait_generating", "train_contention")
+    parts = ("wait_swap", "wait_weights", "wait_idle", "wait_full_queue", "wait_generating", "evaluation",
+             "train_contention")
     for mode in data["modes"]:
         assert positive(data[mode]["steps_per_s"], data[mode]["speedup"], data[mode]["share_of_bound"])
         missing = data[mode]["missing"]  # (the recorded run's trace): its parts add up to the share missing
