@@ -46,9 +46,12 @@ class ExpectedReloadWarnings(logging.Filter):
 
 
 def checkpoint_skeleton(hf_config):
-    """The trainer's model (transformers 5) on the meta device: what names the reverse weight conversion."""
-    from transformers import AutoModelForCausalLM
+    """The trainer's model (transformers 5) on the meta device: what names the reverse weight conversion. None
+    for a config that is not transformers' (a stand-in worker's): its slots pass under their own names."""
+    from transformers import AutoModelForCausalLM, PretrainedConfig
 
+    if not isinstance(hf_config, PretrainedConfig):
+        return None
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(hf_config)
 
@@ -61,6 +64,8 @@ def checkpoint_tensors(skeleton, name: str, tensor: torch.Tensor) -> list[tuple[
     views of `tensor` where they can be, else copies of one parameter at a time."""
     from transformers.core_model_loading import revert_weight_conversion
 
+    if skeleton is None:
+        return [(name, tensor)]
     return list(revert_weight_conversion(skeleton, {name: tensor}).items())
 
 
