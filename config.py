@@ -38,7 +38,8 @@ class Config:
     seed: int = 0  # seeds the tiny model, the prompts drawn and the sampling
     model: str = ""  # Hugging Face model directory or hub id; "" builds the tiny default model into OUT/init_model
     #   (TINY_MOE: a tiny Qwen3-MoE, 8 experts, 2 routed per token, the copy tokenizer, into OUT/init_moe_model)
-    out: str = "runs/latest"  # output folder: metrics.jsonl, summary.json, plots.png, model/, checkpoints/
+    out: str = "runs/latest"  # output folder: metrics.jsonl, summary.json, plots.png, trace.json, timeline.png,
+    #   model/, checkpoints/
     # asynchrony
     max_lag: int = 2  # train only on samples whose oldest token is <= this many versions old (0: on-policy)
     queue_size: int = 64  # rollout groups waiting in the queue, at most
@@ -172,6 +173,8 @@ class Config:
     # logging
     log_every: int = 10  # print a progress line every N steps
     log_level: str = "warning"  # warning: progress lines, warnings, errors; info / debug: also vLLM's own log
+    trace_steps: int = 300  # OUT/trace.json (Perfetto, chrome://tracing) and OUT/timeline.png hold the last N
+    #   steps of every process's timeline (0: no trace)
     wandb: str = "off"  # log to Weights & Biases: online | offline | off
     wandb_project: str = "asyncgrpo"  # the wandb project
     # beyond one node (remote.py): the generator on its own machine, the trainer ranks under torchrun
@@ -273,6 +276,8 @@ def validate(cfg: Config) -> None:
                         f"--max-new-tokens {cfg.max_new_tokens}: give more than {cfg.max_new_tokens}")
     if cfg.eval_every < 0 or cfg.eval_samples < 0 or cfg.max_prompt_tokens < 0:
         problems.append("--eval-every, --eval-samples and --max-prompt-tokens must be >= 0")
+    if cfg.trace_steps < 0:
+        problems.append(f"--trace-steps must be >= 0 (0: no trace; got {cfg.trace_steps})")
     if cfg.eval_prompts < 1:
         problems.append(f"--eval-prompts must be >= 1 (got {cfg.eval_prompts})")
     if any(s == "" for s in cfg.stop):

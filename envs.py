@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import data
 import rewards
 import tools as tools_lib
+import tracing
 from chat import Renderer, as_messages  # noqa: F401  (Renderer: envs.Renderer, as before)
 from buffer import RolloutGroup, tag_versions
 from routes import fitted, known_prefix
@@ -174,6 +175,7 @@ async def call_env(ep: Episode, what: str, method, args, threads, timeout_s: flo
         raise EnvFault(f"{what} raised {type(e).__name__}: {first_line(e)}") from None
     finally:
         ep.env_s.append(time.perf_counter() - t0)
+        tracing.complete(f"env.{what}", t0, track=tracing.LANE, cat="env")
 
 
 def checked_observation(value, what: str, allow_none: bool):
@@ -306,9 +308,9 @@ async def run_episodes(gen, prompt, sampling: dict, request_id: str, count: int,
             envs_.append(gen.task.factory())
         except Exception as e:  # the factory itself failed: that episode ends before it starts
             envs_.append(FailedEnv(f"creating the env raised {type(e).__name__}: {first_line(e)}"))
-    episodes = await asyncio.gather(*(
-        run_episode(gen, env, prompt, Turns(sampling, f"{request_id}-{j}", None if seed is None else seed + 31 * j))
-        for j, env in enumerate(envs_)))
+    episodes = await asyncio.gather(*(tracing.on_lane(
+        run_episode(gen, env, prompt, Turns(sampling, f"{request_id}-{j}", None if seed is None else seed + 31 * j)),
+        "episode", id=f"{request_id}-{j}") for j, env in enumerate(envs_)))
     gen.task.report_faults(episodes)
     return list(episodes), envs_
 

@@ -6,17 +6,22 @@ SIGKILL the run did not send gets a line naming the memory flag to lower). Ctrl-
 after the current step with a checkpoint (130 / 143); a second Ctrl-C stops at once. A SIGTERM sent to a
 child is forwarded to the parent (SLURM signals every process of a job step): any number of them is one
 stop. While a trainer saves (`saving`), the parent waits for it up to --save-timeout-s before it kills.
-The generator has its own process group, so killing it also kills vLLM's EngineCore: nothing is left behind.
+The generator has its own process group, so killing it also kills vLLM's EngineCore: nothing is left behind;
+a child whose parent dies (SIGKILL, a CI timeout) ends at once, with its group. A child that succeeds, and the
+parent, end without the interpreter's teardown (`exit_now`).
 Data contract: `Control`, the flags and counters every child shares; `run_children(ctx, children, errors,
 control)`, children by name -> (function, args, own_process_group) ("trainer*" ranks end the run; a
 generator node, remote.py, runs the generator alone); (name, traceback) pairs on `errors`.
 May touch: the processes it starts, the parent's signal handlers while the run lasts.
 """
+import atexit
 import contextlib
 import multiprocessing.connection
+import multiprocessing.util
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -71,6 +76,7 @@ def child_entry(name, fn, args, errors, own_process_group):
     else:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides what Ctrl-C means (it gets it too)
     signal.signal(signal.SIGTERM, forward_to(os.getppid()))
+    end_with_parent(own_process_group)
     try:
         fn(*args)
     except BaseException:
@@ -79,6 +85,34 @@ def child_entry(name, fn, args, errors, own_process_group):
         errors.join_thread()  # the traceback must reach the parent before this process ends
         sys.stderr.flush()
         os._exit(1)
+    exit_now(0)
+
+
+def exit_now(code: int) -> None:
+    """End this process once its work is done: the exit handlers run (atexit's, then multiprocessing's, which
+    hands on what the process put on the run's queues), but not the interpreter's teardown of torch and vLLM
+    (their C++ threads and allocations: 3-20 s at the end of every run, none of it ours)."""
+    atexit._run_exitfuncs()
+    multiprocessing.util._exit_function()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def end_with_parent(own_process_group: bool) -> None:
+    """If the parent dies without ending the run (SIGKILL, the OOM killer, a CI timeout), this child ends too,
+    with every process it started (a generator's group holds vLLM's EngineCore): no orphan keeps a core busy."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch():
+        multiprocessing.connection.wait([parent.sentinel])  # readable once the parent is gone
+        if own_process_group:
+            os.killpg(os.getpgrp(), signal.SIGKILL)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def wait_for(event, stop, timeout_s, what) -> bool:

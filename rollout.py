@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import chat
 import data
 import envs
+import tracing
 from buffer import RolloutGroup, put_group, tag_versions
 from config import Config
 from devices import enter_generator_devices, torch_dtype
@@ -120,8 +121,8 @@ class Generator:
 
     def generate(self, ids: list[int], params, request_id: str):
         """The engine's outputs for one request of token `ids`, under the weights it serves."""
-        return self.engine.generate(self.prompt_input(ids), params, request_id=request_id,
-                                    **self.served.request_options)
+        return tracing.request(self.engine.generate(self.prompt_input(ids), params, request_id=request_id,
+                                                    **self.served.request_options), request_id, n=params.n)
 
     def request_params(self, max_tokens: int | None = None, **sampling):
         """vLLM's SamplingParams for one request: final output only, the run's stop strings and length
@@ -165,6 +166,7 @@ class Generator:
     def _count_generating(self, delta: int) -> None:
         now = time.perf_counter()
         if self.generating == 0 and delta > 0 and self.idle_since is not None:
+            tracing.complete("engine idle", self.idle_since, now, track="engine idle", cat="idle")
             self.stats["idle_s"] += now - self.idle_since
             self.idle_since = None
         self.generating += delta
@@ -182,6 +184,7 @@ class Generator:
         self.stats["eval_tokens"] = self.stats.get("eval_tokens", 0) + tokens
         self.control.eval_results.put(EvalResult(step, version, [r[0] for r in results], time.perf_counter() - t0,
                                                  tokens, [r[2] for r in results if len(r) > 2]))
+        tracing.complete(f"evaluation (step {step})", t0, track="evaluation", cat="evaluation", version=version)
 
     async def eval_prompt(self, step: int, i: int, prompt: Prompt, version: int) -> tuple[list[float], int]:
         """[reward of the greedy completion, rewards of the samples] for one held-out prompt, and its tokens."""
@@ -265,6 +268,8 @@ class Generator:
             waited = await asyncio.to_thread(put_group, self.queue, group, self.control.stop.is_set,
                                              self.cfg.timeout_s)
             self.stats["queue_wait_s"] += waited
+            tracing.complete("queue full", time.perf_counter() - waited, track=tracing.LANE, cat="queue full")
+        tracing.counter("rollout queue", groups=tracing.qsize(self.queue))
 
     async def engine_call(self, awaitable, what: str):
         """Await an engine call, failing fast if vLLM's EngineCore dies (a dead engine never answers)."""
@@ -314,6 +319,7 @@ class Generator:
         self.sync_parts.append({"pause_ms": (t1 - t0) * 1e3, "load_ms": (t2 - t1) * 1e3,
                                 "reset_ms": (t3 - t2) * 1e3, "resume_ms": (time.perf_counter() - t3) * 1e3,
                                 "requests": in_flight})
+        tracing.swap(t0, t1, t2, t3, version, in_flight)
 
     def load_rpc(self, version: int):
         """The worker call that loads the buffer's contents: the full weights, or the adapter in place."""
@@ -343,7 +349,8 @@ class Generator:
         # keeps the version; skips still to come only lower it, so the bound holds).
         landing_step = (self.issued - self.control.groups_dropped.value) // self.cfg.prompts_per_step
         landing_version = landing_step - self.control.steps_skipped.value
-        return self.loaded_version >= landing_version - self.cfg.max_lag
+        return not tracing.state("staleness gate", "waiting for new weights (--max-lag)",
+                                 self.loaded_version < landing_version - self.cfg.max_lag)
 
     def _done(self, task: asyncio.Task):
         self.running.discard(task)
@@ -390,7 +397,8 @@ class Generator:
                 self.maybe_start_eval()
             if self.may_start_group():
                 epoch, row = data.walk(self.issued, len(self.task.prompts), self.cfg.seed)  # a function of the id
-                task = asyncio.create_task(self.run_group(self.issued, self.task.prompts[row], epoch))
+                group = self.run_group(self.issued, self.task.prompts[row], epoch)
+                task = asyncio.create_task(tracing.on_lane(group, f"group {self.issued}", group=self.issued))
                 task.add_done_callback(self._done)
                 self.running.add(task)
                 self.issued += 1
@@ -418,6 +426,7 @@ def generator_main(settings: GeneratorSettings, shared, rollout_queue, control) 
     os.environ["PYTHONPATH"] = HERE + os.pathsep + os.environ.get("PYTHONPATH", "")  # for the extension
     sys.path.insert(0, HERE)
     os.environ.setdefault("OMP_NUM_THREADS", str(settings.cfg.gen_threads or 1))  # (0: an unresolved Config)
+    tracing.start("generator", sort=100)
     gen = Generator(settings, shared, rollout_queue, control)
     engine = gen.build_engine()
     try:
@@ -425,14 +434,19 @@ def generator_main(settings: GeneratorSettings, shared, rollout_queue, control) 
     finally:
         if settings.cfg.log_level == "warning":
             quiet_requested_shutdown()
-        engine.shutdown()
+        # On CPU, vLLM 0.32's worker lingers after acknowledging the shutdown and is force-killed after 5 s
+        # anyway; there is no device memory to release, so the engine gets 1 s (GPUs: vLLM's own grace).
+        engine.shutdown(timeout=CPU_ENGINE_SHUTDOWN_S if settings.device == "cpu" else None)
         gen.engine = engine = None  # no second shutdown from __del__ at interpreter exit
+
+
+CPU_ENGINE_SHUTDOWN_S = 1.0  # what vLLM's EngineCore gets to exit on CPU before it is killed with its worker
 
 
 def quiet_requested_shutdown() -> None:
     """vLLM 0.32's CPU worker lingers after it acknowledges the shutdown, so at every end of a run vLLM force-
-    kills it after 5 s and logs three "[shutdown] ... force killing" warnings. We asked for this shutdown and
-    nothing is lost: those lines are left out (with --log-level info they show)."""
+    kills it (after CPU_ENGINE_SHUTDOWN_S) and logs three "[shutdown] ... force killing" warnings. We asked for
+    this shutdown and nothing is lost: those lines are left out (with --log-level info they show)."""
     class RequestedShutdown(logging.Filter):
         def filter(self, record):
             return not record.getMessage().startswith("[shutdown]")

@@ -27,11 +27,13 @@ import checkpoint
 import devices
 import evaluation
 import metrics
+import plots
 import prepare
+import tracing
 from models import build_frozen_models, build_policy, check_layout, checkpoint_layers
 from config import Config, inactive_flags, parse_args
 from advantages import estimate_advantages
-from processes import make_control, run_children, saving, wait_for
+from processes import exit_now, make_control, run_children, saving, wait_for
 from rollout import generator_main
 from sync import publish_model, trainable_parameters
 from update import learning_rate, shaped_rewards, update_on_batch
@@ -67,11 +69,13 @@ def train(trainer: Rank) -> int:
     """The algorithm, one rollout batch per step; returns the step it stopped at (cfg.steps when done)."""
     cfg = trainer.cfg
     for step in range(trainer.prepared.start_step, cfg.steps):
+        tracing.step(step)
         t_wait = time.perf_counter()
         taken = take_batch(trainer)
         if taken is None:  # asked to stop (a signal, or another process failed): every rank leaves together
             return step
         wait_s, t_step = time.perf_counter() - t_wait, time.perf_counter()
+        tracing.complete("wait for data", t_wait, t_step, cat="wait", step=step)
         # ---- the algorithm: rewards -> advantages -> a batch of fresh-enough tokens -> the GRPO update ----
         rewards, truncated = shaped_rewards(taken.groups, cfg)
         # an unscored sample (a reward or env fault) gets advantage 0 and stays out of every statistic
@@ -99,6 +103,7 @@ def train(trainer: Rank) -> int:
         if (trainer.version % cfg.sync_every == 0 or (last and cfg.eval_every > 0)) and not skipped:
             publish_model(trainer.model, trainer.shared, trainer.version, trainer.rank, trainer.world_size)
             trainer.published = trainer.version
+            tracing.complete("publish", t_publish, version=trainer.version)
         publish_ms = (time.perf_counter() - t_publish) * 1e3
         train_s = time.perf_counter() - t_step
         evals = evaluate(trainer, step, last)
@@ -115,7 +120,18 @@ def train(trainer: Rank) -> int:
             save_checkpoint(trainer, step + 1)
         if cfg.save_hf_every and (step + 1) % cfg.save_hf_every == 0 and not last:  # (the end writes it anyway)
             save_hf_model(trainer)
+        tracing.complete(f"step {step}", t_step, cat="step", **step_args(trainer, step, batch))
     return cfg.steps
+
+
+def step_args(trainer: Rank, step: int, batch) -> dict:
+    """What the trace's step span says: the step, rank and version after it, and (rank 0) its trained tokens
+    by the version that sampled them."""
+    args = {"step": step, "rank": trainer.rank, "version": trainer.version}
+    if trainer.rank == 0 and tracing.enabled():
+        versions, counts = batch.token_versions[batch.mask].unique(return_counts=True)
+        args["tokens_by_version"] = dict(zip(map(str, versions.tolist()), counts.tolist()))
+    return args
 
 
 def take_batch(trainer: Rank):
@@ -131,6 +147,7 @@ def take_batch(trainer: Rank):
                                        on_drop=functools.partial(count_dropped_group, trainer.control))
         except buffer.Stopped:
             taken = None
+        tracing.counter("rollout queue", groups=tracing.qsize(trainer.rollout_queue))
     return broadcast(taken, trainer.world_size)
 
 
@@ -168,12 +185,17 @@ def evaluate(trainer: Rank, step: int, last: bool) -> list:
     final one is waited for). Rank 0 only (the generator evaluated step 0 before it was ready)."""
     if trainer.rank != 0 or trainer.cfg.eval_every <= 0:
         return []
+    t0 = time.perf_counter()
     if (step + 1) % trainer.cfg.eval_every == 0 or last:
         evaluation.request(trainer.control, step + 1, trainer.published)
-    return evaluation.collect(trainer.control, trainer.cfg.steps if last else None, trainer.cfg.timeout_s,
-                              trainer.control.stop.is_set)
+    answers = evaluation.collect(trainer.control, trainer.cfg.steps if last else None, trainer.cfg.timeout_s,
+                                 trainer.control.stop.is_set)
+    if answers or last:
+        tracing.complete("evaluation", t0, answers=len(answers))
+    return answers
 
 
+@tracing.timed("checkpoint")
 def save_checkpoint(trainer: Rank, step: int) -> str:
     """A sharded checkpoint (every rank writes); the parent waits for it if the run is ending meanwhile."""
     t0 = time.perf_counter()
@@ -186,6 +208,7 @@ def save_checkpoint(trainer: Rank, step: int) -> str:
     return where
 
 
+@tracing.timed("save model")
 def save_hf_model(trainer: Rank) -> None:
     """OUT/model (with LoRA OUT/adapter): gathered, written by rank 0."""
     with saving(trainer.control):
@@ -261,6 +284,7 @@ def finish_rank(trainer: Rank, step: int) -> None:
 def trainer_main(cfg: Config, prepared: prepare.Prepared, rank: int, world_size: int, shared, rollout_queue,
                  control, init_file: str) -> None:
     """One FSDP2 rank, from start to end."""
+    tracing.start(f"trainer {rank}", sort=rank)
     trainer = start_rank(cfg, prepared, rank, world_size, shared, rollout_queue, control, init_file)
     if trainer is not None:
         finish_rank(trainer, train(trainer))
@@ -293,6 +317,7 @@ def run(cfg: Config) -> int:
     control.steps_skipped.value = prepared.start_step - prepared.start_version  # (and from here)
     settings = prepare.generator_settings(cfg, prepared, adapter_dir)
     init_file = tempfile.mktemp(prefix="asyncgrpo-dist-")
+    tracing.configure(cfg.out, cfg.trace_steps)  # (the children inherit where to write)
     children = {"generator": (generator_main, (settings, shared, rollout_queue, control), True)}
     for rank in range(cfg.train_ranks):
         children[f"trainer{rank}"] = (trainer_main, (cfg, prepared, rank, cfg.train_ranks, shared, rollout_queue,
@@ -302,6 +327,21 @@ def run(cfg: Config) -> int:
     finally:
         if os.path.exists(init_file):
             os.unlink(init_file)
+        write_timeline(cfg)
+
+
+def write_timeline(cfg: Config) -> None:
+    """OUT/trace.json from every process's trace events, and OUT/timeline.png from it (even after a failure:
+    it shows what happened). Never fails the run: a problem is one warning line."""
+    tracing.unconfigure()
+    if cfg.trace_steps <= 0:
+        return
+    try:
+        if tracing.merge(cfg.out, remove_parts=True):
+            plots.plot_timeline(cfg.out)
+    except Exception as e:
+        print(f"warning: no {cfg.out}/trace.json or timeline.png ({type(e).__name__}: {e})", file=sys.stderr,
+              flush=True)
 
 
 def main(argv=None) -> int:
@@ -314,4 +354,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

@@ -21,6 +21,7 @@ import torch.distributed as dist
 import buffer
 import heads
 import replay
+import tracing
 from config import Config
 from losses import (behaviour_weights, distill_advantages, dsv32_sequence_mask, geometric_mean_mask, icepop_mask,
                     kl_penalty, mismatch_k3, policy_loss, score_tokens)
@@ -68,8 +69,11 @@ def update_on_batch(model, ref_model, optimizer, batch, cfg, rank, world_size, v
                 mb = mb.to(device)
                 # recorded routes (--router-replay) hold through the backward: a checkpointed layer recomputes them
                 with replay.routed_by(model, mb, measure=not proximal and updates == 0) as routing:
+                    t_forward = tracing.clock()
                     terms = micro_batch_loss(model, ref_model, teacher, mb, cfg, units, tokens)
+                    t_backward = tracing.complete("forward", t_forward, rows=len(mb))
                     (terms.loss * world_size).backward()  # FSDP2 averages gradients over ranks: their sum
+                    tracing.complete("backward", t_backward)
                 replay.add_counts(stats, routing)
                 diagnostics(stats, terms, mb, cfg, version, measure_agreement=not proximal and updates == 0)
                 loss += terms.loss.detach()
@@ -79,6 +83,7 @@ def update_on_batch(model, ref_model, optimizer, batch, cfg, rank, world_size, v
             updates += 1
             if optimizer is None:
                 break
+            t_optimizer = tracing.clock()
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
             loss = loss.double().cpu().reshape(1)  # (the grad norm and this: an update's host syncs)
@@ -90,6 +95,7 @@ def update_on_batch(model, ref_model, optimizer, batch, cfg, rank, world_size, v
             else:
                 skipped += 1
             optimizer.zero_grad(set_to_none=True)
+            tracing.complete("optimizer step", t_optimizer, cat="optimizer")
     result = step_result(stats, world_size)
     result.metrics["updates"] = len(norms)
     return UpdateResult(result.loss / updates, sum(norms) / len(norms) if norms else math.nan, result.logprob_diff,
@@ -343,6 +349,7 @@ def reference_logprobs(ref_model, batch, temperature):
         return completion_logprobs(ref_model, batch, temperature).logp
 
 
+@tracing.timed("proximal log-probs")
 def proximal_logprobs(model, batch, cfg, rank, world_size, device="cpu", stats=None) -> torch.Tensor:
     """(B, T) log-probs of the batch's tokens under the weights before its first update (the proximal policy),
     without gradients, micro-batched and chunked as training is. Each rank scores its own rows; a sum over

@@ -16,6 +16,7 @@ import logging
 
 import torch
 
+import tracing
 from routes import RouteRecorder
 from weight_buffer import SharedWeights
 
@@ -114,6 +115,7 @@ class WeightSyncWorker(RouteRecorder):
         # visible to this process). No snapshot on a GPU: vLLM has already sized its KV cache to fill its share.
         # On CPU a snapshot is allocated only if an in-place load ever has to fall back to it.
         self._snapshot = None
+        tracing.watch_engine(self)  # (with OUT/trace: each engine step, from now on)
         return self._shared.buffer.numel()
 
     def _load_device(self) -> torch.device:
@@ -122,6 +124,7 @@ class WeightSyncWorker(RouteRecorder):
         except AttributeError:
             return torch.device("cpu")
 
+    @tracing.timed("load weights", track="weight loads", step_from_result=True)
     def load_shared_weights(self, min_version: int = -1) -> int:
         """Reload the newest consistent weights into the engine; returns the version loaded.
 
@@ -187,6 +190,7 @@ class WeightSyncWorker(RouteRecorder):
         if method is not None and hasattr(method, "process_weights_after_loading"):
             method.process_weights_after_loading(lm_head)
 
+    @tracing.timed("load adapter", track="weight loads", step_from_result=True)
     def load_shared_adapter(self, min_version: int, adapter_dir: str, lora_id: int) -> int:
         """LoRA (`--lora-rank`): the buffer holds only the adapter. Copy a consistent snapshot of it and make
         it the engine's adapter `lora_id` in place of the previous one (requests keep their LoRARequest).

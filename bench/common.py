@@ -422,13 +422,15 @@ def stand_in_trainer(queue, control, shared, model_path: str, steps: int, prompt
 def generate_alone(cfg, model_path: str, steps: int, cpu_from_step: int | None = None) -> dict:
     """Generation with no training: the real generator process (`rollout.generator_main`, started like
     `train.run` starts it) feeding `stand_in_trainer` (here, in this process). Returns the groups (the
-    batches a run would train on) and, per step, when its last group arrived."""
+    batches a run would train on), per step when its last group arrived, and from its trace (tracing.py) vLLM's
+    engine time per scheduled token from the swap to version `cpu_from_step` on (`engine_s_per_token`)."""
     import torch.multiprocessing as mp
 
     import prepare
     import processes
     import rollout
     import train
+    import traces
 
     ctx = mp.get_context("spawn")
     shared = prepare.allocate_shared_weights(model_path)
@@ -439,7 +441,8 @@ def generate_alone(cfg, model_path: str, steps: int, cpu_from_step: int | None =
     proc = ctx.Process(target=processes.child_entry, name="generator", args=(
         "generator", rollout.generator_main, (settings, shared, queue, control), errors, True))
     t_spawn = time.perf_counter()
-    proc.start()
+    with traces.Recording() as recording:  # (the generator and vLLM's processes it starts: traced)
+        proc.start()
     snaps = []
 
     def on_step(step):  # CPU time of the generator's processes at the start and the end of the window
@@ -454,6 +457,7 @@ def generate_alone(cfg, model_path: str, steps: int, cpu_from_step: int | None =
         processes.kill_tree(proc, True)
     result["process_s"] = time.perf_counter() - t_spawn
     result["cores_by_role"] = cores_by_role(snaps, proc.pid, "generator") if len(snaps) == 2 else None
+    result["engine_s_per_token"] = traces.engine_seconds_per_token(recording.events(), cpu_from_step or 0)
     return result
 
 

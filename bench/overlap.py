@@ -2,6 +2,7 @@
 
     python bench/overlap.py --out DIR        # writes DIR/overlap.json and DIR/overlap.png, prints a table
     python bench/overlap.py --smoke --out DIR  # the suite's size (tests/test_bench.py): --steps 6 --warmup 2
+    python bench/overlap.py --modes lag2 --steps 30 --out DIR   # sync (the baseline) and --max-lag 2 only
 
 What runs, all with the default workload (the tiny model, 32 prompts x 8 completions, 5 new tokens) and the
 same thread budget per process as `python train.py` (half the cores for the generator, the rest for the
@@ -23,6 +24,21 @@ weights; the cores each process used (trainer, generator, vLLM's EngineCore and 
 window; the CPU bound (both stages' CPU-seconds per step, measured alone, fitted into the machine's cores:
 overlap cannot beat it when the stages together need more cores than there are); and a cross-check of
 t_gen and t_train read off the sync run itself (the trainer's wait and train time per step).
+
+Where the missing share goes, per mode, from the run's OUT/trace.json (bench/traces.py) over the same steady
+window. A step takes T = trainer wait + trainer work; the bound allows T* = max(t_gen, t_train), so the share
+missing is (T - T*) / T, split exactly into (each a share of T):
+- the trainer waited while the generator swapped weights (`wait_swap`), had nothing in the engine because the
+  staleness gate let no group start (waiting for newer weights: `wait_weights`), had nothing in the engine
+  otherwise (`wait_idle`), or had a group blocked on a full queue (`wait_full_queue`);
+- it waited while the generator generated, beyond the max(0, t_gen - t_train) the bound itself leaves
+  (`wait_generating`); of which an estimate of CPU contention on the generator's side (`gen_contention`:
+  vLLM's engine time per scheduled token in the run against generation alone, times the step's tokens), the
+  rest generation not overlapped with training;
+- the trainer evaluated (`evaluation`: asking for and collecting held-out evaluations, the final one waited
+  for; training alone evaluates nothing);
+- training took longer than alone (`train_contention`: the trainer's other work per step less t_train: CPU
+  contention, and what the run adds, such as publishing to a generator that reads).
 """
 from __future__ import annotations
 
@@ -33,6 +49,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+import traces  # noqa: E402
 
 MODES = (("sync", 0), ("lag1", 1), ("lag2", 2), ("lag4", 4))
 
@@ -49,6 +66,7 @@ def measure(args, bench, model: str, rep: int) -> dict:
                         "step_s_typical": common.typical_mean(gen_steps),
                         "tokens_per_step": statistics.fmean(gen["tokens"][args.warmup:]),
                         "sync_ms_median": statistics.median(gen["sync_ms"]) if gen["sync_ms"] else None,
+                        "engine_s_per_token": gen.get("engine_s_per_token"),
                         "engine_ready_wait_s": gen["ready_wait_s"], "process_s": time.perf_counter() - t,
                         "cores_by_role": gen["cores_by_role"],
                         "foreign_cores": bench.foreign_cores(t0, time.monotonic())}
@@ -67,7 +85,7 @@ def measure(args, bench, model: str, rep: int) -> dict:
                           "foreign_cores": bench.foreign_cores(t0, time.monotonic())}
     print(f"[overlap] training alone:   {out['train_alone']['step_s_mean'] * 1e3:.0f} ms/step (other processes: "
           f"{out['train_alone']['foreign_cores']} cores)", flush=True)
-    for mode, lag in MODES:
+    for mode, lag in args.modes:
         t0 = time.monotonic()
         run = common.run_train_cli(work / f"{mode}{rep}", ["--steps", str(args.steps), "--max-lag", str(lag),
                                                             "--model", model, "--seed", str(args.seed)],
@@ -78,6 +96,8 @@ def measure(args, bench, model: str, rep: int) -> dict:
         st["max_token_lag"] = run["summary"].get("max_token_lag")
         st["dropped_stale"] = run["summary"].get("dropped_stale")
         st["foreign_cores"] = bench.foreign_cores(t0, time.monotonic())
+        trace = work / f"{mode}{rep}" / "trace.json"
+        st["trace"] = traces.steady_breakdown(traces.load(trace), args.warmup) if trace.exists() else None
         out[mode] = st
         print(f"[overlap] {mode:5s} (--max-lag {lag}): {st['steps_per_s']:.2f} steps/s, trainer waits "
               f"{st['trainer_wait_frac']:.0%}, generator waits {st.get('generator_wait_frac') or 0:.0%} "
@@ -90,7 +110,14 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=40, help="optimizer steps per run")
     p.add_argument("--warmup", type=int, default=5, help="first steps left out of every rate")
     p.add_argument("--repeats", type=int, default=1, help="repeat the whole set; medians are reported")
+    p.add_argument("--modes", default=",".join(m for m, _ in MODES), help="comma-separated subset (sync is the "
+                                                                         "baseline: always run)")
     args = common.parse_args(p, argv)
+    asked = {m.strip() for m in args.modes.split(",")} | {"sync"}
+    if asked - {m for m, _ in MODES}:
+        p.error(f"unknown --modes {sorted(asked - {m for m, _ in MODES})}; choose from {[m for m, _ in MODES]}")
+    args.modes = [(m, lag) for m, lag in MODES if m in asked]
+    modes = args.modes
     if args.steps <= args.warmup + 2:
         p.error("--steps must exceed --warmup by at least 3")
     reps = []
@@ -122,7 +149,7 @@ def main(argv=None) -> int:
             "cpu_s_per_step": {"gen": cpu_gen, "train": cpu_train}, "cpu_bound": cpu_bound,
             "cpu_bound_steps_per_s": cpu_bound_rate,
             "sequential_steps_per_s": 1 / (t_gen + t_train), "pipelined_steps_per_s": 1 / max(t_gen, t_train),
-            "alone": {"gen": reps[-1]["gen_alone"], "train": reps[-1]["train_alone"]}, "modes": [m for m, _ in MODES],
+            "alone": {"gen": reps[-1]["gen_alone"], "train": reps[-1]["train_alone"]}, "modes": [m for m, _ in modes],
             "repeats": reps}
     sync_rate = med("sync", "steps_per_s")
     # Cross-check from the sync run itself, where the stages take turns: the trainer's wait per step is the
@@ -131,7 +158,7 @@ def main(argv=None) -> int:
     s_train = med("sync", "train_s_mean")
     data["from_sync_run"] = {"t_gen_s": s_gen, "t_train_s": s_train,
                              "bound": (s_gen + s_train) / max(s_gen, s_train)}
-    for mode, lag in MODES:
+    for mode, lag in modes:
         rate = med(mode, "steps_per_s")
         speedup = rate / sync_rate
         data[mode] = {
@@ -142,13 +169,15 @@ def main(argv=None) -> int:
             "train_s_per_step": med(mode, "train_s_mean"), "gen_busy_s_per_step": med(mode, "gen_busy_s_per_step"),
             "sync_ms_median": med(mode, "sync_ms_median"), "lag_mean": med(mode, "lag_mean"),
             "cores_by_role": reps[-1][mode]["cores_by_role"], "foreign_cores": med(mode, "foreign_cores"),
+            "missing": missing_share([r[mode].get("trace") for r in reps], t_gen, t_train,
+                                     med("gen_alone", "engine_s_per_token")),
         }
     path = bench.save(data, plot)
 
     rows = [[m, data[m]["max_lag"], data[m]["steps_per_s"], data[m]["speedup"], data[m]["share_of_bound"],
              data[m]["share_of_cpu_bound"],
              data[m]["trainer_wait_frac"], data[m]["generator_wait_frac"], data[m]["train_s_per_step"] * 1e3,
-             (data[m]["gen_busy_s_per_step"] or 0) * 1e3, data[m]["foreign_cores"]] for m, _ in MODES]
+             (data[m]["gen_busy_s_per_step"] or 0) * 1e3, data[m]["foreign_cores"]] for m, _ in modes]
     print()
     print(f"t_gen {t_gen * 1e3:.0f} ms/step alone, t_train {t_train * 1e3:.0f} ms/step alone, bound "
           f"(t_gen + t_train) / max = {bound:.2f}x")
@@ -159,11 +188,23 @@ def main(argv=None) -> int:
           f"{cpu_gen + cpu_train:.3f} CPU-s per step on {info['cores']} cores -> at most {cpu_bound:.2f}x")
     print(common.table(["mode", "max lag", "steps/s", "speedup", "share of bound", "share of CPU bound", "trainer wait",
                         "generator wait", "train ms/step", "gen busy ms/step", "other processes (cores)"], rows))
+    parts = ["share_of_pipelined", "missing", "wait_swap", "wait_weights", "wait_idle", "wait_full_queue",
+             "wait_generating", "gen_contention", "evaluation", "train_contention", "gen_swap", "gen_weights",
+             "gen_full_queue"]
+    miss_rows = [[m] + [data[m]["missing"][k] for k in parts] for m, _ in modes if data[m]["missing"]]
+    if miss_rows:
+        print()
+        print(common.table(["mode", "T*/T", "missing", "waits: swap", "waits: for weights", "waits: idle engine",
+                            "waits: full queue", "waits: generation", "(of it: CPU contention)", "evaluation",
+                            "training slower than alone", "gen: swapping", "gen: waiting for weights",
+                            "gen: queue full"], miss_rows,
+                           title="where the missing share of the bound goes (shares of a step, from the traces; "
+                                 "'waits': the trainer waits while the generator does that):"))
     roles = ["trainer", "generator", "engine_core", "vllm_worker", "parent", "helpers", "total"]
     cpu_rows = []
     if data["alone"]["gen"].get("cores_by_role"):
         cpu_rows.append(["generation alone"] + [data["alone"]["gen"]["cores_by_role"].get(r) for r in roles])
-    for m, _ in MODES:
+    for m, _ in modes:
         if data[m].get("cores_by_role"):
             cpu_rows.append([m] + [data[m]["cores_by_role"].get(r) for r in roles])
     if cpu_rows:
@@ -174,10 +215,37 @@ def main(argv=None) -> int:
     return 0
 
 
+def missing_share(breakdowns: list, t_gen: float, t_train: float, engine_s_per_token: float | None) -> dict | None:
+    """The missing share of the bound and its parts, as shares of a step (medians over repeats); see the
+    module's docstring. None without a trace."""
+    rows = [b for b in breakdowns if b]
+    if not rows:
+        return None
+
+    def med(key):
+        return statistics.median(b[key] for b in rows)
+
+    step, bound = med("step_s"), max(t_gen, t_train)
+    generating = med("wait_while_generating_s") - max(0.0, t_gen - t_train)
+    contention = 0.0
+    if engine_s_per_token:  # the engine's time per step in the run less the same tokens at its speed alone
+        contention = max(0.0, min(generating, med("engine_s") - engine_s_per_token * med("engine_tokens")))
+    out = {"share_of_pipelined": bound / step, "missing": 1 - bound / step,
+           "wait_swap": med("wait_during_swap_s") / step, "wait_weights": med("wait_for_weights_s") / step,
+           "wait_idle": med("wait_engine_idle_s") / step, "wait_full_queue": med("wait_during_full_queue_s") / step,
+           "gen_contention": contention / step, "wait_generating": generating / step,
+           "evaluation": med("evaluation_s") / step,
+           "train_contention": (med("trainer_busy_s") - med("evaluation_s") - t_train) / step,
+           "gen_swap": med("gen_swap_s") / step,
+           "gen_weights": med("gen_for_weights_s") / step, "gen_full_queue": med("gen_full_queue_s") / step,
+           "step_s": step, "trace": rows[-1]}
+    return out
+
+
 def plot(data: dict, path: Path) -> None:
     plt = common.plt()
     modes = data["modes"]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 4.5))
     rates = [data[m]["steps_per_s"] for m in modes]
     ax1.bar(modes, rates, color=["#999999"] + ["#1f77b4"] * (len(modes) - 1))
     ax1.axhline(data["sequential_steps_per_s"], ls="--", color="k", lw=1,
@@ -202,6 +270,23 @@ def plot(data: dict, path: Path) -> None:
     ax2.set_ylabel("fraction of wall time")
     ax2.set_title("who waits")
     ax2.legend(fontsize=7)
+    parts = (("wait_swap", "trainer waits: swap"), ("wait_weights", "trainer waits: generator waits for weights"),
+             ("wait_idle", "trainer waits: engine idle"), ("wait_full_queue", "trainer waits: queue full"),
+             ("gen_contention", "trainer waits: generation, CPU contention (estimate)"),
+             ("not_overlapped", "trainer waits: generation, not overlapped"), ("evaluation", "evaluation"),
+             ("train_contention", "training slower than alone"))
+    bottom = [0.0] * len(modes)
+    for key, label in parts:
+        values = [(m_["wait_generating"] - m_["gen_contention"] if key == "not_overlapped" else m_[key])
+                  if m_ else 0.0 for m_ in (data[m]["missing"] for m in modes)]
+        ax3.bar(list(x), values, 0.6, bottom=bottom, label=label)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax3.plot(list(x), [data[m]["missing"]["missing"] if data[m]["missing"] else 0 for m in modes], "k_", ms=30,
+             mew=2, label="missing: 1 - max(t_gen, t_train) / step")
+    ax3.set_xticks(list(x), modes)
+    ax3.set_ylabel("share of a step")
+    ax3.set_title("where the missing share goes (from the traces)")
+    ax3.legend(fontsize=6)
     common.save_figure(fig, path, data, "overlap")
 
 

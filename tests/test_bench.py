@@ -4,9 +4,10 @@ The helpers (common.py, machine.py, kv_swap.py, weight_sync_cross.py) run inside
 
 The benchmarks run in this process; what they start (vLLM engines, trainer processes, ranks, probes) is real,
 but shared where it is expensive:
-- one real `python train.py` run, made by `bench/peak_rss.py --smoke` (peak_rss's own smoke), stands in for
-  every train.py run a benchmark asks `common.run_train_cli` for: each one's flags go through train.py's own
-  parser and checks (`config.parse_args`), and its OUT gets the recorded run's files (model/ linked);
+- one real `python train.py` run, made by `bench/peak_rss.py --smoke` (peak_rss's own smoke; in tests/conftest.py,
+  shared with tests/test_trace.py), stands in for every train.py run a benchmark asks `common.run_train_cli` for:
+  each one's flags go through train.py's own parser and checks (`config.parse_args`), and its OUT gets the
+  recorded run's files (model/ linked);
 - one real generation-alone recording (`common.generate_alone`) serves overlap.py and trainer.py;
 - a smoke session (bench/engines.py) for the whole module: generator.py, env_latency.py and weight_sync.py run
   their measurements in this process on one vLLM engine for the tiny model (and one with LoRA), and models of
@@ -34,8 +35,9 @@ import engines  # noqa: E402
 
 # the scripts this module runs (memory.py through run_all.py); the rest of bench/ are helpers they import
 SCRIPTS = {"peak_rss", "overlap", "weight_sync", "generator", "env_latency", "dtype", "trainer", "load_memory", "ab",
-           "learning", "eval_cost", "stale_bias", "variants", "distill", "moe", "run_all", "memory", "report"}
-HELPERS = {"common", "engines", "kv_swap", "machine", "weight_sync_cross"}
+           "learning", "eval_cost", "stale_bias", "variants", "distill", "moe", "run_all", "memory", "report",
+           "trace_cost"}
+HELPERS = {"common", "engines", "kv_swap", "machine", "traces", "weight_sync_cross"}
 
 
 def finite(*values):
@@ -66,15 +68,9 @@ def session(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def recorded(tmp_path_factory):
-    """The one real train.py run, under bench/peak_rss.py --smoke: (its folder, peak_rss's figures)."""
-    import peak_rss
-
-    where = tmp_path_factory.mktemp("recorded")
-    with pytest.MonkeyPatch.context() as env:  # (no vLLM worker process beside the EngineCore: engines.py)
-        env.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        assert peak_rss.main(["--smoke", "--out", str(where / "peak_rss.json"), "--", "--out", str(where / "run")]) == 0
-    return where / "run", json.loads((where / "peak_rss.json").read_text())
+def recorded(recorded_run):
+    """The one real train.py run (tests/conftest.py: bench/peak_rss.py --smoke): (its folder, peak_rss's figures)."""
+    return recorded_run
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +83,7 @@ def runs(recorded):
         out_dir = Path(out_dir)
         asked.append(config.parse_args(["--out", str(out_dir), *args]))  # train.py's parser and checks
         out_dir.mkdir(parents=True, exist_ok=True)
-        for name in ("metrics.jsonl", "summary.json"):
+        for name in ("metrics.jsonl", "summary.json", "trace.json"):
             shutil.copy(run_dir / name, out_dir / name)
         if not (out_dir / "model").exists():
             (out_dir / "model").symlink_to(run_dir / "model")  # a teacher for distill.py's students
@@ -136,8 +132,15 @@ def test_overlap(runs, out):
     assert [c.max_lag for c in runs] == [0, 1, 2, 4] and all(c.steps == 6 for c in runs)
     assert positive(data["t_gen_s"], data["t_train_s"], data["cpu_bound"]) and 1 <= data["bound"] <= 2
     assert data["t_train_s"] < 10  # seconds a step, not minutes (issue 29: a loop sized by --max-lag 10**6)
+    assert positive(data["alone"]["gen"]["engine_s_per_token"])  # (from the generation-alone run's trace)
+    parts = ("wait_swap", "wait_weights", "wait_idle", "wait_full_queue", "wait_generating", "evaluation",
+             "train_contention")
     for mode in data["modes"]:
         assert positive(data[mode]["steps_per_s"], data[mode]["speedup"], data[mode]["share_of_bound"])
+        missing = data[mode]["missing"]  # (the recorded run's trace): its parts add up to the share missing
+        assert finite(missing["missing"], missing["gen_contention"], missing["gen_swap"], *(missing[k] for k in parts))
+        assert abs(sum(missing[k] for k in parts) - missing["missing"]) < 0.02
+        assert 0 <= missing["gen_contention"] <= max(0.0, missing["wait_generating"]) + 1e-9
 
 
 def test_weight_sync(out):
@@ -212,6 +215,14 @@ def test_eval_cost(runs, out):
     data = smoke("eval_cost", out)
     assert sorted(c.eval_every for c in runs) == [0, config.Config().eval_every]
     assert positive(data["cost_ratio"]) and data["runs"]["eval"][0]["evals"]
+
+
+def test_trace_cost(runs, out):
+    runs.clear()
+    data = smoke("trace_cost", out)
+    assert [c.trace_steps for c in runs] == [300, 0] and all(c.steps == 12 for c in runs)
+    assert positive(data["cost_ratio_wall"], data["cost_ratio_process"], data["kb_per_step"], data["draw_s"])
+    assert data["events_per_step"] > 10 and (out / "trace_cost.png").exists()
 
 
 def test_stale_bias(runs, out):

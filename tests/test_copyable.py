@@ -89,10 +89,31 @@ def use_advantages():
         assert got[0, 2:].tolist() == [0.0, 0.0] and got[0, 0] > 0 > got[0, 1], estimator
 
 
+def use_tracing():
+    import json
+    import os
+    import tempfile
+
+    import tracing
+
+    out = tempfile.mkdtemp()
+    tracing.configure(out, steps=10)  # (a run's parent; its children inherit the environment)
+    assert tracing.start("worker") is not None
+    t0 = tracing.clock()
+    tracing.complete("work", t0, t0 + 0.5, items=3)
+    tracing.counter("queue", depth=2)
+    tracing.flush()
+    tracing.unconfigure()
+    events = json.load(open(tracing.merge(out, remove_parts=True)))["traceEvents"]
+    assert [e["dur"] for e in events if e["ph"] == "X"] == [500000.0] and not os.path.exists(f"{out}/trace")
+    assert {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"} == {"worker"}
+
+
 COPYABLE = {
     "weight_buffer.py": use_weight_buffer,
     "losses.py": use_losses,
     "advantages.py": use_advantages,
+    "tracing.py": use_tracing,
 }
 
 

@@ -315,3 +315,44 @@ def test_a_child_killed_by_the_kernel_is_reported_as_memory_with_the_flag_that_l
     else:
         assert "error: trainer0 died (exit code 1)" in err and "not a memory problem" in err
         assert "memory" not in err.replace("not a memory problem", "")
+
+
+ORPHAN_SCRIPT = """
+import subprocess, sys, time
+import torch.multiprocessing as mp
+import processes
+
+def generator():  # its own process group, with a process of its own inside it (as vLLM's EngineCore)
+    engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    print("engine", engine.pid, flush=True)
+    time.sleep(120)
+
+def trainer():
+    time.sleep(120)
+
+if __name__ == "__main__":
+    ctx = mp.get_context("spawn")
+    children = {"generator": (generator, (), True), "trainer0": (trainer, (), False)}
+    processes.run_children(ctx, children, ctx.Queue(), processes.make_control(ctx))
+"""
+
+
+def test_a_run_whose_parent_is_killed_leaves_no_process_behind(tmp_path):
+    """SIGKILL of the run's parent (a CI timeout, the OOM killer) ends its children and what they started
+    (a generator's group holds vLLM's EngineCore): nothing is left running, reparented to init."""
+    import psutil
+
+    script = tmp_path / "run.py"
+    script.write_text(ORPHAN_SCRIPT)
+    parent = subprocess.Popen([sys.executable, str(script)], cwd=REPO, stdout=subprocess.PIPE, text=True,
+                              env=dict(os.environ, PYTHONPATH=REPO))
+    line = parent.stdout.readline()  # the grandchild is up: every process of the run exists now
+    assert line.startswith("engine"), line
+    family = psutil.Process(parent.pid).children(recursive=True)
+    assert len(family) >= 3 and int(line.split()[1]) in {p.pid for p in family}
+    parent.kill()
+    parent.wait(timeout=10)
+    gone, alive = psutil.wait_procs(family, timeout=20)
+    for proc in alive:
+        proc.kill()
+    assert not alive, f"left running after the parent died: {[p.pid for p in alive]}"
