@@ -10,8 +10,9 @@ at `eval/step`), `completion_len` (+ `_min`, `_max`), `lag_hist/<k>` (older runs
 `epoch`, `env/...` and `stale_by_turns` (env runs). A missing key leaves its panel empty. Six panels: reward,
 held-out evaluation, completion length, staleness, sync latency, epochs (env runs: episodes instead). The
 timeline reads the trace's events by their "cat" (tracing.py): each trainer rank's waits and work, the
-generator's engine steps, idle engine, staleness gate, weight swaps and full-queue waits, the queue's depth, the
-requests in the engine (from the request spans), and each step's trained tokens by version (rank 0's step spans).
+generator's engine steps, evaluations, idle engine, staleness gate, weight swaps and full-queue waits, the
+queue's depth, the requests in the engine (from the request spans), and each step's trained tokens by version
+(rank 0's step spans).
 May touch: OUT/plots.png and OUT/timeline.png (and OUT/trace.json, through tracing.merge, from the command line).
 """
 from __future__ import annotations
@@ -175,7 +176,8 @@ TRAINER_SPANS = (("wait", "#f4a6a6", "trainer waits for data"), ("forward", "#1f
                  ("evaluation", "#7f7f7f", "evaluation"), ("checkpoint", "#000000", "checkpoint / save"),
                  ("save model", "#000000", None))
 ENGINE_SPANS = (("engine", "#2ca02c", "engine step (vLLM)"),)
-GENERATOR_SPANS = (("idle", "#c7c7c7", "engine idle"), ("staleness gate", "#ff7f0e", "no group may start (--max-lag)"),
+GENERATOR_SPANS = (("evaluation", "#7f7f7f", None), ("idle", "#c7c7c7", "engine idle"),
+                   ("staleness gate", "#ff7f0e", "no group may start (--max-lag)"),
                    ("queue full", "#8c564b", "a group blocked: queue full"), ("swap", "#d62728", "weight swap"))
 
 

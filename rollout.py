@@ -13,7 +13,8 @@ token, the version of the weights that sampled it (and, when recorded, its route
 loaded weights are at most --max-lag versions behind the trainer version that will consume it (its step less
 the steps skipped).
 Reads the buffer's version and `Control`.
-May touch: its engine, the queue, the shared buffer (read only), `Control`. Nothing of the trainer.
+May touch: its engine, the queue, the shared buffer (read only), `Control`, its trace events (tracing.py).
+Nothing of the trainer.
 """
 from __future__ import annotations
 
@@ -349,7 +350,7 @@ class Generator:
         # keeps the version; skips still to come only lower it, so the bound holds).
         landing_step = (self.issued - self.control.groups_dropped.value) // self.cfg.prompts_per_step
         landing_version = landing_step - self.control.steps_skipped.value
-        return not tracing.state("staleness gate", "waiting for new weights (--max-lag)",
+        return not tracing.state("staleness gate", "no new group (--max-lag)",
                                  self.loaded_version < landing_version - self.cfg.max_lag)
 
     def _done(self, task: asyncio.Task):

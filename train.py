@@ -6,7 +6,8 @@ trainer ranks, and supervises them (processes.py). Each rank loops: take a batch
 -> log (metrics.py) and save (checkpoint.py).
 Data contract: trainer version = rollout batches trained on; a sample is trained on only if its oldest
 token is at most --max-lag versions old. OUT/ gets metrics.jsonl, summary.json, model/ (Hugging Face format;
-with --lora-rank adapter/), checkpoints/.
+with --lora-rank adapter/), checkpoints/, and from every process's trace events (tracing.py) trace.json and
+timeline.png.
 May touch: everything under --out; it spawns and kills its own children.
 """
 import functools

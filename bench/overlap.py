@@ -286,7 +286,8 @@ def plot(data: dict, path: Path) -> None:
     ax3.set_xticks(list(x), modes)
     ax3.set_ylabel("share of a step")
     ax3.set_title("where the missing share goes (from the traces)")
-    ax3.legend(fontsize=6)
+    ax3.set_ylim(min(0.0, *bottom), 1.7 * max(0.05, *bottom))
+    ax3.legend(fontsize=6, loc="upper right")
     common.save_figure(fig, path, data, "overlap")
 
 
