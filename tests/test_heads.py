@@ -23,6 +23,7 @@ import buffer
 import heads
 import losses
 import update
+from spawned import result_of_child
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 300
@@ -319,10 +320,6 @@ def serve_sync_and_score(models: dict, results) -> None:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """serve_sync_and_score over ENGINE_FAMILIES, in one spawned child: {family: figures}."""
-    import queue as queue_lib
-
-    import torch.multiprocessing as mp
-
     import tasks
 
     models = {}
@@ -330,21 +327,7 @@ def served(tmp_path_factory):
         path = tasks.build_tiny_model(str(tmp_path_factory.mktemp(family) / "model"))  # the copy task's tokenizer
         tiny_model(family, vocab=26, gain=RUN_HEAD_GAIN[family]).save_pretrained(path)
         models[family] = path
-    os.environ["PYTHONPATH"] = os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])  # vllm_worker by name
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    child = ctx.Process(target=serve_sync_and_score, args=(models, results))
-    child.start()
-    try:
-        status, value = results.get(timeout=ENGINE_TIMEOUT_S)
-    except queue_lib.Empty:
-        status, value = "error", f"no result in {ENGINE_TIMEOUT_S} s (exit code {child.exitcode})"
-    finally:
-        child.join(timeout=30)
-        if child.is_alive():
-            child.kill()
-    assert status == "ok", value
-    return value
+    return result_of_child(serve_sync_and_score, (models,), ENGINE_TIMEOUT_S)
 
 
 @pytest.mark.parametrize("model_type", ENGINE_FAMILIES)
