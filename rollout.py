@@ -418,6 +418,11 @@ class Generator:
         await asyncio.gather(*pending, return_exceptions=True)
         self.reward_threads.shutdown(wait=False, cancel_futures=True)
         self.task.close()
+        if tracing.enabled():  # the worker's last events: vLLM kills it at shutdown, before its own last flush
+            try:
+                await asyncio.wait_for(self.engine.collective_rpc("flush_trace"), timeout=10)
+            except Exception:  # a dead engine: its trace ends where its last flush did
+                pass
 
 
 def generator_main(settings: GeneratorSettings, shared, rollout_queue, control) -> None:

@@ -123,6 +123,10 @@ class WeightSyncWorker(RouteRecorder):
         tracing.watch_engine(self)  # (with OUT/trace: each engine step, from now on)
         return self._shared.buffer.numel()
 
+    def flush_trace(self) -> None:
+        """Write this worker's trace events now (the generator asks before the engine shuts down)."""
+        tracing.flush()
+
     def _load_device(self) -> torch.device:
         try:
             return torch.device(self.device)  # a GPU worker's own GPU
