@@ -2,13 +2,32 @@
 
 Role: the engine checks of test_heads.py and test_moe.py start several vLLM engines in one child process (each
 engine in-process there), so a crash or hang in vLLM fails the test instead of the pytest process.
-Data contract: `target(*args, results)` puts one ("ok", value) or ("error", text) on `results`.
+Data contract: `target(*args)` returns one picklable value; its exception fails the test with its traceback.
 May touch: PYTHONPATH (the repository, so the child finds vllm_worker by name).
 """
+import gc
 import os
 import queue as queue_lib
+import traceback
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_and_report(target, args: tuple, results) -> None:
+    """In the child: ("ok", target(*args)) or ("error", its traceback) on `results`."""
+    try:
+        results.put(("ok", target(*args)))
+    except BaseException:
+        results.put(("error", traceback.format_exc()))
+
+
+def end_in_process_engine() -> None:
+    """Release an in-process vLLM engine (after `del` of the last reference) so the next one can start."""
+    from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+    destroy_model_parallel()
+    destroy_distributed_environment()
+    gc.collect()
 
 
 def result_of_child(target, args: tuple, timeout_s: float):
@@ -18,7 +37,7 @@ def result_of_child(target, args: tuple, timeout_s: float):
     os.environ["PYTHONPATH"] = os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])  # vllm_worker by name
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    child = ctx.Process(target=target, args=(*args, results))
+    child = ctx.Process(target=run_and_report, args=(target, args, results))
     child.start()
     try:
         status, value = results.get(timeout=timeout_s)

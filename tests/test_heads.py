@@ -23,7 +23,7 @@ import buffer
 import heads
 import losses
 import update
-from spawned import result_of_child
+from spawned import end_in_process_engine, result_of_child
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 300
@@ -255,66 +255,56 @@ RUN_HEAD_GAIN = {"granite": 4.0, "gemma2": 10.0, "gemma3_text": 10.0, "cohere": 
 ENGINE_TIMEOUT_S = 600
 
 
-def serve_sync_and_score(models: dict, results) -> None:
+def serve_sync_and_score(models: dict) -> dict:
     """In a child: for each family, a vLLM engine on its model; the trainer's HF model moved off the served
     weights, published into the shared buffer and loaded by the worker; 8 prompts x 4 samples of 5 tokens; per
     family the largest |vLLM - trainer| log-prob under the new weights, the smallest under the old ones (the
     sync took), and the sampled tokens' mean entropy."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process: a quick start
-    import gc
-
     from vllm import LLM, SamplingParams
-    from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
 
     import prepare
     import sync
 
     out = {}
-    try:
-        for family, path in models.items():
-            start = time.perf_counter()
-            llm = LLM(model=path, tokenizer=path, dtype=torch.float32, seed=0, enforce_eager=True,
-                      logprobs_mode="processed_logprobs", worker_extension_cls="vllm_worker.WeightSyncWorker",
-                      kv_cache_memory_bytes=32 * 2**20, max_model_len=64, enable_prefix_caching=True)
-            shared = prepare.allocate_shared_weights(path)
-            llm.collective_rpc("attach_shared_weights", args=(shared.to_bytes(),))
-            model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-            old = [p.detach().clone() for p in model.parameters()]
-            g = torch.Generator().manual_seed(1)
-            with torch.no_grad():  # about a few AdamW steps' worth of change, on every weight
-                for p in model.parameters():
-                    p.add_(0.02 * p.std() * torch.randn(p.shape, generator=g))
-            sync.publish_model(model, shared, 1, 0, 1)
-            loaded = llm.collective_rpc("load_shared_weights", args=(1,))[0]
-            llm.reset_prefix_cache()
-            prompts = [torch.randint(3, 26, (4,), generator=g).tolist() for _ in range(8)]
-            params = SamplingParams(n=4, max_tokens=5, temperature=1.0, logprobs=0, seed=0)
-            samples = []
-            for prompt, request in zip(prompts, llm.generate([{"prompt_token_ids": p} for p in prompts], params,
-                                                             use_tqdm=False)):
-                for c in request.outputs:
-                    lps = [step[t].logprob for step, t in zip(c.logprobs, c.token_ids)]
-                    samples.append(buffer.Sample(prompt, list(c.token_ids), lps, [1] * len(lps), 0.0, 1.0))
-            batch = buffer.collate(samples, pad_id=0)
-            with torch.no_grad():
-                new = update.completion_logprobs(model, batch, 1.0)
-                for p, w in zip(model.parameters(), old):
-                    p.copy_(w)
-                before = update.completion_logprobs(model, batch, 1.0)
-            m = batch.mask
-            out[family] = {"loaded": loaded, "tokens": int(m.sum()),
-                           "diff": float((new.logp[m] - batch.behaviour_logp[m]).abs().max()),
-                           "diff_old_median": float((before.logp[m] - batch.behaviour_logp[m]).abs().median()),
-                           "entropy": float(new.entropy[m].mean()), "seconds": time.perf_counter() - start}
-            del llm
-            destroy_model_parallel()
-            destroy_distributed_environment()
-            gc.collect()
-        results.put(("ok", out))
-    except BaseException:
-        import traceback
-
-        results.put(("error", traceback.format_exc()))
+    for family, path in models.items():
+        start = time.perf_counter()
+        llm = LLM(model=path, tokenizer=path, dtype=torch.float32, seed=0, enforce_eager=True,
+                  logprobs_mode="processed_logprobs", worker_extension_cls="vllm_worker.WeightSyncWorker",
+                  kv_cache_memory_bytes=32 * 2**20, max_model_len=64, enable_prefix_caching=True)
+        shared = prepare.allocate_shared_weights(path)
+        llm.collective_rpc("attach_shared_weights", args=(shared.to_bytes(),))
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        old = [p.detach().clone() for p in model.parameters()]
+        g = torch.Generator().manual_seed(1)
+        with torch.no_grad():  # about a few AdamW steps' worth of change, on every weight
+            for p in model.parameters():
+                p.add_(0.02 * p.std() * torch.randn(p.shape, generator=g))
+        sync.publish_model(model, shared, 1, 0, 1)
+        loaded = llm.collective_rpc("load_shared_weights", args=(1,))[0]
+        llm.reset_prefix_cache()
+        prompts = [torch.randint(3, 26, (4,), generator=g).tolist() for _ in range(8)]
+        params = SamplingParams(n=4, max_tokens=5, temperature=1.0, logprobs=0, seed=0)
+        samples = []
+        for prompt, request in zip(prompts, llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                         use_tqdm=False)):
+            for c in request.outputs:
+                lps = [step[t].logprob for step, t in zip(c.logprobs, c.token_ids)]
+                samples.append(buffer.Sample(prompt, list(c.token_ids), lps, [1] * len(lps), 0.0, 1.0))
+        batch = buffer.collate(samples, pad_id=0)
+        with torch.no_grad():
+            new = update.completion_logprobs(model, batch, 1.0)
+            for p, w in zip(model.parameters(), old):
+                p.copy_(w)
+            before = update.completion_logprobs(model, batch, 1.0)
+        m = batch.mask
+        out[family] = {"loaded": loaded, "tokens": int(m.sum()),
+                       "diff": float((new.logp[m] - batch.behaviour_logp[m]).abs().max()),
+                       "diff_old_median": float((before.logp[m] - batch.behaviour_logp[m]).abs().median()),
+                       "entropy": float(new.entropy[m].mean()), "seconds": time.perf_counter() - start}
+        del llm
+        end_in_process_engine()
+    return out
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ import buffer
 import heads
 import tasks
 import update
-from spawned import result_of_child
+from spawned import end_in_process_engine, result_of_child
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 26  # the copy task's tokenizer (tasks.build_tiny_model writes it; the family's config replaces the model)
@@ -101,74 +101,64 @@ def test_the_worker_hands_vllm_checkpoint_named_expert_tensors():
 # ----------------------------------------------------------------------------------------------------
 # vLLM samples, the trainer scores, at start and after a publish: every MoE family, one engine each
 # ----------------------------------------------------------------------------------------------------
-def serve_publish_and_score(models: dict, results) -> None:
+def serve_publish_and_score(models: dict) -> dict:
     """In a child: for each family, a vLLM engine on its model (VLLM_ENABLE_V1_MULTIPROCESSING=0: in this
     process, ~3 s an engine after the first) with the project's worker extension; 8 prompts x 4 samples of 5
     tokens scored by the trainer's `completion_logprobs`, at start and after new weights (every parameter moved
     by 5% of its spread) went through `sync.publish_model` and the worker's load. Per family: the largest
     |vLLM - trainer| log-prob at start and after, and the median under the old weights after."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    import gc
-
     from vllm import LLM, SamplingParams
-    from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
 
     import prepare
     import sync
 
     out = {}
-    try:
-        for family, path in models.items():
-            start = time.perf_counter()
-            llm = LLM(model=path, tokenizer=path, dtype=torch.float32, seed=0, enforce_eager=True,
-                      logprobs_mode="processed_logprobs", worker_extension_cls="vllm_worker.WeightSyncWorker",
-                      kv_cache_memory_bytes=32 * 2**20, max_model_len=64, enable_prefix_caching=True)
-            shared = prepare.allocate_shared_weights(path)
-            llm.collective_rpc("attach_shared_weights", args=(shared.to_bytes(),))
-            model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-            g = torch.Generator().manual_seed(1)
-            prompts = [torch.randint(3, VOCAB, (4,), generator=g).tolist() for _ in range(8)]
-            params = SamplingParams(n=4, max_tokens=5, temperature=1.0, logprobs=0, seed=0)
+    for family, path in models.items():
+        start = time.perf_counter()
+        llm = LLM(model=path, tokenizer=path, dtype=torch.float32, seed=0, enforce_eager=True,
+                  logprobs_mode="processed_logprobs", worker_extension_cls="vllm_worker.WeightSyncWorker",
+                  kv_cache_memory_bytes=32 * 2**20, max_model_len=64, enable_prefix_caching=True)
+        shared = prepare.allocate_shared_weights(path)
+        llm.collective_rpc("attach_shared_weights", args=(shared.to_bytes(),))
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        g = torch.Generator().manual_seed(1)
+        prompts = [torch.randint(3, VOCAB, (4,), generator=g).tolist() for _ in range(8)]
+        params = SamplingParams(n=4, max_tokens=5, temperature=1.0, logprobs=0, seed=0)
 
-            def sample():
-                samples = []
-                for prompt, request in zip(prompts, llm.generate([{"prompt_token_ids": p} for p in prompts],
-                                                                 params, use_tqdm=False)):
-                    for c in request.outputs:
-                        lps = [step[t].logprob for step, t in zip(c.logprobs, c.token_ids)]
-                        samples.append(buffer.Sample(prompt, list(c.token_ids), lps, [1] * len(lps), 0.0, 1.0))
-                return buffer.collate(samples, pad_id=0)
+        def sample():
+            samples = []
+            for prompt, request in zip(prompts, llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                                             params, use_tqdm=False)):
+                for c in request.outputs:
+                    lps = [step[t].logprob for step, t in zip(c.logprobs, c.token_ids)]
+                    samples.append(buffer.Sample(prompt, list(c.token_ids), lps, [1] * len(lps), 0.0, 1.0))
+            return buffer.collate(samples, pad_id=0)
 
-            def diffs(batch):
-                with torch.no_grad():
-                    logp = update.completion_logprobs(model, batch, 1.0).logp
-                return (logp - batch.behaviour_logp)[batch.mask].abs()
-
-            at_start = float(diffs(sample()).max())
-            old = [p.detach().clone() for p in model.parameters()]
+        def diffs(batch):
             with torch.no_grad():
-                for p in model.parameters():
-                    p.add_(0.05 * p.std() * torch.randn(p.shape, generator=g))
-            sync.publish_model(model, shared, 1, 0, 1)
-            loaded = llm.collective_rpc("load_shared_weights", args=(1,))[0]
-            llm.reset_prefix_cache()
-            batch = sample()
-            after = diffs(batch)
-            with torch.no_grad():
-                for p, w in zip(model.parameters(), old):
-                    p.copy_(w)
-            out[family] = {"loaded": loaded, "tokens": int(batch.mask.sum()), "at_start": at_start,
-                           "after_publish": float(after.max()), "old_median": float(diffs(batch).median()),
-                           "seconds": time.perf_counter() - start}
-            del llm
-            destroy_model_parallel()
-            destroy_distributed_environment()
-            gc.collect()
-        results.put(("ok", out))
-    except BaseException:
-        import traceback
+                logp = update.completion_logprobs(model, batch, 1.0).logp
+            return (logp - batch.behaviour_logp)[batch.mask].abs()
 
-        results.put(("error", traceback.format_exc()))
+        at_start = float(diffs(sample()).max())
+        old = [p.detach().clone() for p in model.parameters()]
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.05 * p.std() * torch.randn(p.shape, generator=g))
+        sync.publish_model(model, shared, 1, 0, 1)
+        loaded = llm.collective_rpc("load_shared_weights", args=(1,))[0]
+        llm.reset_prefix_cache()
+        batch = sample()
+        after = diffs(batch)
+        with torch.no_grad():
+            for p, w in zip(model.parameters(), old):
+                p.copy_(w)
+        out[family] = {"loaded": loaded, "tokens": int(batch.mask.sum()), "at_start": at_start,
+                       "after_publish": float(after.max()), "old_median": float(diffs(batch).median()),
+                       "seconds": time.perf_counter() - start}
+        del llm
+        end_in_process_engine()
+    return out
 
 
 @pytest.fixture(scope="module")
