@@ -13,7 +13,7 @@ timeline reads the trace's events by their "cat" (tracing.py): each trainer rank
 generator's engine steps, evaluations, idle engine, staleness gate, weight swaps and full-queue waits, the
 queue's depth, the requests in the engine (from the request spans), and each step's trained tokens by version
 (rank 0's step spans).
-May touch: OUT/plots.png and OUT/timeline.png (and OUT/trace.json, through tracing.merge, from the command line).
+May touch: OUT/plots.png and OUT/timeline.png (and OUT/trace.json, through trace_merge.merge, from the command line).
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import json
 import os
 import sys
 
-import tracing
+import trace_merge
 
 
 def read_rows(out_dir: str) -> list[dict]:
@@ -323,6 +323,6 @@ if __name__ == "__main__":
         if os.path.exists(os.path.join(d, "metrics.jsonl")):
             print(plot_run(d))
         if os.path.isdir(os.path.join(d, "trace")):  # a run in progress (or killed): its processes' files
-            tracing.merge(d)
+            trace_merge.merge(d)
         if os.path.exists(os.path.join(d, "trace.json")):
             print(plot_timeline(d))

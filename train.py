@@ -30,6 +30,7 @@ import evaluation
 import metrics
 import plots
 import prepare
+import trace_merge
 import tracing
 from models import build_frozen_models, build_policy, check_layout, checkpoint_layers
 from config import Config, inactive_flags, parse_args
@@ -338,7 +339,7 @@ def write_timeline(cfg: Config) -> None:
     if cfg.trace_steps <= 0:
         return
     try:
-        if tracing.merge(cfg.out, remove_parts=True):
+        if trace_merge.merge(cfg.out, remove_parts=True):
             plots.plot_timeline(cfg.out)
     except Exception as e:
         print(f"warning: no {cfg.out}/trace.json or timeline.png ({type(e).__name__}: {e})", file=sys.stderr,

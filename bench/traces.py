@@ -18,6 +18,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import trace_merge
 import tracing
 
 
@@ -34,7 +35,7 @@ class Recording:
         tracing.unconfigure()
 
     def events(self) -> list[dict]:
-        merged = tracing.merge(self.folder)
+        merged = trace_merge.merge(self.folder)
         events = load(merged) if merged else []
         shutil.rmtree(self.folder, ignore_errors=True)
         return events

@@ -94,6 +94,7 @@ def use_tracing():
     import os
     import tempfile
 
+    import trace_merge
     import tracing
 
     out = tempfile.mkdtemp()
@@ -104,9 +105,16 @@ def use_tracing():
     tracing.counter("queue", depth=2)
     tracing.flush()
     tracing.unconfigure()
-    events = json.load(open(tracing.merge(out, remove_parts=True)))["traceEvents"]
+    events = json.load(open(trace_merge.merge(out, remove_parts=True)))["traceEvents"]
     assert [e["dur"] for e in events if e["ph"] == "X"] == [500000.0] and not os.path.exists(f"{out}/trace")
     assert {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"} == {"worker"}
+
+
+def use_trace_merge():
+    import trace_merge
+
+    steps = [{"ph": "X", "cat": "step", "ts": 10.0 * i, "dur": 5.0, "args": {"rank": 0}} for i in range(4)]
+    assert trace_merge.last_steps(steps, 2) == steps[2:] and trace_merge.last_steps(steps, 9) == steps
 
 
 COPYABLE = {
@@ -114,6 +122,7 @@ COPYABLE = {
     "losses.py": use_losses,
     "advantages.py": use_advantages,
     "tracing.py": use_tracing,
+    "trace_merge.py": use_trace_merge,
 }
 
 

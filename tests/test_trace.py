@@ -19,6 +19,7 @@ import pytest
 
 import config
 import plots
+import trace_merge
 import tracing
 
 REPO = Path(__file__).resolve().parent.parent
@@ -115,7 +116,7 @@ def test_processes_share_one_clock_keep_two_segments_and_the_merge_keeps_the_las
                                                                       for k in (2, 3)]
     with open(tmp_path / "trace" / f"trainer_0-{first['pid']}.3.jsonl", "a") as f:
         f.write('{"ph": "X", "name": "cut sh')  # a process killed in the middle of a write
-    events = check_trace_format(json.loads(Path(tracing.merge(str(tmp_path))).read_text()))
+    events = check_trace_format(json.loads(Path(trace_merge.merge(str(tmp_path))).read_text()))
     steps = [e["args"]["step"] for e in events if e.get("cat") == "step" and e["pid"] == first["pid"]]
     assert steps == [7, 8, 9]  # the last 3 steps
     # one time base: each "mark" lies where its process read the wall clock (µs since configure's t0)
@@ -144,7 +145,7 @@ def test_request_phases_from_the_engine_steps():
               span("engine", 60, 2, preempted={"group-3": 1}, requests=7, tokens=7),  # no room: preempted
               span("engine", 70, 3, resumed={"group-3": 1}, requests=8, tokens=12),
               span("request", 200, 10, id="eval-0-1-greedy")]  # never scheduled in the trace: no phases
-    phases = [(e["name"], e["ts"], e["ts"] + e["dur"]) for e in tracing.request_phases(events)]
+    phases = [(e["name"], e["ts"], e["ts"] + e["dur"]) for e in trace_merge.request_phases(events)]
     assert sorted(phases, key=lambda p: p[1]) == [("queued", 0, 10), ("paused (weight swap)", 30, 40),
                                                   ("re-prefill", 41, 45), ("preempted", 60, 70),
                                                   ("re-prefill", 70, 73)]
