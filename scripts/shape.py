@@ -1,7 +1,7 @@
 """scripts/shape.py — the repository's shape, measured statically (ast, nothing imported): `python scripts/shape.py`.
 
 Role: the counts issue 24 asks to hold, each a function tests/test_shape.py asserts:
-    - `line_counts`: non-blank lines of every .py file (top level, tasks/, tests/, bench/, examples/, scripts/).
+    - `line_counts`: non-blank lines of every .py file (top level, tests/, bench/, examples/, scripts/).
     - `line_widths`: the widths of the non-blank lines of the top-level modules (the code a reader reads), summed
       up by `width_summary` (mean, 90th percentile); `long_lines`: every line over MAX_WIDTH, in every .py file.
     - `import_cycles`: cycles among the top-level modules (every import, function-level ones included).
@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-FOLDERS = ("", "tasks", "tests", "bench", "examples", "scripts")
+FOLDERS = ("", "tests", "bench", "examples", "scripts")
 MAX_LINES = 450
 MAX_WIDTH = 120  # characters per line, in every file
 LOOP = "train.train"

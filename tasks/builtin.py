@@ -1,22 +1,26 @@
-"""tasks/builtin.py — the task the generator trains on: the built-in copy task, dataset tasks, the tiny model.
+"""tasks/builtin.py — the task the generator trains on: copy, dataset tasks; the tiny model.
 
 Role
-    `make_task(settings, tokenizer, max_len)` returns the task the flags ask for (an --env or the built-in
-    multi-turn `reveal` task: tasks/envs.EnvTask, `is_env` True, scored per episode); the generator sees only
+    `make_task(settings, tokenizer, max_len)` returns the task the flags ask for (an --env or the
+    built-in multi-turn `reveal` task: tasks/envs.EnvTask, `is_env` True, scored per episode); the
+    generator sees only
         prompts: list[Prompt]   training prompts, encoded, too-long ones dropped (walked in epochs:
                                 prompts.walk)
         held_out: list[Prompt]  held-out prompts in a fixed order (evaluation takes the first K)
-        score(prompt, completion_texts, completion_ids, step) -> (rewards, {name: stats}, unscored indices)
+        score(prompt, completion_texts, completion_ids, step)
+                                -> (rewards, {name: stats}, unscored indices)
         needs_text: bool        False: `score` reads token ids only, so vLLM skips detokenizing
         dropped_long: int       prompts dropped as too long;  close()
-    `rewards` has one float per completion (never None/NaN: tasks/rewards.py's rules); `score` runs in a worker
-    thread. `build_tiny_model` writes the default model: a random-init Qwen2 and a character tokenizer (with
-    `experts`, the `--model TINY_MOE` model: a random-init Qwen3-MoE and the same tokenizer).
+    `rewards` has one float per completion (never None/NaN: tasks/rewards.py's fault rules);
+    `score` runs in a worker thread. `build_tiny_model` writes the default model: a random-init
+    Qwen2 and a character tokenizer (with `experts`, the `--model TINY_MOE` model: a random-init
+    Qwen3-MoE and the same tokenizer).
     Data flows one way, this file -> tasks/prompts.py: `make_task` calls prompts.spec_of and
-    prompts.prompt_limit, a dataset task prompts.dataset_rows once and prompts.encode_rows once per set;
-    prompts.py never calls back (nor imports this module). rollout.py calls `make_task`; nothing here
-    imports the generator.
-May touch: the tokenizer, the files tasks/prompts.py is pointed at. No engine, no queue, no trainer.
+    prompts.prompt_limit, a dataset task prompts.dataset_rows once and prompts.encode_rows once per
+    set; prompts.py never calls back (nor imports this module). rollout.py calls `make_task`;
+    nothing here imports the generator.
+May touch: the tokenizer, the files tasks/prompts.py is pointed at. No engine, no queue, no
+trainer.
 """
 from __future__ import annotations
 
@@ -44,9 +48,10 @@ COPY_LENGTH = 3
 # A chat template that uses only printable ASCII (so the "ascii" tiny tokenizer encodes it faithfully).
 TINY_CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
                       "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
-# The same with tool use (tasks/tools.py): the schemas in a system block, an assistant's calls in the Hermes format
-# tools.parse_tool_calls reads (so a call the model writes renders back to the same text), tool results as
-# `tool` messages. Without tools it renders exactly as TINY_CHAT_TEMPLATE; the "ascii" tiny model has it.
+# The same with tool use (tasks/tools.py): the schemas in a system block, an assistant's calls in
+# the Hermes format tools.parse_tool_calls reads (so a call the model writes renders back to the
+# same text), tool results as `tool` messages. Without tools it renders exactly as
+# TINY_CHAT_TEMPLATE; the "ascii" tiny model has it.
 # (transformers renders templates with trim_blocks: a newline right after a block tag is dropped.)
 TINY_TOOL_CHAT_TEMPLATE = (
     "{% if tools %}<|system|>\n{% if messages and messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n"
@@ -167,10 +172,10 @@ class CopyTask:
 
 
 class DatasetTask:
-    """Prompts from a dataset, scored by TRL-convention reward functions. prompts.dataset_rows loads and
-    checks the training and held-out rows; prompts.encode_rows encodes every row when the task is built
-    (before training starts), so prompts longer than `limit` tokens are dropped up front, counted and
-    reported once."""
+    """Prompts from a dataset, scored by TRL-convention reward functions. prompts.dataset_rows loads
+    and checks the training and held-out rows; prompts.encode_rows encodes every row when the task
+    is built (before training starts), so prompts longer than `limit` tokens are dropped up front,
+    counted and reported once."""
 
     needs_text = True  # reward functions get completion texts (TRL's convention)
     is_env = False
@@ -183,7 +188,8 @@ class DatasetTask:
         if not self.prompts:
             raise RuntimeError(f"every prompt of {spec.dataset} is longer than {limit} tokens (--max-prompt-tokens, "
                                "or the model's context minus --max-new-tokens)")
-        self.held_out, dropped_held = prompts.encode_rows(held_rows, tokenizer, spec, limit, "held-out")
+        self.held_out, dropped_held = prompts.encode_rows(held_rows, tokenizer, spec, limit,
+                                                          "held-out")
         self.dropped_long = dropped + dropped_held
 
     def score(self, prompt: Prompt, completion_texts, completion_ids, step: int = 0):

@@ -1,15 +1,16 @@
-"""tasks/datasets.py — a researcher's dataset as rows: local files, the Hugging Face hub, reasoning-gym.
+"""tasks/datasets.py — a dataset as rows: local files, the Hugging Face hub, reasoning-gym.
 
-Role: `load_rows` (JSONL, JSON, Parquet, a Hugging Face dataset by hub name or folder, or reasoning-gym's
-procedural datasets: `--task rg:NAME`, rows generated here by `rg_rows`), `load_splits` (a Hugging Face
-dataset's splits), `check_rows` (every row has a usable prompt and answer), `row_columns` (what a row gives
-reward functions). Importable without vLLM or torch; `datasets`, `pyarrow` and `reasoning_gym` are imported
-only when a dataset needs them.
-Data contract: a row is a dict; its prompt column holds a string or a list of {"role", "content"} messages.
-Rows come as [(where, row)]: `where` names the row in error messages. Problems raise `DataError`, worded
-for the user, one line per problem. tasks/prompts.py turns rows into prompts; this file imports nothing of
-the project.
-May touch: the files it is pointed at (and the Hugging Face cache). Nothing of the engine or the trainer.
+Role: `load_rows` (JSONL, JSON, Parquet, a Hugging Face dataset by hub name or folder, or
+reasoning-gym's procedural datasets: `--task rg:NAME`, rows generated here by `rg_rows`),
+`load_splits` (a Hugging Face dataset's splits), `check_rows` (every row has a usable prompt and
+answer), `row_columns` (what a row gives reward functions). Importable without vLLM or torch;
+`datasets`, `pyarrow` and `reasoning_gym` are imported only when a dataset needs them.
+Data contract: a row is a dict; its prompt column holds a string or a list of {"role", "content"}
+messages. Rows come as [(where, row)]: `where` names the row in error messages. Problems raise
+`DataError`, worded for the user, one line per problem. tasks/prompts.py turns rows into prompts;
+this file imports nothing of the project.
+May touch: the files it is pointed at (and the Hugging Face cache). Nothing of the engine or the
+trainer.
 """
 from __future__ import annotations
 

@@ -1,23 +1,25 @@
-"""tasks/envs.py — multi-turn environments: `--env FILE.py:NAME`, loaded and checked, and the env task.
+"""tasks/envs.py — multi-turn environments: `--env FILE.py:NAME` loaded and checked, the env task.
 
 Role
-    `load_env`/`check` (prepare.check: one line per problem), `runs_tools`, `episode_factory` (what makes
-    one episode's env: --env's class or factory, TRL's classes wrapped with any --tools, or --tools alone),
-    `run_env_group` / `eval_env_prompt` (what rollout.Generator calls for an env task: a group's G episodes
-    as one RolloutGroup; a held-out prompt's episodes), `episode_stats` (a group's counters;
-    metrics.episode_metrics sums them into the env/... keys), `EnvTask` (rows, held-out rows, scoring: the
-    task rollout.Generator holds for --env and --task reveal). One episode: tasks/episodes.py.
+    `load_env`/`check` (prepare.check: one line per problem), `runs_tools`, `episode_factory`
+    (what makes one episode's env: --env's class or factory, TRL's classes wrapped with any
+    --tools, or --tools alone); `run_env_group` / `eval_env_prompt` (what rollout.Generator calls
+    for an env task: a group's G episodes as one RolloutGroup, a held-out prompt's episodes);
+    `episode_stats` (a group's counters; metrics.episode_metrics sums them into the env/... keys);
+    `EnvTask` (rows, held-out rows, scoring: the task rollout.Generator holds for --env and
+    --task reveal). One episode: tasks/episodes.py.
 Data contract
-    An env is one instance per episode of a class or zero-argument factory with `reset(**row) -> str |
-    list[message] | None` (what it returns follows the prompt), `step(action: str) -> (observation, reward,
-    done)`, optionally `close()` and `get_reward()` (then the episode's reward; else the sum of the step
-    rewards) and `tools` (JSON schemas the chat template renders; tasks/tools.py sets it):
-    tasks/protocols.Env. `--env` names it as `path/file.py:NAME` or `module:NAME` (TextArena's games:
-    `tasks.textarena:TextArenaEnv`; the older `adapters:TextArenaEnv` still resolves).
-    A group's shared prompt is its episodes' common prefix; each sample is the rest of its episode (env
-    tokens masked out of training), with its routes when they are recorded.
-May touch: the env instances it makes (a factory is called once by `check` to see what it makes); the
-generator only through tasks/protocols.Sampler.
+    An env is one instance per episode of a class or zero-argument factory with `reset(**row) ->
+    str | list[message] | None` (what it returns follows the prompt), `step(action: str) ->
+    (observation, reward, done)`, optionally `close()` and `get_reward()` (then the episode's
+    reward; else the sum of the step rewards) and `tools` (JSON schemas the chat template renders;
+    tasks/tools.py sets it): tasks/protocols.Env. `--env` names it as `path/file.py:NAME` or
+    `module:NAME` (TextArena's games: `tasks.textarena:TextArenaEnv`; the older
+    `adapters:TextArenaEnv` still resolves).
+    A group's shared prompt is its episodes' common prefix; each sample is the rest of its episode
+    (env tokens masked out of training), with its routes when they are recorded.
+May touch: the env instances it makes (a factory is called once by `check` to see what it
+makes); the generator only through tasks/protocols.Sampler.
 """
 from __future__ import annotations
 
@@ -201,9 +203,11 @@ async def eval_env_prompt(gen: Sampler, step: int, i: int, prompt, version: int)
 # The task the generator sees
 # ----------------------------------------------------------------------------------------------------
 class EnvTask:
-    """Episodes of an env over rows: a dataset's (`--dataset`: prompts.dataset_rows, not column-checked), the
+    """Episodes of an env over rows: a dataset's (`--dataset`: prompts.dataset_rows, not
+    column-checked), the
     built-in task's, or, with neither, rows {"seed": i} (held-out seeds from 1,000,000); `rows` is (training
-    rows, held-out rows in prompts.held_out_order). Scored once per episode: the env's reward ("env", weight 1),
+    rows, held-out rows in prompts.held_out_order). Scored once per episode: the env's reward
+    ("env", weight 1),
     plus the --reward functions on its transcript with the instances as `environments=` (TRL's convention;
     not with --reward-workers, whose processes cannot hold them)."""
 
@@ -242,7 +246,8 @@ class EnvTask:
     def rows_of(spec, cfg):
         if spec is None or not spec.dataset:
             return ([{"seed": i} for i in range(SEED_ROWS)],
-                    [{"seed": HELD_OUT_SEED_START + i} for i in prompts.held_out_order(HELD_OUT_SEED_ROWS)])
+                    [{"seed": HELD_OUT_SEED_START + i}
+                     for i in prompts.held_out_order(HELD_OUT_SEED_ROWS)])
         return prompts.dataset_rows(spec, check=False)
 
     @staticmethod
@@ -261,7 +266,8 @@ class EnvTask:
                       "env/errors or env/timeouts, each message reported once)", file=sys.stderr, flush=True)
 
     def score_episodes(self, prompt, episodes: list[Episode], envs_, step: int = 0):
-        """(rewards, {name: stats}, unscored indices) of one prompt's episodes (tasks/rewards.py's fault rules)."""
+        """(rewards, {name: stats}, unscored indices) of one prompt's episodes (tasks/rewards.py's
+        fault rules)."""
         chat = any(ep.chat for ep in episodes)
         texts = ["".join(t for t in ep.transcript if isinstance(t, str)) if not ep.chat else
                  (ep.transcript[-1]["content"] if ep.transcript else "") for ep in episodes]

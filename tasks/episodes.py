@@ -1,20 +1,21 @@
-"""tasks/episodes.py — multi-turn episodes: an episode as a chain of engine requests, token in / token out.
+"""tasks/episodes.py — multi-turn episodes: a chain of engine requests, token in / token out.
 
 Role
-    `run_episode` (reset -> model turn -> step -> ... -> close, with --max-turns, --max-episode-tokens,
-    --env-timeout-s and the fault rules), `run_episodes` (one prompt's episodes at once, each its own env
-    and request chain). Observations become token ids through chat.Renderer: the model's tokens are never
-    re-tokenized. Which env, the groups of episodes, the env task and its scoring: tasks/envs.py; the
-    env's contract: tasks/protocols.Env.
+    `run_episode` (reset -> model turn -> step -> ... -> close, with --max-turns,
+    --max-episode-tokens, --env-timeout-s and the fault rules), `run_episodes` (one prompt's
+    episodes at once, each its own env and request chain). Observations become token ids through
+    chat.Renderer: the model's tokens are never re-tokenized. Which env, the groups of episodes,
+    the env task and its scoring: tasks/envs.py; the env's contract: tasks/protocols.Env.
 Data contract
-    An env's `async def` methods are awaited on the generator's loop, plain ones run in worker threads. A
-    raise, a timeout or a malformed value ends the episode: its reward does not apply (tasks/rewards.py's
-    None), counted with the error's first line.
-    An episode is one token sequence: prompt ids + model turn ids (as sampled: log-prob, version) +
-    observation ids (version -1, log-prob 0, never trained) + ...; each turn is a new engine request whose
-    prompt is the whole sequence so far. Recorded routes (routes.py) cover the whole sequence: each turn
-    adds what its request computed first.
-May touch: the env instances it is given; the generator only through tasks/protocols.Sampler (requests).
+    An env's `async def` methods are awaited on the generator's loop, plain ones run in worker
+    threads. A raise, a timeout or a malformed value ends the episode: its reward does not apply
+    (tasks/rewards.py's None), counted with the error's first line.
+    An episode is one token sequence: prompt ids + model turn ids (as sampled: log-prob, version)
+    + observation ids (version -1, log-prob 0, never trained) + ...; each turn is a new engine
+    request whose prompt is the whole sequence so far. Recorded routes (routes.py) cover the whole
+    sequence: each turn adds what its request computed first.
+May touch: the env instances it is given; the generator only through tasks/protocols.Sampler
+(requests).
 """
 from __future__ import annotations
 
@@ -218,7 +219,8 @@ async def model_turn(gen: Sampler, ids: list[int], params, request_id: str):
     return final.outputs[0]
 
 
-async def run_episodes(gen: Sampler, prompt, sampling: dict, request_id: str, count: int, seed: int | None):
+async def run_episodes(gen: Sampler, prompt, sampling: dict, request_id: str, count: int,
+                       seed: int | None):
     """`count` episodes of one prompt at once, each its own env and request chain; ([Episode], [env])."""
     envs_ = []
     for _ in range(count):

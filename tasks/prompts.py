@@ -1,17 +1,18 @@
-"""tasks/prompts.py — bring your own data: flags to a data spec, the order prompts are used in, prompts.
+"""tasks/prompts.py — bring your own data: the data flags, the order prompts are used in, prompts.
 
-Role: from the data flags and a dataset's rows to the token ids the generator samples from, with no engine
-and no trainer in sight (importable without vLLM or torch): `spec_of` (flags -> DataSpec; the built-in
-`GSM8K` preset, `--task rg:NAME`), `check_flags` (prepare.check: the data flags, one line per problem),
-`eval_source` (where the held-out prompts come from), `walk` (the order prompts are used in),
-`encode_prompt` (chat template for message lists, `--system-prompt`). Rows: tasks/datasets.py. Reward
-functions: tasks/rewards.py.
+Role: from the data flags and a dataset's rows to the token ids the generator samples from, with
+no engine and no trainer in sight (importable without vLLM or torch): `spec_of` (flags ->
+DataSpec; the built-in `GSM8K` preset, `--task rg:NAME`), `check_flags` (prepare.check: the data
+flags, one line per problem), `eval_source` (where the held-out prompts come from), `walk` (the
+order prompts are used in), `encode_prompt` (chat template for message lists, `--system-prompt`).
+Rows: tasks/datasets.py. Reward functions: tasks/rewards.py.
 Data flows one way, tasks/builtin.py and tasks/envs.py -> this file: `spec_of`, `prompt_limit`,
-`dataset_rows` (training and held-out rows), `encode_rows` (rows -> Prompts, too-long ones dropped); it
-imports neither.
+`dataset_rows` (training and held-out rows), `encode_rows` (rows -> Prompts, too-long ones
+dropped); it imports neither.
 Data contract: a row is a dict; its prompt column holds a string or a list of {"role", "content"}
 messages. `walk(g, n, seed)` gives group id g the row of epoch g // n.
-May touch: the files it is pointed at (and the Hugging Face cache). Nothing of the engine or the trainer.
+May touch: the files it is pointed at (and the Hugging Face cache). Nothing of the engine or the
+trainer.
 """
 from __future__ import annotations
 
@@ -24,14 +25,16 @@ import sys
 from dataclasses import dataclass, field
 
 import chat
-from tasks.datasets import (RG, DataError, check_rows, is_file, is_rg, load_rows, load_splits,  # noqa: F401
-                            rg_dataset, rg_module, rg_name, row_columns)
+from tasks.datasets import (  # noqa: F401 (also prompts.X)
+    RG, DataError, check_rows, is_file, is_rg, load_rows, load_splits, rg_dataset, rg_module,
+    rg_name, row_columns)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 @dataclass
 class Prompt:
-    """One prompt as the generator samples it (tasks/builtin.py and tasks/envs.py make them from rows)."""
+    """One prompt as the generator samples it (tasks/builtin.py and tasks/envs.py make them from
+    rows)."""
     prompt_ids: list[int]
     answer: str
     columns: dict = field(default_factory=dict)  # keyword arguments for reward functions (the row's columns)
@@ -138,8 +141,8 @@ def spec_of(settings) -> DataSpec | None:
 
 def check_flags(cfg) -> list[str]:
     """prepare.check's data/reward check: one line per problem, before any process starts. Loads the
-    training and held-out rows (a Hugging Face dataset downloads into its cache here, for the generator);
-    rewards.check: rewards."""
+    training and held-out rows (a Hugging Face dataset downloads into its cache here, for the
+    generator); rewards.check: rewards."""
     try:
         spec = spec_of(cfg)
     except DataError as e:

@@ -1,4 +1,5 @@
-"""tasks/rewards.py — reward functions in TRL's convention, and the scorer the generator calls them through.
+"""tasks/rewards.py — reward functions in TRL's convention, and the scorer the generator calls them
+through.
 
 Role: `load_reward` (`module:function`, `path/file.py:function` or a built-in name such as `math`),
 `Scorer` (every --reward function on a group's completions, in a thread or a process pool; weighted sum),
@@ -8,8 +9,9 @@ Data contract: functions are called as TRL's GRPOTrainer calls them, `f(prompts=
 completion_ids=, trainer_state=, **columns)` (the answer column also as `answer`), and return one
 float | None each. None, NaN or a raise leave the function out of that sample's weighted sum, counted; a
 sample no function scored gets its group's mean reward and is reported unscored (its advantage: 0).
-`load_object` resolves every `module:NAME` flag (--reward, --env, --tools); the module names the project
-had before tasks/ (`adapters`, `rewards`, ...: MOVED) still resolve, so `--env adapters:TextArenaEnv` works.
+`load_object` resolves every `module:NAME` flag (--reward, --env, --tools); the module names the
+project had before tasks/ (`adapters`, `rewards`, ...: MOVED) still resolve, so
+`--env adapters:TextArenaEnv` works.
 May touch: the modules it is pointed at. Importable without vLLM or torch.
 """
 from __future__ import annotations

@@ -1,19 +1,22 @@
-"""tasks/tool_calls.py — the tool calls of a model turn: vLLM's tool parsers, the Hermes format by hand.
+"""tasks/tool_calls.py — the tool calls of a model turn: vLLM's tool parsers, Hermes by hand.
 
 Role
-    `supports_tools(tokenizer)`: the chat template renders tool schemas, tool calls and tool messages
-        (`tokenizer_problem`: the one-line refusal when it does not);
-    `ToolCallParser(name, tokenizer)`: vLLM's tool-call parser NAME (the names its server's --tool-call-parser
-        takes: hermes, llama3_json, qwen3_coder, mistral, ...) on a whole model turn -> (calls, failures);
-        `parser_name(cfg_name, template)` picks it from the chat template where its format is unambiguous, and
-        `parser_problem` checks it reads the calls the template writes (once, before the run);
-    `parse_tool_calls(text)` -> (calls, failures): the Hermes format parsed by hand, for a ToolEnv built
-        without a parser (a run always hands it vLLM's); `assistant_message(text)`: a turn as a chat message.
-Data contract: a call is {"name": str, "arguments": dict}. Formats `parse_tool_calls` reads: the Hermes
-format of Qwen2.5, Qwen3 and most open tool-calling models, `<tool_call>{"name": NAME, "arguments": {...}}
-</tool_call>` (the body JSON, its arguments an object or a JSON string of one, or "parameters"); and Qwen3.5
-/ Qwen3-Coder's `<tool_call><function=NAME><parameter=KEY>VALUE</parameter></function></tool_call>` (a value
-read as JSON when it parses, else as text).
+    `supports_tools(tokenizer)`: the chat template renders tool schemas, tool calls and tool
+        messages (`tokenizer_problem`: the one-line refusal when it does not);
+    `ToolCallParser(name, tokenizer)`: vLLM's tool-call parser NAME (the names its server's
+        --tool-call-parser takes: hermes, llama3_json, qwen3_coder, mistral, ...) on a whole model
+        turn -> (calls, failures); `parser_name(cfg_name, template)` picks it from the chat
+        template where its format is unambiguous, and `parser_problem` checks it reads the calls
+        the template writes (once, before the run);
+    `parse_tool_calls(text)` -> (calls, failures): the Hermes format parsed by hand, for a ToolEnv
+        built without a parser (a run always hands it vLLM's); `assistant_message(text)`: a turn
+        as a chat message.
+Data contract: a call is {"name": str, "arguments": dict}. Formats `parse_tool_calls` reads: the
+Hermes format of Qwen2.5, Qwen3 and most open tool-calling models,
+`<tool_call>{"name": NAME, "arguments": {...}}</tool_call>` (the body JSON, its arguments an
+object or a JSON string of one, or "parameters"); and Qwen3.5 / Qwen3-Coder's
+`<tool_call><function=NAME><parameter=KEY>VALUE</parameter></function></tool_call>` (a value read
+as JSON when it parses, else as text).
 May touch: vLLM's parsers (imported by ToolCallParser only). No engine, no tokens.
 """
 from __future__ import annotations
@@ -146,7 +149,8 @@ class ToolCallParser:
     model turns: `parse(text)` -> (calls, failures). vLLM's parsers answer "no call" for a turn whose calls do
     not parse; a turn that holds the parser's start marker (Hermes' <tool_call>, Llama's <|python_tag|> or a
     leading `{`) without a parsed call counts as a failure, as does each marker beyond the calls parsed. Calls
-    are read from text decoded with special tokens kept (the turns of a tool episode are: tasks/episodes.py)."""
+    are read from text decoded with special tokens kept (the turns of a tool episode are:
+    tasks/episodes.py)."""
 
     def __init__(self, name: str, tokenizer):
         import logging

@@ -1,16 +1,21 @@
-"""tasks/tools.py — tool use in episodes: TRL's `tools=` functions and `environment_factory` classes.
+"""tasks/tools.py — tool use in episodes: TRL's `tools=` functions, `environment_factory` classes.
 
 Role
     `load_functions("FILE.py:fn1,fn2" | "module:fn1,fn2")` -> the functions of --tools;
-    `tool_schemas(functions)` -> the JSON schemas the chat template gets as `tools=` (transformers'
-        `get_json_schema`: a type hint on every argument and a Google-style docstring, as TRL requires);
-    `ToolEnv(functions)`: an environment of the episode contract (reset/step, see the README) whose `step`
-        runs the tool calls of the model's turn and returns their results as tool messages;
-    `from_trl_environment(cls)`: a TRL `environment_factory` class as such an environment, unchanged;
-    `check(cfg)`: prepare.check's --tools line. Reading the calls out of a model turn (vLLM's tool parsers,
-    the Hermes format by hand, the template checks): tasks/tool_calls.py, whose names are also here.
-Data contract: a call is {"name": str, "arguments": dict}; a tool message is {"role": "tool", "name": str,
-"content": str} (a result is `str(result)`; a failure `str({"error": ...})`, as TRL writes them).
+    `tool_schemas(functions)` -> the JSON schemas the chat template gets as `tools=`
+        (transformers' `get_json_schema`: a type hint on every argument and a Google-style
+        docstring, as TRL requires);
+    `ToolEnv(functions)`: an environment of the episode contract (reset/step, see the README)
+        whose `step` runs the tool calls of the model's turn and returns their results as tool
+        messages;
+    `from_trl_environment(cls)`: a TRL `environment_factory` class as such an environment,
+        unchanged;
+    `check(cfg)`: prepare.check's --tools line. Reading the calls out of a model turn (vLLM's tool
+        parsers, the Hermes format by hand, the template checks): tasks/tool_calls.py, whose
+        names are also here.
+Data contract: a call is {"name": str, "arguments": dict}; a tool message is {"role": "tool",
+"name": str, "content": str} (a result is `str(result)`; a failure `str({"error": ...})`, as TRL
+writes them).
 May touch: the modules it loads, and whatever the user's tools do. No engine, no tokens.
 """
 from __future__ import annotations
@@ -25,9 +30,9 @@ import chat
 from tasks import rewards
 from tasks.datasets import DataError
 from tasks.prompts import spec_of, split_list
-from tasks.tool_calls import (PROBE_SCHEMA, ToolCallParser, assistant_message,  # noqa: F401 (tools.X)
-                              parse_tool_calls, parser_name, parser_problem, supports_tools,
-                              tokenizer_problem)
+from tasks.tool_calls import (  # noqa: F401 (also tools.X)
+    PROBE_SCHEMA, ToolCallParser, assistant_message, parse_tool_calls, parser_name, parser_problem,
+    supports_tools, tokenizer_problem)
 
 RESERVED_METHODS = ("reset", "get_reward", "close")  # lifecycle hooks of an environment class, never tools
 
@@ -181,8 +186,9 @@ def from_trl_environment(cls: Callable, functions: Sequence[Callable] = (),
 
 
 def check(cfg) -> list[str]:
-    """prepare.check: --tools imports, every function has a schema, the task and a local model fit (one
-    line if not). A hub model's chat template is checked once downloaded (prepare: `tokenizer_problem`)."""
+    """prepare.check: --tools imports, every function has a schema, the task and a local model fit
+    (one line if not). A hub model's chat template is checked once downloaded (prepare:
+    `tokenizer_problem`)."""
     if not cfg.tools:
         return []
     try:
