@@ -28,6 +28,7 @@ import multiprocessing.queues
 import queue as queue_lib
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -129,6 +130,15 @@ def tag_versions(weight_versions, num_tokens: int) -> list[int]:
     return tags
 
 
+class GroupSource(Protocol):
+    """Where the trainer takes groups from: this node's RolloutQueue, or remote.TrainerLink (groups sent
+    from a generator on another machine)."""
+
+    def get(self, timeout: float | None = None) -> RolloutGroup: ...  # queue.Empty after `timeout`
+
+    def metrics(self) -> dict: ...  # what the source adds to the step's metrics
+
+
 class RolloutQueue(multiprocessing.queues.Queue):
     """One node's rollout queue: a `multiprocessing` queue of at most `maxsize` groups (spawn context). Every
     source the trainer takes groups from offers `get(timeout=)` and `metrics()`, what it adds to the step's
@@ -204,7 +214,7 @@ class Stopped(Exception):
     """The run was asked to stop while the trainer waited for rollouts."""
 
 
-def take_groups(q, num_groups: int, trainer_version: int, max_lag: int, timeout_s: float,
+def take_groups(q: GroupSource, num_groups: int, trainer_version: int, max_lag: int, timeout_s: float,
                 should_stop=lambda: False, filter_groups: bool = False, max_groups_per_step: int = 0,
                 on_drop=lambda: None, stale_rule: str = "group") -> TakeResult:
     """Take groups from the queue until `num_groups` of them are kept.

@@ -10,10 +10,27 @@ May touch: the buffer it is handed (the model: read only).
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
+
+class WeightsSink(Protocol):
+    """What the trainer publishes into: weight_buffer.SharedWeights (this node's packed buffer) or
+    remote.RemoteWeights (a generator on another machine). `layout` lists the trainable parameters' slots."""
+
+    layout: list  # weight_buffer.Slot, in trainable_parameters' order
+    dtype: torch.dtype  # the serving dtype the buffer holds
+    single_writer: bool  # rank 0 alone writes whole (gathered) parameters; else each rank writes its shard
+    starts_empty: bool  # the generator serves nothing until the first publish
+    nbytes: int
+
+    def begin_write(self) -> None: ...
+
+    def write_param(self, slot, value: torch.Tensor, row_start: int = 0) -> None: ...
+
+    def end_write(self, version: int) -> None: ...
 
 
 def trainable_parameters(model) -> list[torch.nn.Parameter]:
@@ -27,7 +44,7 @@ def fsdp_row_start(full_rows: int, rank: int, world_size: int) -> int:
     return min(rank * chunk, full_rows)
 
 
-def publish_model(model, shared, version, rank, world_size):
+def publish_model(model, shared: WeightsSink, version, rank, world_size):
     """Write the current weights into the packed buffer and publish `version`.
 
     CPU: each rank writes its own FSDP2 rows straight into the shared-memory buffer, no gather.

@@ -34,9 +34,9 @@ import tracing
 from models import build_frozen_models, build_policy, check_layout, checkpoint_layers
 from config import Config, inactive_flags
 from advantages import estimate_advantages
-from processes import exit_now, make_control, run_children, saving, wait_for
+from processes import Control, exit_now, make_control, run_children, saving, wait_for
 from rollout import generator_main
-from sync import publish_model, trainable_parameters
+from sync import WeightsSink, publish_model, trainable_parameters
 from update import learning_rate, shaped_rewards, update_on_batch
 
 
@@ -55,9 +55,9 @@ class Rank:
     ref_model: torch.nn.Module | None
     optimizer: torch.optim.Optimizer
     pad_id: int
-    shared: object  # weight_buffer.SharedWeights (or a remote sender with its interface)
-    rollout_queue: object  # buffer.RolloutQueue, or remote.TrainerLink: get(timeout=), metrics()
-    control: object  # processes.Control
+    shared: WeightsSink  # weight_buffer.SharedWeights, or remote.RemoteWeights
+    rollout_queue: buffer.GroupSource  # buffer.RolloutQueue, or remote.TrainerLink
+    control: Control  # the run's flags and counters (processes.make_control, or remote.thread_control)
     save_group: object = None  # the gloo group of every collective around a save (timeout --save-timeout-s)
     log: metrics.RunLog | None = None  # rank 0 only
     version: int = 0
@@ -217,8 +217,8 @@ def save_hf_model(trainer: Rank) -> None:
                                     trainer.save_group)
 
 
-def start_rank(cfg: Config, prepared: prepare.Prepared, rank: int, world_size: int, shared, rollout_queue,
-               control, init_file: str) -> Rank | None:
+def start_rank(cfg: Config, prepared: prepare.Prepared, rank: int, world_size: int, shared: WeightsSink,
+               rollout_queue: buffer.GroupSource, control: Control, init_file: str) -> Rank | None:
     """Device and process group, the model (restored on a resume), the reference, the tokenizer; then wait for
     the generator's engine. None when the run was stopped before its first step."""
     torch.set_num_threads(cfg.train_threads)
@@ -282,8 +282,8 @@ def finish_rank(trainer: Rank, step: int) -> None:
     dist.destroy_process_group()
 
 
-def trainer_main(cfg: Config, prepared: prepare.Prepared, rank: int, world_size: int, shared, rollout_queue,
-                 control, init_file: str) -> None:
+def trainer_main(cfg: Config, prepared: prepare.Prepared, rank: int, world_size: int, shared: WeightsSink,
+                 rollout_queue: buffer.GroupSource, control: Control, init_file: str) -> None:
     """One FSDP2 rank, from start to end."""
     tracing.start(f"trainer {rank}", sort=rank)
     trainer = start_rank(cfg, prepared, rank, world_size, shared, rollout_queue, control, init_file)

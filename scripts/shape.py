@@ -8,7 +8,12 @@ Role: the counts issue 24 asks to hold, each a function tests/test_shape.py asse
     - `calls_below_loop`: the shortest static call chain from the training loop (train.train) to a function.
     - `sample_files`: the files a reader follows one sample through, from the generator's sampling to the loss
       (the chains sampling -> the queue's put, the loop -> the queue's take and batch assembly, the loop -> loss).
-Data contract: a function is "module.name" or "module.Class.method". A call edge is a call or a reference (a
+    - `step_walk` / `returns`: the files met, in order, reading the trainer's step depth first from the loop,
+      and how often the reading comes back into a file it had left (a loss assembled across two files makes a
+      reader go back and forth between them).
+    - `config_imports`: the project modules config.py imports (a leaf: none).
+Data contract: a module is "name" (a top-level file) or "package.name" (a file of a top-level package such as
+tasks/); a function is "module.name" or "module.Class.method". A call edge is a call or a reference (a
 function handed to another, e.g. functools.partial) resolved through the module's own functions, `import m`
 / `from m import f` of a top-level module, and `self.method` inside a class; calls on other objects are not
 followed (the graph under-approximates: a chain found is real, a chain may exist that it does not see).
@@ -25,6 +30,7 @@ REPO = Path(__file__).resolve().parent.parent
 FOLDERS = ("", "tests", "bench", "examples", "scripts")
 MAX_LINES = 450
 MAX_WIDTH = 120  # characters per line, in every file
+WALK_SKIP = ("tracing",)  # left out of the step's walk: the trace recorder, called from every file
 LOOP = "train.train"
 LOSS = "losses.policy_loss"  # the per-micro-batch loss
 SAMPLE_CHAINS = (("rollout.Generator.run_group", "buffer.put_group"),  # sampling -> onto the queue
@@ -34,7 +40,8 @@ SAMPLE_CHAINS = (("rollout.Generator.run_group", "buffer.put_group"),  # samplin
 
 
 def python_files() -> list[Path]:
-    return sorted(p for folder in FOLDERS for p in (REPO / folder).glob("*.py"))
+    """Every .py file of the project: its modules (packages included) and the FOLDERS beside them."""
+    return sorted({p for folder in FOLDERS for p in (REPO / folder).glob("*.py")} | set(module_paths().values()))
 
 
 def line_counts() -> dict[str, int]:
@@ -60,8 +67,41 @@ def long_lines(limit: int = MAX_WIDTH) -> list[str]:
             for number, line in enumerate(p.read_text().splitlines(), 1) if len(line) > limit]
 
 
+def module_paths() -> dict[str, Path]:
+    """The project's modules: "name" for a top-level file, "package.name" for a file of a top-level package
+    (a folder with an __init__.py, e.g. tasks/), by module name."""
+    paths = {p.stem: p for p in sorted(REPO.glob("*.py"))}
+    for init in sorted(REPO.glob("*/__init__.py")):
+        package = init.parent.name
+        paths[package] = init
+        paths |= {f"{package}.{p.stem}": p for p in sorted(init.parent.glob("*.py")) if p.stem != "__init__"}
+    return paths
+
+
 def top_level_modules() -> dict[str, ast.Module]:
-    return {p.stem: ast.parse(p.read_text()) for p in sorted(REPO.glob("*.py"))}
+    """Module name -> its tree, for every module of `module_paths`."""
+    return {name: ast.parse(path.read_text()) for name, path in module_paths().items()}
+
+
+def imported_modules(node: ast.AST, modules) -> set[str]:
+    """The project modules an import statement imports (`from package import module` names the module)."""
+    if isinstance(node, ast.Import):
+        return {alias.name for alias in node.names if alias.name in modules}
+    if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in modules:
+        inner = {f"{node.module}.{a.name}" for a in node.names} & modules.keys()
+        return inner | ({node.module} if len(inner) < len(node.names) else set())
+    return set()
+
+
+def module_of(qualname: str, modules) -> str:
+    """The module a "module.name" / "module.Class.method" lives in (the longest module name it starts with)."""
+    parts = qualname.split(".")
+    return next(".".join(parts[:n]) for n in range(len(parts), 0, -1) if ".".join(parts[:n]) in modules)
+
+
+def file_of(module: str) -> str:
+    """"tasks.envs" -> "tasks/envs.py"."""
+    return str(module_paths()[module].relative_to(REPO))
 
 
 def import_graph(modules: dict[str, ast.Module]) -> dict[str, set[str]]:
@@ -70,12 +110,14 @@ def import_graph(modules: dict[str, ast.Module]) -> dict[str, set[str]]:
     for name, tree in modules.items():
         deps = set()
         for node in ast.walk(tree):
-            if isinstance(node, ast.Import):
-                deps |= {alias.name.split(".")[0] for alias in node.names}
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                deps.add(node.module.split(".")[0])
-        graph[name] = (deps & modules.keys()) - {name}
+            deps |= imported_modules(node, modules)
+        graph[name] = deps - {name}
     return graph
+
+
+def config_imports(modules: dict[str, ast.Module]) -> list[str]:
+    """The project modules config.py imports (a leaf config: none)."""
+    return sorted(import_graph(modules).get("config", ()))
 
 
 def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -116,7 +158,10 @@ def imported_names(tree: ast.Module, modules) -> tuple[dict[str, str], dict[str,
                     aliases[a.asname or a.name] = a.name
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in modules:
             for a in node.names:
-                names[a.asname or a.name] = f"{node.module}.{a.name}"
+                if f"{node.module}.{a.name}" in modules:  # `from package import module`
+                    aliases[a.asname or a.name] = f"{node.module}.{a.name}"
+                else:
+                    names[a.asname or a.name] = f"{node.module}.{a.name}"
     return aliases, names
 
 
@@ -136,13 +181,19 @@ def functions(modules: dict[str, ast.Module]) -> dict[str, tuple[str, str | None
 
 def call_graph(modules: dict[str, ast.Module]) -> dict[str, set[str]]:
     """function -> the known functions it calls or hands on (see the module docstring)."""
+    return {name: set(calls) for name, calls in ordered_calls(modules).items()}
+
+
+def ordered_calls(modules: dict[str, ast.Module]) -> dict[str, list[str]]:
+    """function -> the known functions it calls or hands on, each once, in the order the code reads."""
     known = functions(modules)
     imports = {mod: imported_names(tree, modules) for mod, tree in modules.items()}
     graph = {}
     for qualname, (mod, cls, node) in known.items():
         aliases, names = imports[mod]
-        edges = set()
-        for sub in ast.walk(node):
+        edges = {}
+        in_order = sorted(ast.walk(node), key=lambda n: (getattr(n, "lineno", 0), getattr(n, "col_offset", 0)))
+        for sub in in_order:
             target = None
             if isinstance(sub, ast.Name) and isinstance(sub.ctx, ast.Load):
                 target = names.get(sub.id, f"{mod}.{sub.id}")
@@ -152,9 +203,40 @@ def call_graph(modules: dict[str, ast.Module]) -> dict[str, set[str]]:
                 elif sub.value.id == "self" and cls is not None:
                     target = f"{mod}.{cls}.{sub.attr}"
             if target in known and target != qualname:
-                edges.add(target)
-        graph[qualname] = edges
+                edges.setdefault(target)
+        graph[qualname] = list(edges)
     return graph
+
+
+def step_walk(calls: dict[str, list[str]], modules, start: str = LOOP, skip=WALK_SKIP) -> list[str]:
+    """The files a reader passes through, in order, following the trainer's step from the loop: depth first
+    through the calls in the order the code reads, each function read once, coming back to the caller's
+    file after each call into another file (so a file appears again each time the walk returns to it).
+    Calls into `skip` (the trace recorder, which every file calls) are left out."""
+    walk, read = [], set()
+
+    def enter(function):
+        here = module_of(function, modules)
+        if here in skip:
+            return
+        if not walk or walk[-1] != here:
+            walk.append(here)
+        if function in read:
+            return
+        read.add(function)
+        for callee in calls.get(function, ()):
+            enter(callee)
+            if walk[-1] != here:
+                walk.append(here)
+
+    enter(start)
+    return [file_of(module) for module in walk]
+
+
+def returns(walk: list[str], hub: str = "train.py") -> int:
+    """The times a walk comes back into a file it had left, other than the loop's own file (the hub that
+    calls each part in turn, which a reader returns to by design)."""
+    return sum(1 for i, file in enumerate(walk) if file != hub and file in walk[:i])
 
 
 def shortest_chain(graph: dict[str, set[str]], start: str, goal: str) -> list[str] | None:
@@ -181,14 +263,15 @@ def calls_below_loop(graph, goal: str = LOSS, loop: str = LOOP) -> tuple[int | N
     return (len(chain) - 1, chain) if chain else (None, None)
 
 
-def sample_files(graph, chains=SAMPLE_CHAINS) -> list[str]:
+def sample_files(graph, chains=SAMPLE_CHAINS, modules=None) -> list[str]:
     """The files the chains of one sample pass through (each chain must exist)."""
+    modules = modules if modules is not None else top_level_modules()
     files = set()
     for start, goal in chains:
         chain = shortest_chain(graph, start, goal)
         if chain is None:
             raise LookupError(f"no static call chain {start} -> {goal}")
-        files |= {f"{name.split('.')[0]}.py" for name in chain}
+        files |= {file_of(module_of(name, modules)) for name in chain}
     return sorted(files)
 
 
@@ -199,9 +282,10 @@ def main() -> int:
     over = {path: n for path, n in counts.items() if n > MAX_LINES}
     calls, chain = calls_below_loop(graph)
     deepest, deepest_chain = calls_below_loop(graph, "losses.aggregate")
-    files = sample_files(graph)
+    files = sample_files(graph, modules=modules)
+    walk = step_walk(ordered_calls(modules), modules)
     cycles = import_cycles(import_graph(modules))
-    mean_width, p90_width = width_summary(line_widths(sorted(REPO.glob("*.py"))))
+    mean_width, p90_width = width_summary(line_widths(sorted(module_paths().values())))
     long = long_lines()
     rows = [("files over %d non-blank lines" % MAX_LINES, len(over), ", ".join(f"{p} {n}" for p, n in over.items())),
             ("largest file", max(counts.values()), max(counts, key=counts.get)),
@@ -211,7 +295,10 @@ def main() -> int:
             ("import cycles", len(cycles), "; ".join(" <-> ".join(c) for c in cycles)),
             (f"calls below the loop to {LOSS}", calls, " -> ".join(chain or [])),
             ("... to the aggregation (losses.aggregate)", deepest, " -> ".join(deepest_chain or [])),
-            ("files to follow one sample", len(files), ", ".join(files))]
+            ("files to follow one sample", len(files), ", ".join(files)),
+            ("files in a walk of the trainer's step", len(set(walk)), " -> ".join(walk)),
+            ("... returns to a file already left (but train.py)", returns(walk), ""),
+            ("project modules config.py imports", len(config_imports(modules)), ", ".join(config_imports(modules)))]
     width = max(len(r[0]) for r in rows)
     for what, value, detail in rows:
         print(f"{what:<{width}}  {value!s:>4}  {detail}")

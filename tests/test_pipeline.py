@@ -46,14 +46,15 @@ class Run:
     """One `train.py` subprocess (`launcher`: arguments before train.py, e.g. torchrun's); records every
     descendant it ever had (they are reparented if orphaned)."""
 
-    def __init__(self, out: Path, *args: str, launcher: tuple = ()):
+    def __init__(self, out: Path, *args: str, launcher: tuple = (), env: dict | None = None):
         self.out = out
         out.parent.mkdir(parents=True, exist_ok=True)
         self.stdout_path, self.stderr_path = Path(f"{out}.stdout"), Path(f"{out}.stderr")
         self.start = time.monotonic()
         with open(self.stdout_path, "w") as so, open(self.stderr_path, "w") as se:
             self.proc = subprocess.Popen([sys.executable, *launcher, "train.py", "--out", str(out), *args], cwd=REPO,
-                                         stdout=so, stderr=se, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                                         stdout=so, stderr=se,
+                                         env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})))
         self.root = psutil.Process(self.proc.pid)
         self.seen: dict[int, psutil.Process] = {}
         self.names: dict[int, str] = {}  # names as seen while alive
@@ -147,8 +148,8 @@ class Run:
 def start_run(tmp_path):
     runs = []
 
-    def start(*args, name="run", launcher=()):
-        run = Run(tmp_path / name, *args, launcher=launcher)
+    def start(*args, name="run", launcher=(), env=None):
+        run = Run(tmp_path / name, *args, launcher=launcher, env=env)
         runs.append(run)
         return run
 
@@ -344,12 +345,15 @@ def _generator_and_trainers(run: Run):
 # a SIGKILLed real trainer rank, test_multinode's trainer-killed test. Each vLLM run costs ~40 s of suite time.)
 @pytest.mark.parametrize("victim", ["engine_core"])
 def test_sigkill_of_a_child_ends_the_run_with_nothing_left(victim, start_run):
-    run = start_run("--steps", "1000", "--max-lag", "1", *SMALL)
+    # vLLM's CPU default (tests/conftest.py sets the other): a worker process beside the EngineCore, the tree
+    # a CPU run has, must be gone too
+    run = start_run("--steps", "1000", "--max-lag", "1", *SMALL, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
     run.wait_rows(2, timeout=RUN_TIMEOUT_S)
     generator, trainers = _generator_and_trainers(run)
     assert generator is not None and len(trainers) == 1, f"{generator} {trainers}"
     recorded = {pid: run.names[pid] for pid, p in run.seen.items() if not _gone(p)}
     engine_cores = [pid for pid, name in recorded.items() if _is_engine_core(name)]
+    assert any(name.startswith("VLLM::Worker") for name in recorded.values()), recorded  # its worker
     assert engine_cores and all(run.seen[pid] in generator.children(recursive=True) for pid in engine_cores)
 
     target = {"generator": generator, "trainer0": trainers[0]}.get(victim) or run.seen[engine_cores[0]]
