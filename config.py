@@ -3,10 +3,11 @@
 Role: every `Config` field is a `--flag` (underscores become dashes); the comment after a field is its
 `--help` text (wrapped onto `#   ` lines, see Config) and a comment line on its own starts a group of flags, so
 this class is the one source of both (CleanRL's arguments dataclass). `parse_args` builds and `validate`s it:
-one clear line per bad value, before anything starts. The checks here read the flags alone; those that load
-what the flags name (datasets, reward functions, --env, --tools, chat templates, devices) are prepare.check's,
-and prepare.parse_args runs both (train.py's command line). A validated Config is never changed: what a run
-derives from it (devices, threads, the resolved dtype) lives in `prepare.Prepared`.
+one clear line per bad value, before anything starts. The checks here read the flags alone; those
+that load what the flags name (datasets, reward functions, --env, --tools, chat templates, devices)
+are prepare.check's, and prepare.parse_args runs both (train.py's command line). A validated Config
+is never changed: what a run derives from it (devices, threads, the resolved dtype) lives in
+`prepare.Prepared`.
 May touch: nothing. Imports nothing of the project (a leaf: every module may import it).
 """
 import argparse
@@ -65,7 +66,7 @@ class Config:
     chat_template_kwargs: str = ""  # a JSON object handed to every rendering, e.g. '{"enable_thinking": false}'
     reward_workers: int = 0  # 0: rewards run in a thread of the generator; N: a pool of N processes
     max_prompt_tokens: int = 0  # drop longer prompts before training starts (counted); 0: only the context limits them
-    # multi-turn environments (tasks/envs.py): an episode = reset, then model turn / step until done or a limit
+    # multi-turn environments (tasks/envs.py): reset, then model turn / step until done or a limit
     env: str = ""  # FILE.py:NAME or module:NAME: a class (or zero-argument factory) with reset(**row) and step(action)
     max_turns: int = 4  # model turns per episode, at most (an episode cut here is truncated)
     max_episode_tokens: int = 0  # prompt + every turn and observation of an episode, at most; 0: the model's context
@@ -175,10 +176,11 @@ class Config:
     generator_addr: str = ""  # HOST:PORT the generator listens on and the trainer connects to (PORT + 1: weights)
 
 
-# The values losses.py and advantages.py take (each holds its own tuple: those files copy out alone, importing
-# nothing of the project; tests/test_copyable.py checks the two agree).
+# The values losses.py and advantages.py take (each holds its own tuple: those files copy out
+# alone, importing nothing of the project; tests/test_copyable.py checks the two agree).
 LOSS_CHOICES = {"loss": ("grpo", "dapo", "dr_grpo", "gspo", "cispo"),
-                "agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"),
+                "agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                        "seq-mean-token-sum-norm"),
                 "kl_kind": ("k1", "k2", "k3"), "is_level": ("token", "sequence"),
                 "is_mode": ("truncate", "mask", "off"), "adv_scale": ("group", "batch", "none"),
                 "adv_estimator": ("grpo", "rloo", "reinforce_pp", "reinforce_baseline")}
@@ -249,16 +251,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv=None) -> Config:
-    """The flags as a Config, checked by `validate` (train.py's command line: prepare.parse_args, which adds
-    the checks that load what the flags name)."""
+    """The flags as a Config, checked by `validate` (train.py's command line: prepare.parse_args,
+    which adds the checks that load what the flags name)."""
     cfg = Config(**vars(build_parser().parse_args(argv)))
     validate(cfg)
     return cfg
 
 
 def validate(cfg: Config, more: list[str] = ()) -> None:
-    """Exits with one clear line per bad value (the run has not started anything yet): `problems_of`'s,
-    then `more` (prepare.check's)."""
+    """Exits with one clear line per bad value (the run has not started anything yet):
+    `problems_of`'s, then `more` (prepare.check's)."""
     problems = problems_of(cfg) + list(more)
     if problems:
         raise SystemExit("error: " + "\nerror: ".join(problems))
@@ -330,9 +332,9 @@ def problems_of(cfg: Config) -> list[str]:
     if cfg.max_turns < 1 or cfg.max_episode_tokens < 0 or cfg.env_workers < 1 or not cfg.env_timeout_s > 0:
         problems.append(f"--max-turns and --env-workers must be >= 1, --max-episode-tokens >= 0 and --env-timeout-s "
                         f"> 0 (got {cfg.max_turns}, {cfg.env_workers}, {cfg.max_episode_tokens}, {cfg.env_timeout_s})")
-    if cfg.tool_parser and not (cfg.tools or cfg.env):  # (vLLM's names: prepare, which imports vLLM)
-        problems.append(f"--tool-parser {cfg.tool_parser} reads tool calls: it needs --tools or an --env with "
-                        "tools")
+    if cfg.tool_parser and not (cfg.tools or cfg.env):  # (its name: prepare, which imports vLLM)
+        problems.append(f"--tool-parser {cfg.tool_parser} reads tool calls: it needs --tools or an "
+                        "--env with tools")
     problems += remote_problems(cfg)
     return problems
 

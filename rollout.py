@@ -1,14 +1,15 @@
 """rollout.py — the generator process: a vLLM `AsyncLLM` engine sampling G completions per prompt.
 
-Role: streams the task's prompts (tasks/builtin.py) into the engine with continuous batching; each finished group
-is scored in a worker thread and put on the rollout queue at once. New weights are loaded from the shared
-buffer (weight_buffer.py, through vllm_worker.py) between engine steps, requests kept in flight
-("inflight") or let finish ("drain"); held-out evaluations (evaluation.py) run beside training requests.
-An env task (--env, --task reveal) runs each of a group's G samples as an episode, a chain of requests
-(tasks/envs.py: `run_env_group`, `eval_env_prompt`; the episodes use this class only through
-tasks/protocols.Sampler, which it satisfies). What it serves (full weights or an adapter) comes through
-lora.Served, its devices through devices.enter_generator_devices; with --router-replay or --router-record,
-each sample's routes come through routes.GeneratorRoutes.
+Role: streams the task's prompts (tasks/builtin.py) into the engine with continuous batching; each
+finished group is scored in a worker thread and put on the rollout queue at once. New weights are
+loaded from the shared buffer (weight_buffer.py, through vllm_worker.py) between engine steps,
+requests kept in flight ("inflight") or let finish ("drain"); held-out evaluations (evaluation.py)
+run beside training requests. An env task (--env, --task reveal) runs each of a group's G samples
+as an episode, a chain of requests (tasks/envs.py: `run_env_group`, `eval_env_prompt`; the episodes
+use this class only through tasks/protocols.Sampler, which it satisfies). What it serves (full
+weights or an adapter) comes through lora.Served, its devices through
+devices.enter_generator_devices; with --router-replay or --router-record, each sample's routes come
+through routes.GeneratorRoutes.
 Data contract: writes `buffer.RolloutGroup`s with vLLM's processed log-probs (the behaviour policy) and, per
 token, the version of the weights that sampled it (and, when recorded, its routes); a group starts only if the
 loaded weights are at most --max-lag versions behind the trainer version that will consume it (its step less
@@ -399,7 +400,8 @@ class Generator:
             if self.eval_task is None:
                 self.maybe_start_eval()
             if self.may_start_group():
-                epoch, row = walk(self.issued, len(self.task.prompts), self.cfg.seed)  # a function of the id
+                # (epoch, row): a function of the id
+                epoch, row = walk(self.issued, len(self.task.prompts), self.cfg.seed)
                 group = self.run_group(self.issued, self.task.prompts[row], epoch)
                 task = asyncio.create_task(tracing.on_lane(group, f"group {self.issued}", group=self.issued))
                 task.add_done_callback(self._done)

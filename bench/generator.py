@@ -104,7 +104,8 @@ def measure(model_path: str, plan: list[dict], rounds: int, seed: int, kv_delta:
             done.append(time.perf_counter() - start)
             toks.append(sum(len(c.token_ids) for c in final.outputs))
 
-        prompts = [task.prompts[walk(i, len(task.prompts), seed)[1]] for i in range(n_groups)]  # as Generator.run
+        # as Generator.run
+        prompts = [task.prompts[walk(i, len(task.prompts), seed)[1]] for i in range(n_groups)]
         tasks = []
         for i in range(n_groups):
             await slots.acquire()

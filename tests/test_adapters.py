@@ -1,5 +1,5 @@
-"""tasks/textarena.py: TextArena's single-player games as episode environments, offline, against the real
-library.
+"""tasks/textarena.py: TextArena's single-player games as episode environments, offline, against
+the real library.
 
 Fast, in-process, no engine and no episode runner: scripted policies call `reset`/`step` directly. A
 binary search wins GuessTheNumber (reward 1 on the winning move); a policy that goes against the hints runs

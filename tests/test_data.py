@@ -1,5 +1,5 @@
-"""Bring your own model, data and reward (tasks/prompts.py, tasks/datasets.py, rollout's tasks, plots.py),
-with local files only.
+"""Bring your own model, data and reward (tasks/prompts.py, tasks/datasets.py, rollout's tasks,
+plots.py), with local files only.
 
 Fast tests (no engine): JSONL and Parquet datasets with a column mapping, rows missing a field reported
 by line, reward functions from a user module (TRL's calling convention, the per-sample fault rules,
@@ -34,7 +34,8 @@ ROWS = [{"question": "What is 2 + 3?", "answer": "#### 5", "level": 1},
 @pytest.fixture(scope="module")
 def ascii_model(tmp_path_factory):
     """The tiny model with a printable-ASCII tokenizer and a chat template, saved as a HF directory."""
-    return builtin.build_tiny_model(str(tmp_path_factory.mktemp("models") / "tiny_ascii"), alphabet="ascii")
+    path = tmp_path_factory.mktemp("models") / "tiny_ascii"
+    return builtin.build_tiny_model(str(path), alphabet="ascii")
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +66,8 @@ def test_jsonl_and_parquet_give_the_same_rows_with_a_column_mapping(tmp_path):
     assert datasets.load_rows(parquet)[1][0] == f"{parquet} row 2"
     cols = datasets.row_columns(ROWS[0], "question", "answer")
     assert cols == {"answer": "#### 5", "level": 1}  # every column but the prompt, TRL's way
-    assert datasets.row_columns({"q": "x", "sol": "7"}, "q", "sol") == {"sol": "7", "answer": "7"}  # alias
+    alias = datasets.row_columns({"q": "x", "sol": "7"}, "q", "sol")
+    assert alias == {"sol": "7", "answer": "7"}
 
 
 def test_dataset_rows_hold_out_in_one_fixed_order_and_check_unless_for_an_env(tokenizer, tmp_path):
@@ -73,12 +75,15 @@ def test_dataset_rows_hold_out_in_one_fixed_order_and_check_unless_for_an_env(to
     spec = prompts.resolve(dataset=write_jsonl(tmp_path / "train.jsonl", rows[:2]), reward="math",
                         eval_dataset=write_jsonl(tmp_path / "held.jsonl", rows))
     train_rows, held_rows = prompts.dataset_rows(spec)
-    assert train_rows == rows[:2] and held_rows == [rows[i] for i in prompts.held_out_order(8)] != rows
+    assert train_rows == rows[:2]
+    assert held_rows == [rows[i] for i in prompts.held_out_order(8)] != rows
     assert envs.EnvTask.rows_of(spec, None) == (train_rows, held_rows)  # an env's dataset rows: the same
     task = builtin.DatasetTask(spec, tokenizer)  # the order once: encoded in it, not shuffled again
     assert [p.answer for p in task.held_out] == [row["answer"] for row in held_rows] and task.dropped_long == 0
-    assert prompts.encode_rows(held_rows, tokenizer, spec, 1, "held-out") == ([], 8)  # "pN" is 2 tokens
-    unchecked = prompts.resolve(dataset=write_jsonl(tmp_path / "seeds.jsonl", [{"seed": 3}]), env="my_env.py:Env")
+    # "pN" is 2 tokens
+    assert prompts.encode_rows(held_rows, tokenizer, spec, 1, "held-out") == ([], 8)
+    unchecked = prompts.resolve(dataset=write_jsonl(tmp_path / "seeds.jsonl", [{"seed": 3}]),
+                                env="my_env.py:Env")
     with pytest.raises(datasets.DataError, match="no 'prompt' and no 'answer' field"):
         prompts.dataset_rows(unchecked)
     assert prompts.dataset_rows(unchecked, check=False) == ([{"seed": 3}], [])
@@ -93,7 +98,8 @@ def test_rows_missing_a_field_are_reported_with_their_line(tmp_path):
     msg = str(err.value)
     assert "2 of 4 rows" in msg and "line 2: no 'answer' field" in msg and "line 5: no 'question' field" in msg
     with pytest.raises(SystemExit) as err:  # and before anything starts, from the flags
-        prepare.parse_args(["--dataset", str(path), "--prompt-column", "question", "--reward", "math"])
+        prepare.parse_args(["--dataset", str(path), "--prompt-column", "question",
+                            "--reward", "math"])
     assert "line 2: no 'answer' field" in str(err.value)
     path.write_text(json.dumps(ROWS[0]) + "\n{not json\n")
     with pytest.raises(datasets.DataError, match="line 2: not valid JSON"):
@@ -127,7 +133,8 @@ def test_task_resolution():
                         reward_weights="1,0.25")
     assert spec.rewards == ("tasks.rewards:math_reward", "examples/my_rewards.py:format_reward")
     assert spec.weights == (1.0, 0.25)
-    cfg = prepare.parse_args(["--task", "gsm8k", "--steps", "3"])  # the shipped sample passes every check
+    # the shipped sample passes every check
+    cfg = prepare.parse_args(["--task", "gsm8k", "--steps", "3"])
     assert cfg.task == "gsm8k"
 
 
@@ -244,7 +251,8 @@ def test_chat_template_and_plain_text_prompts(tokenizer, tmp_path):
     assert prompts.render_prompt(tokenizer, messages, "Be brief.") == \
         "<|system|>\nBe brief.\n<|user|>\nWhat is 2 + 3?\n<|assistant|>\n"
     assert prompts.render_prompt(tokenizer, "2 + 3 =") == "2 + 3 ="  # plain text as it is
-    assert prompts.render_prompt(tokenizer, "2 + 3 =", "Add.") == "<|system|>\nAdd.\n<|user|>\n2 + 3 =\n<|assistant|>\n"
+    assert prompts.render_prompt(tokenizer, "2 + 3 =", "Add.") == \
+        "<|system|>\nAdd.\n<|user|>\n2 + 3 =\n<|assistant|>\n"
     ids = prompts.encode_prompt(tokenizer, messages)
     assert tokenizer.decode(ids) == text  # every character encoded faithfully (no <pad> for unknowns)
     copy_dir = builtin.build_tiny_model(str(tmp_path / "copy_tiny"))  # no chat template
@@ -262,7 +270,8 @@ def test_saved_model_directory_and_dataset_task(ascii_model, tokenizer, tmp_path
     cfg = prepare.parse_args(["--model", ascii_model, "--task", "gsm8k", "--max-new-tokens", "8"])
     task = builtin.make_task(cfg, tokenizer, max_len=1024)
     # a file has no test split: no held-out prompts
-    assert len(task.prompts) == len(datasets.load_rows(prompts.GSM8K["dataset"])) and task.held_out == []
+    assert len(task.prompts) == len(datasets.load_rows(prompts.GSM8K["dataset"]))
+    assert task.held_out == []
     prompt = task.prompts[prompts.walk(0, len(task.prompts), seed=0)[1]]
     text = tokenizer.decode(prompt.prompt_ids)
     assert text.startswith("<|system|>\n" + prompts.GSM8K_SYSTEM_PROMPT) and prompt.prompt in text

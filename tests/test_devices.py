@@ -348,7 +348,8 @@ def test_dtype_auto_is_bf16_on_gpus_and_the_measured_choice_on_cpu():
     assert devices.resolve_dtype("auto", cpu) == devices.CPU_DEFAULT_DTYPE
     assert devices.resolve_dtype("fp32", gpu) == "fp32" and devices.resolve_dtype("bf16", cpu) == "bf16"
     assert devices.torch_dtype("bf16") is torch.bfloat16 and devices.torch_dtype("fp32") is torch.float32
-    assert prepare.parse_args([]).dtype == "auto" and prepare.parse_args(["--dtype", "bf16"]).dtype == "bf16"
+    assert prepare.parse_args([]).dtype == "auto"
+    assert prepare.parse_args(["--dtype", "bf16"]).dtype == "bf16"
     with pytest.raises(SystemExit):
         prepare.parse_args(["--dtype", "fp16"])
 

@@ -1,8 +1,8 @@
-"""Multi-turn environments (tasks/envs.py, tasks/episodes.py): the --env checks, token in / token out
-against the real vLLM engine (every turn's request is the sequence so far; sampled ids trained as sampled;
-observations tokenized and appended), no gradient through environment tokens, exact versions across turns
-and in-flight swaps, env faults that end only their episode, and the built-in `reveal` task end to end. One
-engine for the module."""
+"""Multi-turn environments (tasks/envs.py, tasks/episodes.py): the --env checks, token in / token
+out against the real vLLM engine (every turn's request is the sequence so far; sampled ids trained
+as sampled; observations tokenized and appended), no gradient through environment tokens, exact
+versions across turns and in-flight swaps, env faults that end only their episode, and the
+built-in `reveal` task end to end. One engine for the module."""
 import asyncio
 import itertools
 import os
@@ -149,7 +149,8 @@ def test_observations_render_only_what_is_new(tmp_path, template):
     of the whole conversation (the tiny template has no end-of-turn token: the sampled <eos> is the one extra)."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(builtin.build_tiny_model(str(tmp_path / "ascii"), alphabet="ascii"))
+    model = builtin.build_tiny_model(str(tmp_path / "ascii"), alphabet="ascii")
+    tokenizer = AutoTokenizer.from_pretrained(model)
     if template == "eos":
         tokenizer.chat_template = EOS_TEMPLATE
     renderer = envs.Renderer(tokenizer)

@@ -76,12 +76,14 @@ def test_no_training_prompt_of_the_copy_task_is_held_out(tmp_path):
     train_set = {p.answer for p in task.prompts}
     held = [p.answer for p in task.held_out]
     assert not train_set & set(held)
-    assert len(train_set) + len(held) == len(builtin.LETTERS) ** builtin.COPY_LENGTH and len(set(held)) == len(held)
+    assert len(train_set) + len(held) == len(builtin.LETTERS) ** builtin.COPY_LENGTH
+    assert len(set(held)) == len(held)
     assert 50 <= len(held) <= 150  # ~10%
     assert held == [p.answer for p in again.held_out]  # a function of the task alone, in a fixed order
     assert all(tok.decode(p.prompt_ids) == f"<bos>{p.answer}=" for p in task.held_out[:5])
     # every group the generator starts, over several epochs, takes a training prompt
-    walked = {task.prompts[prompts.walk(g, len(task.prompts), seed=7)[1]].answer for g in range(3 * len(task.prompts))}
+    walked = {task.prompts[prompts.walk(g, len(task.prompts), seed=7)[1]].answer
+              for g in range(3 * len(task.prompts))}
     assert walked == train_set
 
 
@@ -118,8 +120,8 @@ def test_long_prompts_are_dropped_before_training_and_reported_once(ascii_model,
     assert err.count("3 of 6 training prompts are longer than 10 tokens") == 1
     assert err.count("1 of 3 held-out prompts") == 1
     # the model's context bounds prompts too (here: 1024 - max_new_tokens - ... = 20 tokens)
-    task = builtin.make_task(settings_for(ascii_model, dataset=train_file, reward="math", max_new_tokens=4).cfg,
-                           tokenizer, max_len=24)
+    settings = settings_for(ascii_model, dataset=train_file, reward="math", max_new_tokens=4)
+    task = builtin.make_task(settings.cfg, tokenizer, max_len=24)
     assert sorted(len(p.prompt_ids) for p in task.prompts) == [3, 5, 7, 12]
     with pytest.raises(SystemExit, match="--max-prompt-tokens must be >= 0"):
         prepare.parse_args(["--max-prompt-tokens", "-1"])
@@ -157,8 +159,10 @@ def test_datasets_written_by_datasets_load_with_their_test_split(saved_datasets,
         # an explicit held-out split
         explicit = prompts.spec_of(prepare.parse_args(argv + ["--eval-split", "train"]))
         assert prompts.eval_source(explicit) == (paths[kind], "train")
-    single = prepare.parse_args(["--dataset", paths["single"], "--prompt-column", "question", "--reward", "math"])
-    assert not prompts.has_eval_set(single)  # one saved split: training only, no held-out set unless given
+    single = prepare.parse_args(["--dataset", paths["single"], "--prompt-column", "question",
+                                 "--reward", "math"])
+    # one saved split: training only, no held-out set unless given
+    assert not prompts.has_eval_set(single)
     assert prompts.load_rows(paths["single"], "train")[0][1] == train_rows[0]
 
 
@@ -188,8 +192,8 @@ def test_an_unknown_hub_dataset_fails_in_one_line_before_anything_starts(tmp_pat
 
 
 def test_stop_strings_are_flags_and_the_copy_task_refuses_them():
-    cfg = prepare.parse_args(["--dataset", "tasks/data/gsm8k_sample.jsonl", "--prompt-column", "question", "--reward", "math",
-                            "--stop", "####", r"\n\n"])
+    cfg = prepare.parse_args(["--dataset", "tasks/data/gsm8k_sample.jsonl", "--prompt-column",
+                              "question", "--reward", "math", "--stop", "####", r"\n\n"])
     prepared = prepare.Prepared("m", "m", devices.plan("", ""))
     assert prepare.generator_settings(prepare.resolve(cfg), prepared).stop == ("####", "\n\n")
     with pytest.raises(SystemExit, match="copy task ends its answers with <eos>"):

@@ -221,7 +221,8 @@ def test_skipped_steps_spread_over_a_run_keep_generation_flowing_and_are_counted
         "    return [(1e38 if step % 2 == 0 else 1.0) if i % 2 else 0.0 for i in range(len(completions))]\n")
     out = str(tmp_path / "run")
     proc = subprocess.run([sys.executable, "train.py", "--out", out, "--model", model, "--dataset",
-                           "tasks/data/gsm8k_sample.jsonl", "--prompt-column", "question", "--reward",
+                           "tasks/data/gsm8k_sample.jsonl", "--prompt-column", "question",
+                           "--reward",
                            f"{tmp_path / 'huge.py'}:huge", "--adv-scale", "none", "--max-bad-steps", "10",
                            "--max-lag", "0", "--eval-every", "0", "--timeout-s", "60", "--steps", "8",
                            "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "8"],

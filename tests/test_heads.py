@@ -230,7 +230,8 @@ def test_a_head_the_code_does_not_know_is_refused_in_one_line(tmp_path):
     assert "tie_word_embeddings false" in heads.head_problem(untied)
     with pytest.raises(ValueError, match="not one this trainer knows"):
         heads.head_transform(transformers.AutoConfig.for_model("falcon_h1"))
-    model = builtin.build_tiny_model(str(tmp_path / "stablelm"))  # its tokenizer, then an unknown family's config
+    # its tokenizer, then an unknown family's config
+    model = builtin.build_tiny_model(str(tmp_path / "stablelm"))
     transformers.AutoConfig.for_model("stablelm", vocab_size=26, **{k: v for k, v in SHAPE.items()
                                                                     if k != "head_dim"}).save_pretrained(model)
     out = tmp_path / "run"
@@ -313,7 +314,8 @@ def served(tmp_path_factory):
     from tasks import builtin
     models = {}
     for family in ENGINE_FAMILIES:
-        path = builtin.build_tiny_model(str(tmp_path_factory.mktemp(family) / "model"))  # the copy task's tokenizer
+        # the copy task's tokenizer
+        path = builtin.build_tiny_model(str(tmp_path_factory.mktemp(family) / "model"))
         tiny_model(family, vocab=26, gain=RUN_HEAD_GAIN[family]).save_pretrained(path)
         models[family] = path
     return result_of_child(serve_sync_and_score, (models,), ENGINE_TIMEOUT_S)

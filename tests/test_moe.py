@@ -30,7 +30,9 @@ import update
 from spawned import end_in_process_engine, result_of_child
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-VOCAB = 26  # the copy task's tokenizer (builtin.build_tiny_model writes it; the family's config replaces the model)
+# the copy task's tokenizer (builtin.build_tiny_model writes it; the family's config replaces the
+# model)
+VOCAB = 26
 SHAPE = dict(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
              head_dim=32, max_position_embeddings=64, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
              pad_token_id=0, vocab_size=VOCAB)
@@ -166,7 +168,8 @@ def served(tmp_path_factory):
     """serve_publish_and_score over MOE_FAMILIES, in one spawned child: {family: figures}."""
     models = {}
     for family in MOE_FAMILIES:
-        path = builtin.build_tiny_model(str(tmp_path_factory.mktemp(family) / "model"))  # the copy tokenizer
+        # the copy tokenizer
+        path = builtin.build_tiny_model(str(tmp_path_factory.mktemp(family) / "model"))
         tiny_moe(family).save_pretrained(path)
         models[family] = path
     return result_of_child(serve_publish_and_score, (models,), ENGINE_TIMEOUT_S)

@@ -304,7 +304,8 @@ def test_bf16_run_agrees_within_the_correction_syncs_half_the_bytes_and_skips_lo
         "def letters(completions, **kwargs):\n    return [sum(c.isalpha() for c in t) / 8 for t in completions]\n")
     steps = 6
     run = start_run("--steps", str(steps), "--dtype", "bf16", "--max-lag", "0", "--is-mode", "mask",
-                    "--kl-coef", "0.01", "--model", model, "--dataset", str(REPO / "tasks" / "data" / "gsm8k_sample.jsonl"),
+                    "--kl-coef", "0.01", "--model", model,
+                    "--dataset", str(REPO / "tasks" / "data" / "gsm8k_sample.jsonl"),
                     "--prompt-column", "question", "--reward", f"{tmp_path / 'letters.py'}:letters",
                     "--max-model-len", "110", "--max-new-tokens", "8", "--prompts-per-step", "4", "--group-size", "4")
     rows, summary = finish_ok(run, steps)

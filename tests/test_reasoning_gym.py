@@ -1,4 +1,5 @@
-"""`--task rg:NAME`: reasoning-gym's procedural datasets as dataset tasks (datasets.rg_rows, rewards.reasoning_gym_reward).
+"""`--task rg:NAME`: reasoning-gym's procedural datasets as dataset tasks (datasets.rg_rows,
+rewards.reasoning_gym_reward).
 
 Fast, in-process, no engine: the task builds with the network cut off, its prompts encode through the chat
 template with reasoning-gym's system prompt, its held-out rows are other questions than its training rows,
@@ -25,9 +26,11 @@ def offline(monkeypatch):
 
 
 def test_an_rg_task_builds_offline_and_scores_with_reasoning_gyms_scorer(offline, ascii_model, tokenizer):
-    cfg = prepare.parse_args(["--model", ascii_model, "--task", "rg:leg_counting", "--max-new-tokens", "16"])
+    cfg = prepare.parse_args(["--model", ascii_model, "--task", "rg:leg_counting",
+                              "--max-new-tokens", "16"])
     task = builtin.make_task(cfg, tokenizer, max_len=1024)
-    assert (len(task.prompts), len(task.held_out)) == (datasets.RG_SIZES["train"], datasets.RG_SIZES["test"])
+    sizes = datasets.RG_SIZES
+    assert (len(task.prompts), len(task.held_out)) == (sizes["train"], sizes["test"])
     assert task.names == ["reasoning_gym_reward"]
     train_questions = {p.prompt for p in task.prompts}
     assert not train_questions & {p.prompt for p in task.held_out}  # held out: other questions
@@ -43,7 +46,8 @@ def test_an_rg_task_builds_offline_and_scores_with_reasoning_gyms_scorer(offline
     assert rewards[0] == 1.0 and rewards[1] < 1.0 and rewards[2] < 1.0  # no <answer> tags: no answer
     assert rewards[3] == 1.0  # the last tagged answer counts (reasoning-gym's extract_answer)
     assert unscored == [] and stats["reasoning_gym_reward"]["count"] == 4
-    fresh = datasets.rg_dataset("rg:leg_counting", "train")  # a new generator: the same rows (fixed seeds)
+    # a new generator: the same rows (fixed seeds)
+    fresh = datasets.rg_dataset("rg:leg_counting", "train")
     assert [fresh[i]["question"] for i in range(5)] == [p.prompt for p in task.prompts[:5]]
 
 

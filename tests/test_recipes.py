@@ -156,7 +156,8 @@ def test_dr_grpos_constant_normaliser_is_the_episodes_token_budget(tmp_path):
 
     from test_offpolicy import on_policy_batch
 
-    model = AutoModelForCausalLM.from_pretrained(builtin.build_tiny_model(str(tmp_path / "tiny"), seed=0))
+    path = builtin.build_tiny_model(str(tmp_path / "tiny"), seed=0)
+    model = AutoModelForCausalLM.from_pretrained(path)
     batch = on_policy_batch(model, [[5, 6, 7], [8, 9, 10, 11, 12]], [0.5, -1.0])
     token_sums = 3 * -0.5 + 5 * 1.0  # ratio 1 against the generator: each token's loss is -A
     cfgs = {budget: config.Config(is_mode="off", agg="seq-mean-token-sum-norm", max_new_tokens=5, max_turns=4,

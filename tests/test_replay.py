@@ -165,7 +165,8 @@ def test_routes_follow_their_tokens_through_collation_and_micro_batches():
 
 def test_a_model_without_replayable_routes_is_refused_in_one_line():
     assert replay.problem(tiny_moe_config()) is None
-    dense = builtin.Qwen2Config(vocab_size=27, hidden_size=32, num_hidden_layers=1, num_attention_heads=2)
+    dense = builtin.Qwen2Config(vocab_size=27, hidden_size=32, num_hidden_layers=1,
+                                num_attention_heads=2)
     assert "need a Mixture-of-Experts model" in replay.problem(dense)
     other = tiny_moe_config()
     other.model_type = "deepseek_v3"
@@ -310,7 +311,8 @@ def test_vllm_records_the_routes_other_routers_choose(family, tmp_path, monkeypa
     from test_moe import tiny_moe as family_moe
     from vllm import LLM, SamplingParams
 
-    path = builtin.build_tiny_model(str(tmp_path / family))  # (the copy tokenizer; the family's model replaces it)
+    # (the copy tokenizer; the family's model replaces it)
+    path = builtin.build_tiny_model(str(tmp_path / family))
     model = family_moe(family)
     model.save_pretrained(path)
     llm = LLM(model=path, dtype="float32", seed=0, enforce_eager=True, kv_cache_memory_bytes=32 * 2**20,

@@ -86,7 +86,8 @@ def episode(cfg, tokenizer, factory, prompt_row, turns, stop):
     gen = SimpleNamespace(cfg=cfg, task=task, max_model_len=4096, request_params=lambda **k: k,
                           generating_request=contextlib.nullcontext, generate=engine.generate)
     env = task.factory()
-    return asyncio.run(episodes.run_episode(gen, env, task.prompts[0], episodes.Turns({}, "t"))), engine, env
+    episode = asyncio.run(episodes.run_episode(gen, env, task.prompts[0], episodes.Turns({}, "t")))
+    return episode, engine, env
 
 
 def tokens_are_as_sampled(ep, engine):
@@ -270,15 +271,16 @@ def test_chat_template_kwargs_reach_prompts_and_episodes(models, tmp_path):
                                        "{% if add_generation_prompt %}[assistant]{% endif %}")
     for kwargs, ends in (("", "<|im_start|>assistant\n"), ('{"enable_thinking": false}', "<think>\n\n</think>\n\n")):
         tokenizer = chat.load_tokenizer(path, "", kwargs)
-        prompt = tokenizer.decode(prompts.encode_prompt(tokenizer, [{"role": "user", "content": "hi"}]))
+        hi = [{"role": "user", "content": "hi"}]
+        prompt = tokenizer.decode(prompts.encode_prompt(tokenizer, hi))
         assert prompt.endswith(ends) and (("<think>" in prompt) == bool(kwargs)), prompt
         ids, _ = envs.Renderer(tokenizer).initial([{"role": "user", "content": "hi"}], None)
         assert tokenizer.decode(ids) == prompt
         after = tokenizer.decode(envs.Renderer(tokenizer).observation("more", True, 151_645))
         assert after.endswith(ends) and ("<think>" in after) == bool(kwargs)
     tokenizer = chat.load_tokenizer(path, str(tmp_path / "my.jinja"))  # --chat-template replaces the model's
-    assert tokenizer.decode(prompts.encode_prompt(tokenizer, [{"role": "user", "content": "hi"}])) == \
-        "[user] hi\n[assistant]"
+    hi = [{"role": "user", "content": "hi"}]
+    assert tokenizer.decode(prompts.encode_prompt(tokenizer, hi)) == "[user] hi\n[assistant]"
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Tools (tasks/tools.py): TRL's `tools=` functions and `environment_factory` classes as episode environments.
+"""Tools (tasks/tools.py): TRL's `tools=` functions and `environment_factory` classes as episode
+environments.
 
 Fast, in-process, no engine and no episode runner: `reset`/`step` are called directly. Schemas rendered by
 the tiny tool-capable chat template; a model turn with a tool call parsed, run and its result rendered back
@@ -157,7 +158,8 @@ def test_async_tools_make_step_a_coroutine_and_plain_tools_still_run():
 # ---- templates, specs ---------------------------------------------------------------------------------
 def test_templates_that_cannot_show_tools_are_refused(tokenizer):
     assert tools.supports_tools(tokenizer)
-    no_tools = with_template(tokenizer, builtin.TINY_CHAT_TEMPLATE)  # renders tool messages, not schemas or calls
+    # renders tool messages, not schemas or calls
+    no_tools = with_template(tokenizer, builtin.TINY_CHAT_TEMPLATE)
     assert not tools.supports_tools(no_tools)
     drops_tool_messages = builtin.TINY_TOOL_CHAT_TEMPLATE.replace("{% for m in messages %}",
                                                                 "{% for m in messages if m['role'] != 'tool' %}")
@@ -182,7 +184,8 @@ def test_tools_specs_load_or_fail_in_one_line(ascii_model, tmp_path):
     with pytest.raises(ValueError, match="cannot be described to the model .*no docstring"):
         tools.tool_schemas(tools.load_functions(f"{tmp_path}/undocumented.py:f"))
     chat = ["--dataset", "examples/chat_prompts.jsonl", "--answer-column", "solution", "--reward", "math"]
-    cfg = prepare.parse_args(["--model", ascii_model, *chat, "--tools", f"{TOOLS_FILE}:add,multiply"])
+    cfg = prepare.parse_args(["--model", ascii_model, *chat,
+                              "--tools", f"{TOOLS_FILE}:add,multiply"])
     assert cfg.tools == f"{TOOLS_FILE}:add,multiply"
     refusals = {(*chat, "--tools", f"{tmp_path}/undocumented.py:f"): "--tools .*undocumented.py:f: tool 'f' cannot",
                 ("--model", ascii_model, "--tools", f"{TOOLS_FILE}:add"): "--tools: the copy task has no chat",
