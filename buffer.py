@@ -6,8 +6,9 @@ Role
 Data contract
     - A `multiprocessing` queue of `--queue-size` groups: a full queue blocks the generator (a first bound on
       staleness and memory). Groups hold plain lists: the sender may exit before the receiver unpickles.
-    - A completion may hold environment tokens (multi-turn episodes, envs.py): `model_masks` marks the tokens
-      the model sampled; the others carry version -1 and log-prob 0 and are never trained.
+    - A completion may hold environment tokens (multi-turn episodes, tasks/episodes.py):
+      `model_masks` marks the tokens the model sampled; the others carry version -1 and log-prob 0
+      and are never trained.
     - A token's lag = trainer version - its version; --max-lag bounds the lag of every trained token.
       --stale-rule tokens: the tokens beyond it are masked (`stale_mask`) and a group is dropped only when
       none of its model tokens is fresh enough; group: a group with any stale sample is dropped. Drops are
@@ -48,9 +49,11 @@ class RolloutGroup:
     unscored: list[int] = field(default_factory=list)  # samples no reward function scored (their reward: the
     #   group's mean; their advantage: 0, out of every statistic: `scored_mask`)
     finish_reasons: list[str] = field(default_factory=list)  # per completion: "stop" (eos or a stop string) | "length"
-    epoch: int = 0  # the pass over the training prompts this group's prompt was taken in (data.walk)
+    # the pass over the training prompts this group's prompt was taken in (tasks/prompts.walk)
+    epoch: int = 0
     model_masks: list[list[bool]] | None = None  # per completion token: sampled by the model (None: all were)
-    episode_stats: dict = field(default_factory=dict)  # multi-turn episodes: turns, env time, faults (envs.py)
+    # multi-turn episodes: turns, env time, faults (tasks/episodes.py)
+    episode_stats: dict = field(default_factory=dict)
     routes: list | None = None  # per completion: the routes of prompt + completion (routes.py); None: not recorded
 
     def turns(self) -> list[int]:

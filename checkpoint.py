@@ -13,7 +13,7 @@ Data contract: OUT/checkpoints/step_00000100/ holds
     rng.pt (rank 0's torch, python, numpy RNG states); trainer_state.json: step, version, base_model (the
     model the run first started from, carried through every resume), groups_dropped, world_size (the ranks
     that wrote it), config. A resumed run starts at `step` with `version`; its generator at group id
-    step * prompts_per_step + groups_dropped: the next prompt of the walk (data.walk).
+    step * prompts_per_step + groups_dropped: the next prompt of the walk (tasks/prompts.walk).
 May touch: files under the checkpoint root, OUT/model and OUT/adapter.
 """
 import dataclasses

@@ -3,9 +3,12 @@
 Role: every `Config` field is a `--flag` (underscores become dashes); the comment after a field is its
 `--help` text (wrapped onto `#   ` lines, see Config) and a comment line on its own starts a group of flags, so
 this class is the one source of both (CleanRL's arguments dataclass). `parse_args` builds and `validate`s it:
-one clear line per bad value, before anything starts. A validated Config is never changed: what a run derives
-from it (devices, threads, the resolved dtype) lives in `prepare.Prepared`.
-May touch: nothing (reads the files and modules the flags name, to check them).
+one clear line per bad value, before anything starts. The checks here read the flags alone; those
+that load what the flags name (datasets, reward functions, --env, --tools, chat templates, devices)
+are prepare.check's, and prepare.parse_args runs both (train.py's command line). A validated Config
+is never changed: what a run derives from it (devices, threads, the resolved dtype) lives in
+`prepare.Prepared`.
+May touch: nothing. Imports nothing of the project (a leaf: every module may import it).
 """
 import argparse
 import dataclasses
@@ -16,15 +19,6 @@ import tokenize
 import typing
 from dataclasses import dataclass
 from typing import Optional
-
-import advantages
-import chat
-import data
-import devices
-import envs
-import losses
-import rewards
-import tools
 
 
 @dataclass(frozen=True)
@@ -57,7 +51,7 @@ class Config:
     max_new_tokens: int = 5  # longest completion, in tokens
     micro_batch_tokens: int = 4096  # each rank's forward/backward takes at most this many padded tokens at once
     #   (0: all its rows)
-    # data and reward (data.py; the defaults are the built-in copy task)
+    # data and reward (tasks/prompts.py; the defaults are the built-in copy task)
     task: str = "auto"  # auto (dataset with --dataset, else copy) | copy | dataset | gsm8k (a preset)
     #   | rg:NAME (reasoning-gym's dataset NAME, generated)
     dataset: str = ""  # a .jsonl/.json/.parquet file, or a Hugging Face dataset NAME[:CONFIG]
@@ -72,7 +66,7 @@ class Config:
     chat_template_kwargs: str = ""  # a JSON object handed to every rendering, e.g. '{"enable_thinking": false}'
     reward_workers: int = 0  # 0: rewards run in a thread of the generator; N: a pool of N processes
     max_prompt_tokens: int = 0  # drop longer prompts before training starts (counted); 0: only the context limits them
-    # multi-turn environments (envs.py): an episode = reset, then model turn / step until done or a limit
+    # multi-turn environments (tasks/envs.py): reset, then model turn / step until done or a limit
     env: str = ""  # FILE.py:NAME or module:NAME: a class (or zero-argument factory) with reset(**row) and step(action)
     max_turns: int = 4  # model turns per episode, at most (an episode cut here is truncated)
     max_episode_tokens: int = 0  # prompt + every turn and observation of an episode, at most; 0: the model's context
@@ -182,8 +176,15 @@ class Config:
     generator_addr: str = ""  # HOST:PORT the generator listens on and the trainer connects to (PORT + 1: weights)
 
 
-CHOICES = {"loss": losses.VARIANTS, "agg": losses.AGGS, "adv_scale": advantages.SCALES, "kl_kind": losses.KL_KINDS,
-           "adv_estimator": advantages.ADV_ESTIMATORS, "is_level": losses.IS_LEVELS, "is_mode": losses.IS_MODES,
+# The values losses.py and advantages.py take (each holds its own tuple: those files copy out
+# alone, importing nothing of the project; tests/test_copyable.py checks the two agree).
+LOSS_CHOICES = {"loss": ("grpo", "dapo", "dr_grpo", "gspo", "cispo"),
+                "agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                        "seq-mean-token-sum-norm"),
+                "kl_kind": ("k1", "k2", "k3"), "is_level": ("token", "sequence"),
+                "is_mode": ("truncate", "mask", "off"), "adv_scale": ("group", "batch", "none"),
+                "adv_estimator": ("grpo", "rloo", "reinforce_pp", "reinforce_baseline")}
+CHOICES = {**LOSS_CHOICES,
            "update_mode": ("inflight", "drain"), "kv_on_swap": ("recompute", "keep"),
            "stale_rule": ("tokens", "group"), "dtype": ("auto", "bf16", "fp32"),
            "lr_schedule": ("constant", "linear", "cosine"), "log_level": ("debug", "info", "warning"),
@@ -250,13 +251,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv=None) -> Config:
+    """The flags as a Config, checked by `validate` (train.py's command line: prepare.parse_args,
+    which adds the checks that load what the flags name)."""
     cfg = Config(**vars(build_parser().parse_args(argv)))
     validate(cfg)
     return cfg
 
 
-def validate(cfg: Config) -> None:
-    """One clear line per bad value (the run has not started anything yet)."""
+def validate(cfg: Config, more: list[str] = ()) -> None:
+    """Exits with one clear line per bad value (the run has not started anything yet):
+    `problems_of`'s, then `more` (prepare.check's)."""
+    problems = problems_of(cfg) + list(more)
+    if problems:
+        raise SystemExit("error: " + "\nerror: ".join(problems))
+
+
+def problems_of(cfg: Config) -> list[str]:
+    """One line per bad value, read from the flags alone."""
     problems = []
     for name in ("steps", "group_size", "prompts_per_step", "max_new_tokens", "queue_size", "sync_every",
                  "train_ranks", "kv_cache_mb"):
@@ -321,30 +332,11 @@ def validate(cfg: Config) -> None:
     if cfg.max_turns < 1 or cfg.max_episode_tokens < 0 or cfg.env_workers < 1 or not cfg.env_timeout_s > 0:
         problems.append(f"--max-turns and --env-workers must be >= 1, --max-episode-tokens >= 0 and --env-timeout-s "
                         f"> 0 (got {cfg.max_turns}, {cfg.env_workers}, {cfg.max_episode_tokens}, {cfg.env_timeout_s})")
-    problems += chat_problems(cfg)
-    problems += data.check_flags(cfg)  # data flags: files exist, rows complete
-    problems += rewards.check(cfg)  # --reward: every function imports
-    problems += tools.check(cfg)  # --tools: every function imports and has a schema
-    problems += envs.check(cfg)  # --env: it loads, has reset, and step (or tools)
+    if cfg.tool_parser and not (cfg.tools or cfg.env):  # (its name: prepare, which imports vLLM)
+        problems.append(f"--tool-parser {cfg.tool_parser} reads tool calls: it needs --tools or an "
+                        "--env with tools")
     problems += remote_problems(cfg)
-    problems += devices.problems(cfg)  # --gen-devices/--train-devices: parse, GPUs exist, one rank per GPU
-    if problems:
-        raise SystemExit("error: " + "\nerror: ".join(problems))
-
-
-def chat_problems(cfg: Config) -> list[str]:
-    """--chat-template (a readable Jinja template), --chat-template-kwargs (a JSON object), --tool-parser (with
-    tools; vLLM's names are checked by prepare, which imports vLLM)."""
-    out = []
-    for text, check in ((cfg.chat_template, chat.read_template), (cfg.chat_template_kwargs, chat.template_kwargs)):
-        try:
-            if text:
-                check(text)
-        except chat.TemplateError as e:
-            out.append(str(e))
-    if cfg.tool_parser and not (cfg.tools or cfg.env):
-        out.append(f"--tool-parser {cfg.tool_parser} reads tool calls: it needs --tools or an --env with tools")
-    return out
+    return problems
 
 
 def lora_problems(cfg: Config) -> list[str]:

@@ -24,7 +24,7 @@ import torch
 import buffer
 import evaluation
 import plots
-from rewards import summarize as summarize_rewards
+from tasks.rewards import summarize as summarize_rewards
 
 
 def configure_terminal(log_level: str) -> None:

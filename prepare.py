@@ -1,7 +1,10 @@
 """prepare.py — what a run settles before any process starts (a reader may skip it).
 
-Role: `resolve` turns the validated flags into the run's final, frozen `Config` (--dtype auto, the ranks the
-devices give, the threads, no evaluation without held-out prompts); `prepare_run` finds or builds the
+Role: `parse_args` is train.py's command line: config's checks of the flags and `check`'s, which
+load what the flags name (datasets, reward functions, --env, --tools, chat templates, devices), all
+before anything starts, one line per problem. `resolve` turns the validated flags into the run's
+final, frozen `Config` (--dtype auto, the ranks the devices give, the threads, no evaluation
+without held-out prompts); `prepare_run` finds or builds the
 model, resolves --resume, checks the tokenizer (and --teacher's against it), the LM head (heads.py) and that
 vLLM can serve the model, and writes OUT/config.json; `generator_settings` is what the generator process starts with.
 Data contract: `Prepared` (the weights to start from, the original model, where a resume continues, the
@@ -20,24 +23,52 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import chat
 import checkpoint
-import data
+import config
 import devices
-import envs
 import heads
 import lora
 import replay
-import tools
 from config import Config
 from rollout import GeneratorSettings
+from tasks import envs, prompts, rewards, tools
+from tasks.builtin import TINY_MOE, TINY_MOE_EXPERTS, build_tiny_model
+from tasks.datasets import DataError
 from weight_buffer import SharedWeights, make_layout, named_shapes_of, packed_numel
-from tasks import TINY_MOE, TINY_MOE_EXPERTS, build_tiny_model
+
+
+def parse_args(argv=None) -> Config:
+    """The command line as a checked Config: config's checks of the flags, then `check`'s, one error
+    line each (SystemExit)."""
+    cfg = Config(**vars(config.build_parser().parse_args(argv)))
+    config.validate(cfg, check(cfg))
+    return cfg
+
+
+def check(cfg: Config) -> list[str]:
+    """What keeps the flags from running that only loading what they name shows, one line per
+    problem: the chat template files, the data (files exist, rows complete), the reward functions,
+    --tools and --env (a factory function is called once, here), the devices."""
+    problems = []
+    for text, read in ((cfg.chat_template, chat.read_template),
+                       (cfg.chat_template_kwargs, chat.template_kwargs)):
+        try:
+            if text:
+                read(text)
+        except chat.TemplateError as e:
+            problems.append(str(e))
+    problems += prompts.check_flags(cfg)  # data flags: files exist, rows complete
+    problems += rewards.check(cfg)  # --reward: every function imports
+    problems += tools.check(cfg)  # --tools: every function imports and has a schema
+    problems += envs.check(cfg)  # --env: it loads, has reset, and step (or tools)
+    problems += devices.problems(cfg)  # --gen/train-devices: parse, GPUs exist, one rank per GPU
+    return problems
 
 
 def resolve(cfg: Config) -> Config:
     """The run's config with nothing left open, decided once here; nothing changes it afterwards."""
     layout = devices.layout_for(cfg)
     eval_every = cfg.eval_every
-    if eval_every and not data.has_eval_set(cfg):
+    if eval_every and not prompts.has_eval_set(cfg):
         print("note: no held-out prompts (a dataset file has no test split): no evaluation; give --eval-dataset "
               "FILE or a Hugging Face dataset with a test split (or --eval-split)", file=sys.stderr, flush=True)
         eval_every = 0
@@ -166,8 +197,9 @@ def resolve_model(model: str) -> str:
         return snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt",
                                                         "*.jinja", "*.tiktoken", "*.py"])
     except Exception as e:
-        raise data.DataError(f"--model {model}: not a local directory, and the hub download failed "
-                             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise DataError(f"--model {model}: not a local directory, and the hub download failed "
+                        f"({type(e).__name__}: {first})") from None
 
 
 def hub_id_of(model: str) -> str:
@@ -180,7 +212,7 @@ def local_model(flag: str, name: str) -> str:
     """A --model/--teacher directory or hub id -> a local Hugging Face model directory (one line otherwise)."""
     try:
         path = resolve_model(name)  # a local directory, or a hub id downloaded once
-    except data.DataError as err:
+    except DataError as err:
         raise SystemExit(f"error: {err}") from None
     if not os.path.exists(os.path.join(path, "config.json")):
         raise SystemExit(f"error: {flag} {name} has no config.json: not a Hugging Face model directory")
@@ -270,5 +302,5 @@ def generator_settings(cfg: Config, prepared: Prepared, lora_dir: str = "") -> G
         cfg, model=prepared.model_path, initial_version=prepared.start_version,
         first_group_id=prepared.start_step * cfg.prompts_per_step + prepared.groups_dropped,
         eval_at_start=cfg.eval_every > 0 and prepared.start_step == 0, lora_dir=lora_dir,
-        stop=data.stop_strings(cfg.stop),
+        stop=prompts.stop_strings(cfg.stop),
         **prepared.layout.generator_settings())

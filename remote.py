@@ -25,9 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed import TCPStore
 
-import data
 import devices
-import envs
 import metrics
 import prepare
 import processes
@@ -35,6 +33,8 @@ from config import split_addr
 from link import Link, receive_weights, send_weights, silence_limit, weight_group
 from devices import engine_problems
 from rollout import generator_main
+from tasks import envs
+from tasks.datasets import DataError
 from weight_buffer import SharedWeights, make_layout, packed_numel
 
 
@@ -401,7 +401,7 @@ def run_generator(cfg) -> int:
     if not problem and not os.path.isdir(settings.model) and hello["hub_id"]:  # the trainer's copy: its hub cache
         try:
             settings = dataclasses.replace(settings, model=prepare.resolve_model(hello["hub_id"]))
-        except data.DataError as err:
+        except DataError as err:
             problem = str(err)
     if not problem and not os.path.isdir(settings.model):
         problem = (f"the trainer's model directory {settings.model} does not exist on this machine: put --out "

@@ -1,13 +1,15 @@
 """rollout.py — the generator process: a vLLM `AsyncLLM` engine sampling G completions per prompt.
 
-Role: streams the task's prompts (tasks.py) into the engine with continuous batching; each finished group
-is scored in a worker thread and put on the rollout queue at once. New weights are loaded from the shared
-buffer (weight_buffer.py, through vllm_worker.py) between engine steps, requests kept in flight
-("inflight") or let finish ("drain"); held-out evaluations (evaluation.py) run beside training requests.
-An env task (--env, --task reveal) runs each of a group's G samples as an episode, a chain of requests
-(envs.py: `run_env_group`, `eval_env_prompt`). What it serves (full weights or an adapter) comes through
-lora.Served, its devices through devices.enter_generator_devices; with --router-replay or --router-record,
-each sample's routes come through routes.GeneratorRoutes.
+Role: streams the task's prompts (tasks/builtin.py) into the engine with continuous batching; each
+finished group is scored in a worker thread and put on the rollout queue at once. New weights are
+loaded from the shared buffer (weight_buffer.py, through vllm_worker.py) between engine steps,
+requests kept in flight ("inflight") or let finish ("drain"); held-out evaluations (evaluation.py)
+run beside training requests. An env task (--env, --task reveal) runs each of a group's G samples
+as an episode, a chain of requests (tasks/envs.py: `run_env_group`, `eval_env_prompt`; the episodes
+use this class only through tasks/protocols.Sampler, which it satisfies). What it serves (full
+weights or an adapter) comes through lora.Served, its devices through
+devices.enter_generator_devices; with --router-replay or --router-record, each sample's routes come
+through routes.GeneratorRoutes.
 Data contract: writes `buffer.RolloutGroup`s with vLLM's processed log-probs (the behaviour policy) and, per
 token, the version of the weights that sampled it (and, when recorded, its routes); a group starts only if the
 loaded weights are at most --max-lag versions behind the trainer version that will consume it (its step less
@@ -19,6 +21,7 @@ Nothing of the trainer.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import os
@@ -29,17 +32,16 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import chat
-import data
-import envs
 import tracing
 from buffer import RolloutGroup, put_group, tag_versions
 from config import Config
 from devices import enter_generator_devices, torch_dtype
 from evaluation import EvalResult, requested
-from data import Prompt
 from lora import Served, served_weights
 from routes import GeneratorRoutes
-from tasks import make_task
+from tasks import envs
+from tasks.builtin import make_task
+from tasks.prompts import Prompt, walk
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 @dataclass
@@ -164,15 +166,22 @@ class Generator:
         return self.request_params(n=self.cfg.eval_samples, temperature=self.cfg.temperature, top_k=self.cfg.top_k,
                                    top_p=self.cfg.top_p)
 
-    def _count_generating(self, delta: int) -> None:
+    @contextlib.contextmanager
+    def generating_request(self):
+        """Counts one request as generating while inside: the engine is idle when none is (its idle
+        time is traced and summed in stats["idle_s"])."""
         now = time.perf_counter()
-        if self.generating == 0 and delta > 0 and self.idle_since is not None:
+        if self.generating == 0 and self.idle_since is not None:
             tracing.complete("engine idle", self.idle_since, now, track="engine idle", cat="idle")
             self.stats["idle_s"] += now - self.idle_since
             self.idle_since = None
-        self.generating += delta
-        if self.generating == 0:
-            self.idle_since = now
+        self.generating += 1
+        try:
+            yield
+        finally:
+            self.generating -= 1
+            if self.generating == 0:
+                self.idle_since = time.perf_counter()
 
     async def run_eval(self, step: int):
         """Evaluate the weights held now on the first `eval_prompts` held-out prompts; answer on
@@ -196,11 +205,8 @@ class Generator:
                 final = out
             return sorted(final.outputs, key=lambda c: c.index)
 
-        self._count_generating(+1)
-        try:
+        with self.generating_request():
             outputs = await asyncio.gather(generate(True), *([generate(False)] if self.cfg.eval_samples else []))
-        finally:
-            self._count_generating(-1)
         completions = [c for group in outputs for c in group]
         ids = [list(c.token_ids) for c in completions]
         if any(v != version for c, t in zip(completions, ids) for v in tag_versions(c.weight_versions, len(t))):
@@ -225,16 +231,13 @@ class Generator:
             self.wake.set()
 
     async def run_group(self, group_id: int, prompt: Prompt, epoch: int = 0):
-        if self.task.is_env:  # G episodes, each its own chain of requests (envs.py)
+        if self.task.is_env:  # G episodes, each its own chain of requests (tasks/envs.py)
             await self.enqueue(await envs.run_env_group(self, group_id, prompt, epoch))
             return
         final = None
-        self._count_generating(+1)
-        try:
+        with self.generating_request():
             async for out in self.generate(prompt.prompt_ids, self.sampling_params(group_id), f"group-{group_id}"):
                 final = out
-        finally:
-            self._count_generating(-1)
         completions, logprobs, versions, texts = [], [], [], []
         for c in sorted(final.outputs, key=lambda c: c.index):
             ids = list(c.token_ids)
@@ -397,7 +400,8 @@ class Generator:
             if self.eval_task is None:
                 self.maybe_start_eval()
             if self.may_start_group():
-                epoch, row = data.walk(self.issued, len(self.task.prompts), self.cfg.seed)  # a function of the id
+                # (epoch, row): a function of the id
+                epoch, row = walk(self.issued, len(self.task.prompts), self.cfg.seed)
                 group = self.run_group(self.issued, self.task.prompts[row], epoch)
                 task = asyncio.create_task(tracing.on_lane(group, f"group {self.issued}", group=self.issued))
                 task.add_done_callback(self._done)

@@ -33,7 +33,7 @@ import prepare
 import trace_merge
 import tracing
 from models import build_frozen_models, build_policy, check_layout, checkpoint_layers
-from config import Config, inactive_flags, parse_args
+from config import Config, inactive_flags
 from advantages import estimate_advantages
 from processes import Control, exit_now, make_control, run_children, saving, wait_for
 from rollout import generator_main
@@ -347,7 +347,7 @@ def write_timeline(cfg: Config) -> None:
 
 
 def main(argv=None) -> int:
-    cfg = parse_args(argv)
+    cfg = prepare.parse_args(argv)
     if cfg.role != "all":
         import remote  # (only when a remote role asks for it: it starts ZMQ)
 

@@ -336,7 +336,7 @@ def default_config(**changes):
     import prepare
 
     cfg = config.Config(**changes)
-    config.validate(cfg)
+    config.validate(cfg, prepare.check(cfg))
     return prepare.resolve(cfg)
 
 
@@ -353,8 +353,8 @@ def run_ahead_settings(cfg, model_path: str):
 
 
 def build_model(path: Path, seed: int = 0, **sizes) -> str:
-    """The project's tiny-model builder (tasks.build_tiny_model), optionally with other sizes."""
-    from tasks import build_tiny_model
+    """The project's tiny-model builder (builtin.build_tiny_model), optionally with other sizes."""
+    from tasks.builtin import build_tiny_model
 
     path = Path(path)
     if engines.SESSION is not None:  # one folder per model for the session's benchmarks (one engine each)

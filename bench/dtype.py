@@ -5,8 +5,9 @@
                                               # 4 prompts x 8 tokens, --repeats 1, runs of 12 steps
 
 What `--dtype auto` picks on the CPU path (devices.CPU_DEFAULT_DTYPE) is decided from this benchmark.
-For each model size (random-init Qwen2/Llama from `tasks.build_tiny_model`, alphabet "ascii" so sequences
-can be long), in alternating order fp32, bf16, fp32, bf16 (`--repeats` rounds; drift on a shared machine cancels
+For each model size (random-init Qwen2/Llama from `tasks/builtin.build_tiny_model`, alphabet "ascii"
+so sequences can be long), in alternating order fp32, bf16, fp32, bf16 (`--repeats` rounds; drift
+on a shared machine cancels
 to first order):
 - trainer: `models.build_trainer_model(compute_dtype=...)` (FSDP2, world size 1, with bf16 the mixed-precision
   policy: bf16 compute, fp32 master weights and gradient reduction), AdamW; a step = forward, log-softmax of

@@ -7,8 +7,9 @@
 An environment whose `step` sleeps D ms (D = 0, 20, 100; a plain `time.sleep`, so it runs in the generator's
 worker threads), 4 turns per episode, on one vLLM engine (the tiny model, 8 tokens per turn). Two ways to run
 the same episodes on it, each for a fixed window after a warm-up (longer if no group finished in it):
-- pipeline: the project's generator (rollout.Generator with an env task, envs.py): every episode is its own
-  chain of requests and env calls, up to 32 groups (`--groups`) of 8 episodes in flight, the staleness gate open;
+- pipeline: the project's generator (rollout.Generator with an env task, tasks/envs.py): every
+  episode is its own chain of requests and env calls, up to 32 groups (`--groups`) of 8 episodes in
+  flight, the staleness gate open;
 - sync: a synchronous turn-by-turn rollout loop: a batch of 256 episodes (8 x `--groups`; sync32: of 32), each
   turn one batched engine call for every live episode, then every env step (in parallel threads), and the next
   turn waits for all of them.
@@ -54,7 +55,8 @@ def measure(model_path: str, warmup_s: float, window_s: float, groups_in_flight:
     import torch.multiprocessing as mp
     from transformers import AutoTokenizer
 
-    import envs
+    from tasks import envs
+    from tasks.episodes import model_turn
     import prepare
     import rollout
     import train
@@ -122,7 +124,7 @@ def measure(model_path: str, warmup_s: float, window_s: float, groups_in_flight:
             seqs, tokens = [list(start_ids) for _ in episodes], 0
             for turn in range(TURNS):
                 params = gen.request_params(max_tokens=TOKENS, n=1, temperature=1.0)
-                outs = await asyncio.gather(*(envs.model_turn(gen, s, params, f"sync-{batch}-{j}-{turn}")
+                outs = await asyncio.gather(*(model_turn(gen, s, params, f"sync-{batch}-{j}-{turn}")
                                               for j, s in enumerate(seqs)))
                 steps = [asyncio.get_running_loop().run_in_executor(threads, env.step, out.text)
                          for env, out in zip(episodes, outs)]

@@ -68,11 +68,11 @@ def measure(model_path: str, plan: list[dict], rounds: int, seed: int, kv_delta:
     """In a child process: one engine; for each round, each workload, each phase."""
     import torch.multiprocessing as mp
 
-    import data
+    from tasks.prompts import walk
     import train
     import prepare
     from rollout import Generator
-    from tasks import make_task
+    from tasks.builtin import make_task
 
     cfg = common.default_config(model=model_path, seed=seed)
     ctx = mp.get_context("spawn")
@@ -104,7 +104,8 @@ def measure(model_path: str, plan: list[dict], rounds: int, seed: int, kv_delta:
             done.append(time.perf_counter() - start)
             toks.append(sum(len(c.token_ids) for c in final.outputs))
 
-        prompts = [task.prompts[data.walk(i, len(task.prompts), seed)[1]] for i in range(n_groups)]  # as Generator.run
+        # as Generator.run
+        prompts = [task.prompts[walk(i, len(task.prompts), seed)[1]] for i in range(n_groups)]
         tasks = []
         for i in range(n_groups):
             await slots.acquire()

@@ -4,8 +4,9 @@
     python bench/memory.py --smoke --out DIR   # the suite's size (tests/test_bench.py): 2 rows of 8 tokens,
                                                # vocabulary 512, micro-batches of 16 tokens, then the whole batch
 
-Model: the project's `tasks.build_tiny_model` with a real vocabulary (151,936 tokens, Qwen2.5's size;
-hidden 128, 2 layers, tied embeddings): the LM head and its softmax are a real model's, the rest is small.
+Model: the project's `tasks/builtin.build_tiny_model` with a real vocabulary (151,936 tokens,
+Qwen2.5's size; hidden 128, 2 layers, tied embeddings): the LM head and its softmax are a real
+model's, the rest is small.
 Batches: synthetic GRPO batches of `--sequences` (16, 64, 256) completions of `--lengths` (128, 512, 2,048)
 nominal tokens (each completion L/2 to L tokens, uniform; prompts of `--prompt-len` tokens).
 
@@ -159,7 +160,7 @@ def main(argv=None) -> int:
     lengths = [int(x) for x in args.lengths.split(",")]
     rows, speed = [], []
     with common.Bench("memory", args) as bench:
-        from tasks import build_tiny_model
+        from tasks.builtin import build_tiny_model
 
         model = build_tiny_model(str(bench.work / "model"), seed=args.seed, alphabet="ascii", vocab_size=args.vocab)
 

@@ -136,7 +136,7 @@ def paired(model_path: str, prompts: int, lengths: list[int], threads: int, seed
     import models
     import replay
     import routes
-    import tasks
+    from tasks import builtin
     import update
 
     torch.set_num_threads(threads)
@@ -144,7 +144,7 @@ def paired(model_path: str, prompts: int, lengths: list[int], threads: int, seed
               worker_extension_cls="vllm_worker.WeightSyncWorker", enable_prefix_caching=True)
     layers, top_k, experts = llm.collective_rpc("start_routes", args=("",))[0]
     dtype = routes.route_dtype(experts)
-    task = tasks.CopyTask(chat.load_tokenizer(model_path))
+    task = builtin.CopyTask(chat.load_tokenizer(model_path))
     batches = {}
     for n in lengths:
         outs = llm.generate([{"prompt_token_ids": p.prompt_ids} for p in task.prompts[:prompts]],

@@ -6,7 +6,8 @@
 1. Batches: the real generator (`rollout.generator_main`) produces `--steps` steps of rollouts on the
    default task (32 prompts x 8 completions), recorded once.
 2. For each model size (the default tiny model, and a larger one built with the project's
-   `tasks.build_tiny_model`), in this order, on those same batches, with the trainer's thread budget:
+   `tasks/builtin.build_tiny_model`), in this order, on those same batches, with the trainer's
+   thread budget:
    - bare: a plain FSDP2 loop (`models.build_trainer_model`, AdamW): forward, log-softmax of the targets, a
      policy-gradient loss, backward, step. Batches are collated beforehand and not timed.
    - project: the real trainer (`train.trainer_main`, rank 0 of 1) fed from a queue that is never empty:

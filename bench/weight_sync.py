@@ -5,8 +5,9 @@
                                                     # (full and LoRA rows), 1M cross-machine, --syncs 2 --gap-s 0.2
 
 For models of about 1M, 10M, 100M and 300M parameters (Qwen2 built from configs by the project's
-`tasks.build_tiny_model`, random weights; also `tiny`, the default model, not in the default list), each in its
-own process (the engine is bench/engines.py's: the smokes of tests/test_bench.py share it):
+`tasks/builtin.build_tiny_model`, random weights; also `tiny`, the default model, not in the default
+list), each in its own process (the engine is bench/engines.py's: the smokes of tests/test_bench.py
+share it):
 - the trainer side is the project's: an FSDP2 model (`models.build_trainer_model`, one rank) publishing into
   the packed shared buffer with `sync.publish_model` (no gather: each rank writes its own rows);
 - the generator side is the project's `rollout.Generator` with its real vLLM engine, running its own loop

@@ -1,4 +1,5 @@
-"""adapters.py: TextArena's single-player games as episode environments, offline, against the real library.
+"""tasks/textarena.py: TextArena's single-player games as episode environments, offline, against
+the real library.
 
 Fast, in-process, no engine and no episode runner: scripted policies call `reset`/`step` directly. A
 binary search wins GuessTheNumber (reward 1 on the winning move); a policy that goes against the hints runs
@@ -10,7 +11,7 @@ import re
 
 import pytest
 
-from adapters import TextArenaEnv
+from tasks.textarena import TextArenaEnv
 
 
 def play(env, policy, seed, limit=20):

@@ -6,8 +6,8 @@ The benchmarks run in this process; what they start (vLLM engines, trainer proce
 but shared where it is expensive:
 - one real `python train.py` run, made by `bench/peak_rss.py --smoke` (peak_rss's own smoke; in tests/conftest.py,
   shared with tests/test_trace.py), stands in for every train.py run a benchmark asks `common.run_train_cli` for:
-  each one's flags go through train.py's own parser and checks (`config.parse_args`), and its OUT gets the
-  recorded run's files (model/ linked);
+  each one's flags go through train.py's own parser and checks (`prepare.parse_args`), and its OUT
+  gets the recorded run's files (model/ linked);
 - one real generation-alone recording (`common.generate_alone`) serves overlap.py and trainer.py;
 - a smoke session (bench/engines.py) for the whole module: generator.py, env_latency.py and weight_sync.py run
   their measurements in this process on one vLLM engine for the tiny model (and one with LoRA), and models of
@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 
 import config
+import prepare
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
@@ -81,7 +82,8 @@ def runs(recorded):
 
     def run_train_cli(out_dir, args, timeout_s=900.0, cpu_window=None, repo=common.REPO):
         out_dir = Path(out_dir)
-        asked.append(config.parse_args(["--out", str(out_dir), *args]))  # train.py's parser and checks
+        # train.py's parser and checks
+        asked.append(prepare.parse_args(["--out", str(out_dir), *args]))
         out_dir.mkdir(parents=True, exist_ok=True)
         for name in ("metrics.jsonl", "summary.json", "trace.json"):
             shutil.copy(run_dir / name, out_dir / name)

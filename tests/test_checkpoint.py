@@ -21,7 +21,7 @@ import checkpoint
 import config
 import lora
 import processes
-import tasks
+from tasks import builtin
 import models
 from test_fsdp import spawn_ranks
 
@@ -31,7 +31,7 @@ IDS = torch.tensor([[1, 13, 14, 15, 24, 13, 14]])
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):
-    return tasks.build_tiny_model(str(tmp_path_factory.mktemp("ckpt") / "tiny"), seed=0)
+    return builtin.build_tiny_model(str(tmp_path_factory.mktemp("ckpt") / "tiny"), seed=0)
 
 
 def gathered(model):

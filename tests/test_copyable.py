@@ -158,3 +158,16 @@ def test_copyable_files_work_alone_in_an_empty_folder(tmp_path):
     done = subprocess.run([sys.executable, "-I", "-c", script], cwd=tmp_path, capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+def test_config_offers_the_values_the_copyable_files_take():
+    """config.py imports nothing of the project, so it holds its own copy of the choices losses.py
+    and advantages.py check: the two must agree."""
+    import advantages
+    import config
+    import losses
+
+    assert config.LOSS_CHOICES == {
+        "loss": losses.VARIANTS, "agg": losses.AGGS, "kl_kind": losses.KL_KINDS,
+        "is_level": losses.IS_LEVELS, "is_mode": losses.IS_MODES, "adv_scale": advantages.SCALES,
+        "adv_estimator": advantages.ADV_ESTIMATORS}

@@ -1,4 +1,5 @@
-"""Bring your own model, data and reward (data.py, rollout's tasks, plots.py), with local files only.
+"""Bring your own model, data and reward (tasks/prompts.py, tasks/datasets.py, rollout's tasks,
+plots.py), with local files only.
 
 Fast tests (no engine): JSONL and Parquet datasets with a column mapping, rows missing a field reported
 by line, reward functions from a user module (TRL's calling convention, the per-sample fault rules,
@@ -15,16 +16,16 @@ from pathlib import Path
 
 import pytest
 
-import data
-import envs
+from tasks import datasets, prompts
+from tasks import envs
 import prepare
-from rewards import Scorer, load_reward, math_reward, summarize
+from tasks.rewards import Scorer, load_reward, math_reward, summarize
 import plots
-import tasks
+from tasks import builtin
 import config
 
 REPO = Path(__file__).resolve().parent.parent
-SAMPLE = str(REPO / "data" / "gsm8k_sample.jsonl")
+SAMPLE = str(REPO / "tasks" / "data" / "gsm8k_sample.jsonl")
 ROWS = [{"question": "What is 2 + 3?", "answer": "#### 5", "level": 1},
         {"question": "What is 10 - 4?", "answer": "#### 6", "level": 2},
         {"question": "What is 3 * 3?", "answer": "#### 9", "level": 1}]
@@ -33,7 +34,8 @@ ROWS = [{"question": "What is 2 + 3?", "answer": "#### 5", "level": 1},
 @pytest.fixture(scope="module")
 def ascii_model(tmp_path_factory):
     """The tiny model with a printable-ASCII tokenizer and a chat template, saved as a HF directory."""
-    return tasks.build_tiny_model(str(tmp_path_factory.mktemp("models") / "tiny_ascii"), alphabet="ascii")
+    path = tmp_path_factory.mktemp("models") / "tiny_ascii"
+    return builtin.build_tiny_model(str(path), alphabet="ascii")
 
 
 @pytest.fixture(scope="module")
@@ -57,46 +59,51 @@ def test_jsonl_and_parquet_give_the_same_rows_with_a_column_mapping(tmp_path):
     parquet = str(tmp_path / "d.parquet")
     pq.write_table(pa.Table.from_pylist(ROWS), parquet)
     for path in (jsonl, parquet):
-        rows = data.load_rows(path)
+        rows = datasets.load_rows(path)
         assert [r for _, r in rows] == ROWS
-        data.check_rows(rows, "question", "answer")
-    assert data.load_rows(jsonl)[1][0] == f"{jsonl} line 2"
-    assert data.load_rows(parquet)[1][0] == f"{parquet} row 2"
-    cols = data.row_columns(ROWS[0], "question", "answer")
+        datasets.check_rows(rows, "question", "answer")
+    assert datasets.load_rows(jsonl)[1][0] == f"{jsonl} line 2"
+    assert datasets.load_rows(parquet)[1][0] == f"{parquet} row 2"
+    cols = datasets.row_columns(ROWS[0], "question", "answer")
     assert cols == {"answer": "#### 5", "level": 1}  # every column but the prompt, TRL's way
-    assert data.row_columns({"q": "x", "sol": "7"}, "q", "sol") == {"sol": "7", "answer": "7"}  # alias
+    alias = datasets.row_columns({"q": "x", "sol": "7"}, "q", "sol")
+    assert alias == {"sol": "7", "answer": "7"}
 
 
 def test_dataset_rows_hold_out_in_one_fixed_order_and_check_unless_for_an_env(tokenizer, tmp_path):
     rows = [{"prompt": f"p{i}", "answer": str(i)} for i in range(8)]
-    spec = data.resolve(dataset=write_jsonl(tmp_path / "train.jsonl", rows[:2]), reward="math",
+    spec = prompts.resolve(dataset=write_jsonl(tmp_path / "train.jsonl", rows[:2]), reward="math",
                         eval_dataset=write_jsonl(tmp_path / "held.jsonl", rows))
-    train_rows, held_rows = data.dataset_rows(spec)
-    assert train_rows == rows[:2] and held_rows == [rows[i] for i in data.held_out_order(8)] != rows
+    train_rows, held_rows = prompts.dataset_rows(spec)
+    assert train_rows == rows[:2]
+    assert held_rows == [rows[i] for i in prompts.held_out_order(8)] != rows
     assert envs.EnvTask.rows_of(spec, None) == (train_rows, held_rows)  # an env's dataset rows: the same
-    task = tasks.DatasetTask(spec, tokenizer)  # the order once: encoded in it, not shuffled again
+    task = builtin.DatasetTask(spec, tokenizer)  # the order once: encoded in it, not shuffled again
     assert [p.answer for p in task.held_out] == [row["answer"] for row in held_rows] and task.dropped_long == 0
-    assert data.encode_rows(held_rows, tokenizer, spec, 1, "held-out") == ([], 8)  # "pN" is 2 tokens
-    unchecked = data.resolve(dataset=write_jsonl(tmp_path / "seeds.jsonl", [{"seed": 3}]), env="my_env.py:Env")
-    with pytest.raises(data.DataError, match="no 'prompt' and no 'answer' field"):
-        data.dataset_rows(unchecked)
-    assert data.dataset_rows(unchecked, check=False) == ([{"seed": 3}], [])
+    # "pN" is 2 tokens
+    assert prompts.encode_rows(held_rows, tokenizer, spec, 1, "held-out") == ([], 8)
+    unchecked = prompts.resolve(dataset=write_jsonl(tmp_path / "seeds.jsonl", [{"seed": 3}]),
+                                env="my_env.py:Env")
+    with pytest.raises(datasets.DataError, match="no 'prompt' and no 'answer' field"):
+        prompts.dataset_rows(unchecked)
+    assert prompts.dataset_rows(unchecked, check=False) == ([{"seed": 3}], [])
 
 
 def test_rows_missing_a_field_are_reported_with_their_line(tmp_path):
     lines = [ROWS[0], {"question": "no answer here"}, ROWS[1], {"answer": "#### 1", "q": "renamed"}]
     path = tmp_path / "bad.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in lines[:2]) + "\n\n" + "\n".join(json.dumps(r) for r in lines[2:]))
-    with pytest.raises(data.DataError) as err:
-        data.check_rows(data.load_rows(str(path)), "question", "answer")
+    with pytest.raises(datasets.DataError) as err:
+        datasets.check_rows(datasets.load_rows(str(path)), "question", "answer")
     msg = str(err.value)
     assert "2 of 4 rows" in msg and "line 2: no 'answer' field" in msg and "line 5: no 'question' field" in msg
     with pytest.raises(SystemExit) as err:  # and before anything starts, from the flags
-        config.parse_args(["--dataset", str(path), "--prompt-column", "question", "--reward", "math"])
+        prepare.parse_args(["--dataset", str(path), "--prompt-column", "question",
+                            "--reward", "math"])
     assert "line 2: no 'answer' field" in str(err.value)
     path.write_text(json.dumps(ROWS[0]) + "\n{not json\n")
-    with pytest.raises(data.DataError, match="line 2: not valid JSON"):
-        data.load_rows(str(path))
+    with pytest.raises(datasets.DataError, match="line 2: not valid JSON"):
+        datasets.load_rows(str(path))
 
 
 @pytest.mark.parametrize("argv,needle", [
@@ -113,20 +120,21 @@ def test_rows_missing_a_field_are_reported_with_their_line(tmp_path):
 ])
 def test_bad_data_flags_give_a_clear_line(argv, needle):
     with pytest.raises(SystemExit) as err:
-        config.parse_args(argv)
+        prepare.parse_args(argv)
     assert needle in str(err.value)
 
 
 def test_task_resolution():
-    assert data.resolve() is None  # the default: the built-in copy task
-    spec = data.resolve("gsm8k")
+    assert prompts.resolve() is None  # the default: the built-in copy task
+    spec = prompts.resolve("gsm8k")
     assert (spec.dataset, spec.prompt_column, spec.answer_column, spec.rewards) == \
-        (SAMPLE, "question", "answer", ("rewards:math_reward",))
-    spec = data.resolve(dataset="x.jsonl", reward="math, examples/my_rewards.py:format_reward",
+        (SAMPLE, "question", "answer", ("tasks.rewards:math_reward",))
+    spec = prompts.resolve(dataset="x.jsonl", reward="math, examples/my_rewards.py:format_reward",
                         reward_weights="1,0.25")
-    assert spec.rewards == ("rewards:math_reward", "examples/my_rewards.py:format_reward")
+    assert spec.rewards == ("tasks.rewards:math_reward", "examples/my_rewards.py:format_reward")
     assert spec.weights == (1.0, 0.25)
-    cfg = config.parse_args(["--task", "gsm8k", "--steps", "3"])  # the shipped sample passes every check
+    # the shipped sample passes every check
+    cfg = prepare.parse_args(["--task", "gsm8k", "--steps", "3"])
     assert cfg.task == "gsm8k"
 
 
@@ -156,7 +164,7 @@ def test_reward_functions_load_from_a_user_module_or_file(user_module):
     assert load_reward("math") is math_reward
     for spec, needle in [("my_user_rewards:nope", "has no 'nope'"), ("my_user_rewards:NOT_CALLABLE", "not callable"),
                          ("nowhere_mod:f", "cannot import nowhere_mod"), ("missing.py:f", "no such file")]:
-        with pytest.raises(data.DataError, match=needle):
+        with pytest.raises(datasets.DataError, match=needle):
             load_reward(spec)
 
 
@@ -164,7 +172,7 @@ def test_trl_calling_convention_with_extra_columns(user_module):
     import my_user_rewards
 
     scorer = Scorer(["my_user_rewards:capture", "my_user_rewards:simple"])
-    columns = data.row_columns({"question": "q?", "sol": "7", "level": 3}, "question", "sol")
+    columns = datasets.row_columns({"question": "q?", "sol": "7", "level": 3}, "question", "sol")
     rewards, stats, unscored = scorer.score("q?", ["a 7", "b"], [[1, 2], [3]], columns, step=5)
     seen = my_user_rewards.SEEN[-1]
     assert seen["prompts"] == ["q?", "q?"] and seen["completions"] == ["a 7", "b"]
@@ -238,19 +246,20 @@ def test_chat_template_and_plain_text_prompts(tokenizer, tmp_path):
     from transformers import AutoTokenizer
 
     messages = [{"role": "user", "content": "What is 2 + 3?"}]
-    text = data.render_prompt(tokenizer, messages)
+    text = prompts.render_prompt(tokenizer, messages)
     assert text == "<|user|>\nWhat is 2 + 3?\n<|assistant|>\n"
-    assert data.render_prompt(tokenizer, messages, "Be brief.") == \
+    assert prompts.render_prompt(tokenizer, messages, "Be brief.") == \
         "<|system|>\nBe brief.\n<|user|>\nWhat is 2 + 3?\n<|assistant|>\n"
-    assert data.render_prompt(tokenizer, "2 + 3 =") == "2 + 3 ="  # plain text as it is
-    assert data.render_prompt(tokenizer, "2 + 3 =", "Add.") == "<|system|>\nAdd.\n<|user|>\n2 + 3 =\n<|assistant|>\n"
-    ids = data.encode_prompt(tokenizer, messages)
+    assert prompts.render_prompt(tokenizer, "2 + 3 =") == "2 + 3 ="  # plain text as it is
+    assert prompts.render_prompt(tokenizer, "2 + 3 =", "Add.") == \
+        "<|system|>\nAdd.\n<|user|>\n2 + 3 =\n<|assistant|>\n"
+    ids = prompts.encode_prompt(tokenizer, messages)
     assert tokenizer.decode(ids) == text  # every character encoded faithfully (no <pad> for unknowns)
-    copy_dir = tasks.build_tiny_model(str(tmp_path / "copy_tiny"))  # no chat template
+    copy_dir = builtin.build_tiny_model(str(tmp_path / "copy_tiny"))  # no chat template
     copy_tok = AutoTokenizer.from_pretrained(copy_dir)
-    assert data.render_prompt(copy_tok, "abc=", "sys") == "sys\n\nabc="
-    with pytest.raises(data.DataError, match="no chat template"):
-        data.render_prompt(copy_tok, messages)
+    assert prompts.render_prompt(copy_tok, "abc=", "sys") == "sys\n\nabc="
+    with pytest.raises(datasets.DataError, match="no chat template"):
+        prompts.render_prompt(copy_tok, messages)
 
 
 def test_saved_model_directory_and_dataset_task(ascii_model, tokenizer, tmp_path):
@@ -258,29 +267,30 @@ def test_saved_model_directory_and_dataset_task(ascii_model, tokenizer, tmp_path
 
     assert AutoModelForCausalLM.from_pretrained(ascii_model).config.vocab_size == 100
     assert prepare.resolve_model(ascii_model) == os.path.abspath(ascii_model)
-    cfg = config.parse_args(["--model", ascii_model, "--task", "gsm8k", "--max-new-tokens", "8"])
-    task = tasks.make_task(cfg, tokenizer, max_len=1024)
+    cfg = prepare.parse_args(["--model", ascii_model, "--task", "gsm8k", "--max-new-tokens", "8"])
+    task = builtin.make_task(cfg, tokenizer, max_len=1024)
     # a file has no test split: no held-out prompts
-    assert len(task.prompts) == len(data.load_rows(data.GSM8K["dataset"])) and task.held_out == []
-    prompt = task.prompts[data.walk(0, len(task.prompts), seed=0)[1]]
+    assert len(task.prompts) == len(datasets.load_rows(prompts.GSM8K["dataset"]))
+    assert task.held_out == []
+    prompt = task.prompts[prompts.walk(0, len(task.prompts), seed=0)[1]]
     text = tokenizer.decode(prompt.prompt_ids)
-    assert text.startswith("<|system|>\n" + data.GSM8K_SYSTEM_PROMPT) and prompt.prompt in text
+    assert text.startswith("<|system|>\n" + prompts.GSM8K_SYSTEM_PROMPT) and prompt.prompt in text
     assert float(prompt.answer.split("####")[1]) == float(prompt.columns["answer"].split("####")[1])
     rewards, stats, _ = task.score(prompt, ["#### " + prompt.answer.split("####")[1].strip(), "hm"], [[5], [6]])
     assert rewards == [1.0, 0.0] and set(stats) == {"math_reward"}
     # a context too small for any prompt is reported, not a hang
     with pytest.raises(RuntimeError, match="longer than 32 tokens"):
-        tasks.make_task(cfg, tokenizer, max_len=40)
-    copy_task = tasks.make_task(config.Config(max_new_tokens=8), tokenizer)
-    assert isinstance(copy_task, tasks.CopyTask)  # the default stays the copy task
+        builtin.make_task(cfg, tokenizer, max_len=40)
+    copy_task = builtin.make_task(config.Config(max_new_tokens=8), tokenizer)
+    assert isinstance(copy_task, builtin.CopyTask)  # the default stays the copy task
     # reward functions get texts (vLLM detokenizes); the copy task reads ids only (vLLM skips detokenizing)
     assert task.needs_text and not copy_task.needs_text
 
 
 def test_a_chat_dataset_with_a_solution_column(ascii_model, tokenizer):
-    cfg = config.parse_args(["--model", ascii_model, "--dataset", "examples/chat_prompts.jsonl",
+    cfg = prepare.parse_args(["--model", ascii_model, "--dataset", "examples/chat_prompts.jsonl",
                             "--answer-column", "solution", "--reward", "math", "--max-new-tokens", "8"])
-    task = tasks.make_task(cfg, tokenizer, max_len=1024)
+    task = builtin.make_task(cfg, tokenizer, max_len=1024)
     prompt = task.prompts[1]
     assert tokenizer.decode(prompt.prompt_ids).startswith("<|system|>\nAnswer with the number only.\n<|user|>\n")
     assert prompt.columns["solution"] == prompt.columns["answer"] == prompt.answer
@@ -292,7 +302,7 @@ def test_a_hub_id_that_cannot_be_fetched_fails_with_one_clear_line(monkeypatch):
     import huggingface_hub.constants
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # read per request: no network tried
-    with pytest.raises(data.DataError) as failed:
+    with pytest.raises(datasets.DataError) as failed:
         prepare.resolve_model("someone/no-such-model")
     assert str(failed.value).startswith("--model someone/no-such-model: not a local directory, and the hub "
                                         "download failed")

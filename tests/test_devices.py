@@ -23,7 +23,7 @@ import devices
 import sync
 import vllm_worker
 import weight_buffer
-import config
+import prepare
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -48,7 +48,7 @@ def test_no_flags_is_the_cpu_path_unchanged():
     layout = devices.plan("", "", train_ranks=2)  # no GPU query at all
     assert (layout.kind, layout.world_size, layout.backend, layout.buffer_device) == ("cpu", 2, "gloo", "cpu")
     assert layout.generator_settings() == {} and layout.train_device(1) == "cpu" and not layout.notice
-    cfg = config.parse_args([])
+    cfg = prepare.parse_args([])
     assert (cfg.gen_devices, cfg.train_devices) == ("", "")
     assert devices.layout_for(cfg) == devices.DeviceLayout("cpu", world_size=1)
 
@@ -58,7 +58,7 @@ def test_gpus_asked_for_without_cuda_fall_back_to_the_cpu_with_a_notice():
     assert layout.kind == "cpu" and layout.world_size == 1 and layout.generator_settings() == {}
     assert "no CUDA device" in layout.notice and "CPU path" in layout.notice
     if not torch.cuda.is_available():  # this machine: the flags parse, the run would go the CPU path
-        cfg = config.parse_args(["--gen-devices", "0", "--train-devices", "1,2"])
+        cfg = prepare.parse_args(["--gen-devices", "0", "--train-devices", "1,2"])
         assert devices.layout_for(cfg).kind == "cpu"
 
 
@@ -77,10 +77,10 @@ def test_layout_errors_are_one_clear_line(gen, train_, ranks, count, needle):
 
 def test_bad_device_flags_stop_train_before_anything_starts():
     with pytest.raises(SystemExit) as err:
-        config.parse_args(["--gen-devices", "0"])
+        prepare.parse_args(["--gen-devices", "0"])
     assert "go together" in str(err.value)
     with pytest.raises(SystemExit) as err:
-        config.parse_args(["--gen-devices", "x", "--train-devices", "1"])
+        prepare.parse_args(["--gen-devices", "x", "--train-devices", "1"])
     assert "--gen-devices 'x'" in str(err.value)
 
 
@@ -307,7 +307,7 @@ def test_gpu_memory_utilization_flag_is_vllms_share_and_bounds_a_shared_trainer(
     assert "--gpu-memory-utilization 0.8" in str(err.value) and "\n" not in str(err.value)
     for bad in ("1.5", "-0.1", "1"):
         with pytest.raises(SystemExit, match="--gpu-memory-utilization must be in"):
-            config.parse_args(["--gpu-memory-utilization", bad])
+            prepare.parse_args(["--gpu-memory-utilization", bad])
     # 0 keeps the defaults; on the CPU path the flag changes nothing
     assert devices.plan("0", "0", cuda_count=1, visible_env="").gpu_memory_utilization == devices.SHARED_GEN_FRACTION
     assert devices.plan("", "", gpu_memory_utilization=0.5) == devices.DeviceLayout("cpu", world_size=1)
@@ -348,9 +348,10 @@ def test_dtype_auto_is_bf16_on_gpus_and_the_measured_choice_on_cpu():
     assert devices.resolve_dtype("auto", cpu) == devices.CPU_DEFAULT_DTYPE
     assert devices.resolve_dtype("fp32", gpu) == "fp32" and devices.resolve_dtype("bf16", cpu) == "bf16"
     assert devices.torch_dtype("bf16") is torch.bfloat16 and devices.torch_dtype("fp32") is torch.float32
-    assert config.parse_args([]).dtype == "auto" and config.parse_args(["--dtype", "bf16"]).dtype == "bf16"
+    assert prepare.parse_args([]).dtype == "auto"
+    assert prepare.parse_args(["--dtype", "bf16"]).dtype == "bf16"
     with pytest.raises(SystemExit):
-        config.parse_args(["--dtype", "fp16"])
+        prepare.parse_args(["--dtype", "fp16"])
 
 
 # ----------------------------------------------------------------------------------------------------

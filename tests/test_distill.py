@@ -24,11 +24,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import buffer
-import data
+from tasks import datasets, prompts
 import losses
 import prepare
-import rewards
-import tasks
+from tasks import rewards
+from tasks import builtin
 import update
 from config import Config, parse_args
 
@@ -54,7 +54,7 @@ def test_distill_advantages_by_hand():
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("distill")
-    return {name: tasks.build_tiny_model(str(root / name), seed=seed, alphabet=alphabet)
+    return {name: builtin.build_tiny_model(str(root / name), seed=seed, alphabet=alphabet)
             for name, seed, alphabet in [("student", 0, "copy"), ("teacher", 1, "copy"), ("ascii", 0, "ascii"),
                                          ("ascii_teacher", 1, "ascii")]}
 
@@ -73,9 +73,9 @@ def test_flags_and_the_teacher_check(models, tmp_path):
     assert message.startswith(f"error: --teacher {models['ascii']} cannot distill") and "\n" not in message
     assert "vocabulary differs" in message
     # a dataset task without --reward: refused, unless a teacher is the learning signal
-    with pytest.raises(data.DataError, match="needs --reward .* or --teacher"):
-        data.resolve(dataset="x.jsonl")
-    assert data.resolve(dataset="x.jsonl", teacher=models["teacher"]).rewards == ()
+    with pytest.raises(datasets.DataError, match="needs --reward .* or --teacher"):
+        prompts.resolve(dataset="x.jsonl")
+    assert prompts.resolve(dataset="x.jsonl", teacher=models["teacher"]).rewards == ()
     assert rewards.combine([], [], 3) == ([0.0, 0.0, 0.0], [])  # no reward functions: 0 each, none unscored
 
 

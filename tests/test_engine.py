@@ -16,7 +16,7 @@ import train
 from config import Config
 from losses import token_logprobs
 from rollout import Generator, GeneratorSettings
-from tasks import build_tiny_model
+from tasks.builtin import build_tiny_model
 
 FORCED_A, FORCED_B = 13, 14  # token ids of 'a' and 'b' in the tiny tokenizer
 

@@ -1,7 +1,8 @@
-"""Multi-turn environments (envs.py): the --env checks, token in / token out against the real vLLM engine
-(every turn's request is the sequence so far; sampled ids trained as sampled; observations tokenized and
-appended), no gradient through environment tokens, exact versions across turns and in-flight swaps, env
-faults that end only their episode, and the built-in `reveal` task end to end. One engine for the module."""
+"""Multi-turn environments (tasks/envs.py, tasks/episodes.py): the --env checks, token in / token
+out against the real vLLM engine (every turn's request is the sequence so far; sampled ids trained
+as sampled; observations tokenized and appended), no gradient through environment tokens, exact
+versions across turns and in-flight swaps, env faults that end only their episode, and the
+built-in `reveal` task end to end. One engine for the module."""
 import asyncio
 import itertools
 import os
@@ -11,10 +12,10 @@ import pytest
 import torch
 
 import buffer
-import config
-import envs
+import prepare
+from tasks import envs
 import rollout
-import tasks
+from tasks import builtin
 import train
 from losses import policy_loss
 from metrics import episode_metrics
@@ -125,16 +126,16 @@ def test_a_bad_env_is_one_error_line(tmp_path):
                            ("NoStep", "has neither step(action) nor public methods"),
                            ("Missing", "has no 'Missing'")):
         with pytest.raises(SystemExit) as e:
-            config.parse_args(["--env", f"{bad}:{name}"])
+            prepare.parse_args(["--env", f"{bad}:{name}"])
         assert str(e.value).startswith("error: ") and expected in str(e.value)
         assert str(e.value).count("\n") == 0
     with pytest.raises(SystemExit) as e:
-        config.parse_args(["--env", str(tmp_path / "nope.py") + ":X"])
+        prepare.parse_args(["--env", str(tmp_path / "nope.py") + ":X"])
     assert "no such file" in str(e.value)
     for name in ("Fine", "make_fine"):
-        assert config.parse_args(["--env", f"{bad}:{name}"]).env.endswith(name)
+        assert prepare.parse_args(["--env", f"{bad}:{name}"]).env.endswith(name)
     with pytest.raises(SystemExit) as e:
-        config.parse_args(["--task", "copy", "--env", f"{bad}:Fine"])
+        prepare.parse_args(["--task", "copy", "--env", f"{bad}:Fine"])
     assert "--env need" in str(e.value)
 
 
@@ -148,7 +149,8 @@ def test_observations_render_only_what_is_new(tmp_path, template):
     of the whole conversation (the tiny template has no end-of-turn token: the sampled <eos> is the one extra)."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(tasks.build_tiny_model(str(tmp_path / "ascii"), alphabet="ascii"))
+    model = builtin.build_tiny_model(str(tmp_path / "ascii"), alphabet="ascii")
+    tokenizer = AutoTokenizer.from_pretrained(model)
     if template == "eos":
         tokenizer.chat_template = EOS_TEMPLATE
     renderer = envs.Renderer(tokenizer)
@@ -173,7 +175,7 @@ def test_environment_tokens_get_no_gradient(tmp_path):
     loss nor the gradient; perturbing a model-token position does."""
     from transformers import AutoModelForCausalLM
 
-    path = tasks.build_tiny_model(str(tmp_path / "tiny"), seed=0)
+    path = builtin.build_tiny_model(str(tmp_path / "tiny"), seed=0)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     gen = torch.Generator().manual_seed(0)
     samples = []

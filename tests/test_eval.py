@@ -22,13 +22,12 @@ import pytest
 import torch
 
 import buffer
-import data
+from tasks import prompts
 import devices
 import evaluation
 import rollout
-import tasks
+from tasks import builtin
 import train
-import config
 import prepare
 from test_data import ascii_model, tokenizer, write_jsonl  # noqa: F401  (fixtures shared with test_data)
 from test_engine import drain, settings_for as engine_settings
@@ -72,36 +71,38 @@ def test_eval_summary_keys():
 def test_no_training_prompt_of_the_copy_task_is_held_out(tmp_path):
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(tasks.build_tiny_model(str(tmp_path / "copy")))
-    task, again = tasks.CopyTask(tok), tasks.CopyTask(tok)
+    tok = AutoTokenizer.from_pretrained(builtin.build_tiny_model(str(tmp_path / "copy")))
+    task, again = builtin.CopyTask(tok), builtin.CopyTask(tok)
     train_set = {p.answer for p in task.prompts}
     held = [p.answer for p in task.held_out]
     assert not train_set & set(held)
-    assert len(train_set) + len(held) == len(tasks.LETTERS) ** tasks.COPY_LENGTH and len(set(held)) == len(held)
+    assert len(train_set) + len(held) == len(builtin.LETTERS) ** builtin.COPY_LENGTH
+    assert len(set(held)) == len(held)
     assert 50 <= len(held) <= 150  # ~10%
     assert held == [p.answer for p in again.held_out]  # a function of the task alone, in a fixed order
     assert all(tok.decode(p.prompt_ids) == f"<bos>{p.answer}=" for p in task.held_out[:5])
     # every group the generator starts, over several epochs, takes a training prompt
-    walked = {task.prompts[data.walk(g, len(task.prompts), seed=7)[1]].answer for g in range(3 * len(task.prompts))}
+    walked = {task.prompts[prompts.walk(g, len(task.prompts), seed=7)[1]].answer
+              for g in range(3 * len(task.prompts))}
     assert walked == train_set
 
 
 def test_the_walk_covers_every_row_once_per_epoch_and_a_resume_continues_it():
     n, seed = 37, 3
-    epochs = [[data.walk(g, n, seed) for g in range(e * n, (e + 1) * n)] for e in range(3)]
+    epochs = [[prompts.walk(g, n, seed) for g in range(e * n, (e + 1) * n)] for e in range(3)]
     for e, pairs in enumerate(epochs):
         assert {epoch for epoch, _ in pairs} == {e}
         assert sorted(row for _, row in pairs) == list(range(n))  # each row exactly once
     orders = [[row for _, row in pairs] for pairs in epochs]
     assert orders[0] != orders[1] != orders[2]  # reshuffled every epoch
-    assert orders[0] != [data.walk(g, n, seed + 1)[1] for g in range(n)]  # and by the seed
+    assert orders[0] != [prompts.walk(g, n, seed + 1)[1] for g in range(n)]  # and by the seed
     # A resumed run starts its generator at step * prompts_per_step + groups dropped so far: the walk
     # continues from the first group id the trainer has not consumed.
-    cfg = config.parse_args(["--prompts-per-step", "4"])
+    cfg = prepare.parse_args(["--prompts-per-step", "4"])
     settings = prepare.generator_settings(prepare.resolve(cfg), prepare.Prepared(
         "m", "m", devices.plan("", ""), start_step=20, start_version=20, groups_dropped=3))
     assert settings.first_group_id == 20 * 4 + 3
-    assert [data.walk(g, n, seed) for g in range(settings.first_group_id, 2 * n)] == \
+    assert [prompts.walk(g, n, seed) for g in range(settings.first_group_id, 2 * n)] == \
         (epochs[0] + epochs[1])[settings.first_group_id:]
 
 
@@ -111,7 +112,7 @@ def test_long_prompts_are_dropped_before_training_and_reported_once(ascii_model,
     held_file = write_jsonl(tmp_path / "held.jsonl", rows[:3])
     settings = settings_for(ascii_model, dataset=train_file, reward="math", eval_dataset=held_file,
                             max_prompt_tokens=10)
-    task = tasks.make_task(settings.cfg, tokenizer, max_len=1024)
+    task = builtin.make_task(settings.cfg, tokenizer, max_len=1024)
     assert sorted(len(p.prompt_ids) for p in task.prompts) == [3, 5, 7]
     assert sorted(len(p.prompt_ids) for p in task.held_out) == [3, 5]
     assert task.dropped_long == 3 + 1
@@ -119,11 +120,11 @@ def test_long_prompts_are_dropped_before_training_and_reported_once(ascii_model,
     assert err.count("3 of 6 training prompts are longer than 10 tokens") == 1
     assert err.count("1 of 3 held-out prompts") == 1
     # the model's context bounds prompts too (here: 1024 - max_new_tokens - ... = 20 tokens)
-    task = tasks.make_task(settings_for(ascii_model, dataset=train_file, reward="math", max_new_tokens=4).cfg,
-                           tokenizer, max_len=24)
+    settings = settings_for(ascii_model, dataset=train_file, reward="math", max_new_tokens=4)
+    task = builtin.make_task(settings.cfg, tokenizer, max_len=24)
     assert sorted(len(p.prompt_ids) for p in task.prompts) == [3, 5, 7, 12]
     with pytest.raises(SystemExit, match="--max-prompt-tokens must be >= 0"):
-        config.parse_args(["--max-prompt-tokens", "-1"])
+        prepare.parse_args(["--max-prompt-tokens", "-1"])
 
 
 # ---- Hugging Face datasets --------------------------------------------------------------------------
@@ -150,17 +151,19 @@ def test_datasets_written_by_datasets_load_with_their_test_split(saved_datasets,
     paths, train_rows, test_rows = saved_datasets
     for kind in ("saved", "parquet"):
         argv = ["--model", ascii_model, "--dataset", paths[kind], "--prompt-column", "question", "--reward", "math"]
-        cfg = config.parse_args(argv)  # validate() loaded both splits
-        assert data.has_eval_set(cfg)
-        task = tasks.make_task(cfg, tokenizer, max_len=1024)
+        cfg = prepare.parse_args(argv)  # validate() loaded both splits
+        assert prompts.has_eval_set(cfg)
+        task = builtin.make_task(cfg, tokenizer, max_len=1024)
         assert sorted(p.prompt for p in task.prompts) == sorted(r["question"] for r in train_rows)
         assert sorted(p.prompt for p in task.held_out) == sorted(r["question"] for r in test_rows)
         # an explicit held-out split
-        explicit = data.spec_of(config.parse_args(argv + ["--eval-split", "train"]))
-        assert data.eval_source(explicit) == (paths[kind], "train")
-    single = config.parse_args(["--dataset", paths["single"], "--prompt-column", "question", "--reward", "math"])
-    assert not data.has_eval_set(single)  # one saved split: training only, no held-out set unless given
-    assert data.load_rows(paths["single"], "train")[0][1] == train_rows[0]
+        explicit = prompts.spec_of(prepare.parse_args(argv + ["--eval-split", "train"]))
+        assert prompts.eval_source(explicit) == (paths[kind], "train")
+    single = prepare.parse_args(["--dataset", paths["single"], "--prompt-column", "question",
+                                 "--reward", "math"])
+    # one saved split: training only, no held-out set unless given
+    assert not prompts.has_eval_set(single)
+    assert prompts.load_rows(paths["single"], "train")[0][1] == train_rows[0]
 
 
 @pytest.mark.parametrize("extra,needle", [
@@ -172,7 +175,7 @@ def test_datasets_written_by_datasets_load_with_their_test_split(saved_datasets,
 def test_a_dataset_that_does_not_load_is_one_line_before_anything_starts(saved_datasets, extra, needle):
     paths = saved_datasets[0]
     with pytest.raises(SystemExit) as err:
-        config.parse_args(["--dataset", paths["saved"], "--reward", "math", *extra])
+        prepare.parse_args(["--dataset", paths["saved"], "--reward", "math", *extra])
     assert needle.format(saved=paths["saved"]) in str(err.value)
 
 
@@ -189,12 +192,12 @@ def test_an_unknown_hub_dataset_fails_in_one_line_before_anything_starts(tmp_pat
 
 
 def test_stop_strings_are_flags_and_the_copy_task_refuses_them():
-    cfg = config.parse_args(["--dataset", "data/gsm8k_sample.jsonl", "--prompt-column", "question", "--reward", "math",
-                            "--stop", "####", r"\n\n"])
+    cfg = prepare.parse_args(["--dataset", "tasks/data/gsm8k_sample.jsonl", "--prompt-column",
+                              "question", "--reward", "math", "--stop", "####", r"\n\n"])
     prepared = prepare.Prepared("m", "m", devices.plan("", ""))
     assert prepare.generator_settings(prepare.resolve(cfg), prepared).stop == ("####", "\n\n")
     with pytest.raises(SystemExit, match="copy task ends its answers with <eos>"):
-        config.parse_args(["--stop", "x"])
+        prepare.parse_args(["--stop", "x"])
 
 
 # ---- with the real engine ---------------------------------------------------------------------------

@@ -189,7 +189,7 @@ def test_sigkill_while_writing_or_replacing_leaves_complete_checkpoints_only(tmp
 def test_bad_model_inputs_get_one_clear_line(tmp_path):
     import config
     import prepare
-    from tasks import build_tiny_model
+    from tasks.builtin import build_tiny_model
 
     with pytest.raises(SystemExit, match="not a local directory"):
         prepare.prepare_model(config.Config(model="no-such-model-dir"))
@@ -210,7 +210,7 @@ def test_skipped_steps_spread_over_a_run_keep_generation_flowing_and_are_counted
     is skipped (no update, no new version) and counted. 4 of 8 steps, every other one, with --max-lag 0: the
     generator's staleness gate must count versions, not steps (counting steps, the first skip would leave no
     group allowed to start and the run would die waiting for one)."""
-    from tasks import build_tiny_model
+    from tasks.builtin import build_tiny_model
 
     model = build_tiny_model(str(tmp_path / "ascii"), alphabet="ascii")
     (tmp_path / "huge.py").write_text(
@@ -221,7 +221,8 @@ def test_skipped_steps_spread_over_a_run_keep_generation_flowing_and_are_counted
         "    return [(1e38 if step % 2 == 0 else 1.0) if i % 2 else 0.0 for i in range(len(completions))]\n")
     out = str(tmp_path / "run")
     proc = subprocess.run([sys.executable, "train.py", "--out", out, "--model", model, "--dataset",
-                           "data/gsm8k_sample.jsonl", "--prompt-column", "question", "--reward",
+                           "tasks/data/gsm8k_sample.jsonl", "--prompt-column", "question",
+                           "--reward",
                            f"{tmp_path / 'huge.py'}:huge", "--adv-scale", "none", "--max-bad-steps", "10",
                            "--max-lag", "0", "--eval-every", "0", "--timeout-s", "60", "--steps", "8",
                            "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "8"],
@@ -254,7 +255,7 @@ def test_a_model_vllms_cpu_backend_cannot_run_is_refused_before_anything_starts(
     forward, inside its worker. The parent refuses it first, in one line; nothing is spawned."""
     import devices
     import train
-    from tasks import build_tiny_model
+    from tasks.builtin import build_tiny_model
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
     assert tuple(CPUAttentionBackend.get_supported_head_sizes()) == devices.CPU_ATTENTION_HEAD_SIZES

@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 import buffer
 import sync
 import weight_buffer
-import tasks
+from tasks import builtin
 import models
 import config
 import update
@@ -133,7 +133,7 @@ def spawn_ranks(worker, world, tmp_path, *args):
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):
-    return tasks.build_tiny_model(str(tmp_path_factory.mktemp("fsdp") / "tiny"), seed=0)
+    return builtin.build_tiny_model(str(tmp_path_factory.mktemp("fsdp") / "tiny"), seed=0)
 
 
 @pytest.fixture(scope="module")

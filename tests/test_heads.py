@@ -220,7 +220,7 @@ def test_the_bf16_heads_gradients_equal_autograd_through_the_same_bf16_operation
 
 
 def test_a_head_the_code_does_not_know_is_refused_in_one_line(tmp_path):
-    import tasks
+    from tasks import builtin
     import train
 
     assert "not one this trainer knows" in heads.head_problem(transformers.AutoConfig.for_model("stablelm"))
@@ -230,7 +230,8 @@ def test_a_head_the_code_does_not_know_is_refused_in_one_line(tmp_path):
     assert "tie_word_embeddings false" in heads.head_problem(untied)
     with pytest.raises(ValueError, match="not one this trainer knows"):
         heads.head_transform(transformers.AutoConfig.for_model("falcon_h1"))
-    model = tasks.build_tiny_model(str(tmp_path / "stablelm"))  # its tokenizer, then an unknown family's config
+    # its tokenizer, then an unknown family's config
+    model = builtin.build_tiny_model(str(tmp_path / "stablelm"))
     transformers.AutoConfig.for_model("stablelm", vocab_size=26, **{k: v for k, v in SHAPE.items()
                                                                     if k != "head_dim"}).save_pretrained(model)
     out = tmp_path / "run"
@@ -310,11 +311,11 @@ def serve_sync_and_score(models: dict) -> dict:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """serve_sync_and_score over ENGINE_FAMILIES, in one spawned child: {family: figures}."""
-    import tasks
-
+    from tasks import builtin
     models = {}
     for family in ENGINE_FAMILIES:
-        path = tasks.build_tiny_model(str(tmp_path_factory.mktemp(family) / "model"))  # the copy task's tokenizer
+        # the copy task's tokenizer
+        path = builtin.build_tiny_model(str(tmp_path_factory.mktemp(family) / "model"))
         tiny_model(family, vocab=26, gain=RUN_HEAD_GAIN[family]).save_pretrained(path)
         models[family] = path
     return result_of_child(serve_sync_and_score, (models,), ENGINE_TIMEOUT_S)

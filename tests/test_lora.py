@@ -21,7 +21,7 @@ import train
 import models
 from rollout import Generator
 from test_engine import settings_for
-from tasks import build_tiny_model
+from tasks.builtin import build_tiny_model
 from weight_buffer import SharedWeights
 from test_engine import wait_until
 

@@ -18,7 +18,7 @@ import torch
 
 import losses
 import lora
-import tasks
+from tasks import builtin
 import models
 from config import Config, parse_args
 import update
@@ -111,12 +111,12 @@ def test_completion_logprobs_saves_nothing_vocabulary_sized(model_path):
 # ----------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):
-    return tasks.build_tiny_model(str(tmp_path_factory.mktemp("micro") / "tiny"), seed=0)
+    return builtin.build_tiny_model(str(tmp_path_factory.mktemp("micro") / "tiny"), seed=0)
 
 
 @pytest.fixture(scope="module")
 def ref_path(tmp_path_factory):  # the KL reference: other weights, so the KL term and its gradient are not 0
-    return tasks.build_tiny_model(str(tmp_path_factory.mktemp("micro") / "ref"), seed=1)
+    return builtin.build_tiny_model(str(tmp_path_factory.mktemp("micro") / "ref"), seed=1)
 
 
 @pytest.fixture(scope="module")

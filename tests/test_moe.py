@@ -25,12 +25,14 @@ import transformers
 
 import buffer
 import heads
-import tasks
+from tasks import builtin
 import update
 from spawned import end_in_process_engine, result_of_child
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-VOCAB = 26  # the copy task's tokenizer (tasks.build_tiny_model writes it; the family's config replaces the model)
+# the copy task's tokenizer (builtin.build_tiny_model writes it; the family's config replaces the
+# model)
+VOCAB = 26
 SHAPE = dict(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
              head_dim=32, max_position_embeddings=64, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
              pad_token_id=0, vocab_size=VOCAB)
@@ -166,7 +168,8 @@ def served(tmp_path_factory):
     """serve_publish_and_score over MOE_FAMILIES, in one spawned child: {family: figures}."""
     models = {}
     for family in MOE_FAMILIES:
-        path = tasks.build_tiny_model(str(tmp_path_factory.mktemp(family) / "model"))  # the copy tokenizer
+        # the copy tokenizer
+        path = builtin.build_tiny_model(str(tmp_path_factory.mktemp(family) / "model"))
         tiny_moe(family).save_pretrained(path)
         models[family] = path
     return result_of_child(serve_publish_and_score, (models,), ENGINE_TIMEOUT_S)
@@ -224,7 +227,7 @@ def test_a_config_scored_otherwise_than_vllm_samples_it_is_refused_in_one_line(t
 def test_train_refuses_a_moe_family_before_it_starts(tmp_path):
     import train
 
-    path = tasks.build_tiny_model(str(tmp_path / "phimoe"))
+    path = builtin.build_tiny_model(str(tmp_path / "phimoe"))
     transformers.AutoConfig.for_model("phimoe", **{**SHAPE, "num_local_experts": 4, **TOP2}).save_pretrained(path)
     out = tmp_path / "run"
     with pytest.raises(SystemExit) as err:
@@ -247,7 +250,7 @@ def test_tiny_moe_trains_on_two_fsdp2_ranks_with_evaluation_and_checkpoints(tmp_
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     summary = json.load(open(out / "summary.json"))
     config = transformers.AutoConfig.from_pretrained(out / "init_moe_model")
-    assert config.model_type == "qwen3_moe" and config.num_experts == tasks.TINY_MOE_EXPERTS
+    assert config.model_type == "qwen3_moe" and config.num_experts == builtin.TINY_MOE_EXPERTS
     assert summary["steps"] == 4 and summary["eval_last"] is not None
     print(f"TINY_MOE, 2 ranks: max |trainer - vLLM| on-policy log-prob {summary['logprob_diff_after_sync']:.1e}")
     assert summary["logprob_diff_after_sync"] is not None and summary["logprob_diff_after_sync"] <= 1e-4

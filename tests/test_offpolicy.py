@@ -21,7 +21,7 @@ import torch
 import advantages
 import buffer
 import losses
-import tasks
+from tasks import builtin
 import update
 from config import Config, parse_args
 from test_fsdp import PAD_ID, PROMPT, backward, make_batch
@@ -169,8 +169,7 @@ def test_unscored_samples_get_zero_advantage_and_leave_the_statistics(estimator)
 
 
 def test_the_unscored_samples_reach_the_advantages_by_index():
-    import rewards as rewards_lib
-
+    from tasks import rewards as rewards_lib
     groups = []
     for values in UNSCORED:
         filled, unscored = rewards_lib.combine([values], [1.0], len(values))
@@ -209,7 +208,7 @@ def test_bad_flags_are_refused_in_one_line_each():
 def model(tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
-    path = tasks.build_tiny_model(str(tmp_path_factory.mktemp("offpolicy") / "tiny"), seed=0)
+    path = builtin.build_tiny_model(str(tmp_path_factory.mktemp("offpolicy") / "tiny"), seed=0)
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
 
 

@@ -261,7 +261,7 @@ def test_max_lag_1_bounds_staleness(start_run):
 def test_child_that_raises_ends_the_run_with_its_traceback(start_run, tmp_path):
     """A model whose KV cache cannot hold one sequence in 1 MB: vLLM raises inside the generator process
     (EngineCore fails, AsyncLLM raises), after every process of the run has started."""
-    from tasks import build_tiny_model
+    from tasks.builtin import build_tiny_model
 
     model = build_tiny_model(str(tmp_path / "deep_model"), seed=0, layers=16)
     run = start_run("--steps", "50", "--kv-cache-mb", "1", "--model", model, *SMALL)
@@ -297,14 +297,15 @@ def test_bf16_run_agrees_within_the_correction_syncs_half_the_bytes_and_skips_lo
     from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from tasks import build_tiny_model
+    from tasks.builtin import build_tiny_model
 
     model = build_tiny_model(str(tmp_path / "ascii"), alphabet="ascii")
     (tmp_path / "letters.py").write_text(
         "def letters(completions, **kwargs):\n    return [sum(c.isalpha() for c in t) / 8 for t in completions]\n")
     steps = 6
     run = start_run("--steps", str(steps), "--dtype", "bf16", "--max-lag", "0", "--is-mode", "mask",
-                    "--kl-coef", "0.01", "--model", model, "--dataset", str(REPO / "data" / "gsm8k_sample.jsonl"),
+                    "--kl-coef", "0.01", "--model", model,
+                    "--dataset", str(REPO / "tasks" / "data" / "gsm8k_sample.jsonl"),
                     "--prompt-column", "question", "--reward", f"{tmp_path / 'letters.py'}:letters",
                     "--max-model-len", "110", "--max-new-tokens", "8", "--prompts-per-step", "4", "--group-size", "4")
     rows, summary = finish_ok(run, steps)

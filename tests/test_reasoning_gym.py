@@ -1,4 +1,5 @@
-"""`--task rg:NAME`: reasoning-gym's procedural datasets as dataset tasks (data.rg_rows, rewards.reasoning_gym_reward).
+"""`--task rg:NAME`: reasoning-gym's procedural datasets as dataset tasks (datasets.rg_rows,
+rewards.reasoning_gym_reward).
 
 Fast, in-process, no engine: the task builds with the network cut off, its prompts encode through the chat
 template with reasoning-gym's system prompt, its held-out rows are other questions than its training rows,
@@ -9,9 +10,9 @@ import socket
 
 import pytest
 
-import config
-import data
-import tasks
+import prepare
+from tasks import datasets
+from tasks import builtin
 from test_data import ascii_model, tokenizer  # noqa: F401  (fixtures shared with test_data)
 
 
@@ -25,9 +26,11 @@ def offline(monkeypatch):
 
 
 def test_an_rg_task_builds_offline_and_scores_with_reasoning_gyms_scorer(offline, ascii_model, tokenizer):
-    cfg = config.parse_args(["--model", ascii_model, "--task", "rg:leg_counting", "--max-new-tokens", "16"])
-    task = tasks.make_task(cfg, tokenizer, max_len=1024)
-    assert (len(task.prompts), len(task.held_out)) == (data.RG_SIZES["train"], data.RG_SIZES["test"])
+    cfg = prepare.parse_args(["--model", ascii_model, "--task", "rg:leg_counting",
+                              "--max-new-tokens", "16"])
+    task = builtin.make_task(cfg, tokenizer, max_len=1024)
+    sizes = datasets.RG_SIZES
+    assert (len(task.prompts), len(task.held_out)) == (sizes["train"], sizes["test"])
     assert task.names == ["reasoning_gym_reward"]
     train_questions = {p.prompt for p in task.prompts}
     assert not train_questions & {p.prompt for p in task.held_out}  # held out: other questions
@@ -43,7 +46,8 @@ def test_an_rg_task_builds_offline_and_scores_with_reasoning_gyms_scorer(offline
     assert rewards[0] == 1.0 and rewards[1] < 1.0 and rewards[2] < 1.0  # no <answer> tags: no answer
     assert rewards[3] == 1.0  # the last tagged answer counts (reasoning-gym's extract_answer)
     assert unscored == [] and stats["reasoning_gym_reward"]["count"] == 4
-    fresh = data.rg_dataset("rg:leg_counting", "train")  # a new generator: the same rows (fixed seeds)
+    # a new generator: the same rows (fixed seeds)
+    fresh = datasets.rg_dataset("rg:leg_counting", "train")
     assert [fresh[i]["question"] for i in range(5)] == [p.prompt for p in task.prompts[:5]]
 
 
@@ -51,11 +55,11 @@ def test_another_dataset_with_an_extra_reward_and_a_plain_text_model(ascii_model
     rewards_file = tmp_path / "fmt.py"
     rewards_file.write_text("def tagged(completions, **kw):\n"
                             "    return [float('<answer>' in c) for c in completions]\n")
-    cfg = config.parse_args(["--model", ascii_model, "--task", "rg:basic_arithmetic", "--reward",
+    cfg = prepare.parse_args(["--model", ascii_model, "--task", "rg:basic_arithmetic", "--reward",
                              f"rg,{rewards_file}:tagged", "--reward-weights", "1,0.5"])
     plain = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)
     plain.chat_template = None  # no chat template: the system prompt is a plain-text prefix
-    task = tasks.make_task(cfg, plain, max_len=1024)
+    task = builtin.make_task(cfg, plain, max_len=1024)
     prompt = task.prompts[3]
     text = plain.decode(prompt.prompt_ids)
     assert text.startswith("Given a problem") and text.endswith(f"example.\n\n\n{prompt.prompt}")
@@ -71,5 +75,5 @@ def test_bad_rg_flags_are_one_line_each(ascii_model):
              ("--task", "nonsense"): "must be one of auto, copy, dataset, gsm8k, reveal or rg:NAME"}
     for argv, expected in cases.items():
         with pytest.raises(SystemExit, match=f"^error: --task.*{expected}") as info:
-            config.parse_args(["--model", ascii_model, *argv])
+            prepare.parse_args(["--model", ascii_model, *argv])
         assert str(info.value).count("\n") == 0

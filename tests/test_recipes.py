@@ -128,10 +128,10 @@ def hand_ppo(model_path, cfg):
 
 
 def test_two_mini_batch_ppo_update_matches_the_hand_computed_one(tmp_path):
-    import tasks
+    from tasks import builtin
     from test_fsdp import spawn_ranks
 
-    model_path = tasks.build_tiny_model(str(tmp_path / "tiny"), seed=0)
+    model_path = builtin.build_tiny_model(str(tmp_path / "tiny"), seed=0)
     got = spawn_ranks(_ppo_worker, 2, tmp_path, model_path)
     expected, ratios = hand_ppo(model_path, config.Config(loss="grpo", **PPO))
     assert torch.allclose(ratios[0], torch.ones_like(ratios[0]), atol=1e-5)  # the first update: ratio 1
@@ -151,12 +151,13 @@ def test_two_mini_batch_ppo_update_matches_the_hand_computed_one(tmp_path):
 def test_dr_grpos_constant_normaliser_is_the_episodes_token_budget(tmp_path):
     """seq-mean-token-sum-norm divides by the most model tokens a sample can hold: --max-new-tokens, and for an
     episode (here --task reveal) --max-turns x --max-new-tokens, the budget DAPO's overlong penalty uses."""
-    import tasks
+    from tasks import builtin
     from transformers import AutoModelForCausalLM
 
     from test_offpolicy import on_policy_batch
 
-    model = AutoModelForCausalLM.from_pretrained(tasks.build_tiny_model(str(tmp_path / "tiny"), seed=0))
+    path = builtin.build_tiny_model(str(tmp_path / "tiny"), seed=0)
+    model = AutoModelForCausalLM.from_pretrained(path)
     batch = on_policy_batch(model, [[5, 6, 7], [8, 9, 10, 11, 12]], [0.5, -1.0])
     token_sums = 3 * -0.5 + 5 * 1.0  # ratio 1 against the generator: each token's loss is -A
     cfgs = {budget: config.Config(is_mode="off", agg="seq-mean-token-sum-norm", max_new_tokens=5, max_turns=4,

@@ -29,7 +29,7 @@ import buffer
 import models
 import replay
 import routes
-import tasks
+from tasks import builtin
 import update
 from config import Config
 
@@ -165,7 +165,8 @@ def test_routes_follow_their_tokens_through_collation_and_micro_batches():
 
 def test_a_model_without_replayable_routes_is_refused_in_one_line():
     assert replay.problem(tiny_moe_config()) is None
-    dense = tasks.Qwen2Config(vocab_size=27, hidden_size=32, num_hidden_layers=1, num_attention_heads=2)
+    dense = builtin.Qwen2Config(vocab_size=27, hidden_size=32, num_hidden_layers=1,
+                                num_attention_heads=2)
     assert "need a Mixture-of-Experts model" in replay.problem(dense)
     other = tiny_moe_config()
     other.model_type = "deepseek_v3"
@@ -279,7 +280,7 @@ def test_the_worker_records_each_sample_and_a_prefix_cache_hit_gets_its_blocks_r
     from transformers import AutoModelForCausalLM
     from vllm import LLM, SamplingParams
 
-    path = tasks.build_tiny_model(str(tmp_path / "moe"), experts=tasks.TINY_MOE_EXPERTS)
+    path = builtin.build_tiny_model(str(tmp_path / "moe"), experts=builtin.TINY_MOE_EXPERTS)
     llm = LLM(model=path, dtype="float32", seed=0, enforce_eager=True, kv_cache_memory_bytes=32 * 2**20,
               worker_extension_cls="vllm_worker.WeightSyncWorker", enable_prefix_caching=True, block_size=32)
     try:
@@ -290,7 +291,7 @@ def test_the_worker_records_each_sample_and_a_prefix_cache_hit_gets_its_blocks_r
         taken = [dict(llm.collective_rpc("take_routes", args=(o.request_id,))[0]) for o in outs]
     finally:
         llm.llm_engine.engine_core.shutdown()
-    assert (layers, top_k, experts) == (2, tasks.TINY_MOE_ACTIVE, tasks.TINY_MOE_EXPERTS)
+    assert (layers, top_k, experts) == (2, builtin.TINY_MOE_ACTIVE, builtin.TINY_MOE_EXPERTS)
     assert outs[1].num_cached_tokens == 32 and sorted(taken[0]) == [0, 1, 2, 3] and sorted(taken[1]) == [0]
     model = AutoModelForCausalLM.from_pretrained(path)
     for out, by_index in zip(outs, taken):
@@ -310,7 +311,8 @@ def test_vllm_records_the_routes_other_routers_choose(family, tmp_path, monkeypa
     from test_moe import tiny_moe as family_moe
     from vllm import LLM, SamplingParams
 
-    path = tasks.build_tiny_model(str(tmp_path / family))  # (the copy tokenizer; the family's model replaces it)
+    # (the copy tokenizer; the family's model replaces it)
+    path = builtin.build_tiny_model(str(tmp_path / family))
     model = family_moe(family)
     model.save_pretrained(path)
     llm = LLM(model=path, dtype="float32", seed=0, enforce_eager=True, kv_cache_memory_bytes=32 * 2**20,

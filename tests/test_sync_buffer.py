@@ -266,9 +266,8 @@ def test_a_buffer_that_starts_empty_says_so_in_every_process(tmp_path):
     """The trainer publishes at its start, and the generator waits for that publish, exactly when the run's
     buffer starts empty: an adapter vLLM does not hold yet, or a resume's weights (prepare.run_weights); the
     flag crosses to the processes the buffer is handed to."""
-    import tasks
-
-    model = tasks.build_tiny_model(str(tmp_path / "m"))
+    from tasks import builtin
+    model = builtin.build_tiny_model(str(tmp_path / "m"))
     layout = devices.plan("", "")
     cases = {"full": ([], {}, False), "lora": (["--lora-rank", "2"], {}, True),
              "resume": ([], {"resume_dir": str(tmp_path)}, True)}

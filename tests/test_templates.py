@@ -14,6 +14,7 @@
 - One real vLLM engine on a tiny Qwen3 with its real vocabulary (151,936): three-turn episodes, tokens as sampled.
 """
 import asyncio
+import contextlib
 import inspect
 import json
 from types import SimpleNamespace
@@ -22,9 +23,9 @@ import pytest
 
 import chat
 import config
-import envs
+from tasks import envs, episodes
 import prepare
-import tools
+from tasks import tools
 from shipped import build_model
 from test_tools import add  # the tool the calls below call
 
@@ -79,13 +80,14 @@ class ScriptedEngine:
 
 
 def episode(cfg, tokenizer, factory, prompt_row, turns, stop):
-    """One episode through envs.run_episode on a scripted engine: (episode, engine, env)."""
+    """One episode through episodes.run_episode on a scripted engine: (episode, engine, env)."""
     task = envs.EnvTask(cfg, tokenizer, factory, rows=([prompt_row], [prompt_row]))
     engine = ScriptedEngine(tokenizer, turns, stop)
     gen = SimpleNamespace(cfg=cfg, task=task, max_model_len=4096, request_params=lambda **k: k,
-                          _count_generating=lambda d: None, generate=engine.generate)
+                          generating_request=contextlib.nullcontext, generate=engine.generate)
     env = task.factory()
-    return asyncio.run(envs.run_episode(gen, env, task.prompts[0], envs.Turns({}, "t"))), engine, env
+    episode = asyncio.run(episodes.run_episode(gen, env, task.prompts[0], episodes.Turns({}, "t")))
+    return episode, engine, env
 
 
 def tokens_are_as_sampled(ep, engine):
@@ -243,7 +245,7 @@ def test_a_bad_chat_template_or_its_arguments_is_one_error_line(tmp_path):
              "--tool-parser hermes": "needs --tools"}
     for flags, reason in cases.items():
         flag, value = flags.split(" ", 1)
-        assert reason in error_line(lambda: config.parse_args([flag, value]))
+        assert reason in error_line(lambda: prepare.parse_args([flag, value]))
 
 
 def test_a_template_that_cannot_be_extended_turn_by_turn_is_refused_before_the_run(models, tmp_path):
@@ -263,22 +265,22 @@ def test_a_template_that_cannot_be_extended_turn_by_turn_is_refused_before_the_r
 def test_chat_template_kwargs_reach_prompts_and_episodes(models, tmp_path):
     """Qwen3 with enable_thinking false: the generation prompt carries the empty think block that tells the model
     to answer without thinking, in dataset prompts and episodes alike; without the argument it does not."""
-    import data
-
+    from tasks import prompts
     path = models("qwen3")
     (tmp_path / "my.jinja").write_text("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
                                        "{% if add_generation_prompt %}[assistant]{% endif %}")
     for kwargs, ends in (("", "<|im_start|>assistant\n"), ('{"enable_thinking": false}', "<think>\n\n</think>\n\n")):
         tokenizer = chat.load_tokenizer(path, "", kwargs)
-        prompt = tokenizer.decode(data.encode_prompt(tokenizer, [{"role": "user", "content": "hi"}]))
+        hi = [{"role": "user", "content": "hi"}]
+        prompt = tokenizer.decode(prompts.encode_prompt(tokenizer, hi))
         assert prompt.endswith(ends) and (("<think>" in prompt) == bool(kwargs)), prompt
         ids, _ = envs.Renderer(tokenizer).initial([{"role": "user", "content": "hi"}], None)
         assert tokenizer.decode(ids) == prompt
         after = tokenizer.decode(envs.Renderer(tokenizer).observation("more", True, 151_645))
         assert after.endswith(ends) and ("<think>" in after) == bool(kwargs)
     tokenizer = chat.load_tokenizer(path, str(tmp_path / "my.jinja"))  # --chat-template replaces the model's
-    assert tokenizer.decode(data.encode_prompt(tokenizer, [{"role": "user", "content": "hi"}])) == \
-        "[user] hi\n[assistant]"
+    hi = [{"role": "user", "content": "hi"}]
+    assert tokenizer.decode(prompts.encode_prompt(tokenizer, hi)) == "[user] hi\n[assistant]"
 
 
 # ----------------------------------------------------------------------------------------------------

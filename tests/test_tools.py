@@ -1,4 +1,5 @@
-"""Tools (tools.py): TRL's `tools=` functions and `environment_factory` classes as episode environments.
+"""Tools (tasks/tools.py): TRL's `tools=` functions and `environment_factory` classes as episode
+environments.
 
 Fast, in-process, no engine and no episode runner: `reset`/`step` are called directly. Schemas rendered by
 the tiny tool-capable chat template; a model turn with a tool call parsed, run and its result rendered back
@@ -7,14 +8,16 @@ failures counted; templates that cannot show tools refused; --tools specs loaded
 TRL environment class (the IncrementEnv of TRL's docs) run unchanged, sync and async.
 """
 import asyncio
+import contextlib
 import inspect
 import json
 
 import pytest
 
 import config
-import tasks
-import tools
+import prepare
+from tasks import builtin
+from tasks import tools
 from test_data import ascii_model, tokenizer  # noqa: F401  (fixtures shared with test_data)
 
 TOOLS_FILE = "examples/my_tools.py"
@@ -64,7 +67,7 @@ def test_schemas_render_through_the_tiny_template_and_without_tools_nothing_chan
     assert prompt.startswith("<|system|>\nBe brief.\n") and prompt.count("Be brief.") == 1
     ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
     assert tokenizer.decode(ids) == prompt  # ASCII only: the character tokenizer encodes it faithfully
-    plain = with_template(tokenizer, tasks.TINY_CHAT_TEMPLATE)
+    plain = with_template(tokenizer, builtin.TINY_CHAT_TEMPLATE)
     for generation_prompt in (False, True):
         assert (tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
                 == plain.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt))
@@ -155,9 +158,10 @@ def test_async_tools_make_step_a_coroutine_and_plain_tools_still_run():
 # ---- templates, specs ---------------------------------------------------------------------------------
 def test_templates_that_cannot_show_tools_are_refused(tokenizer):
     assert tools.supports_tools(tokenizer)
-    no_tools = with_template(tokenizer, tasks.TINY_CHAT_TEMPLATE)  # renders tool messages, not schemas or calls
+    # renders tool messages, not schemas or calls
+    no_tools = with_template(tokenizer, builtin.TINY_CHAT_TEMPLATE)
     assert not tools.supports_tools(no_tools)
-    drops_tool_messages = tasks.TINY_TOOL_CHAT_TEMPLATE.replace("{% for m in messages %}",
+    drops_tool_messages = builtin.TINY_TOOL_CHAT_TEMPLATE.replace("{% for m in messages %}",
                                                                 "{% for m in messages if m['role'] != 'tool' %}")
     assert not tools.supports_tools(with_template(tokenizer, drops_tool_messages))
     assert not tools.supports_tools(with_template(tokenizer, "{{ raise_exception('no tools here') }}"))
@@ -180,14 +184,15 @@ def test_tools_specs_load_or_fail_in_one_line(ascii_model, tmp_path):
     with pytest.raises(ValueError, match="cannot be described to the model .*no docstring"):
         tools.tool_schemas(tools.load_functions(f"{tmp_path}/undocumented.py:f"))
     chat = ["--dataset", "examples/chat_prompts.jsonl", "--answer-column", "solution", "--reward", "math"]
-    cfg = config.parse_args(["--model", ascii_model, *chat, "--tools", f"{TOOLS_FILE}:add,multiply"])
+    cfg = prepare.parse_args(["--model", ascii_model, *chat,
+                              "--tools", f"{TOOLS_FILE}:add,multiply"])
     assert cfg.tools == f"{TOOLS_FILE}:add,multiply"
     refusals = {(*chat, "--tools", f"{tmp_path}/undocumented.py:f"): "--tools .*undocumented.py:f: tool 'f' cannot",
                 ("--model", ascii_model, "--tools", f"{TOOLS_FILE}:add"): "--tools: the copy task has no chat",
                 (*chat, "--tools", f"{TOOLS_FILE}:add"): "--tools: the default tiny model has no chat template"}
     for argv, expected in refusals.items():
         with pytest.raises(SystemExit, match=f"^error: {expected}"):
-            config.parse_args(list(argv))
+            prepare.parse_args(list(argv))
 
 
 # ---- TRL's environment_factory --------------------------------------------------------------------------
@@ -268,7 +273,7 @@ def test_a_trl_environment_class_runs_unchanged():
 
 
 # ----------------------------------------------------------------------------------------------------
-# --tools through the episode runner (envs.run_episode), with a scripted engine
+# --tools through the episode runner (episodes.run_episode), with a scripted engine
 # ----------------------------------------------------------------------------------------------------
 class ScriptedEngine:
     """Stands in for vLLM: each request "samples" the next scripted text (one token per character on the
@@ -296,7 +301,7 @@ def test_tools_round_trip_through_the_episode_runner(tmp_path, ascii_model, toke
     """--tools on a tool-capable template: the prompt shows the schemas, the model's call runs, its result comes
     back as a tool message (environment tokens, no loss), the next turn answers and ends the episode; the tool
     counters reach the metrics and the reward function sees the transcript and the environments."""
-    import envs
+    from tasks import envs, episodes
     from metrics import episode_metrics
     from types import SimpleNamespace
 
@@ -314,12 +319,12 @@ def test_tools_round_trip_through_the_episode_runner(tmp_path, ascii_model, toke
     call = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
     engine = ScriptedEngine(tokenizer, [call, '<tool_call>{"name": "nope"</tool_call>', "The sum is 5."])
     gen = SimpleNamespace(cfg=cfg, task=task, engine=engine, max_model_len=4096,
-                          request_params=lambda **k: k, _count_generating=lambda d: None,
+                          request_params=lambda **k: k, generating_request=contextlib.nullcontext,
                           generate=lambda ids, params, request_id: engine.generate(
                               {"prompt_token_ids": ids}, params, request_id))
     env = task.factory()
     assert isinstance(env, tools.ToolEnv) and [t["function"]["name"] for t in env.tools] == ["add", "divide"]
-    ep = asyncio.run(envs.run_episode(gen, env, task.prompts[0], envs.Turns({}, "t")))
+    ep = asyncio.run(episodes.run_episode(gen, env, task.prompts[0], episodes.Turns({}, "t")))
     assert not ep.error and ep.turns == 3 and not ep.truncated, (ep.error, ep.turns, ep.truncated)
     first = tokenizer.decode(engine.prompts[0])
     assert '"name": "add"' in first and "What is 2 + 3?" in first  # the schemas, rendered with the prompt

@@ -1,19 +1,26 @@
-"""tasks.py — what the generator trains on: the built-in copy task, dataset tasks, and the tiny model.
+"""tasks/builtin.py — the task the generator trains on: copy, dataset tasks; the tiny model.
 
 Role
-    `make_task(settings, tokenizer, max_len)` returns the task the flags ask for (an --env or the built-in
-    multi-turn `reveal` task: envs.EnvTask, `is_env` True, scored per episode); the generator sees only
-        prompts: list[Prompt]   training prompts, encoded, too-long ones dropped (walked in epochs, data.walk)
+    `make_task(settings, tokenizer, max_len)` returns the task the flags ask for (an --env or the
+    built-in multi-turn `reveal` task: tasks/envs.EnvTask, `is_env` True, scored per episode); the
+    generator sees only
+        prompts: list[Prompt]   training prompts, encoded, too-long ones dropped (walked in epochs:
+                                prompts.walk)
         held_out: list[Prompt]  held-out prompts in a fixed order (evaluation takes the first K)
-        score(prompt, completion_texts, completion_ids, step) -> (rewards, {name: stats}, unscored indices)
+        score(prompt, completion_texts, completion_ids, step)
+                                -> (rewards, {name: stats}, unscored indices)
         needs_text: bool        False: `score` reads token ids only, so vLLM skips detokenizing
         dropped_long: int       prompts dropped as too long;  close()
-    `rewards` has one float per completion (never None/NaN: rewards.py's fault rules); `score` runs in a worker
-    thread. `build_tiny_model` writes the default model: a random-init Qwen2 and a character tokenizer (with
-    `experts`, the `--model TINY_MOE` model: a random-init Qwen3-MoE and the same tokenizer).
-    Data flows one way, tasks.py -> data.py: `make_task` calls data.spec_of and data.prompt_limit, a dataset task
-    data.dataset_rows once and data.encode_rows once per set; data.py never calls back (nor imports this module).
-May touch: the tokenizer, the files data.py is pointed at. No engine, no queue, no trainer.
+    `rewards` has one float per completion (never None/NaN: tasks/rewards.py's fault rules);
+    `score` runs in a worker thread. `build_tiny_model` writes the default model: a random-init
+    Qwen2 and a character tokenizer (with `experts`, the `--model TINY_MOE` model: a random-init
+    Qwen3-MoE and the same tokenizer).
+    Data flows one way, this file -> tasks/prompts.py: `make_task` calls prompts.spec_of and
+    prompts.prompt_limit, a dataset task prompts.dataset_rows once and prompts.encode_rows once per
+    set; prompts.py never calls back (nor imports this module). rollout.py calls `make_task`;
+    nothing here imports the generator.
+May touch: the tokenizer, the files tasks/prompts.py is pointed at. No engine, no queue, no
+trainer.
 """
 from __future__ import annotations
 
@@ -27,9 +34,9 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import (LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM,
                           Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
-import data
-import rewards
-from data import Prompt
+from tasks import prompts, rewards
+from tasks.envs import EnvTask
+from tasks.prompts import Prompt
 
 SPECIALS = ["<pad>", "<bos>", "<eos>"]
 SYMBOLS = list("0123456789abcdefghij+=_")
@@ -41,9 +48,10 @@ COPY_LENGTH = 3
 # A chat template that uses only printable ASCII (so the "ascii" tiny tokenizer encodes it faithfully).
 TINY_CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
                       "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
-# The same with tool use (tools.py): the schemas in a system block, an assistant's calls in the Hermes format
-# tools.parse_tool_calls reads (so a call the model writes renders back to the same text), tool results as
-# `tool` messages. Without tools it renders exactly as TINY_CHAT_TEMPLATE; the "ascii" tiny model has it.
+# The same with tool use (tasks/tools.py): the schemas in a system block, an assistant's calls in
+# the Hermes format tools.parse_tool_calls reads (so a call the model writes renders back to the
+# same text), tool results as `tool` messages. Without tools it renders exactly as
+# TINY_CHAT_TEMPLATE; the "ascii" tiny model has it.
 # (transformers renders templates with trim_blocks: a newline right after a block tag is dropped.)
 TINY_TOOL_CHAT_TEMPLATE = (
     "{% if tools %}<|system|>\n{% if messages and messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n"
@@ -133,9 +141,9 @@ class CopyTask:
         triples = ["".join(t) for t in itertools.product(LETTERS, repeat=COPY_LENGTH)]
         held = [t for t in triples if is_held_out(t)]
         training = [self.encode(t) for t in triples if not is_held_out(t)]
-        self.prompts, dropped = data.drop_long(training, limit, "training")
-        held_out = [self.encode(held[i]) for i in data.held_out_order(len(held))]
-        self.held_out, dropped_held = data.drop_long(held_out, limit, "held-out")
+        self.prompts, dropped = prompts.drop_long(training, limit, "training")
+        held_out = [self.encode(held[i]) for i in prompts.held_out_order(len(held))]
+        self.held_out, dropped_held = prompts.drop_long(held_out, limit, "held-out")
         self.dropped_long = dropped + dropped_held
         if not self.prompts:
             raise RuntimeError(f"every copy prompt is longer than {limit} tokens")
@@ -164,22 +172,24 @@ class CopyTask:
 
 
 class DatasetTask:
-    """Prompts from a dataset, scored by TRL-convention reward functions. data.dataset_rows loads and checks the
-    training and held-out rows; data.encode_rows encodes every row when the task is built (before training
-    starts), so prompts longer than `limit` tokens are dropped up front, counted and reported once."""
+    """Prompts from a dataset, scored by TRL-convention reward functions. prompts.dataset_rows loads
+    and checks the training and held-out rows; prompts.encode_rows encodes every row when the task
+    is built (before training starts), so prompts longer than `limit` tokens are dropped up front,
+    counted and reported once."""
 
     needs_text = True  # reward functions get completion texts (TRL's convention)
     is_env = False
 
     def __init__(self, spec, tokenizer, limit: int | None = None):
-        train_rows, held_rows = data.dataset_rows(spec)
+        train_rows, held_rows = prompts.dataset_rows(spec)
         self.scorer = rewards.Scorer(spec.rewards, spec.weights, workers=spec.reward_workers)
         self.names = self.scorer.names
-        self.prompts, dropped = data.encode_rows(train_rows, tokenizer, spec, limit, "training")
+        self.prompts, dropped = prompts.encode_rows(train_rows, tokenizer, spec, limit, "training")
         if not self.prompts:
             raise RuntimeError(f"every prompt of {spec.dataset} is longer than {limit} tokens (--max-prompt-tokens, "
                                "or the model's context minus --max-new-tokens)")
-        self.held_out, dropped_held = data.encode_rows(held_rows, tokenizer, spec, limit, "held-out")
+        self.held_out, dropped_held = prompts.encode_rows(held_rows, tokenizer, spec, limit,
+                                                          "held-out")
         self.dropped_long = dropped + dropped_held
 
     def score(self, prompt: Prompt, completion_texts, completion_ids, step: int = 0):
@@ -215,20 +225,18 @@ def reveal_rows() -> tuple[list[dict], list[dict]]:
     triples = ["".join(t) for t in itertools.product(LETTERS, repeat=COPY_LENGTH)]
     held = [t for t in triples if is_held_out(t)]
     return ([{"secret": t} for t in triples if not is_held_out(t)],
-            [{"secret": held[i]} for i in data.held_out_order(len(held))])
+            [{"secret": held[i]} for i in prompts.held_out_order(len(held))])
 
 
 def make_task(settings, tokenizer, max_len: int | None = None):
     """The task the run's flags ask for: the copy task (default), a dataset task (--dataset / --task), or an
     env task (--env, --task reveal)."""
     if settings.task == "reveal" or settings.env or settings.tools:
-        import envs  # (it imports this module's Prompt)
-
         if settings.task == "reveal":
-            return envs.EnvTask(settings, tokenizer, RevealEnv, reveal_rows())
-        return envs.EnvTask(settings, tokenizer)
-    spec = data.spec_of(settings)
-    limit = data.prompt_limit(settings.max_prompt_tokens, max_len, settings.max_new_tokens)
+            return EnvTask(settings, tokenizer, RevealEnv, reveal_rows())
+        return EnvTask(settings, tokenizer)
+    spec = prompts.spec_of(settings)
+    limit = prompts.prompt_limit(settings.max_prompt_tokens, max_len, settings.max_new_tokens)
     if spec is None:
         return CopyTask(tokenizer, limit)
     return DatasetTask(spec, tokenizer, limit)

@@ -1,4 +1,5 @@
-"""adapters.py — environments of an environment library as episode environments (`--env adapters:TextArenaEnv`).
+"""tasks/textarena.py — TextArena's games as episode environments
+(`--env tasks.textarena:TextArenaEnv`).
 
 Role: `TextArenaEnv(game="GuessTheNumber-v0")` plays one of TextArena's single-player games (GuessTheNumber,
 Minesweeper, Sudoku, FrozenLake, ...; its word games need NLTK's word lists once: `python -m nltk.downloader

@@ -1,4 +1,5 @@
-"""rewards.py — reward functions in TRL's convention, and the scorer the generator calls them through.
+"""tasks/rewards.py — reward functions in TRL's convention, and the scorer the generator calls them
+through.
 
 Role: `load_reward` (`module:function`, `path/file.py:function` or a built-in name such as `math`),
 `Scorer` (every --reward function on a group's completions, in a thread or a process pool; weighted sum),
@@ -8,6 +9,9 @@ Data contract: functions are called as TRL's GRPOTrainer calls them, `f(prompts=
 completion_ids=, trainer_state=, **columns)` (the answer column also as `answer`), and return one
 float | None each. None, NaN or a raise leave the function out of that sample's weighted sum, counted; a
 sample no function scored gets its group's mean reward and is reported unscored (its advantage: 0).
+`load_object` resolves every `module:NAME` flag (--reward, --env, --tools); the module names the
+project had before tasks/ (`adapters`, `rewards`, ...: MOVED) still resolve, so
+`--env adapters:TextArenaEnv` works.
 May touch: the modules it is pointed at. Importable without vLLM or torch.
 """
 from __future__ import annotations
@@ -28,14 +32,19 @@ import traceback
 from concurrent.futures import ProcessPoolExecutor
 from types import SimpleNamespace
 
-from data import BUILTIN_REWARDS, DataError, is_conversation, spec_of
+from tasks.datasets import DataError, is_conversation
+from tasks.prompts import BUILTIN_REWARDS, spec_of
+
+# `module:NAME` spellings of the modules tasks/ holds now, as they were before it: they keep working
+MOVED = {"adapters": "tasks.textarena", "rewards": "tasks.rewards", "envs": "tasks.envs",
+         "tools": "tasks.tools", "tasks": "tasks.builtin", "data": "tasks.prompts"}
 
 
 def check(cfg) -> list[str]:
-    """config.validate(): one line per --reward function that does not import."""
+    """prepare.check: one line per --reward function that does not import."""
     try:
         spec = spec_of(cfg)
-    except DataError:  # data.check_flags reports it
+    except DataError:  # prompts.check_flags reports it
         return []
     problems = []
     for s in spec.rewards if spec is not None else []:
@@ -65,7 +74,7 @@ def load_module(module_name: str, what: str):
             return module
         if os.getcwd() not in sys.path:  # `--reward my_rewards:f` with my_rewards.py where you run from
             sys.path.append(os.getcwd())
-        return importlib.import_module(module_name)
+        return importlib.import_module(MOVED.get(module_name, module_name))
     except DataError:
         raise
     except Exception as e:
