@@ -176,7 +176,7 @@ def send_weights(group, flat: torch.Tensor, bucket_bytes: int = BUCKET_BYTES) ->
 
 
 def receive_weights(group, shared, version: int, bucket_bytes: int = BUCKET_BYTES) -> None:
-    """Receive one publish straight into `shared` (a weight_buffer.SharedWeights) and publish it there as `version`."""
+    """Receive one publish straight into `shared` (a shared_weights.SharedWeights) and publish it there as `version`."""
     shared.begin_write()
     for chunk in buckets(shared.buffer, bucket_bytes):
         group.recv([chunk], 0, 0).wait()

@@ -1,7 +1,7 @@
 """lora.py — LoRA adapters (`--lora-rank R`): what the trainer trains and the generator serves.
 
 Role: the PEFT config built from the flags, the adapter's tensor names and its on-disk format (checkpoints,
-the final adapter, `--merge-at-end`). Only the adapter gets gradients, fills the shared buffer (weight_buffer.py) and
+the final adapter, `--merge-at-end`). Only the adapter gets gradients, fills the shared buffer (shared_weights.py) and
 is loaded by vLLM on each sync (`vllm_worker.WeightSyncWorker.load_shared_adapter`).
 Data contract
     - Tensor names are PEFT's file names (`base_model.model.<module>.lora_A.weight`): what

@@ -33,7 +33,7 @@ from rollout import GeneratorSettings
 from tasks import envs, prompts, rewards, tools
 from tasks.builtin import TINY_MOE, TINY_MOE_EXPERTS, build_tiny_model
 from tasks.datasets import DataError
-from weight_buffer import SharedWeights, make_layout, named_shapes_of, packed_numel
+from shared_weights import SharedWeights, make_layout, named_shapes_of, packed_numel
 
 
 def parse_args(argv=None) -> Config:

@@ -35,7 +35,7 @@ from devices import engine_problems
 from rollout import generator_main
 from tasks import envs
 from tasks.datasets import DataError
-from weight_buffer import SharedWeights, make_layout, packed_numel
+from shared_weights import SharedWeights, make_layout, packed_numel
 
 
 # ----------------------------------------------------------------------------------------------------

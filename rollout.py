@@ -2,7 +2,7 @@
 
 Role: streams the task's prompts (tasks/builtin.py) into the engine with continuous batching; each
 finished group is scored in a worker thread and put on the rollout queue at once. New weights are
-loaded from the shared buffer (weight_buffer.py, through vllm_worker.py) between engine steps,
+loaded from the shared buffer (shared_weights.py, through vllm_worker.py) between engine steps,
 requests kept in flight ("inflight") or let finish ("drain"); held-out evaluations (evaluation.py)
 run beside training requests. An env task (--env, --task reveal) runs each of a group's G samples
 as an episode, a chain of requests (tasks/envs.py: `run_env_group`, `eval_env_prompt`; the episodes

@@ -1,7 +1,7 @@
 """sync.py — the trainer's side of the weight sync: publish the trained weights into the packed buffer.
 
 Role: `publish_model` writes every trainable parameter of the trainer's model (the LoRA adapter alone with
---lora-rank: only it is trainable) into the packed buffer (weight_buffer.py) and publishes the trainer's
+--lora-rank: only it is trainable) into the packed buffer (shared_weights.py) and publishes the trainer's
 version, from every FSDP2 rank; the vLLM worker extension (vllm_worker.py) loads it between engine steps.
 Data contract: the buffer's layout lists the trainable parameters in `model.named_parameters()` order
 (lora.synced_parameters names them); `version` = rollout batches trained on.
@@ -17,10 +17,10 @@ import torch.distributed as dist
 
 
 class WeightsSink(Protocol):
-    """What the trainer publishes into: weight_buffer.SharedWeights (this node's packed buffer) or
+    """What the trainer publishes into: shared_weights.SharedWeights (this node's packed buffer) or
     remote.RemoteWeights (a generator on another machine). `layout` lists the trainable parameters' slots."""
 
-    layout: list  # weight_buffer.Slot, in trainable_parameters' order
+    layout: list  # shared_weights.Slot, in trainable_parameters' order
     dtype: torch.dtype  # the serving dtype the buffer holds
     single_writer: bool  # rank 0 alone writes whole (gathered) parameters; else each rank writes its shard
     starts_empty: bool  # the generator serves nothing until the first publish

@@ -15,8 +15,9 @@ the parent: each process maps its perf_counter onto that clock once, when it sta
 is (bench/overlap.py and plots.py read them). Request lanes: a group's (or an episode's) life on one lane
 track, its requests nested inside (the merge adds each request's phases).
 Bounded: a process writes segment files of --trace-steps steps (as it counts them: the trainer its step, the
-generator and the worker the weight version they load) and keeps the two newest. An event is a tuple appended to a list, written every FLUSH_S seconds or
-FLUSH_EVENTS events (a process killed loses at most that).
+generator and the worker the weight version they load) and keeps the two newest. An event is a tuple
+appended to a list, written every FLUSH_S seconds or FLUSH_EVENTS events (a process killed loses at most
+that).
 May touch: OUT/trace/ (each process its own files) and OUT/trace.json; nothing else. Standard library only.
 """
 from __future__ import annotations

@@ -56,7 +56,7 @@ class Rank:
     ref_model: torch.nn.Module | None
     optimizer: torch.optim.Optimizer
     pad_id: int
-    shared: WeightsSink  # weight_buffer.SharedWeights, or remote.RemoteWeights
+    shared: WeightsSink  # shared_weights.SharedWeights, or remote.RemoteWeights
     rollout_queue: buffer.GroupSource  # buffer.RolloutQueue, or remote.TrainerLink
     control: Control  # the run's flags and counters (processes.make_control, or remote.thread_control)
     save_group: object = None  # the gloo group of every collective around a save (timeout --save-timeout-s)

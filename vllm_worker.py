@@ -1,7 +1,7 @@
 """vllm_worker.py — the generator's side of the weight sync: a vLLM worker extension reading the packed buffer.
 
 Role: `WeightSyncWorker` is mixed into vLLM's worker (`worker_extension_cls="vllm_worker.WeightSyncWorker"`)
-and reloads the engine's weights, or with --lora-rank its adapter, from the packed buffer (weight_buffer.py)
+and reloads the engine's weights, or with --lora-rank its adapter, from the packed buffer (shared_weights.py)
 between engine steps, called through `collective_rpc` (arguments are bytes).
 Data contract: the buffer's `Slot`s are named and shaped as the trainer's (transformers 5) parameters, or PEFT's
 adapter files; each slot is handed to vLLM as the checkpoint tensors it stands for (transformers' reverse weight
@@ -18,7 +18,7 @@ import torch
 
 import tracing
 from routes import RouteRecorder
-from weight_buffer import SharedWeights
+from shared_weights import SharedWeights
 
 VIEW_TRIES = 3  # torn in-place reloads before the worker falls back to a snapshot copy (CPU)
 GPU_VIEW_TRIES = 20  # torn in-place reloads before a GPU worker gives up (it has no snapshot to fall back to)

@@ -379,7 +379,7 @@ def stand_in_trainer(queue, control, shared, model_path: str, steps: int, prompt
                      on_step=None) -> dict:
     """The trainer's side of the queue with the training taken out: take each step's groups
     (`buffer.take_groups`, as the trainer does) and, if `publish`, republish the same weights under the next
-    version (`weight_buffer.SharedWeights.publish`), so that the generator swaps weights once per step as in a run.
+    version (`shared_weights.SharedWeights.publish`), so that the generator swaps weights once per step as in a run.
     Records when each step's last group arrived and how many tokens it held; sets `control.stop` at the end."""
     import torch
     from transformers import AutoModelForCausalLM

@@ -159,7 +159,7 @@ def measure_size(name: str, shape: tuple, work: str, syncs: int, seed: int, gap_
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=0, world_size=1)
     lora_config, lora_dir = None, ""
     if lora_rank:
-        from weight_buffer import SharedWeights
+        from shared_weights import SharedWeights
 
         lora_config = lora.peft_config(lora_rank, 2 * lora_rank, 0.0, "all-linear")
     model = models.build_trainer_model(path, 1, lora_config=lora_config, seed=seed)

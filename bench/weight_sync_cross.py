@@ -42,7 +42,7 @@ def _cross_receiver(port: int, shapes, dtype, versions: int, results) -> None:
     from torch.distributed import TCPStore
 
     import link
-    from weight_buffer import SharedWeights
+    from shared_weights import SharedWeights
 
     torch.set_num_threads(1)
     store = TCPStore("127.0.0.1", port, 2, False, timedelta(seconds=120))

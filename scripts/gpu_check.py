@@ -7,7 +7,7 @@ Role
        update.update_on_batch, sync.publish_model) in a process group with the GPU layout's backend
        (devices.GPU_BACKEND).
     2. The CUDA IPC packed sync between two processes. This process is the trainer's rank 0 and owns the
-       packed device buffer (weight_buffer.SharedWeights.allocate on its GPU); a second process plays the generator's
+       packed device buffer (shared_weights.SharedWeights.allocate on its GPU); a second process plays the generator's
        worker: it opens the IPC handle once (SharedWeights.from_bytes), copies seqlock-consistent snapshots
        onto its own device (read_snapshot) and loads them into a transformers model. With 2+ GPUs it runs
        on GPU 1 under a reordered CUDA_VISIBLE_DEVICES (so the handle's GPU is found by UUID and the copy
@@ -129,7 +129,7 @@ def receiver_main(handle_bytes, model_dir, device, visible, cmd_q, res_q, thread
 
         import config
         import update
-        from weight_buffer import SharedWeights
+        from shared_weights import SharedWeights
 
         torch.set_num_threads(threads)
         device = torch.device(device)

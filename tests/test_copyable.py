@@ -15,16 +15,16 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def use_weight_buffer():
+def use_shared_weights():
     import torch
     import torch.multiprocessing as mp
 
     strategy = mp.get_sharing_strategy()
-    import weight_buffer
+    import shared_weights
 
-    assert mp.get_sharing_strategy() == strategy, "importing weight_buffer changed torch's sharing strategy"
+    assert mp.get_sharing_strategy() == strategy, "importing shared_weights changed torch's sharing strategy"
     shapes = [("a.weight", (3, 4)), ("b.bias", (5,))]
-    shared = weight_buffer.SharedWeights.allocate(shapes, dtype=torch.bfloat16)
+    shared = shared_weights.SharedWeights.allocate(shapes, dtype=torch.bfloat16)
     assert mp.get_sharing_strategy() == "file_system"  # selected before the buffer is shared
     values = {"a.weight": torch.randn(3, 4), "b.bias": torch.randn(5)}
     shared.publish(values, version=3)
@@ -33,7 +33,7 @@ def use_weight_buffer():
     for slot in shared.layout:
         assert torch.equal(shared.view(slot, out), values[slot.name].to(torch.bfloat16))
     # the bytes another process would get map the same memory: a write through one is read through the other
-    received = weight_buffer.SharedWeights.from_bytes(shared.to_bytes())
+    received = shared_weights.SharedWeights.from_bytes(shared.to_bytes())
     received.publish({"a.weight": torch.ones(3, 4), "b.bias": torch.zeros(5)}, version=4)
     assert shared.read_snapshot(out) == 4 and float(out.sum()) == 12.0
 
@@ -118,7 +118,7 @@ def use_trace_merge():
 
 
 COPYABLE = {
-    "weight_buffer.py": use_weight_buffer,
+    "shared_weights.py": use_shared_weights,
     "losses.py": use_losses,
     "advantages.py": use_advantages,
     "tracing.py": use_tracing,

@@ -2,7 +2,7 @@
 
 - devices.py: parsing of --gen-devices/--train-devices, validation (one clear line), the CPU fallback, and
   the layouts: split GPUs, one shared GPU (bounded vLLM memory), tensor parallel, CUDA_VISIBLE_DEVICES.
-- weight_buffer.py's protocol with CPU tensors: handles as bytes across a spawned process with a version bump after
+- shared_weights.py's protocol with CPU tensors: handles as bytes across a spawned process with a version bump after
   it mapped the buffer; the CUDA IPC handle's lazy opening, forwarding without re-sharing, and the GPU
   found by UUID (a stand-in for torch's rebuild function); the device waits in the seqlock's order.
 - sync.publish_model's GPU branch (cast to the buffer's dtype, gather each parameter, rank 0 the only writer)
@@ -22,7 +22,7 @@ import torch.multiprocessing as mp
 import devices
 import sync
 import vllm_worker
-import weight_buffer
+import shared_weights
 import prepare
 
 
@@ -126,7 +126,7 @@ SHAPES = [("a.weight", (3, 4)), ("b.bias", (5,)), ("c.weight", (2, 2))]
 
 def _reader(data, commands, replies):
     """A second process: map the buffer once from bytes (or a pickled object), then snapshot on request."""
-    shared = weight_buffer.SharedWeights.from_bytes(data) if isinstance(data, bytes) else data
+    shared = shared_weights.SharedWeights.from_bytes(data) if isinstance(data, bytes) else data
     out = torch.empty_like(shared.buffer)
     replies.put(("opened", shared.version()))
     while commands.get(timeout=60) != "stop":
@@ -136,7 +136,7 @@ def _reader(data, commands, replies):
 
 @pytest.mark.parametrize("how", ["bytes", "object"])
 def test_a_version_published_after_the_reader_mapped_the_buffer_reaches_it(how):
-    shared = weight_buffer.SharedWeights.allocate(SHAPES)
+    shared = shared_weights.SharedWeights.allocate(SHAPES)
     first = {name: torch.full(shape, 1.0) for name, shape in SHAPES}
     shared.publish(first, version=1)
     ctx = mp.get_context("spawn")
@@ -165,21 +165,21 @@ def test_writer_waits_for_the_device_before_the_version_and_reader_before_rechec
     """The CUDA waits, in the seqlock's order, with CPU tensors standing in for device memory."""
     calls = []
 
-    class DeviceLike(weight_buffer.SharedWeights):
+    class DeviceLike(shared_weights.SharedWeights):
         device_type = "cuda"
 
         def _wait_for_device_writes(self):  # must run while seq is odd and before the version changes
-            calls.append(("writes", int(self.header[weight_buffer.SEQ]) % 2, self.version()))
+            calls.append(("writes", int(self.header[shared_weights.SEQ]) % 2, self.version()))
 
         def _wait_for_device_copy(self, out):
-            calls.append(("copy", int(self.header[weight_buffer.SEQ])))
+            calls.append(("copy", int(self.header[shared_weights.SEQ])))
             if len(calls) == 2:  # a writer starts while the first copy is still in flight: retry
-                self.header[weight_buffer.SEQ] += 2
+                self.header[shared_weights.SEQ] += 2
 
-    plain = weight_buffer.SharedWeights.allocate(SHAPES)
+    plain = shared_weights.SharedWeights.allocate(SHAPES)
     shared = DeviceLike(plain.buffer, plain.header, plain.layout)
     shared.publish({name: torch.ones(shape) for name, shape in SHAPES}, version=5)
-    assert calls == [("writes", 1, 0)] and shared.version() == 5 and int(shared.header[weight_buffer.SEQ]) == 2
+    assert calls == [("writes", 1, 0)] and shared.version() == 5 and int(shared.header[shared_weights.SEQ]) == 2
     out = torch.empty_like(shared.buffer)
     assert shared.read_snapshot(out) == 5
     assert [c[0] for c in calls[1:]] == ["copy", "copy"]  # the torn first copy was retried
@@ -190,7 +190,7 @@ OPENED = []
 
 
 @dataclass(frozen=True)
-class FakeCudaHandle(weight_buffer.CudaIpcHandle):
+class FakeCudaHandle(shared_weights.CudaIpcHandle):
     def open(self, uuids=None, rebuild=None):
         OPENED.append(self.gpu_uuid)
         return torch.zeros(11)
@@ -198,12 +198,12 @@ class FakeCudaHandle(weight_buffer.CudaIpcHandle):
 
 def test_cuda_handle_opens_on_this_processs_index_of_the_buffers_gpu():
     args = list(range(15))
-    args[weight_buffer._DEVICE_ARG] = None
-    handle = weight_buffer.CudaIpcHandle("GPU-bbbb", tuple(args))
+    args[shared_weights._DEVICE_ARG] = None
+    handle = shared_weights.CudaIpcHandle("GPU-bbbb", tuple(args))
     seen = []
     tensor = handle.open(uuids=["GPU-aaaa", "GPU-bbbb"], rebuild=lambda *a: seen.append(a) or torch.zeros(1))
-    assert tensor.shape == (1,) and seen[0][weight_buffer._DEVICE_ARG] == 1  # index 1 here, whatever it was there
-    assert all(seen[0][i] == i for i in range(15) if i != weight_buffer._DEVICE_ARG)
+    assert tensor.shape == (1,) and seen[0][shared_weights._DEVICE_ARG] == 1  # index 1 here, whatever it was there
+    assert all(seen[0][i] == i for i in range(15) if i != shared_weights._DEVICE_ARG)
     with pytest.raises(RuntimeError, match="cannot see"):
         handle.open(uuids=["GPU-aaaa"], rebuild=lambda *a: None)
     assert pickle.loads(pickle.dumps(handle)) == handle
@@ -212,22 +212,22 @@ def test_cuda_handle_opens_on_this_processs_index_of_the_buffers_gpu():
 def test_received_cuda_buffer_opens_lazily_and_is_forwarded_without_reopening():
     OPENED.clear()
     header = torch.zeros(3, dtype=torch.int64).share_memory_()
-    layout = weight_buffer.make_layout([("w", (11,))])
-    received = weight_buffer.SharedWeights(None, header, layout, ipc_handle=FakeCudaHandle("GPU-x", ()))
+    layout = shared_weights.make_layout([("w", (11,))])
+    received = shared_weights.SharedWeights(None, header, layout, ipc_handle=FakeCudaHandle("GPU-x", ()))
     assert received.device_type == "cuda" and OPENED == []  # the generator's front end never opens it
-    forwarded = weight_buffer.SharedWeights.from_bytes(received.to_bytes())  # the bytes the worker gets
+    forwarded = shared_weights.SharedWeights.from_bytes(received.to_bytes())  # the bytes the worker gets
     again = pickle.loads(pickle.dumps(received))  # what spawn does with the object
     assert OPENED == [] and forwarded._ipc == again._ipc == received._ipc
     assert forwarded.device_type == "cuda" and forwarded.layout == layout
-    header[weight_buffer.VERSION] = 9
+    header[shared_weights.VERSION] = 9
     assert forwarded.version() == 9  # the header is shared memory, mapped without opening the buffer
     assert forwarded.buffer.numel() == 11 and forwarded.buffer is forwarded.buffer and OPENED == ["GPU-x"]
 
 
 def test_cpu_buffers_still_cross_as_shared_memory():
-    shared = weight_buffer.SharedWeights.allocate(SHAPES)
+    shared = shared_weights.SharedWeights.allocate(SHAPES)
     assert shared.device_type == "cpu" and shared._shareable()[0] is shared.buffer
-    back = weight_buffer.SharedWeights.from_bytes(shared.to_bytes())
+    back = shared_weights.SharedWeights.from_bytes(shared.to_bytes())
     assert back.device_type == "cpu" and back._ipc is None
     assert back.buffer.data_ptr() != 0 and back.buffer.numel() == shared.buffer.numel()
 
@@ -250,7 +250,7 @@ def _gather_rank(rank, world, init_file, shared, results):
     try:
         writes, waits = [], []
 
-        class OnGpu(weight_buffer.SharedWeights):  # what a rank sees on the GPU path, with CPU memory underneath
+        class OnGpu(shared_weights.SharedWeights):  # what a rank sees on the GPU path, with CPU memory underneath
             device_type = "cuda"
 
             def write_param(self, slot, value, row_start=0):
@@ -259,7 +259,7 @@ def _gather_rank(rank, world, init_file, shared, results):
                 super().write_param(slot, value)
 
             def _wait_for_device_writes(self):
-                waits.append(int(self.header[weight_buffer.SEQ]) % 2)
+                waits.append(int(self.header[shared_weights.SEQ]) % 2)
 
         # rank 1 gets no buffer at all: touching it would fail
         mine = OnGpu(shared.buffer if rank == 0 else None, shared.header, shared.layout, dtype=shared.dtype)
@@ -278,7 +278,7 @@ def _gather_rank(rank, world, init_file, shared, results):
 def test_gpu_publish_gathers_and_rank0_alone_writes_the_full_weights(tmp_path):
     """In bf16: every rank casts its shard to the buffer's dtype before the gather (half the bytes)."""
     reference = dict(_small_model().named_parameters())
-    shared = weight_buffer.SharedWeights.allocate(weight_buffer.named_shapes_of(_small_model()), dtype=torch.bfloat16)
+    shared = shared_weights.SharedWeights.allocate(shared_weights.named_shapes_of(_small_model()), dtype=torch.bfloat16)
     results = mp.get_context("spawn").Queue()
     context = mp.start_processes(_gather_rank, args=(2, str(tmp_path / "init"), shared, results),
                                  nprocs=2, join=False, start_method="spawn")
@@ -287,7 +287,7 @@ def test_gpu_publish_gathers_and_rank0_alone_writes_the_full_weights(tmp_path):
         assert time.monotonic() < deadline, "the ranks did not finish"
     got = dict((r, (n, w)) for r, n, w in (results.get(timeout=10) for _ in range(2)))
     assert got[0] == (len(shared.layout), [1]) and got[1] == (0, [])  # rank 0 waits once, while seq is odd
-    assert shared.version() == 7 and int(shared.header[weight_buffer.SEQ]) == 2
+    assert shared.version() == 7 and int(shared.header[shared_weights.SEQ]) == 2
     for slot in shared.layout:
         assert torch.equal(shared.view(slot), reference[slot.name].detach().bfloat16()), slot.name
 
@@ -378,7 +378,7 @@ class RecordingRunner:
 def gpu_worker(shared, runner):
     events = []
 
-    class OnGpu(weight_buffer.SharedWeights):
+    class OnGpu(shared_weights.SharedWeights):
         device_type = "cuda"
 
         def _wait_for_device_copy(self, out):
@@ -392,7 +392,7 @@ def gpu_worker(shared, runner):
 
 
 def test_gpu_worker_loads_in_place_without_a_snapshot_and_retries_a_torn_load():
-    shared = weight_buffer.SharedWeights.allocate(SHAPES, dtype=torch.bfloat16)
+    shared = shared_weights.SharedWeights.allocate(SHAPES, dtype=torch.bfloat16)
     first = {name: torch.full(shape, 1.5) for name, shape in SHAPES}
     shared.publish(first, version=3)
 

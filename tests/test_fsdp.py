@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 
 import buffer
 import sync
-import weight_buffer
+import shared_weights
 from tasks import builtin
 import models
 import config
@@ -183,20 +183,20 @@ def _skeleton_shapes(model_path):
 
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path), dtype=torch.float32)
-    return weight_buffer.named_shapes_of(skeleton)
+    return shared_weights.named_shapes_of(skeleton)
 
 
 # 3: uneven FSDP2 shards (26 vocab rows -> 9/9/8, 128 -> 43/43/42); there in bf16: each rank casts its rows
 @pytest.mark.parametrize("world,dtype", [(2, torch.float32), (3, torch.bfloat16)])
 def test_publish_writes_the_full_state_dict(world, dtype, model_path, initial_state, tmp_path):
-    shared = weight_buffer.SharedWeights.allocate(_skeleton_shapes(model_path), dtype=dtype)
+    shared = shared_weights.SharedWeights.allocate(_skeleton_shapes(model_path), dtype=dtype)
     assert shared.buffer.abs().sum() == 0 and shared.version() == 0
 
     got = run_world(world, model_path, tmp_path, shared=shared, version=7)
 
     assert [slot.name for slot in shared.layout] == got["names"]
     assert shared.version() == 7
-    assert int(shared.header[weight_buffer.SEQ]) == 2  # one complete write: even, not torn
+    assert int(shared.header[shared_weights.SEQ]) == 2  # one complete write: even, not torn
     assert shared.publish_time_ns() > 0
     state = got["state"]
     for slot in shared.layout:

@@ -22,7 +22,7 @@ import models
 from rollout import Generator
 from test_engine import settings_for
 from tasks.builtin import build_tiny_model
-from weight_buffer import SharedWeights
+from shared_weights import SharedWeights
 from test_engine import wait_until
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -46,7 +46,7 @@ def _weights_side(rank, port, data, results):
 
     from torch.distributed import TCPStore
 
-    from weight_buffer import SharedWeights
+    from shared_weights import SharedWeights
 
     store = TCPStore("127.0.0.1", port, 2, rank == 1, timedelta(seconds=30))
     group = link.weight_group(store, rank, torch.device("cpu"), 30)

@@ -1,4 +1,4 @@
-"""weight_buffer.py, sync.py and buffer.py without an engine: packing, the seqlock, handles across processes, the
+"""shared_weights.py, sync.py and buffer.py without an engine: packing, the seqlock, handles across processes, the
 staleness rule and batch assembly."""
 import dataclasses
 import queue as queue_lib
@@ -14,15 +14,15 @@ import devices
 import prepare
 import sync
 import update
-import weight_buffer
+import shared_weights
 
 
 def small_shared():
-    return weight_buffer.SharedWeights.allocate([("a.weight", (3, 4)), ("b.bias", (5,)), ("c.weight", (2, 2))])
+    return shared_weights.SharedWeights.allocate([("a.weight", (3, 4)), ("b.bias", (5,)), ("c.weight", (2, 2))])
 
 
 def test_layout_packs_parameters_back_to_back():
-    layout = weight_buffer.make_layout([("x", (2, 3)), ("y", (4,)), ("z", (1, 1))])
+    layout = shared_weights.make_layout([("x", (2, 3)), ("y", (4,)), ("z", (1, 1))])
     assert [(s.offset, s.numel) for s in layout] == [(0, 6), (6, 4), (10, 1)]
 
 
@@ -40,7 +40,7 @@ def test_publish_then_snapshot_round_trips_every_parameter():
 
 def test_a_bf16_buffer_holds_the_cast_weights_in_half_the_bytes_and_keeps_its_dtype_across_processes():
     shapes = [("a.weight", (3, 4)), ("b.bias", (5,)), ("c.weight", (2, 2))]
-    allocate = weight_buffer.SharedWeights.allocate
+    allocate = shared_weights.SharedWeights.allocate
     fp32, bf16 = allocate(shapes), allocate(shapes, dtype=torch.bfloat16)
     assert fp32.nbytes == 21 * 4 and bf16.nbytes == 21 * 2 == fp32.nbytes // 2  # what summary.json's sync_mb says
     values = {name: torch.randn(shape) for name, shape in shapes}  # the trainer's fp32 master weights
@@ -48,10 +48,10 @@ def test_a_bf16_buffer_holds_the_cast_weights_in_half_the_bytes_and_keeps_its_dt
     for slot in bf16.layout:
         assert bf16.view(slot).dtype == torch.bfloat16
         assert torch.equal(bf16.view(slot), values[slot.name].bfloat16())
-    back = weight_buffer.SharedWeights.from_bytes(bf16.to_bytes())
+    back = shared_weights.SharedWeights.from_bytes(bf16.to_bytes())
     assert back.dtype == torch.bfloat16 and back.version() == 3 and torch.equal(back.buffer, bf16.buffer)
     # a received CUDA buffer is not opened to learn its dtype: the dtype travels with the handle
-    handle = weight_buffer.SharedWeights(None, bf16.header, bf16.layout, ipc_handle=object(), dtype=torch.bfloat16)
+    handle = shared_weights.SharedWeights(None, bf16.header, bf16.layout, ipc_handle=object(), dtype=torch.bfloat16)
     assert handle.dtype == torch.bfloat16 and handle._shareable()[3] == torch.bfloat16
 
 
@@ -68,7 +68,7 @@ def test_fsdp_rows_of_all_ranks_tile_the_parameter():
 
 
 def test_seqlock_never_returns_a_torn_snapshot():
-    shared = weight_buffer.SharedWeights.allocate([("w", (50_000,))])
+    shared = shared_weights.SharedWeights.allocate([("w", (50_000,))])
     stop = threading.Event()
 
     def writer():
@@ -121,9 +121,9 @@ def test_readers_wait_for_a_writer_as_long_as_a_publish_of_the_buffers_size_take
     """A large or remote publish keeps the seqlock odd for seconds (remote.py receives the bytes from the network
     between begin_write and end_write): the wait scales with the buffer, so such a publish is waited for."""
     small = small_shared()
-    assert small.writer_wait_s() == weight_buffer.MIN_WAIT_S
-    large = weight_buffer.SharedWeights.allocate([("w", (25_000_000,))])  # 100 MB: 2 s at the slowest publish rate
-    assert large.writer_wait_s() == pytest.approx(large.nbytes / weight_buffer.SLOWEST_PUBLISH_BYTES_PER_S) == 2.0
+    assert small.writer_wait_s() == shared_weights.MIN_WAIT_S
+    large = shared_weights.SharedWeights.allocate([("w", (25_000_000,))])  # 100 MB: 2 s at the slowest publish rate
+    assert large.writer_wait_s() == pytest.approx(large.nbytes / shared_weights.SLOWEST_PUBLISH_BYTES_PER_S) == 2.0
     for read in (lambda: large.read_snapshot(torch.empty_like(large.buffer)),
                  lambda: large.read_in_place(lambda b: None)):
         large.begin_write()
@@ -139,7 +139,7 @@ def test_readers_wait_for_a_writer_as_long_as_a_publish_of_the_buffers_size_take
 
 
 def _child_reads(data, result_queue):
-    shared = weight_buffer.SharedWeights.from_bytes(data)
+    shared = shared_weights.SharedWeights.from_bytes(data)
     out = torch.empty_like(shared.buffer)
     result_queue.put((shared.read_snapshot(out), out.sum().item()))
 
@@ -276,4 +276,4 @@ def test_a_buffer_that_starts_empty_says_so_in_every_process(tmp_path):
         shared, adapter_dir = prepare.run_weights(cfg, prepare.Prepared(model, model, layout, **resume), "cpu")
         assert bool(adapter_dir) == (name == "lora")
         assert shared.starts_empty is expected, name
-        assert weight_buffer.SharedWeights.from_bytes(shared.to_bytes()).starts_empty is expected, name
+        assert shared_weights.SharedWeights.from_bytes(shared.to_bytes()).starts_empty is expected, name

@@ -1,4 +1,4 @@
-"""weight_buffer.py — the packed weight buffer and its seqlock: one flat tensor shared between processes.
+"""shared_weights.py — the packed weight buffer and its seqlock: one flat tensor shared between processes.
 
 Role: every synced parameter packed back to back in one tensor of one dtype, allocated once (CPU shared
 memory; on GPUs a CUDA tensor that other processes map through a CUDA IPC handle), written in place by one
