@@ -202,7 +202,7 @@ def save_final_model(model, model_path, cfg, rank, save_group=None):
             replace(adapter_dir, lambda dst: lora.save_adapter(state, model.peft_config["default"], model_path, dst))
             if cfg.merge_at_end:
                 replace(model_dir, lambda dst: lora.merge(model_path, adapter_dir, dst))
-    del state
+    state = None  # (the writers above hold it too) the gathered weights go before the wait
     barrier(save_group)
 
 

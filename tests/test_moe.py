@@ -158,7 +158,7 @@ def serve_publish_and_score(models: dict) -> dict:
         out[family] = {"loaded": loaded, "tokens": int(batch.mask.sum()), "at_start": at_start,
                        "after_publish": float(after.max()), "old_median": float(diffs(batch).median()),
                        "seconds": time.perf_counter() - start}
-        del llm
+        llm = None  # (the closures above hold it too) the engine goes with its last reference
         end_in_process_engine()
     return out
 
