@@ -1,11 +1,12 @@
 """heads.py — what each model family does between its final hidden state and the logits vLLM samples from.
 
-Role: the trainer scores tokens with its own chunked LM head (losses.chunked_logprobs), so it must apply the
-family's transform exactly as vLLM 0.32 and transformers do: `head_transform(config)` reads it from a Hugging
-Face config, `head_problem(config)` says in one line why a model's head is not known, or why a family (or
-config) vLLM serves would be scored otherwise than it samples: the Mixture-of-Experts families measured not to
-agree (MOE_REFUSED) and two routing or attention settings (prepare.py refuses the run before anything starts).
-The math itself lives in losses.py, as plain numbers.
+Role: the trainer scores tokens with its own chunked LM head (logprobs.chunked_logprobs), so it
+must apply the family's transform exactly as vLLM 0.32 and transformers do: `head_transform(config)`
+reads it from a Hugging Face config, `head_problem(config)` says in one line why a model's head is
+not known, or why a family (or config) vLLM serves would be scored otherwise than it samples: the
+Mixture-of-Experts families measured not to agree (MOE_REFUSED) and two routing or attention
+settings (prepare.py refuses the run before anything starts). The math itself lives in logprobs.py,
+as plain numbers.
 Data contract: a `transformers.PretrainedConfig` in, a frozen `HeadTransform` out. Touches nothing.
 
 The table below was read from vLLM 0.32 (model_executor/models/*.py: `LogitsProcessor(scale=..., soft_cap=...)`,
@@ -20,8 +21,8 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class HeadTransform:
     """logits = logit_scale * softcap * tanh(((hidden_scale * hidden) @ W.T + b) / softcap), in the matmul's
-    dtype as vLLM's LogitsProcessor (losses._head_logits); then float32, / temperature, top-k/top-p (vLLM's
-    sampler). softcap 0: no soft-capping."""
+    dtype as vLLM's LogitsProcessor (logprobs._head_logits); then float32, / temperature,
+    top-k/top-p (vLLM's sampler). softcap 0: no soft-capping."""
     hidden_scale: float = 1.0  # on the final hidden state, before the head
     logit_scale: float = 1.0  # on the logits, after the soft cap (vLLM's LogitsProcessor `scale`)
     softcap: float = 0.0  # cap * tanh(x / cap) (Gemma-2/3's final_logit_softcapping)

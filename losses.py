@@ -1,12 +1,22 @@
-"""losses.py — the GRPO loss family: functions on tensors (no optimizer, process, I/O or state; torch only).
+"""losses.py — the GRPO loss of one micro-batch, assembled in one place (torch only).
 
-Role: update.py takes log-probs from `score_tokens` (no logits), distillation's per-token advantages from
-`distill_advantages` (the batch's: advantages.py), off-policy corrections from `behaviour_weights` and the masks
-beside it, the loss from `policy_loss` (+ `kl_penalty`).
-Data contract (B sequences, T padded completion length, V vocabulary): log-probs, weights
-(B, T) float; advantages (B,) or (B, T); mask (B, T), True on completion tokens; logits (..., V). Masked-out
-positions never reach a result, and results there are 0. A loss: a scalar with its graph, a dict of 0-d tensors.
-Variants of `policy_loss`: grpo, dapo, dr_grpo, gspo, cispo (all minimise; formulas in its docstring)."""
+Role: update.py scores a micro-batch's tokens (the policy's; the reference's and the teacher's when
+the run has them) and calls `grpo_loss(LossInputs, LossSettings)` once per micro-batch. Inside, in
+this order: the tokens the trainer can score, the ratio's denominator (the proximal policy: AReaL's
+decoupled objective) and the behaviour importance weights (`behaviour_weights`), the
+distillation advantage (`distill_advantages`), the off-policy masks (`off_policy_masks`), the
+clipped objective of the variant and its aggregation (`policy_loss`, `aggregate`), the KL term
+(`kl_penalty`). Each piece is a function of its own, usable (and tested) alone.
+Data contract (B sequences, T padded completion length): log-probs, weights (B, T) float; advantages
+(B,) or (B, T); masks (B, T) bool, True on completion tokens. Masked-out positions never reach a
+result, and results there are 0. The loss: a scalar with its graph; `LossTerms`: what it used,
+detached, and `policy_loss`'s metrics as 0-d tensors (nothing is read back to the host here).
+Variants of `policy_loss`: grpo, dapo, dr_grpo, gspo, cispo (all minimise; formulas: its docstring).
+May touch: nothing but its arguments (no optimizer, process, I/O or state); copies out alone.
+"""
+
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -14,6 +24,147 @@ VARIANTS = ("grpo", "dapo", "dr_grpo", "gspo", "cispo")
 AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 KL_KINDS = ("k1", "k2", "k3")
 IS_LEVELS, IS_MODES = ("token", "sequence"), ("truncate", "mask", "off")  # of `behaviour_weights`
+# the fields of LossSettings that grpo_loss hands to `policy_loss`, by its parameters' names
+POLICY_SETTINGS = ("variant", "eps_low", "eps_high", "dual_clip", "agg", "max_len")
+
+
+# ---------- The loss of one micro-batch: one typed input, one settings object -----------------
+
+
+@dataclass
+class LossInputs:
+    """A micro-batch's tensors, (B, T) unless noted, on one device. units, tokens: the whole
+    update's counts (every micro-batch and rank), the loss's and the KL term's normalisers; None:
+    this micro-batch's own."""
+
+    logp: torch.Tensor  # the current policy's, with its graph; -inf outside the sampling's kept set
+    behaviour_logp: torch.Tensor  # the generator's (mu), recorded while sampling
+    advantages: torch.Tensor  # (B,) or (B, T)
+    mask: torch.Tensor  # completion tokens (bool)
+    proximal_logp: Optional[torch.Tensor] = None  # pi_old; None: the current policy's, detached
+    logp_untruncated: Optional[torch.Tensor] = None  # the current policy's, temperature alone
+    ref_logp: Optional[torch.Tensor] = None  # the reference's, untruncated (kl_coef > 0)
+    teacher_logp: Optional[torch.Tensor] = None  # the teacher's, untruncated (None: no distilling)
+    units: Optional[int] = None  # `aggregate`'s: tokens for token-mean, else non-empty sequences
+    tokens: Optional[int] = None  # completion tokens: the KL term's normaliser
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    """What the loss does (update.py's `loss_settings` builds it from the flags, once per batch).
+    variant .. max_len: `policy_loss`'s; is_*: `behaviour_weights`' (is_mode "off": no weights, the
+    ratio against the generator); geo_mask_*, dsv32_mask_kl, icepop_*: the off-policy masks (None:
+    off); kl_coef, kl_kind: the KL term to the reference (0: off); distill_coef: the C of
+    `distill_advantages`."""
+
+    variant: str = "grpo"
+    eps_low: float = 0.2
+    eps_high: Optional[float] = None
+    dual_clip: Optional[float] = None
+    agg: str = "token-mean"
+    max_len: Optional[int] = None
+    is_level: str = "token"
+    is_mode: str = "truncate"
+    is_low: Optional[float] = None
+    is_high: float = 2.0
+    geo_mask_low: Optional[float] = None
+    geo_mask_high: Optional[float] = None
+    dsv32_mask_kl: Optional[float] = None
+    icepop_low: float = 0.5
+    icepop_high: Optional[float] = None
+    kl_coef: float = 0.0
+    kl_kind: str = "k3"
+    distill_coef: float = 0.0
+
+
+@dataclass
+class LossTerms:
+    """What `grpo_loss` used, detached, (B, T): for a caller's diagnostics."""
+
+    logp: torch.Tensor  # the current policy's log-probs (0 off `trained`)
+    outside: torch.Tensor  # sampled tokens outside the current (or proximal) top-k/top-p set
+    trained: torch.Tensor  # the sampled tokens the trainer can score: the mask less `outside`
+    mask: torch.Tensor  # what the loss trains on: `trained` less what the off-policy masks drop
+    kept: dict  # each off-policy mask's kept tokens, by the name of the share it logs
+    weights: Optional[torch.Tensor]  # behaviour importance weights (None: is_mode "off")
+    policy: dict  # policy_loss's metrics (0-d tensors)
+    kl: Optional[torch.Tensor] = None  # per-token KL to the reference (kl_coef > 0)
+    reverse_kl: Optional[torch.Tensor] = None  # per-token reverse KL to the teacher
+
+
+def grpo_loss(inputs: LossInputs, settings: LossSettings) -> tuple[torch.Tensor, LossTerms]:
+    """One micro-batch's term of the update's loss, (loss, terms): its share of the whole update's
+    (normalised by `inputs.units`, its KL term by `inputs.tokens`), so that the micro-batches'
+    losses add up to the whole update's.
+    - The ratio's denominator (decoupled objective, AReaL): the proximal policy; with is_mode "off"
+      the generator's log-probs (PipelineRL style). The importance weight: proximal / behaviour.
+    - With a teacher, each token's advantage A_t = A - C (logp_t - teacher_logp_t), untruncated.
+    - The off-policy masks drop tokens from the loss, not from its normalisers (see above them)."""
+    x, s = inputs, settings
+    proximal = x.proximal_logp if s.is_mode != "off" else None
+    # A stale token can lie outside the current (or proximal) policy's top-k/top-p set (log-prob
+    # -inf): leave it out.
+    outside = x.mask & ~torch.isfinite(x.logp)
+    if proximal is not None:
+        outside |= x.mask & ~torch.isfinite(proximal)
+    trained = x.mask & ~outside
+    logp = torch.where(trained, x.logp, 0.0)
+    # With one update per batch the proximal policy is the current one: its log-probs, detached.
+    trainer_old = torch.where(trained, proximal, 0.0) if proximal is not None else logp.detach()
+    if s.is_mode == "off":
+        old_logp, weights = x.behaviour_logp, None  # the ratio against the generator
+    else:
+        old_logp = trainer_old
+        weights = behaviour_weights(old_logp, x.behaviour_logp, trained, s.is_level, s.is_mode,
+                                    s.is_low, s.is_high)
+    advantages, reverse_kl = x.advantages, None
+    if x.teacher_logp is not None:
+        # like with like, as the KL term: both under the temperature alone (the student's
+        # top-k/top-p log-prob against an untruncated teacher would add -log(kept mass) of reverse
+        # KL on every token)
+        if x.logp_untruncated is None:
+            raise ValueError("distillation needs the student's untruncated log-probs")
+        student = torch.where(trained, x.logp_untruncated, 0.0)
+        advantages, reverse_kl = distill_advantages(advantages, student, x.teacher_logp, trained,
+                                                    s.distill_coef)
+    kept = off_policy_masks(s, trained, trainer_old, logp.detach(), x.behaviour_logp, advantages)
+    mask = trained
+    for rule in kept.values():
+        mask = mask & rule
+    if reverse_kl is not None:
+        reverse_kl = torch.where(mask, reverse_kl, 0.0)  # (its metric: over the tokens trained on)
+    objective = {name: getattr(s, name) for name in POLICY_SETTINGS}
+    seq_lens = x.mask.sum(-1)  # each |o_i|: its tokens before the off-policy masks
+    loss, policy = policy_loss(logp, old_logp, advantages, mask, weights=weights, units=x.units,
+                               seq_lens=seq_lens, **objective)
+    kl = None
+    if s.kl_coef > 0:  # between the untruncated distributions
+        if x.ref_logp is None or x.logp_untruncated is None:
+            raise ValueError("kl_coef > 0 needs the reference's and the untruncated log-probs")
+        kl = torch.where(mask, kl_penalty(x.logp_untruncated, x.ref_logp, s.kl_kind), 0.0)
+        tokens = x.mask.sum().clamp(min=1) if x.tokens is None else max(x.tokens, 1)
+        loss = loss + s.kl_coef * kl.sum() / tokens
+        kl = kl.detach()
+    terms = LossTerms(logp.detach(), outside, trained, mask, kept, weights, policy, kl, reverse_kl)
+    return loss, terms
+
+
+def off_policy_masks(settings, trained, trainer_old, logp, behaviour_logp, advantages) -> dict:
+    """The kept tokens of each off-policy mask `settings` turns on (geo_mask_high, dsv32_mask_kl,
+    icepop_high), by the name of the share it logs; the geometric and IcePop masks use the
+    trainer's (proximal, or current) log-probs, DeepSeek-V3.2's the current ones and the advantages
+    the loss uses (with a teacher, each token's A_t)."""
+    s, kept = settings, {}
+    if s.geo_mask_high is not None:
+        kept["geo_masked_seq_frac"] = geometric_mean_mask(trainer_old, behaviour_logp, trained,
+                                                          s.geo_mask_low, s.geo_mask_high)
+    if s.dsv32_mask_kl is not None:
+        kept["dsv32_masked_seq_frac"] = dsv32_sequence_mask(logp, behaviour_logp, advantages,
+                                                            trained, s.dsv32_mask_kl)
+    if s.icepop_high is not None:
+        kept["icepop_masked_frac"] = icepop_mask(trainer_old, behaviour_logp, trained, s.icepop_low,
+                                                 s.icepop_high)
+    return kept
 
 
 # ---------- Per-token advantages (a batch's, from its rewards: advantages.py) ----------------------
@@ -46,8 +197,9 @@ def aggregate(loss_tok, mask, agg="token-mean", max_len=None, units=None, seq_le
     of sequence means; an all-masked batch gives 0 with the graph attached (no NaN). units: the count to divide
     by (masked tokens for token-mean, else non-empty sequences), default this mask's; a micro-batch passes its
     whole step's (every micro-batch, every rank), so that the micro-batches' losses add up to the whole batch's.
-    seq_lens (B,): each sequence's |o_i|, default its tokens in `mask`; update.py passes the tokens it trains
-    before the off-policy masks, as `units` counts them (DeepSeek-V3.2's eq. 9: 1/|o_i| outside its mask M_it)."""
+    seq_lens (B,): each sequence's |o_i|, default its tokens in `mask`; grpo_loss passes the
+    tokens before the off-policy masks, as `units` counts them (DeepSeek-V3.2's eq. 9: 1/|o_i|
+    outside its mask M_it)."""
     if agg not in AGGS:
         raise ValueError(f"unknown agg {agg!r}; expected one of {AGGS}")
     m_bool = mask.bool()
@@ -264,222 +416,3 @@ def mismatch_k3(logp, behaviour_logp, mask):
     """(B, T) k3 estimate of KL(mu || pi) per token sampled from mu (Schulman 2020): r = pi / mu, k3 = r - 1 - log r."""
     d = _log_ratio(logp, behaviour_logp, mask.bool())
     return torch.expm1(d) - d
-
-
-# ---------- Log-probs consistent with the generator's sampler -------------------------------------
-
-
-def token_logprobs(logits, tokens, temperature=1.0, top_k=-1, top_p=1.0, exact_top_k=None):
-    """log p(tokens) under the distribution vLLM samples from: logits (..., V), tokens (...) long -> (...) float32.
-    Mirrors vLLM 0.32's sampler (v1/sample/sampler.py: float32 logits / temperature; then, on CPU,
-    ops/topk_topp_sampler.py apply_top_k_top_p_pytorch), then log_softmax over the kept set ("processed_logprobs").
-      top_k on iff 0 < top_k < V: every logit >= the k-th largest is kept (ties at the k-th all kept).
-      top_p on iff top_p < 1, on the top-k set: sort ascending, softmax, cumsum; a token is removed iff its
-        cumsum <= 1 - top_p (float32, as vLLM), the largest always kept: the smallest top set reaching top_p;
-        boundary ties follow the sort order (lower vocabulary indices dropped first).
-    A sampled token just outside the kept set here (the two sides' logits differ in the last bits) gets -inf:
-    callers mask or weight it. Recorded log-probs match this only with logprobs_mode="processed_logprobs".
-    On CUDA (exact_top_k None and CUDA logits, or True) the kept set is vLLM's Triton kernel's
-    (topk_topp_triton.py; FlashInfer is never used with processed log-probs): exactly k tokens, ties by lowest
-    index (`_cuda_kept_set`); where the kernel is inexact (top-p ties within 1e-9, pivot searches of 18 steps)
-    it may differ. Checked on CPU tensors against a reading of the kernel, never yet on a GPU."""
-    x = sampling_logits(logits, temperature, top_k, top_p, exact_top_k)
-    return torch.log_softmax(x, dim=-1).gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
-
-
-def sampling_logits(logits, temperature=1.0, top_k=-1, top_p=1.0, exact_top_k=None):
-    """The float32 logits (..., V) vLLM samples from: / temperature, -inf outside the top-k/top-p set (rules in
-    `token_logprobs`; exact_top_k: vLLM's CUDA rule, None: on CUDA logits). Differentiable on the kept set."""
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0 (greedy decoding has no log-probs to train on), got {temperature}")
-    if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    vocab = logits.shape[-1]
-    use_top_k = 0 < top_k < vocab
-    use_top_p = top_p < 1.0
-    x = logits.float()
-    if temperature != 1.0:  # like vLLM: true division by a (non-scalar) float32 temperature tensor
-        x = x / torch.tensor([temperature], dtype=torch.float32, device=logits.device)
-    if not (use_top_k or use_top_p):
-        return x
-    if logits.is_cuda if exact_top_k is None else exact_top_k:
-        with torch.no_grad():
-            keep = _cuda_kept_set(x.detach().reshape(-1, vocab), top_k if use_top_k else 0, top_p)
-        return x.masked_fill(~keep.reshape(x.shape), -float("inf"))
-    with torch.no_grad():
-        flat = x.detach().reshape(-1, vocab)
-        if not use_top_p:  # vLLM apply_top_k_only: no full sort
-            kth = flat.topk(top_k, dim=-1).values[:, -1:]
-            keep = flat >= kth
-        else:
-            logits_sort, logits_idx = flat.sort(dim=-1, descending=False)
-            if use_top_k:
-                kth = logits_sort[:, vocab - top_k].unsqueeze(-1)
-                logits_sort.masked_fill_(logits_sort < kth, -float("inf"))
-            probs_sum = logits_sort.softmax(dim=-1).cumsum(dim=-1)
-            p = torch.tensor(top_p, dtype=torch.float32, device=flat.device)
-            removed_sorted = probs_sum <= 1 - p
-            removed_sorted[:, -1] = False  # at least one token
-            keep = torch.ones_like(removed_sorted).scatter_(-1, logits_idx, ~removed_sorted)
-        keep = keep.reshape(x.shape)
-    return x.masked_fill(~keep, -float("inf"))
-
-
-def _cuda_kept_set(flat, top_k, top_p):
-    """(N, V) bool: what vLLM 0.32's Triton kernel keeps on CUDA (top_k 0: off). Top-k: exactly k, ties at the
-    k-th logit by lowest index (the kernel walks the row in index order). Top-p on that set: the smallest top
-    set reaching top_p, ties by lowest index, but a boundary at the k-th logit keeps every token equal to it."""
-    vocab = flat.shape[-1]
-    # a stable descending sort orders ties by index: its first k positions are the kernel's top-k set
-    values, order = flat.sort(dim=-1, descending=True, stable=True)
-    ranked_keep = torch.ones_like(values, dtype=torch.bool)
-    if top_k:
-        ranked_keep[:, top_k:] = False
-    if top_p < 1.0:
-        probs = values.masked_fill(~ranked_keep, -float("inf")).softmax(dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs  # of the tokens ranked above
-        ranked_keep &= mass_before < torch.tensor(top_p, dtype=torch.float32, device=flat.device)
-        if top_k:  # the boundary token's value: at the k-th logit, every token equal to it survives
-            boundary = values.gather(-1, (ranked_keep.sum(-1, keepdim=True) - 1).clamp(min=0))
-            ranked_keep |= (boundary == values[:, top_k - 1:top_k]) & (values == boundary)
-    return torch.zeros_like(ranked_keep).scatter_(-1, order, ranked_keep)
-
-
-# ---------- Log-probs straight from hidden states, a chunk of tokens at a time --------------------
-
-# Logits held at once by `chunked_logprobs`: 2**24 float32 values, 64 MiB (110 tokens of a 151,936-token
-# vocabulary); its forward and backward hold two or three such arrays. This bound, not the batch, sets the
-# LM head's memory. Chunks of 2**23 to 2**25 logits cost the same per token on a CPU; smaller ones cost more.
-LOGIT_CHUNK_ELEMENTS = 2**24
-
-
-def chunked_logprobs(hidden, weight, bias, tokens, temperature=1.0, top_k=-1, top_p=1.0, hidden_scale=1.0,
-                     logit_scale=1.0, softcap=0.0, chunk_elements=LOGIT_CHUNK_ELEMENTS):
-    """`token_logprobs(head(hidden), tokens, ...)` and the entropy of the same distribution, never holding more
-    than ~`chunk_elements` logits. The family's head (heads.HeadTransform, `_head_logits`), then / temperature and
-    top-k/top-p as vLLM does: head(h) = logit_scale * softcap * tanh(((hidden_scale * h) @ weight.T + bias) / softcap)
-    (softcap 0: no tanh). hidden (N, H) at the positions to score, weight (V, H), bias (V,) or None, tokens (N,)
-    long -> logp (N,) float32 (a gradient to hidden, weight, bias) and the detached entropy (N,) of the sampling
-    distribution. Chunks of max(1, chunk_elements // V) tokens; the backward recomputes each chunk's logits and
-    applies the gradient in closed form, d logp_t / d x = (onehot(t) - p) / temperature (p: the kept-set
-    softmax), through d x / d z = logit_scale * (1 - tanh^2(z / softcap)): no chunk's logits outlive it."""
-    chunk = max(1, chunk_elements // weight.shape[0])
-    return _ChunkedLogprobs.apply(hidden, weight, bias, tokens, (temperature, top_k, top_p),
-                                  (hidden_scale, logit_scale, softcap), chunk)
-
-
-def score_tokens(model, decoder, lm_head, input_ids, attention_mask, targets, mask, temperature=1.0, top_k=-1,
-                 top_p=1.0, untruncated=False, **head):
-    """(logp, entropy, logp_untruncated or None), each (B, T), 0 off `mask`: `chunked_logprobs` of `targets` at the
-    `mask` positions, without logits. `model` (a causal LM: plain, FSDP2 or PEFT) runs with logits_to_keep=[]; a
-    hook on its `decoder` catches the final hidden states; `lm_head` (a DTensor weight is gathered) and the
-    family's transform `head` (hidden_scale, logit_scale, softcap) run at the masked positions only (FSDP2's root
-    keeps the head gathered until the backward ends). untruncated: also under the temperature alone."""
-    caught = []
-    hook = decoder.register_forward_hook(
-        lambda _, __, out: caught.append(out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]))
-    try:
-        model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
-              logits_to_keep=torch.zeros(0, dtype=torch.long, device=input_ids.device))
-    finally:
-        hook.remove()
-    hidden, tokens = caught[0][:, :-1][mask], targets[mask]  # where completion tokens are predicted
-    weight, bias = lm_head.weight, lm_head.bias
-    if hasattr(weight, "full_tensor"):
-        weight, bias = weight.full_tensor(), None if bias is None else bias.full_tensor()
-    logp, entropy = chunked_logprobs(hidden, weight, bias, tokens, temperature, top_k, top_p, **head)
-    full = None
-    if untruncated:  # (the KL term's distribution: the temperature alone)
-        full = chunked_logprobs(hidden, weight, bias, tokens, temperature, **head)[0] if 0 < top_k < weight.shape[0] \
-            or top_p < 1 else logp
-    return tuple(None if v is None else mask.new_zeros(mask.shape, dtype=v.dtype).masked_scatter(mask, v)
-                 for v in (logp, entropy, full))
-
-
-def _head_logits(h, weight, bias, head, slope=False):
-    """float32 logits of a chunk through the family's transform `head` = (hidden_scale, logit_scale,
-    softcap); with slope, also d logits / d z in float32 (None where it is the constant logit_scale).
-    As vLLM 0.32's LogitsProcessor.forward (model_executor/layers/logits_processor.py) does it: the soft cap
-    (/ cap, tanh, * cap), then the scale, each in the matmul's output dtype (vLLM's head_dtype, by default the
-    serving dtype: bf16 matmul outputs are capped in bf16), then float32 (its sampler). In float32 nothing
-    differs; Gemma-2's cap of 30 applied in float32 after a bf16 matmul moved sampled tokens' log-probs by 0.04
-    nats on average, 0.19 at most (tests/test_heads.py's bf16 case; a scale of 0.3 alone: 0.012, 0.078)."""
-    hidden_scale, logit_scale, softcap = head
-    x = torch.nn.functional.linear(h * hidden_scale if hidden_scale != 1 else h, weight, bias)
-    dx_dz = None
-    if softcap:
-        x = x.div_(softcap).tanh_()
-        dx_dz = (1 - x.float().square()).mul_(logit_scale) if slope else None
-        x.mul_(softcap)
-    if logit_scale != 1:
-        x.mul_(logit_scale)
-    return (x.float(), dx_dz) if slope else x.float()
-
-
-class _ChunkedLogprobs(torch.autograd.Function):
-    """Each chunk's logits are made, used in place and dropped within its iteration (autograd records
-    nothing inside a Function's forward and backward)."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, tokens, sampling, head, chunk):
-        logp, entropy, lse = [], [], []
-        for h, t in zip(hidden.split(chunk), tokens.split(chunk)):
-            x = sampling_logits(_head_logits(h, weight, bias, head), *sampling)
-            top = x.max(dim=-1, keepdim=True).values
-            e = (x - top).exp_()
-            total = e.sum(dim=-1, keepdim=True)
-            norm = top + total.log()  # logsumexp
-            logp.append((x.gather(-1, t[:, None]) - norm).squeeze(-1))
-            # H = norm - sum_v p_v x_v over the kept set (p = e / total; -inf outside it, where p = 0)
-            x.clamp_(min=torch.finfo(x.dtype).min)
-            entropy.append((norm - torch.bmm(e[:, None, :], x[:, :, None]).squeeze(-1) / total).squeeze(-1))
-            lse.append(norm.squeeze(-1))
-        empty = hidden.new_zeros(0, dtype=torch.float32)
-        lse = torch.cat(lse) if lse else empty
-        ctx.save_for_backward(hidden, weight, bias, tokens, lse)
-        ctx.sampling, ctx.head, ctx.chunk = sampling, head, chunk
-        entropy = torch.cat(entropy) if entropy else empty
-        ctx.mark_non_differentiable(entropy)
-        return (torch.cat(logp) if logp else empty), entropy
-
-    @staticmethod
-    def backward(ctx, grad_logp, _grad_entropy):
-        hidden, weight, bias, tokens, lse = ctx.saved_tensors
-        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
-        grad_hidden = torch.zeros_like(hidden) if need_hidden else None
-        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if need_weight else None
-        grad_bias = torch.zeros_like(bias, dtype=torch.float32) if need_bias else None
-        temperature, (hidden_scale, logit_scale, _) = ctx.sampling[0], ctx.head
-        start = 0
-        for h, t, norm, g in zip(hidden.split(ctx.chunk), tokens.split(ctx.chunk), lse.split(ctx.chunk),
-                                 grad_logp.split(ctx.chunk)):
-            x, dx_dz = _head_logits(h, weight, bias, ctx.head, slope=True)
-            x = sampling_logits(x, *ctx.sampling)
-            # d logp / d logits = (onehot(t) - p) / temperature, times the incoming gradient g
-            g = (g / temperature)[:, None]
-            grad_x = x.sub_(norm[:, None]).exp_().mul_(-g)  # p, in place of the recomputed logits
-            grad_x.scatter_add_(-1, t[:, None], g)
-            # through the transform: d logp / d z, z = (hidden_scale * h) @ weight.T + bias
-            if dx_dz is not None or logit_scale != 1:
-                grad_x.mul_(dx_dz if dx_dz is not None else logit_scale)
-            if need_hidden:
-                grad_hidden[start:start + len(h)] = (grad_x.to(weight.dtype) @ weight) * hidden_scale
-            if need_weight:
-                grad_weight.addmm_(grad_x.T, h.float(), alpha=hidden_scale)
-            if need_bias:
-                grad_bias += grad_x.sum(0)
-            start += len(h)
-        if need_weight:
-            grad_weight = grad_weight.to(weight.dtype)
-        if need_bias:
-            grad_bias = grad_bias.to(bias.dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None
-
-
-def entropy_from_logits(logits, temperature=1.0):
-    """Per-position entropy H = -sum_v p_v log p_v of softmax(logits / T),
-    float32, shape logits.shape[:-1]; -inf logits contribute 0 (for logging)."""
-    x = logits.float() / temperature
-    logp = torch.log_softmax(x, dim=-1)
-    p = logp.exp()
-    return -(p * torch.where(p > 0, logp, torch.zeros_like(logp))).sum(dim=-1)

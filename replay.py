@@ -185,7 +185,7 @@ def routed_by(model, batch, measure: bool = True):
 
 
 def add_counts(stats, counts) -> None:
-    """A micro-batch's counts into the step's metrics (update.StepStats), if it keeps any."""
+    """A micro-batch's counts into the step's metrics (step_stats.StepStats), if it keeps any."""
     if counts and stats is not None:
         stats.mean("router/agreement", counts["agree"], counts["decisions"])
         stats.add("router/missing", counts["missing"])

@@ -38,7 +38,8 @@ from advantages import estimate_advantages
 from processes import Control, exit_now, make_control, run_children, saving, wait_for
 from rollout import generator_main
 from sync import WeightsSink, publish_model, trainable_parameters
-from update import learning_rate, shaped_rewards, update_on_batch
+from schedule import learning_rate, shaped_rewards
+from update import update_on_batch
 
 
 # ----------------------------------------------------------------------------------------------------

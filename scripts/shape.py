@@ -32,7 +32,7 @@ MAX_LINES = 450
 MAX_WIDTH = 120  # characters per line, in every file
 WALK_SKIP = ("tracing",)  # left out of the step's walk: the trace recorder, called from every file
 LOOP = "train.train"
-LOSS = "losses.policy_loss"  # the per-micro-batch loss
+LOSS = "losses.grpo_loss"  # the per-micro-batch loss
 SAMPLE_CHAINS = (("rollout.Generator.run_group", "buffer.put_group"),  # sampling -> onto the queue
                  (LOOP, "buffer.take_groups"),  # off the queue (the hand-off between the two processes)
                  (LOOP, "buffer.collate"),  # into the training batch

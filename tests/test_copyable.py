@@ -38,10 +38,10 @@ def use_shared_weights():
     assert shared.read_snapshot(out) == 4 and float(out.sum()) == 12.0
 
 
-def use_losses():
+def use_logprobs():
     import torch
 
-    import losses
+    import logprobs
 
     torch.manual_seed(0)
     vocab, width = 11, 8
@@ -66,16 +66,38 @@ def use_losses():
     ids = torch.randint(0, vocab, (2, 7))
     targets, mask = ids[:, 1:], torch.ones(2, 6, dtype=torch.bool)
     mask[1, 4:] = False
-    logp, entropy, full = losses.score_tokens(model, model.decoder, model.lm_head, ids, torch.ones_like(ids), targets,
-                                              mask, temperature=0.7, top_k=4, untruncated=True)
+    logp, entropy, full = logprobs.score_tokens(model, model.decoder, model.lm_head, ids,
+                                                torch.ones_like(ids), targets, mask,
+                                                temperature=0.7, top_k=4, untruncated=True)
     logits = model.lm_head(model.decoder(ids)[0])[:, :-1]
-    assert torch.allclose(logp[mask], losses.token_logprobs(logits, targets, 0.7, top_k=4)[mask], atol=1e-5)
-    assert torch.allclose(full[mask], losses.token_logprobs(logits, targets, 0.7)[mask], atol=1e-5)
+    truncated = logprobs.token_logprobs(logits, targets, 0.7, top_k=4)
+    assert torch.allclose(logp[mask], truncated[mask], atol=1e-5)
+    untruncated = logprobs.token_logprobs(logits, targets, 0.7)
+    assert torch.allclose(full[mask], untruncated[mask], atol=1e-5)
     assert (logp[~mask] == 0).all() and (entropy[mask] > 0).all()
-    loss, metrics = losses.policy_loss(logp, logp.detach(), torch.tensor([1.0, -1.0]), mask & torch.isfinite(logp))
-    loss.backward()  # through the chunked head's closed-form backward into the model
+    kept = mask & torch.isfinite(logp)
+    torch.where(kept, logp, 0.0).sum().backward()  # through the chunked head's closed-form backward
     assert model.lm_head.weight.grad.abs().sum() > 0 and model.decoder.mix.weight.grad.abs().sum() > 0
-    assert float(metrics["ratio_mean"]) == 1.0
+
+
+def use_losses():
+    import torch
+
+    import losses
+
+    torch.manual_seed(0)
+    logp = (-torch.rand(2, 6) * 3).requires_grad_()
+    mask = torch.ones(2, 6, dtype=torch.bool)
+    mask[1, 4:] = False
+    logp_inf = torch.where(torch.arange(6) == 5, -float("inf"), logp)  # outside the kept set
+    inputs = losses.LossInputs(logp=logp_inf, behaviour_logp=logp.detach() - 0.1,
+                               advantages=torch.tensor([1.0, -1.0]), mask=mask,
+                               logp_untruncated=logp, ref_logp=logp.detach() + 0.2)
+    loss, terms = losses.grpo_loss(inputs, losses.LossSettings(kl_coef=0.1))
+    loss.backward()
+    assert logp.grad[mask & (torch.arange(6) < 5)].abs().min() > 0 and (logp.grad[:, 5] == 0).all()
+    assert terms.outside.tolist() == [[False] * 5 + [True], [False] * 6]
+    assert float(terms.policy["ratio_mean"]) == 1.0 and (terms.kl[terms.mask] > 0).all()
 
 
 def use_advantages():
@@ -120,6 +142,7 @@ def use_trace_merge():
 COPYABLE = {
     "shared_weights.py": use_shared_weights,
     "losses.py": use_losses,
+    "logprobs.py": use_logprobs,
     "advantages.py": use_advantages,
     "tracing.py": use_tracing,
     "trace_merge.py": use_trace_merge,

@@ -25,6 +25,7 @@ from transformers import AutoModelForCausalLM
 
 import buffer
 from tasks import datasets, prompts
+import logprobs
 import losses
 import prepare
 from tasks import rewards
@@ -91,10 +92,10 @@ def env_batch():
 def by_hand(model, teacher, batch, cfg):
     """Full logits, no chunking: the distillation advantages on the model's tokens, then `policy_loss`."""
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
-    logp = losses.token_logprobs(logits, batch.targets, cfg.temperature)
+    logp = logprobs.token_logprobs(logits, batch.targets, cfg.temperature)
     with torch.no_grad():
         teacher_logits = teacher(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
-    teacher_logp = losses.token_logprobs(teacher_logits, batch.targets, cfg.temperature)
+    teacher_logp = logprobs.token_logprobs(teacher_logits, batch.targets, cfg.temperature)
     mask = batch.mask
     adv, k = losses.distill_advantages(batch.advantages, logp, teacher_logp, mask, cfg.distill_coef)
     loss, _ = losses.policy_loss(torch.where(mask, logp, 0.0), batch.behaviour_logp, adv, mask, agg=cfg.agg)
@@ -162,11 +163,14 @@ def test_deepseek_v32_mask_reads_the_distillation_advantage_the_loss_uses(models
     batch = dataclasses.replace(batch, advantages=torch.full((3,), 0.05), behaviour_logp=own + 0.5)  # log(mu/pi) 0.5
     cfg = Config(teacher=models["teacher"], distill_coef=1.0, dsv32_mask_kl=0.1)
     tokens = int(batch.mask.sum())
-    terms = update.micro_batch_loss(student, None, teacher, batch, cfg, tokens, tokens)
+    settings = update.loss_settings(cfg)
+    _, terms, _ = update.micro_batch_loss(student, None, teacher, batch, cfg, settings, tokens,
+                                          tokens)
     negative = batch.mask & (0.05 - (own - teacher_logp) < 0)  # A_t < 0, by hand
     assert 0 < int(negative.sum()) < tokens
     assert torch.equal(terms.kept["dsv32_masked_seq_frac"], batch.mask & ~negative)
-    assert torch.equal(update.micro_batch_loss(student, None, None, batch, cfg, tokens, tokens).mask, batch.mask)
+    _, alone, _ = update.micro_batch_loss(student, None, None, batch, cfg, settings, tokens, tokens)
+    assert torch.equal(alone.mask, batch.mask)
 
 
 def test_a_dataset_task_learns_from_the_teacher_alone_with_every_off_policy_flag(models, tmp_path):

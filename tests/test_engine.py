@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 import prepare
 import train
 from config import Config
-from losses import token_logprobs
+from logprobs import token_logprobs
 from rollout import Generator, GeneratorSettings
 from tasks.builtin import build_tiny_model
 

@@ -21,7 +21,7 @@ import transformers
 
 import buffer
 import heads
-import losses
+import logprobs
 import update
 from spawned import end_in_process_engine, result_of_child
 
@@ -86,10 +86,10 @@ def tiny_batch(model, vocab=VOCAB, seed=0):
 def expected_scores(model, batch, temperature, top_k, top_p):
     """From the model's own logits (B, L-1, V): what the trainer must give, by the generator's rules."""
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1].float()
-    sampled = losses.sampling_logits(logits, temperature, top_k, top_p)
+    sampled = logprobs.sampling_logits(logits, temperature, top_k, top_p)
     logp = torch.log_softmax(sampled, -1).gather(-1, batch.targets[..., None]).squeeze(-1)
     untruncated = torch.log_softmax(logits / temperature, -1).gather(-1, batch.targets[..., None]).squeeze(-1)
-    entropy = losses.entropy_from_logits(sampled.detach())
+    entropy = logprobs.entropy_from_logits(sampled.detach())
     zero = torch.zeros_like(logp)
     return [torch.where(batch.mask, t, zero) for t in (logp, untruncated, entropy)]
 
@@ -150,11 +150,11 @@ def test_the_transform_of_a_chunked_head_in_forward_and_backward():
     bias = torch.randn(11, generator=g, requires_grad=True)
     tokens = torch.randint(0, 11, (7,), generator=g)
     head = dict(hidden_scale=0.5, logit_scale=1.5, softcap=3.0)
-    logp, entropy = losses.chunked_logprobs(hidden, weight, bias, tokens, 0.8, 6, 0.95, **head, chunk_elements=30)
+    logp, entropy = logprobs.chunked_logprobs(hidden, weight, bias, tokens, 0.8, 6, 0.95, **head, chunk_elements=30)
     logits = 1.5 * 3.0 * torch.tanh((0.5 * hidden @ weight.T + bias) / 3.0)
-    full = losses.token_logprobs(logits, tokens, 0.8, 6, 0.95)
+    full = logprobs.token_logprobs(logits, tokens, 0.8, 6, 0.95)
     torch.testing.assert_close(logp, full)
-    torch.testing.assert_close(entropy, losses.entropy_from_logits(losses.sampling_logits(logits, 0.8, 6, 0.95)))
+    torch.testing.assert_close(entropy, logprobs.entropy_from_logits(logprobs.sampling_logits(logits, 0.8, 6, 0.95)))
     finite = torch.isfinite(full)
     got = torch.autograd.grad(logp[finite].sum(), (hidden, weight, bias))
     want = torch.autograd.grad(full[finite].sum(), (hidden, weight, bias))
@@ -187,14 +187,14 @@ def test_a_bf16_head_is_capped_and_scaled_as_vllm_does(head):
     full = {**dict(hidden_scale=1.0, logit_scale=1.0, softcap=0.0), **head}  # (the order of heads.HeadTransform)
     z = torch.nn.functional.linear(hidden, weight)
     want_logits = vllm_head(z, full["softcap"], full["logit_scale"])
-    got_logits = losses._head_logits(hidden, weight, None, tuple(full.values()))
+    got_logits = logprobs._head_logits(hidden, weight, None, tuple(full.values()))
     assert torch.equal(got_logits, want_logits)
     tokens = torch.multinomial(torch.softmax(want_logits / 0.8, -1), 1, generator=g).squeeze(-1)
     want = torch.log_softmax(want_logits / 0.8, -1).gather(-1, tokens[:, None]).squeeze(-1)
-    got, _ = losses.chunked_logprobs(hidden, weight, None, tokens, 0.8, **full, chunk_elements=20_000)
+    got, _ = logprobs.chunked_logprobs(hidden, weight, None, tokens, 0.8, **full, chunk_elements=20_000)
     assert float((got - want).abs().max()) < 1e-5
     h32, w32 = hidden.float(), weight.float()  # float32: the same float32 operations as vLLM
-    assert torch.equal(losses._head_logits(h32, w32, None, tuple(full.values())),
+    assert torch.equal(logprobs._head_logits(h32, w32, None, tuple(full.values())),
                        vllm_head(torch.nn.functional.linear(h32, w32), full["softcap"], full["logit_scale"]))
 
 
@@ -207,7 +207,7 @@ def test_the_bf16_heads_gradients_equal_autograd_through_the_same_bf16_operation
     bias = torch.randn(200, generator=g).bfloat16().requires_grad_()
     tokens = torch.randint(0, 200, (48,), generator=g)
     upstream = torch.randn(48, generator=g)
-    logp, _ = losses.chunked_logprobs(hidden, weight, bias, tokens, 0.7, logit_scale=1.5, softcap=10.0,
+    logp, _ = logprobs.chunked_logprobs(hidden, weight, bias, tokens, 0.7, logit_scale=1.5, softcap=10.0,
                                       chunk_elements=2_000)
     got = torch.autograd.grad((logp * upstream).sum(), (hidden, weight, bias))
     logits = torch.tanh(torch.nn.functional.linear(hidden, weight, bias) / 10.0) * 10.0 * 1.5

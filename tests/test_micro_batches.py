@@ -16,6 +16,7 @@ import tempfile
 import pytest
 import torch
 
+import logprobs
 import losses
 import lora
 from tasks import builtin
@@ -170,7 +171,7 @@ def reference(model, ref_model, batch, cfg):
     """The whole batch the plain way: full logits of an unsharded model, one `policy_loss` over every row,
     normalised by the batch's completion tokens (token-mean) or non-empty sequences."""
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
-    logp = losses.token_logprobs(logits, batch.targets, cfg.temperature, cfg.top_k, cfg.top_p)
+    logp = logprobs.token_logprobs(logits, batch.targets, cfg.temperature, cfg.top_k, cfg.top_p)
     mask = batch.mask & torch.isfinite(logp)
     logp = torch.where(mask, logp, 0.0)
     if cfg.is_mode == "off":
@@ -191,14 +192,14 @@ def reference(model, ref_model, batch, cfg):
                     ref_logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
             else:
                 ref_logits = ref_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
-        ref_logp = losses.token_logprobs(ref_logits, batch.targets, cfg.temperature)
-        full_logp = losses.token_logprobs(logits, batch.targets, cfg.temperature)
+        ref_logp = logprobs.token_logprobs(ref_logits, batch.targets, cfg.temperature)
+        full_logp = logprobs.token_logprobs(logits, batch.targets, cfg.temperature)
         kl = torch.where(mask, losses.kl_penalty(full_logp, ref_logp, cfg.kl_kind), 0.0).sum()
         loss = loss + cfg.kl_coef * kl / tokens
         metrics["kl_ref"] = float(kl) / int(mask.sum())
     if weights is not None:
         metrics["is_weight_mean"] = float(weights[mask].mean())
-    metrics["entropy"] = float(losses.entropy_from_logits(losses.sampling_logits(
+    metrics["entropy"] = float(logprobs.entropy_from_logits(logprobs.sampling_logits(
         logits.detach(), cfg.temperature, cfg.top_k, cfg.top_p))[batch.mask].mean())
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}

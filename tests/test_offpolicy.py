@@ -1,4 +1,5 @@
-"""The off-policy toolkit (losses.py, update.off_policy_masks): sequence and token masks, mismatch metrics, baselines.
+"""The off-policy toolkit (losses.py: grpo_loss, off_policy_masks): sequence and token masks,
+mismatch metrics, baselines.
 
 - Each mask (verl's geometric-mean rejection, DeepSeek-V3.2's off-policy sequence masking, IcePop's token mask),
   the k3 mismatch and each advantage estimator against a hand computation written out here in plain Python;

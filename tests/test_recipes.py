@@ -9,14 +9,15 @@ import torch
 import buffer
 import models
 import config
+import schedule
 import update
-from update import overlong_penalty
+from schedule import learning_rate, overlong_penalty
 
 
 @pytest.mark.parametrize("schedule", ["constant", "linear", "cosine"])
 def test_learning_rate_schedule_at_warmup_end_and_last_step(schedule):
     cfg = config.Config(steps=100, lr=1e-3, min_lr=1e-4, lr_warmup_steps=10, lr_schedule=schedule)
-    lrs = [update.learning_rate(step, cfg) for step in range(cfg.steps)]
+    lrs = [learning_rate(step, cfg) for step in range(cfg.steps)]
     assert lrs[0] == pytest.approx(1e-4)  # 1/10 of the way up
     assert lrs[9] == pytest.approx(1e-3)  # the end of the warmup: the full rate
     assert all(a < b for a, b in zip(lrs[:9], lrs[1:10]))
@@ -26,7 +27,7 @@ def test_learning_rate_schedule_at_warmup_end_and_last_step(schedule):
         assert lrs[10 + 89 // 2] == pytest.approx(1e-4 + 9e-4 * (1 - 44 / 89))
     if schedule == "cosine":
         assert lrs[10 + 89 // 2] == pytest.approx(1e-4 + 9e-4 * 0.5 * (1 + math.cos(math.pi * 44 / 89)))
-    assert update.learning_rate(0, config.Config()) == config.Config().lr  # the default: constant, no warmup
+    assert learning_rate(0, config.Config()) == config.Config().lr  # the default: constant, no warmup
 
 
 def test_overlong_penalty_is_dapos_formula():
@@ -42,9 +43,9 @@ def test_shaped_rewards_add_the_penalty_and_mark_cut_completions():
     group = buffer.RolloutGroup(0, [1], [[5] * 3, [5] * 8, [5] * 10], [[0.0] * 3, [0.0] * 8, [0.0] * 10],
                                 [[0] * 3, [0] * 8, [0] * 10], [1.0, 0.5, 0.0],
                                 finish_reasons=["stop", "stop", "length"])
-    plain, truncated = update.shaped_rewards([group], config.Config(max_new_tokens=10))
+    plain, truncated = schedule.shaped_rewards([group], config.Config(max_new_tokens=10))
     assert plain.tolist() == [[1.0, 0.5, 0.0]] and truncated.tolist() == [[False, False, True]]
-    shaped, _ = update.shaped_rewards([group], config.Config(max_new_tokens=10, overlong_penalty=4))
+    shaped, _ = schedule.shaped_rewards([group], config.Config(max_new_tokens=10, overlong_penalty=4))
     assert shaped[0].tolist() == pytest.approx([1.0, 0.5 - 2 / 4, -1.0])
 
 
@@ -94,7 +95,7 @@ def hand_ppo(model_path, cfg):
     """Two mini-batch PPO steps written out: proximal log-probs of the whole batch first (full logits, no
     chunking), then for each mini-batch the clipped surrogate against them, weighted by proximal/behaviour
     (truncated), token-mean over the mini-batch, clip, SGD (linear in the gradient, so the comparison is tight)."""
-    import losses
+    from logprobs import token_logprobs
     from test_fsdp import make_batch
     from transformers import AutoModelForCausalLM
 
@@ -104,7 +105,7 @@ def hand_ppo(model_path, cfg):
 
     def logprobs(b):
         logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits[:, :-1]
-        return torch.where(b.mask, losses.token_logprobs(logits, b.targets, cfg.temperature), 0.0)
+        return torch.where(b.mask, token_logprobs(logits, b.targets, cfg.temperature), 0.0)
 
     with torch.no_grad():
         proximal = logprobs(batch)
@@ -166,7 +167,7 @@ def test_dr_grpos_constant_normaliser_is_the_episodes_token_budget(tmp_path):
         result = update.update_on_batch(model, None, None, batch, cfg, 0, 1, version=1, step=0)
         model.zero_grad(set_to_none=True)
         assert result.loss == pytest.approx(token_sums / 2 / budget, rel=1e-5), cfg.task  # (reveal, before: / 5)
-    assert [update.model_token_budget(cfg) for cfg in cfgs.values()] == [5, 20]
+    assert [schedule.model_token_budget(cfg) for cfg in cfgs.values()] == [5, 20]
 
 
 def test_completion_lengths_count_the_sampled_tokens_before_stale_and_overlong_masking(tmp_path):

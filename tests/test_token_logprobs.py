@@ -1,14 +1,14 @@
-"""Tests for losses.py's token scoring: `token_logprobs` (temperature, top-k, top-p: vLLM's kept set, the CUDA
+"""Tests for logprobs.py's token scoring: `token_logprobs` (temperature, top-k, top-p: vLLM's kept set, the CUDA
 rule with ties), `entropy_from_logits` and `chunked_logprobs` (the LM head a chunk at a time). Every expected
 value is computed here by hand or by brute force in plain python, or by a verbatim transcription of vLLM's
-own function, never by losses.py. The loss itself: tests/test_losses.py."""
+own function, never by logprobs.py. The loss itself: tests/test_losses.py."""
 
 import math
 
 import pytest
 import torch
 
-import losses
+import logprobs
 
 # ---------------------------------------------------------------------------
 # token_logprobs: brute force in plain python
@@ -66,7 +66,7 @@ def test_token_logprobs_against_brute_force(temperature, top_k, top_p):
     V = logits.shape[-1]
     for tok in range(V):
         tokens = torch.full((3,), tok)
-        got = losses.token_logprobs(logits, tokens, temperature, top_k, top_p)
+        got = logprobs.token_logprobs(logits, tokens, temperature, top_k, top_p)
         for r in range(3):
             exp = brute_logprob(LOGITS[r], tok, temperature, top_k, top_p)
             if exp == -math.inf:
@@ -78,19 +78,19 @@ def test_token_logprobs_against_brute_force(temperature, top_k, top_p):
 def test_token_logprobs_ties_by_hand():
     logits = torch.tensor([LOGITS[1]])
     # top_k=2 keeps 2.0 and all four tied 0.3s: five tokens, -0.2 dropped
-    got = losses.token_logprobs(logits.expand(6, 6), torch.arange(6), top_k=2)
+    got = logprobs.token_logprobs(logits.expand(6, 6), torch.arange(6), top_k=2)
     z = math.exp(2.0) + 4 * math.exp(0.3)
     assert got.tolist() == pytest.approx([0.3 - math.log(z)] * 3 + [2.0 - math.log(z), -math.inf, 0.3 - math.log(z)])
     # uniform over 4 tokens, top_p=0.5: ascending cumsum .25, .5, .75, 1 -> the
     # two masses <= 1 - p are dropped (lowest indices among the ties); exactly
     # 2 tokens (mass 0.5 = top_p) remain
     u = torch.zeros(4, 4)
-    got = losses.token_logprobs(u, torch.arange(4), top_p=0.5)
+    got = logprobs.token_logprobs(u, torch.arange(4), top_p=0.5)
     assert got.tolist() == pytest.approx([-math.inf, -math.inf, math.log(0.5), math.log(0.5)])
     # the token that crosses the threshold is kept: probs .1, .2, .3, .4 and
     # top_p=.65: cumsum .1, .3 <= .35 dropped, .6 > .35 kept -> {.3, .4}
     p = torch.tensor([[0.1, 0.2, 0.3, 0.4]]).log().expand(4, 4)
-    got = losses.token_logprobs(p, torch.arange(4), top_p=0.65)
+    got = logprobs.token_logprobs(p, torch.arange(4), top_p=0.65)
     assert got.tolist() == pytest.approx([-math.inf, -math.inf, math.log(3 / 7), math.log(4 / 7)], abs=1e-6)
 
 
@@ -100,16 +100,16 @@ def test_token_logprobs_off_values_and_shapes():
     tokens = torch.randint(0, 11, (2, 5))
     base = torch.log_softmax(logits / 0.9, dim=-1).gather(-1, tokens[..., None]).squeeze(-1)
     for k, p in [(-1, 1.0), (0, 1.0), (11, 1.0), (50, 1.0)]:  # all "off"
-        got = losses.token_logprobs(logits, tokens, temperature=0.9, top_k=k, top_p=p)
+        got = logprobs.token_logprobs(logits, tokens, temperature=0.9, top_k=k, top_p=p)
         assert got.shape == (2, 5) and got.dtype == torch.float32
         assert torch.allclose(got, base, atol=1e-6)
     # bf16 logits: fast path computes in float32
-    assert losses.token_logprobs(logits.bfloat16(), tokens).dtype == torch.float32
+    assert logprobs.token_logprobs(logits.bfloat16(), tokens).dtype == torch.float32
 
 
 def test_token_logprobs_gradient_only_through_kept_set():
     logits = torch.tensor([[2.0, 1.0, 0.5, -1.0]], requires_grad=True)
-    out = losses.token_logprobs(logits, torch.tensor([0]), top_k=2)
+    out = logprobs.token_logprobs(logits, torch.tensor([0]), top_k=2)
     out.sum().backward()
     pa = math.exp(2) / (math.exp(2) + math.exp(1))
     assert logits.grad[0].tolist() == pytest.approx([1 - pa, -(1 - pa), 0.0, 0.0], abs=1e-6)
@@ -158,32 +158,32 @@ def test_the_cuda_rule_keeps_the_kernels_set_with_ties(top_k, top_p):
     the kernel's (above), exactly k tokens with top-k alone; the CPU rule keeps every k-th tie instead."""
     g = torch.Generator().manual_seed(top_k * 100 + int(top_p * 100))
     logits = torch.randint(0, 4, (40, 10), generator=g).float() * 0.7
-    kept = torch.isfinite(losses.sampling_logits(logits, 1.0, top_k or -1, top_p, exact_top_k=True))
+    kept = torch.isfinite(logprobs.sampling_logits(logits, 1.0, top_k or -1, top_p, exact_top_k=True))
     for r, row in enumerate(logits.tolist()):
         assert kept[r].tolist() == vllm_cuda_kept(row, top_k, top_p), (row, top_k, top_p)
     if top_p == 1.0:
         assert (kept.sum(-1) == top_k).all()
-        on_cpu = torch.isfinite(losses.sampling_logits(logits, 1.0, top_k, exact_top_k=False))
+        on_cpu = torch.isfinite(logprobs.sampling_logits(logits, 1.0, top_k, exact_top_k=False))
         assert (on_cpu.sum(-1) > top_k).any() and (on_cpu >= kept).all()
 
 
 def test_the_cuda_rule_by_hand():
     logits = torch.tensor([[3.0, 1.0, 1.0, 1.0, 0.0]])
-    cuda = losses.token_logprobs(logits.expand(5, 5), torch.arange(5), top_k=2, exact_top_k=True)
+    cuda = logprobs.token_logprobs(logits.expand(5, 5), torch.arange(5), top_k=2, exact_top_k=True)
     z = math.exp(3.0) + math.exp(1.0)  # the top logit and the first of the three tied at the 2nd value
     assert cuda.tolist() == pytest.approx([3.0 - math.log(z), 1.0 - math.log(z)] + [-math.inf] * 3)
-    cpu = losses.token_logprobs(logits.expand(5, 5), torch.arange(5), top_k=2, exact_top_k=False)
+    cpu = logprobs.token_logprobs(logits.expand(5, 5), torch.arange(5), top_k=2, exact_top_k=False)
     assert torch.isfinite(cpu).tolist() == [True] * 4 + [False]  # every tie at the 2nd value
     # top-p over the exact top-2, reaching its mass at the k-th value: every token equal to it comes back
-    both = losses.sampling_logits(logits, 1.0, 2, 0.99, exact_top_k=True)
+    both = logprobs.sampling_logits(logits, 1.0, 2, 0.99, exact_top_k=True)
     assert torch.isfinite(both).tolist() == [[True] * 4 + [False]]
 
 
 def test_token_logprobs_errors():
     with pytest.raises(ValueError, match="temperature must be > 0"):
-        losses.token_logprobs(torch.zeros(1, 3), torch.zeros(1, dtype=torch.long), temperature=0.0)
+        logprobs.token_logprobs(torch.zeros(1, 3), torch.zeros(1, dtype=torch.long), temperature=0.0)
     with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\]"):
-        losses.token_logprobs(torch.zeros(1, 3), torch.zeros(1, dtype=torch.long), top_p=0.0)
+        logprobs.token_logprobs(torch.zeros(1, 3), torch.zeros(1, dtype=torch.long), top_p=0.0)
 
 
 # ---------------------------------------------------------------------------
@@ -218,7 +218,7 @@ def test_token_logprobs_matches_vllm_transcription(top_k, top_p):
     k = None if top_k is None else torch.full((64,), top_k)
     p = None if top_p is None else torch.full((64,), top_p)
     ref = vllm_apply_top_k_top_p_pytorch(x.clone(), k, p).log_softmax(dim=-1)
-    got = losses.token_logprobs(
+    got = logprobs.token_logprobs(
         logits[:, None, :].expand(64, 32, 32),
         torch.arange(32).expand(64, 32),
         temperature=temperature,
@@ -230,7 +230,7 @@ def test_token_logprobs_matches_vllm_transcription(top_k, top_p):
 
 
 def test_token_logprobs_outside_kept_set_is_minus_inf():
-    got = losses.token_logprobs(torch.tensor([[5.0, 0.0, -5.0]]), torch.tensor([2]), top_k=1)
+    got = logprobs.token_logprobs(torch.tensor([[5.0, 0.0, -5.0]]), torch.tensor([2]), top_k=1)
     assert got.item() == -math.inf
 
 
@@ -240,12 +240,12 @@ def test_token_logprobs_outside_kept_set_is_minus_inf():
 
 
 def test_entropy_from_logits():
-    got = losses.entropy_from_logits(torch.zeros(2, 3, 4))
+    got = logprobs.entropy_from_logits(torch.zeros(2, 3, 4))
     assert got.shape == (2, 3) and torch.allclose(got, torch.full((2, 3), math.log(4)))
     row = [1.0, 2.0, -float("inf")]
     z = math.exp(1 / 0.5) + math.exp(2 / 0.5)
     ps = [math.exp(1 / 0.5) / z, math.exp(2 / 0.5) / z]
-    got = losses.entropy_from_logits(torch.tensor([row]), temperature=0.5)
+    got = logprobs.entropy_from_logits(torch.tensor([row]), temperature=0.5)
     assert got.item() == pytest.approx(-sum(q * math.log(q) for q in ps), rel=1e-5)
 
 
@@ -271,15 +271,15 @@ def test_chunked_logprobs_match_the_full_computation(sampling, chunk_tokens):
     upstream = torch.randn(n, generator=g)  # an arbitrary gradient from the loss
 
     logits = torch.nn.functional.linear(hidden, weight, bias)
-    full = losses.token_logprobs(logits, tokens, temperature, top_k, top_p)
+    full = logprobs.token_logprobs(logits, tokens, temperature, top_k, top_p)
     kept = torch.isfinite(full)
     torch.where(kept, full, 0.0).mul(upstream).sum().backward()
     expected = [t.grad.clone() for t in (hidden, weight, bias)]
-    entropy = losses.entropy_from_logits(losses.sampling_logits(logits.detach(), temperature, top_k, top_p))
+    entropy = logprobs.entropy_from_logits(logprobs.sampling_logits(logits.detach(), temperature, top_k, top_p))
     for t in (hidden, weight, bias):
         t.grad = None
 
-    logp, ent = losses.chunked_logprobs(hidden, weight, bias, tokens, temperature, top_k, top_p,
+    logp, ent = logprobs.chunked_logprobs(hidden, weight, bias, tokens, temperature, top_k, top_p,
                                         chunk_elements=chunk_tokens * vocab)
     assert torch.equal(torch.isfinite(logp), kept)
     if sampling in ("top-k", "top-p", "top-k and top-p"):
@@ -296,15 +296,15 @@ def test_chunked_logprobs_without_bias_gradients_and_in_bf16():
     hidden = torch.randn(9, 6, generator=g).requires_grad_(True)
     weight = torch.randn(30, 6, generator=g)  # frozen (a LoRA base): no gradient asked for, none computed
     tokens = torch.randint(0, 30, (9,), generator=g)
-    logp, _ = losses.chunked_logprobs(hidden, weight, None, tokens, 0.9, chunk_elements=60)
+    logp, _ = logprobs.chunked_logprobs(hidden, weight, None, tokens, 0.9, chunk_elements=60)
     logp.sum().backward()
-    full = losses.token_logprobs(hidden @ weight.T, tokens, 0.9)
+    full = logprobs.token_logprobs(hidden @ weight.T, tokens, 0.9)
     assert torch.allclose(logp, full, atol=1e-6) and weight.grad is None and hidden.grad is not None
     # bf16 model: the matmul in bf16, the log-softmax in float32 (as vLLM's sampler), gradients in bf16
     h16, w16 = hidden.detach().bfloat16().requires_grad_(True), weight.bfloat16().requires_grad_(True)
-    logp16, _ = losses.chunked_logprobs(h16, w16, None, tokens, chunk_elements=60)
+    logp16, _ = logprobs.chunked_logprobs(h16, w16, None, tokens, chunk_elements=60)
     assert logp16.dtype == torch.float32
-    assert torch.allclose(logp16, losses.token_logprobs(h16 @ w16.T, tokens), atol=1e-5)
+    assert torch.allclose(logp16, logprobs.token_logprobs(h16 @ w16.T, tokens), atol=1e-5)
     logp16.sum().backward()
     assert h16.grad.dtype == w16.grad.dtype == torch.bfloat16
 
@@ -312,7 +312,7 @@ def test_chunked_logprobs_without_bias_gradients_and_in_bf16():
 def test_chunked_logprobs_of_no_tokens():
     weight = torch.randn(30, 6, requires_grad=True)
     hidden = torch.zeros(0, 6, requires_grad=True)
-    logp, ent = losses.chunked_logprobs(hidden, weight, None, torch.zeros(0, dtype=torch.long))
+    logp, ent = logprobs.chunked_logprobs(hidden, weight, None, torch.zeros(0, dtype=torch.long))
     assert logp.shape == ent.shape == (0,)
     logp.sum().backward()  # a graph to the weights (an FSDP rank with nothing to train still runs backward)
     assert torch.equal(weight.grad, torch.zeros_like(weight))
