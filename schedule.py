@@ -44,9 +44,10 @@ def shaped_rewards(groups, cfg: Config):
 
 
 def model_token_budget(cfg: Config) -> int:
-    """The most model tokens one sample can hold: --max-new-tokens, or for an episode (--env, --tools, --task
-    reveal: tasks.make_task's rule) --max-turns times it: DAPO's L_max (`shaped_rewards`) and Dr. GRPO's constant
-    normaliser (--agg seq-mean-token-sum-norm), the same for every sample and step."""
+    """The most model tokens one sample can hold: --max-new-tokens, or for an episode (--env, --tools,
+    --task reveal: tasks/builtin.make_task's rule) --max-turns times it: DAPO's L_max
+    (`shaped_rewards`) and Dr. GRPO's constant normaliser (--agg seq-mean-token-sum-norm), the same
+    for every sample and step."""
     episodes = cfg.task == "reveal" or bool(cfg.env) or bool(cfg.tools)
     return cfg.max_new_tokens * (cfg.max_turns if episodes else 1)
 
