@@ -1,26 +1,32 @@
-"""buffer.py — the bounded rollout queue and what crosses it: the generator's only path to the trainer.
+"""buffer.py — the bounded rollout queue and what crosses it: the generator's only path to the
+trainer.
 
 Role
-    `RolloutGroup` (one prompt, its G completions, every token tagged with the version that sampled it:
-    `tag_versions`), the staleness rule (`--max-lag`), and the assembly of padded training batches.
+    `RolloutGroup` (one prompt, its G completions, every token tagged with the version that sampled
+    it: `tag_versions`), the staleness rule (`--max-lag`), and the assembly of padded training
+    batches.
 Data contract
-    - A `multiprocessing` queue of `--queue-size` groups: a full queue blocks the generator (a first bound on
-      staleness and memory). Groups hold plain lists: the sender may exit before the receiver unpickles.
+    - A `multiprocessing` queue of `--queue-size` groups: a full queue blocks the generator (a first
+      bound on staleness and memory). Groups hold plain lists: the sender may exit before the
+      receiver unpickles.
     - A completion may hold environment tokens (multi-turn episodes, tasks/episodes.py):
       `model_masks` marks the tokens the model sampled; the others carry version -1 and log-prob 0
       and are never trained.
-    - A token's lag = trainer version - its version; --max-lag bounds the lag of every trained token.
-      --stale-rule tokens: the tokens beyond it are masked (`stale_mask`) and a group is dropped only when
-      none of its model tokens is fresh enough; group: a group with any stale sample is dropped. Drops are
-      counted (`dropped_stale`), never silent.
-    - `Batch` tensors are (num_samples, seq_len - 1), aligned with targets `input_ids[:, 1:]`; `mask` is True
-      on model-sampled completion tokens; update.py splits a batch into each rank's micro-batches.
-    - With --router-replay or --router-record a sample carries the routes of every position of prompt +
-      completion (routes.py: numpy, uint8 or uint16, all bits set where missing), like its versions; a batch's
-      `routes` are (num_samples, seq_len, layers, top_k), aligned with `input_ids`, as narrow: uint8 (255 where
-      missing or padding), or int32 for uint16 routes (65535 there).
+    - A token's lag = trainer version - its version; --max-lag bounds the lag of every trained
+      token. --stale-rule tokens: the tokens beyond it are masked (`stale_mask`) and a group is
+      dropped only when none of its model tokens is fresh enough; group: a group with any stale
+      sample is dropped. Drops are counted (`dropped_stale`), never silent.
+    - `Batch` tensors are (num_samples, seq_len - 1), aligned with targets `input_ids[:, 1:]`;
+      `mask` is True on model-sampled completion tokens; update.py splits a batch into each rank's
+      micro-batches.
+    - With --router-replay or --router-record a sample carries the routes of every position of
+      prompt + completion (routes.py: numpy, uint8 or uint16, all bits set where missing), like its
+      versions; a batch's `routes` are (num_samples, seq_len, layers, top_k), aligned with
+      `input_ids`, as narrow: uint8 (255 where missing or padding), or int32 for uint16 routes
+      (65535 there).
 May touch: the queue it is handed. Nothing of the trainer's model or the engine.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -45,22 +51,28 @@ class RolloutGroup:
     rewards: list[float]
     answer: str = ""
     gen_stats: dict = field(default_factory=dict)  # generator counters when this group was enqueued
-    reward_stats: dict = field(default_factory=dict)  # per reward function: counters (rewards.call_reward)
-    unscored: list[int] = field(default_factory=list)  # samples no reward function scored (their reward: the
+    # per reward function: counters (rewards.call_reward)
+    reward_stats: dict = field(default_factory=dict)
+    # samples no reward function scored (their reward: the
+    unscored: list[int] = field(default_factory=list)
     #   group's mean; their advantage: 0, out of every statistic: `scored_mask`)
-    finish_reasons: list[str] = field(default_factory=list)  # per completion: "stop" (eos or a stop string) | "length"
+    # per completion: "stop" (eos or a stop string) | "length"
+    finish_reasons: list[str] = field(default_factory=list)
     # the pass over the training prompts this group's prompt was taken in (tasks/prompts.walk)
     epoch: int = 0
-    model_masks: list[list[bool]] | None = None  # per completion token: sampled by the model (None: all were)
+    # per completion token: sampled by the model (None: all were)
+    model_masks: list[list[bool]] | None = None
     # multi-turn episodes: turns, env time, faults (tasks/episodes.py)
     episode_stats: dict = field(default_factory=dict)
-    routes: list | None = None  # per completion: the routes of prompt + completion (routes.py); None: not recorded
+    # per completion: the routes of prompt + completion (routes.py); None: not recorded
+    routes: list | None = None
 
     def turns(self) -> list[int]:
         return self.episode_stats.get("turns") or [1] * len(self.completion_ids)
 
     def model_tokens(self) -> list[int]:
-        """Per completion, the tokens the model sampled (an episode's environment tokens left out)."""
+        """Per completion, the tokens the model sampled (an episode's environment tokens left
+        out)."""
         if self.model_masks is None:
             return [len(c) for c in self.completion_ids]
         return [sum(m) for m in self.model_masks]
@@ -88,16 +100,22 @@ class Batch:
     token_versions: torch.Tensor  # (B, L-1) int64, -1 off the mask
     advantages: torch.Tensor  # (B,)
     rewards: torch.Tensor  # (B,)
-    # (B, L-1) the trainer's log-probs before the batch's first update (the proximal policy), once computed
+    # (B, L-1) the trainer's log-probs before the batch's first update (the proximal policy), once
+    # computed
     proximal_logp: torch.Tensor | None = None
-    routes: torch.Tensor | None = None  # (B, L, layers, top_k) uint8 or int32, all ones where missing (routes.py)
+    # (B, L, layers, top_k) uint8 or int32, all ones where missing (routes.py)
+    routes: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
     def _map(self, fn) -> "Batch":
-        return Batch(**{f.name: None if getattr(self, f.name) is None else fn(f.name, getattr(self, f.name))
-                        for f in dataclasses.fields(self)})
+        return Batch(
+            **{
+                f.name: None if getattr(self, f.name) is None else fn(f.name, getattr(self, f.name))
+                for f in dataclasses.fields(self)
+            }
+        )
 
     def select(self, rows) -> "Batch":
         return self._map(lambda name, t: t[rows])
@@ -106,10 +124,13 @@ class Batch:
         """The same rows without the trailing columns that are padding in every row."""
         length = int(self.attention_mask.sum(1).max()) if len(self) else self.input_ids.shape[1]
 
-        def trim(name, t):  # input_ids and attention_mask are one longer than the target-aligned tensors
+        # input_ids and attention_mask are one longer than the target-aligned tensors
+        def trim(name, t):
             if t.dim() == 1:
                 return t
-            return t[:, :length if name in ("input_ids", "attention_mask", "routes") else length - 1]
+            return t[
+                :, : length if name in ("input_ids", "attention_mask", "routes") else length - 1
+            ]
 
         return self._map(trim)
 
@@ -133,8 +154,8 @@ def tag_versions(weight_versions, num_tokens: int) -> list[int]:
 
 
 class GroupSource(Protocol):
-    """Where the trainer takes groups from: this node's RolloutQueue, or remote.TrainerLink (groups sent
-    from a generator on another machine)."""
+    """Where the trainer takes groups from: this node's RolloutQueue, or remote.TrainerLink (groups
+    sent from a generator on another machine)."""
 
     def get(self, timeout: float | None = None) -> RolloutGroup: ...  # queue.Empty after `timeout`
 
@@ -142,9 +163,10 @@ class GroupSource(Protocol):
 
 
 class RolloutQueue(multiprocessing.queues.Queue):
-    """One node's rollout queue: a `multiprocessing` queue of at most `maxsize` groups (spawn context). Every
-    source the trainer takes groups from offers `get(timeout=)` and `metrics()`, what it adds to the step's
-    metrics (remote.TrainerLink, the other source: its queue bound and the weights' send); this one, nothing."""
+    """One node's rollout queue: a `multiprocessing` queue of at most `maxsize` groups (spawn
+    context). Every source the trainer takes groups from offers `get(timeout=)` and `metrics()`,
+    what it adds to the step's metrics (remote.TrainerLink, the other source: its queue bound and
+    the weights' send); this one, nothing."""
 
     def __init__(self, maxsize: int = 0, ctx=None):
         super().__init__(maxsize, ctx=ctx or multiprocessing.get_context("spawn"))
@@ -154,7 +176,8 @@ class RolloutQueue(multiprocessing.queues.Queue):
 
 
 def put_group(q, group: RolloutGroup, should_stop, timeout_s: float) -> float:
-    """Blocking put that honours a stop flag and a timeout; returns the seconds spent waiting for space."""
+    """Blocking put that honours a stop flag and a timeout; returns the seconds spent waiting for
+    space."""
     start = time.monotonic()
     while True:
         try:
@@ -164,7 +187,9 @@ def put_group(q, group: RolloutGroup, should_stop, timeout_s: float) -> float:
             if should_stop():
                 return time.monotonic() - start
             if time.monotonic() - start > timeout_s:
-                raise TimeoutError(f"rollout queue stayed full for {timeout_s:.0f} s: is the trainer alive?")
+                raise TimeoutError(
+                    f"rollout queue stayed full for {timeout_s:.0f} s: is the trainer alive?"
+                )
 
 
 def sample_lag(trainer_version: int, token_versions: list[int]) -> int:
@@ -180,14 +205,16 @@ def fresh_tokens(trainer_version: int, token_versions: list[int], max_lag: int) 
 
 
 def length_bucket(n: int) -> int:
-    """The lower bound of n's power-of-two bucket (0, 1, 2, 4, 8, ...): how staleness is logged by length."""
+    """The lower bound of n's power-of-two bucket (0, 1, 2, 4, 8, ...): how staleness is logged by
+    length."""
     return 0 if n <= 0 else 1 << (n.bit_length() - 1)
 
 
 def stale_census(groups, trainer_version: int, max_lag: int, dropped: bool, census: dict) -> None:
-    """Add the samples of `groups` to `census` = {"len": {bucket: [samples, dropped, tokens, stale tokens,
-    tokens dropped]}, "turns": {turns: [...]}}: what staleness cost, by model-token length and by turns per
-    episode (tokens: model tokens; stale: older than `max_lag`; dropped: of the samples dropped whole)."""
+    """Add the samples of `groups` to `census` = {"len": {bucket: [samples, dropped, tokens, stale
+    tokens, tokens dropped]}, "turns": {turns: [...]}}: what staleness cost, by model-token length
+    and by turns per episode (tokens: model tokens; stale: older than `max_lag`; dropped: of the
+    samples dropped whole)."""
     for group in groups:
         for versions, turns in zip(group.token_versions, group.turns()):
             model = sum(1 for v in versions if v >= 0)
@@ -208,7 +235,8 @@ class TakeResult:
     samples_dropped: int  # samples of stale groups
     groups_dropped: int  # groups dropped as stale (a group with any stale sample)
     wait_s: float
-    groups_filtered: int = 0  # --filter-groups: groups whose rewards were all equal (no learning signal)
+    # --filter-groups: groups whose rewards were all equal (no learning signal)
+    groups_filtered: int = 0
     stale: dict = field(default_factory=dict)  # stale_census of every group taken, kept or dropped
 
 
@@ -216,23 +244,32 @@ class Stopped(Exception):
     """The run was asked to stop while the trainer waited for rollouts."""
 
 
-def take_groups(q: GroupSource, num_groups: int, trainer_version: int, max_lag: int, timeout_s: float,
-                should_stop=lambda: False, filter_groups: bool = False, max_groups_per_step: int = 0,
-                on_drop=lambda: None, stale_rule: str = "group") -> TakeResult:
+def take_groups(
+    q: GroupSource,
+    num_groups: int,
+    trainer_version: int,
+    max_lag: int,
+    timeout_s: float,
+    should_stop=lambda: False,
+    filter_groups: bool = False,
+    max_groups_per_step: int = 0,
+    on_drop=lambda: None,
+    stale_rule: str = "group",
+) -> TakeResult:
     """Take groups from the queue until `num_groups` of them are kept.
 
-    stale_rule "group": a group is trained whole or not at all: one with any sample older than `max_lag` is
-    dropped (its samples counted as stale), so a group's advantages are always computed over exactly the
-    samples trained, and the logged reward is the reward of what was trained. That drops long completions
-    more often (their first tokens are the oldest). stale_rule "tokens": a group is dropped only when none
-    of its model tokens is within `max_lag`; the trainer masks the stale tokens of the others
-    (`stale_mask`). With `filter_groups` (DAPO's dynamic sampling) a group whose rewards are all equal is
-    dropped too (its advantages would all be 0). Both are replaced by the generator, which must learn of
-    each one at once (`on_drop()`): its staleness gate counts the groups the trainer still needs, and
-    waiting for this step's end would deadlock both. Raises TimeoutError if no group arrives for
-    `timeout_s` seconds, `Stopped` if `should_stop()` turns True meanwhile, and RuntimeError if
-    `max_groups_per_step` groups (default 20 x `num_groups`) arrive without enough informative ones (every
-    prompt solved, or none ever).
+    stale_rule "group": a group is trained whole or not at all: one with any sample older than
+    `max_lag` is dropped (its samples counted as stale), so a group's advantages are always computed
+    over exactly the samples trained, and the logged reward is the reward of what was trained. That
+    drops long completions more often (their first tokens are the oldest). stale_rule "tokens": a
+    group is dropped only when none of its model tokens is within `max_lag`; the trainer masks the
+    stale tokens of the others (`stale_mask`). With `filter_groups` (DAPO's dynamic sampling) a
+    group whose rewards are all equal is dropped too (its advantages would all be 0). Both are
+    replaced by the generator, which must learn of each one at once (`on_drop()`): its staleness
+    gate counts the groups the trainer still needs, and waiting for this step's end would deadlock
+    both. Raises TimeoutError if no group arrives for `timeout_s` seconds, `Stopped` if
+    `should_stop()` turns True meanwhile, and RuntimeError if `max_groups_per_step` groups (default
+    20 x `num_groups`) arrive without enough informative ones (every prompt solved, or none ever).
     """
     kept_groups, kept, dropped, groups_dropped, filtered, wait, census = [], 0, 0, 0, 0, 0.0, {}
     max_groups_per_step = max_groups_per_step or 20 * num_groups
@@ -246,13 +283,16 @@ def take_groups(q: GroupSource, num_groups: int, trainer_version: int, max_lag: 
                 if should_stop():
                     raise Stopped()
                 if time.monotonic() - start > timeout_s:
-                    raise TimeoutError(f"no rollout group arrived for {timeout_s:.0f} s: is the generator alive?")
+                    raise TimeoutError(
+                        f"no rollout group arrived for {timeout_s:.0f} s: is the generator alive?"
+                    )
         wait += time.monotonic() - start
         if stale_rule == "group":
             stale = any(sample_lag(trainer_version, v) > max_lag for v in group.token_versions)
         else:
-            stale = any(t >= 0 for v in group.token_versions for t in v) and \
-                not any(fresh_tokens(trainer_version, v, max_lag) for v in group.token_versions)
+            stale = any(t >= 0 for v in group.token_versions for t in v) and not any(
+                fresh_tokens(trainer_version, v, max_lag) for v in group.token_versions
+            )
         stale_census([group], trainer_version, max_lag, stale, census)
         if stale:
             dropped += len(group.token_versions)
@@ -262,9 +302,11 @@ def take_groups(q: GroupSource, num_groups: int, trainer_version: int, max_lag: 
             filtered += 1
             on_drop()
             if filtered + groups_dropped + len(kept_groups) >= max_groups_per_step:
-                raise RuntimeError(f"--filter-groups: {filtered} of the last {max_groups_per_step} groups had "
-                                   f"equal rewards (all solved or all failed), too few to fill a step of "
-                                   f"{num_groups}: the task is too easy or too hard for this model")
+                raise RuntimeError(
+                    f"--filter-groups: {filtered} of the last {max_groups_per_step} groups had "
+                    f"equal rewards (all solved or all failed), too few to fill a step of "
+                    f"{num_groups}: the task is too easy or too hard for this model"
+                )
         else:
             kept_groups.append(group)
             kept += len(group.token_versions)
@@ -272,18 +314,29 @@ def take_groups(q: GroupSource, num_groups: int, trainer_version: int, max_lag: 
 
 
 def scored_mask(groups: list[RolloutGroup]) -> torch.Tensor:
-    """(num_groups, G) bool: False on the samples no reward function scored (advantages.estimate_advantages'
-    `scored`)."""
-    return torch.tensor([[j not in g.unscored for j in range(len(g.rewards))] for g in groups], dtype=torch.bool)
+    """(num_groups, G) bool: False on the samples no reward function scored
+    (advantages.estimate_advantages' `scored`)."""
+    return torch.tensor(
+        [[j not in g.unscored for j in range(len(g.rewards))] for g in groups], dtype=torch.bool
+    )
 
 
 def to_samples(groups: list[RolloutGroup], advantages: torch.Tensor) -> list[Sample]:
     """Flatten groups into samples; `advantages[g, j]` is sample j's of group g."""
-    return [Sample(group.prompt_ids, group.completion_ids[j], group.behaviour_logprobs[j], group.token_versions[j],
-                   group.rewards[j], float(advantages[g, j]),
-                   None if group.model_masks is None else group.model_masks[j],
-                   None if group.routes is None else group.routes[j])
-            for g, group in enumerate(groups) for j in range(len(group.completion_ids))]
+    return [
+        Sample(
+            group.prompt_ids,
+            group.completion_ids[j],
+            group.behaviour_logprobs[j],
+            group.token_versions[j],
+            group.rewards[j],
+            float(advantages[g, j]),
+            None if group.model_masks is None else group.model_masks[j],
+            None if group.routes is None else group.routes[j],
+        )
+        for g, group in enumerate(groups)
+        for j in range(len(group.completion_ids))
+    ]
 
 
 def collate(samples: list[Sample], pad_id: int) -> Batch:
@@ -300,42 +353,61 @@ def collate(samples: list[Sample], pad_id: int) -> Batch:
         input_ids[i, : p + c] = torch.tensor(s.prompt_ids + s.completion_ids, dtype=torch.long)
         attention[i, : p + c] = 1
         # the completion token at position p + t is predicted at position p + t - 1
-        mask[i, p - 1 : p - 1 + c] = True if s.model_mask is None else torch.tensor(s.model_mask, dtype=torch.bool)
+        mask[i, p - 1 : p - 1 + c] = (
+            True if s.model_mask is None else torch.tensor(s.model_mask, dtype=torch.bool)
+        )
         if c:
-            behaviour[i, p - 1 : p - 1 + c] = torch.tensor(s.behaviour_logprobs, dtype=torch.float32)
+            behaviour[i, p - 1 : p - 1 + c] = torch.tensor(
+                s.behaviour_logprobs, dtype=torch.float32
+            )
             versions[i, p - 1 : p - 1 + c] = torch.tensor(s.token_versions, dtype=torch.long)
     advantages = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-    return Batch(input_ids, attention, input_ids[:, 1:].clone(), mask, behaviour, versions, advantages, rewards,
-                 routes=collate_routes(samples, length))
+    return Batch(
+        input_ids,
+        attention,
+        input_ids[:, 1:].clone(),
+        mask,
+        behaviour,
+        versions,
+        advantages,
+        rewards,
+        routes=collate_routes(samples, length),
+    )
 
 
 def collate_routes(samples: list[Sample], length: int) -> torch.Tensor | None:
-    """(B, length, layers, top_k): each sample's routes from position 0 as they came (uint8; uint16 as int32, which
-    torch handles), the missing mark (all ones of the routes' dtype) where missing or padding."""
+    """(B, length, layers, top_k): each sample's routes from position 0 as they came (uint8; uint16
+    as int32, which torch handles), the missing mark (all ones of the routes' dtype) where missing
+    or padding."""
     shaped = [s.routes for s in samples if s.routes is not None]
     if not shaped:
         return None
     narrow = shaped[0].dtype == np.uint8
     missing = np.iinfo(shaped[0].dtype).max
-    routes = torch.full((len(samples), length, *shaped[0].shape[1:]), missing,
-                        dtype=torch.uint8 if narrow else torch.int32)
+    routes = torch.full(
+        (len(samples), length, *shaped[0].shape[1:]),
+        missing,
+        dtype=torch.uint8 if narrow else torch.int32,
+    )
     for i, s in enumerate(samples):
         if s.routes is not None and len(s.routes):
             rows = s.routes[:length]
-            routes[i, :len(rows)] = torch.from_numpy(rows if narrow else rows.astype(np.int32))
+            routes[i, : len(rows)] = torch.from_numpy(rows if narrow else rows.astype(np.int32))
     return routes
 
 
 def route_stats(groups: list[RolloutGroup]) -> dict:
-    """What carrying routes costs: their bytes per position (prompt + completion) of the groups taken."""
+    """What carrying routes costs: their bytes per position (prompt + completion) of the groups
+    taken."""
     carried = [(r.nbytes, len(r)) for g in groups if g.routes is not None for r in g.routes]
     positions = sum(n for _, n in carried)
     return {"router/bytes_per_token": sum(b for b, _ in carried) / positions} if positions else {}
 
 
 def stale_mask(batch: Batch, trainer_version: int, max_lag: int) -> torch.Tensor:
-    """(B, L-1) True on trained tokens older than `max_lag` versions (stale_rule "tokens" masks them out)."""
+    """(B, L-1) True on trained tokens older than `max_lag` versions (stale_rule "tokens" masks them
+    out)."""
     return batch.mask & (trainer_version - batch.token_versions > max_lag)
 
 
@@ -344,5 +416,8 @@ def staleness_stats(batch: Batch, trainer_version: int) -> dict:
     lags = (trainer_version - batch.token_versions[batch.mask]).float()
     if lags.numel() == 0:
         return {"lag_mean": 0.0, "lag_max": 0, "fresh_token_frac": 1.0}
-    return {"lag_mean": float(lags.mean()), "lag_max": int(lags.max()),
-            "fresh_token_frac": float((lags == 0).float().mean())}
+    return {
+        "lag_mean": float(lags.mean()),
+        "lag_max": int(lags.max()),
+        "fresh_token_frac": float((lags == 0).float().mean()),
+    }

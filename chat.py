@@ -1,26 +1,31 @@
-"""chat.py — chat templates: how prompts, episodes, tool calls and evaluation render messages, one way for all.
+"""chat.py — chat templates: how prompts, episodes, tool calls and evaluation render messages, one
+way for all.
 
 Role
-    `load_tokenizer(path, template_file, template_kwargs)`: a model's tokenizer, its chat template replaced by
-        --chat-template FILE's, and --chat-template-kwargs (a JSON object, e.g. '{"enable_thinking": false}')
-        kept on it for every rendering (TRL's and vLLM's `chat_template_kwargs`);
-    `render(tokenizer, messages, generation_prompt, tools)`: the template's text, with those arguments;
-    `Renderer`: initial contexts and observations as token ids, token in / token out (below);
-    `template_problem(tokenizer, tools)`: the check made once before a run with chat episodes: why the template
-        cannot be extended turn by turn, in one line, or None.
+    `load_tokenizer(path, template_file, template_kwargs)`: a model's tokenizer, its chat template
+        replaced by --chat-template FILE's, and --chat-template-kwargs (a JSON object, e.g.
+        '{"enable_thinking": false}') kept on it for every rendering (TRL's and vLLM's
+        `chat_template_kwargs`);
+    `render(tokenizer, messages, generation_prompt, tools)`: the template's text, with those
+    arguments; `Renderer`: initial contexts and observations as token ids, token in / token out
+    (below); `template_problem(tokenizer, tools)`: the check made once before a run with chat
+        episodes: why the template cannot be extended turn by turn, in one line, or None.
 Data contract
-    Messages are {"role", "content"} dicts (tool calls as `tool_calls`, tool results as role "tool"). An episode
-    is never rendered again from its history: after a model turn, only the new messages' text is rendered and
-    tokenized, and appended to the ids as sampled.
+    Messages are {"role", "content"} dicts (tool calls as `tool_calls`, tool results as role
+    "tool"). An episode is never rendered again from its history: after a model turn, only the new
+    messages' text is rendered and tokenized, and appended to the ids as sampled.
 May touch: nothing (reads template files; pure functions of the tokenizer).
 """
+
 from __future__ import annotations
 
 import json
 import os
 
-TEMPLATE_WAY_OUT = ("give --chat-template FILE with a template that renders a new message after the last without "
-                    "rewriting them (e.g. TRL's trl/chat_templates/*_training.jinja)")
+TEMPLATE_WAY_OUT = (
+    "give --chat-template FILE with a template that renders a new message after the last without "
+    "rewriting them (e.g. TRL's trl/chat_templates/*_training.jinja)"
+)
 
 
 class TemplateError(ValueError):
@@ -42,15 +47,21 @@ def read_template(path: str) -> str:
         if isinstance(text, list):  # the named-templates form: the default one
             text = next((t.get("template") for t in text if t.get("name") == "default"), None)
         if not isinstance(text, str):
-            raise TemplateError(f"--chat-template {path}: a .json file must hold a \"chat_template\" string")
+            raise TemplateError(
+                f'--chat-template {path}: a .json file must hold a "chat_template" string'
+            )
     if "{{" not in text and "{%" not in text:
-        raise TemplateError(f"--chat-template {path}: not a Jinja chat template (no {{{{ or {{% in it)")
+        raise TemplateError(
+            f"--chat-template {path}: not a Jinja chat template (no {{{{ or {{% in it)"
+        )
     try:
         import jinja2
 
         jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(text)
     except jinja2.TemplateSyntaxError as e:
-        raise TemplateError(f"--chat-template {path}: Jinja syntax error at line {e.lineno}: {e.message}") from None
+        raise TemplateError(
+            f"--chat-template {path}: Jinja syntax error at line {e.lineno}: {e.message}"
+        ) from None
     return text
 
 
@@ -61,13 +72,19 @@ def template_kwargs(text: str) -> dict:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
-        raise TemplateError(f"--chat-template-kwargs {text!r}: not JSON ({e.msg}, column {e.colno})") from None
+        raise TemplateError(
+            f"--chat-template-kwargs {text!r}: not JSON ({e.msg}, column {e.colno})"
+        ) from None
     if not isinstance(value, dict):
-        raise TemplateError(f"--chat-template-kwargs {text!r}: give a JSON object, "
-                            "e.g. '{\"enable_thinking\": false}'")
+        raise TemplateError(
+            f"--chat-template-kwargs {text!r}: give a JSON object, "
+            "e.g. '{\"enable_thinking\": false}'"
+        )
     reserved = {"messages", "tools", "add_generation_prompt", "tokenize"} & set(value)
     if reserved:
-        raise TemplateError(f"--chat-template-kwargs: {', '.join(sorted(reserved))} is set by the run itself")
+        raise TemplateError(
+            f"--chat-template-kwargs: {', '.join(sorted(reserved))} is set by the run itself"
+        )
     return value
 
 
@@ -84,13 +101,18 @@ def load_tokenizer(path: str, template_file: str = "", kwargs: str = ""):
 
 
 def render(tokenizer, messages: list, generation_prompt: bool, tools=None) -> str:
-    """The chat template's text of `messages` (with `tools`' schemas, and the run's template arguments)."""
+    """The chat template's text of `messages` (with `tools`' schemas, and the run's template
+    arguments)."""
     if not getattr(tokenizer, "chat_template", None):
-        raise TemplateError("chat messages need a tokenizer with a chat template (or --chat-template FILE)")
+        raise TemplateError(
+            "chat messages need a tokenizer with a chat template (or --chat-template FILE)"
+        )
     extra = dict(getattr(tokenizer, "chat_template_kwargs", None) or {})
     if tools:
         extra["tools"] = tools  # the one place tool schemas reach the template
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt, **extra)
+    return tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=generation_prompt, **extra
+    )
 
 
 def as_messages(value) -> list[dict]:
@@ -98,7 +120,8 @@ def as_messages(value) -> list[dict]:
 
 
 def stop_ids(tokenizer) -> set[int]:
-    """The ids that end a model's turn: the tokenizer's eos and those its model's generation config lists."""
+    """The ids that end a model's turn: the tokenizer's eos and those its model's generation config
+    lists."""
     ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     path = os.path.join(getattr(tokenizer, "name_or_path", "") or "", "generation_config.json")
     if os.path.exists(path):
@@ -109,15 +132,16 @@ def stop_ids(tokenizer) -> set[int]:
 
 
 class Renderer:
-    """Initial contexts and observations as token ids. Text mode: plain text, tokenized. Chat mode (a prompt or
-    an observation made of messages, or tools): the chat template, rendering only what is new. A fixed dummy
-    conversation (a user turn, an assistant turn whose content is MARK) is rendered with the observation and the
-    next generation prompt after it; the text after MARK is the observation's, the template's end of turn and
-    separator included. Nothing before MARK is used, so a template that rewrites earlier turns once another
-    message follows (Qwen3 drops the empty think block it writes into the last assistant turn, and strips think
-    blocks from history) cannot change an episode's tokens: they stay as sampled. When the model ended its turn
-    itself (a stop id), the template's own end-of-turn token is not repeated after it. A template that alternates
-    strictly (Gemma) gets consecutive user messages joined into one."""
+    """Initial contexts and observations as token ids. Text mode: plain text, tokenized. Chat mode
+    (a prompt or an observation made of messages, or tools): the chat template, rendering only what
+    is new. A fixed dummy conversation (a user turn, an assistant turn whose content is MARK) is
+    rendered with the observation and the next generation prompt after it; the text after MARK is
+    the observation's, the template's end of turn and separator included. Nothing before MARK is
+    used, so a template that rewrites earlier turns once another message follows (Qwen3 drops the
+    empty think block it writes into the last assistant turn, and strips think blocks from history)
+    cannot change an episode's tokens: they stay as sampled. When the model ended its turn itself (a
+    stop id), the template's own end-of-turn token is not repeated after it. A template that
+    alternates strictly (Gemma) gets consecutive user messages joined into one."""
 
     MARK = "#y#"  # the dummy assistant turn's content: where the model's own tokens end
     DUMMY = [{"role": "user", "content": "x"}, {"role": "assistant", "content": MARK}]
@@ -130,23 +154,33 @@ class Renderer:
 
     @property
     def alternates(self) -> bool:
-        """Whether the template refuses two user messages in a row (Gemma's strict user/model alternation)."""
+        """Whether the template refuses two user messages in a row (Gemma's strict user/model
+        alternation)."""
         if self._alternates is None:
             try:
-                render(self.tokenizer, [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], True)
+                render(
+                    self.tokenizer,
+                    [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}],
+                    True,
+                )
                 self._alternates = False
             except Exception:
                 self._alternates = True
         return self._alternates
 
     def joined(self, messages: list[dict]) -> list[dict]:
-        """For a template that alternates strictly: consecutive user messages as one (contents joined by a blank
-        line), so a prompt followed by reset's message, or an observation of several messages, renders."""
+        """For a template that alternates strictly: consecutive user messages as one (contents
+        joined by a blank line), so a prompt followed by reset's message, or an observation of
+        several messages, renders."""
         if not self.alternates:
             return messages
         out = []
         for m in messages:
-            if out and m.get("role") == "user" == out[-1].get("role") and isinstance(m.get("content"), str):
+            if (
+                out
+                and m.get("role") == "user" == out[-1].get("role")
+                and isinstance(m.get("content"), str)
+            ):
                 out[-1] = {**out[-1], "content": f"{out[-1]['content']}\n\n{m['content']}"}
             else:
                 out.append(dict(m))
@@ -160,70 +194,107 @@ class Renderer:
 
     def initial(self, prompt, reset_out, tools=None) -> tuple[list[int], bool]:
         """(ids of the prompt followed by what reset returned, chat mode?)."""
-        if not (isinstance(prompt, list) or isinstance(reset_out, list) or tools):  # (checked rows: a list is messages)
+        # (checked rows: a list is messages)
+        if not (isinstance(prompt, list) or isinstance(reset_out, list) or tools):
             return self.encode((prompt or "") + (reset_out or ""), special=True), False
-        messages = (as_messages(prompt) if prompt else []) + (as_messages(reset_out) if reset_out else [])
+        messages = (as_messages(prompt) if prompt else []) + (
+            as_messages(reset_out) if reset_out else []
+        )
         if self.system_prompt and (not messages or messages[0].get("role") != "system"):
             messages.insert(0, {"role": "system", "content": self.system_prompt})
         return self.encode(self.chat_text(self.joined(messages), tools, True)), True
 
     def tail(self, observation, tools=None) -> str:
-        """The template's text after an assistant turn's content: its end of turn, the observation, the next
-        generation prompt. Raises TemplateError when the template does not render it after the turn."""
+        """The template's text after an assistant turn's content: its end of turn, the observation,
+        the next generation prompt. Raises TemplateError when the template does not render it after
+        the turn."""
         full = self.chat_text(self.DUMMY + self.joined(as_messages(observation)), tools, True)
         at = full.find(self.MARK)
         if at < 0 or full.find(self.MARK, at + 1) >= 0:
-            raise TemplateError("the chat template does not render an assistant turn's content once, as it is, "
-                                "before the messages that follow it")
-        return full[at + len(self.MARK):]
+            raise TemplateError(
+                "the chat template does not render an assistant turn's content once, as it is, "
+                "before the messages that follow it"
+            )
+        return full[at + len(self.MARK) :]
 
     def observation(self, observation, chat: bool, last_token: int | None, tools=None) -> list[int]:
-        """The ids appended after a model turn that ended with `last_token`: the observation (in chat mode
-        with the template's end of turn before it and the next generation prompt after it)."""
+        """The ids appended after a model turn that ended with `last_token`: the observation (in
+        chat mode with the template's end of turn before it and the next generation prompt after
+        it)."""
         if not chat:
-            text = observation if isinstance(observation, str) else "\n".join(m["content"] for m in observation)
+            text = (
+                observation
+                if isinstance(observation, str)
+                else "\n".join(m["content"] for m in observation)
+            )
             return self.encode(text)
         ids = self.encode(self.tail(observation, tools))
-        if ids and ids[0] in self.special and (ids[0] == last_token or (
-                last_token in self.stop_ids and ids[0] in self.stop_ids)):
-            ids = ids[1:]  # the model ended its turn itself: the template's end-of-turn token is not repeated
+        if (
+            ids
+            and ids[0] in self.special
+            and (ids[0] == last_token or (last_token in self.stop_ids and ids[0] in self.stop_ids))
+        ):
+            # the model ended its turn itself: the template's end-of-turn token is not repeated
+            ids = ids[1:]
         return ids
 
 
 def generation_prompt(tokenizer, tools=None) -> str:
     """What the template adds for the assistant's next turn ("" when it is not a plain suffix)."""
     messages = [{"role": "user", "content": "x"}]
-    without, with_ = render(tokenizer, messages, False, tools), render(tokenizer, messages, True, tools)
-    return with_[len(without):] if with_.startswith(without) else ""
+    without, with_ = (
+        render(tokenizer, messages, False, tools),
+        render(tokenizer, messages, True, tools),
+    )
+    return with_[len(without) :] if with_.startswith(without) else ""
 
 
 def template_problem(tokenizer, tools=None) -> str | None:
-    """Why the chat template cannot be extended turn by turn (a user observation, and with `tools` a tool
-    result, after a model turn), in one line naming the way out; None when it can."""
+    """Why the chat template cannot be extended turn by turn (a user observation, and with `tools` a
+    tool result, after a model turn), in one line naming the way out; None when it can."""
     if not getattr(tokenizer, "chat_template", None):
         return None  # text mode
     renderer = Renderer(tokenizer)
     kinds = [("a user message", [{"role": "user", "content": "probe observation 5c1e"}])]
     if tools:
-        kinds.append(("a tool result", [{"role": "tool", "name": tools[0]["function"]["name"],
-                                         "content": "probe result 7d2a"}]))
+        kinds.append(
+            (
+                "a tool result",
+                [
+                    {
+                        "role": "tool",
+                        "name": tools[0]["function"]["name"],
+                        "content": "probe result 7d2a",
+                    }
+                ],
+            )
+        )
     try:
         next_turn = generation_prompt(tokenizer, tools)
     except Exception as e:
-        return f"the chat template cannot render a first user turn ({type(e).__name__}: {first_line(e)})"
+        return (
+            "the chat template cannot render a first user turn "
+            f"({type(e).__name__}: {first_line(e)})"
+        )
     for what, messages in kinds:
         try:
             tail = renderer.tail(messages, tools)
         except TemplateError as e:
             return f"{e}; {TEMPLATE_WAY_OUT}"
-        except Exception as e:  # jinja2's TemplateError (e.g. Gemma 3's strict user/model alternation) and kin
-            return (f"the chat template cannot render {what} after a model turn ({type(e).__name__}: "
-                    f"{first_line(e)}); {TEMPLATE_WAY_OUT}")
+        # jinja2's TemplateError (e.g. Gemma 3's strict user/model alternation) and kin
+        except Exception as e:
+            return (
+                f"the chat template cannot render {what} after a model turn ({type(e).__name__}: "
+                f"{first_line(e)}); {TEMPLATE_WAY_OUT}"
+            )
         if messages[0]["content"] not in tail:
             return f"the chat template drops {what} that follows a model turn; {TEMPLATE_WAY_OUT}"
         if next_turn and not tail.endswith(next_turn):
-            return (f"what the chat template renders after {what} does not end with its generation prompt "
-                    f"{next_turn!r}; {TEMPLATE_WAY_OUT}")
+            return (
+                f"what the chat template renders after {what} does not end with its generation "
+                f"prompt "
+                f"{next_turn!r}; {TEMPLATE_WAY_OUT}"
+            )
     return None
 
 

@@ -1,21 +1,27 @@
-"""devices.py — which devices each process uses (`--gen-devices`, `--train-devices`), in what precision.
+"""devices.py — which devices each process uses (`--gen-devices`, `--train-devices`), in what
+precision.
 
-Role: turns the two flags into a `DeviceLayout`: the CPU path (the default, and the fallback without GPUs),
-or vLLM on the generator's GPU(s), one FSDP2 rank per trainer GPU (NCCL; gloo for small CPU tensors) and
-the packed weight buffer on the first trainer GPU, shared with the generator through CUDA IPC.
-Data contract
+Role: turns the two flags into a `DeviceLayout`: the CPU path (the default, and the fallback without
+GPUs), or vLLM on the generator's GPU(s), one FSDP2 rank per trainer GPU (NCCL; gloo for small CPU
+tensors) and the packed weight buffer on the first trainer GPU, shared with the generator through
+CUDA IPC. Data contract
     - A device list is "" / "cpu", or distinct GPU indices as the launcher sees them ("0", "1,2,3").
     - The generator gets CUDA_VISIBLE_DEVICES = its GPUs, then the buffer's GPU if not among them.
-    - A GPU both sides use is shared: vLLM gets SHARED_GEN_FRACTION of it, the trainer rank a cap on the rest
-      of SHARED_BUDGET, and touches no GPU until vLLM has started (vLLM measures free memory at start).
-    - vLLM starts only if its share of a GPU is free when it starts. The packed weight buffer is there first
-      where it lies on vLLM's GPU (a shared GPU; the generator node's), so the shares leave it room
-      (`buffer_fraction`: its size over the GPU's memory) and RESERVED_FRACTION for CUDA contexts.
-    - `--dtype auto` resolves here: bf16 on GPUs, CPU_DEFAULT_DTYPE on the CPU. Errors: `DeviceError`.
-Also what vLLM cannot serve on them (`engine_problems`, found from config.json before anything starts).
-May touch: nothing (reads the CUDA device count and the environment), except where a process enters its
-placement: the generator's CUDA_VISIBLE_DEVICES, a trainer rank's current GPU and its memory cap.
+    - A GPU both sides use is shared: vLLM gets SHARED_GEN_FRACTION of it, the trainer rank a cap on
+      the rest of SHARED_BUDGET, and touches no GPU until vLLM has started (vLLM measures free
+      memory at start).
+    - vLLM starts only if its share of a GPU is free when it starts. The packed weight buffer is
+      there first where it lies on vLLM's GPU (a shared GPU; the generator node's), so the shares
+      leave it room (`buffer_fraction`: its size over the GPU's memory) and RESERVED_FRACTION for
+      CUDA contexts.
+    - `--dtype auto` resolves here: bf16 on GPUs, CPU_DEFAULT_DTYPE on the CPU. Errors:
+      `DeviceError`.
+Also what vLLM cannot serve on them (`engine_problems`, found from config.json before anything
+starts). May touch: nothing (reads the CUDA device count and the environment), except where a
+process enters its placement: the generator's CUDA_VISIBLE_DEVICES, a trainer rank's current GPU and
+its memory cap.
 """
+
 from __future__ import annotations
 
 import os
@@ -24,19 +30,25 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoConfig
 
-SHARED_GEN_FRACTION = 0.3  # vLLM's share of a GPU it shares with a trainer rank (--gpu-memory-utilization 0)
-SHARED_BUDGET = 0.85  # vLLM's share + the trainer rank's cap on a shared GPU; 0.15 left for contexts and the buffer
-MIN_SHARED_TRAIN_FRACTION = 0.2  # the least a trainer rank gets on a shared GPU, whatever --gpu-memory-utilization
-SHARED_TRAIN_FRACTION = round(SHARED_BUDGET - SHARED_GEN_FRACTION, 4)  # the trainer rank's cap there, by default (0.55)
+# vLLM's share of a GPU it shares with a trainer rank (--gpu-memory-utilization 0)
+SHARED_GEN_FRACTION = 0.3
+# vLLM's share + the trainer rank's cap on a shared GPU; 0.15 left for contexts and the buffer
+SHARED_BUDGET = 0.85
+# the least a trainer rank gets on a shared GPU, whatever --gpu-memory-utilization
+MIN_SHARED_TRAIN_FRACTION = 0.2
+# the trainer rank's cap there, by default (0.55)
+SHARED_TRAIN_FRACTION = round(SHARED_BUDGET - SHARED_GEN_FRACTION, 4)
 DEDICATED_GEN_FRACTION = 0.9  # vLLM's default, on a GPU of its own
-RESERVED_FRACTION = 0.05  # of a GPU holding the weight buffer and vLLM: CUDA contexts, allocator slack
+# of a GPU holding the weight buffer and vLLM: CUDA contexts, allocator slack
+RESERVED_FRACTION = 0.05
 MIN_GEN_FRACTION = 0.1  # the least share vLLM is given where the weight buffer shares its GPU
-# --dtype auto: bf16 where the hardware runs it fast (GPUs); on CPU what measured faster here (bench/README.md:
-# bench/dtype.py on the 2-core AMD EPYC with avx512_bf16)
+# --dtype auto: bf16 where the hardware runs it fast (GPUs); on CPU what measured faster here
+# (bench/README.md: bench/dtype.py on the 2-core AMD EPYC with avx512_bf16)
 GPU_DEFAULT_DTYPE = "bf16"
 CPU_DEFAULT_DTYPE = "fp32"
 DTYPES = ("bf16", "fp32")
-MASTER_DTYPE = torch.float32  # master weights, gradients, optimizer state and saved models, whatever --dtype
+# master weights, gradients, optimizer state and saved models, whatever --dtype
+MASTER_DTYPE = torch.float32
 GPU_BACKEND = "cpu:gloo,cuda:nccl"
 CPU_BACKEND = "gloo"
 
@@ -53,7 +65,8 @@ class DeviceLayout:
     train_devices: tuple[int, ...] = ()
     shared_gpus: tuple[int, ...] = ()  # GPUs both sides use
     backend: str = CPU_BACKEND  # torch.distributed backend of the trainer ranks
-    buffer_device: str = "cpu"  # where the packed weight buffer is allocated (by the launching process)
+    # where the packed weight buffer is allocated (by the launching process)
+    buffer_device: str = "cpu"
     gen_visible_devices: str = ""  # CUDA_VISIBLE_DEVICES for the generator process ("" on the CPU)
     gpu_memory_utilization: float = 0.0  # vLLM's; 0 on the CPU
     train_memory_fraction: float | None = None  # per-process cap of a trainer rank on a shared GPU
@@ -75,16 +88,21 @@ class DeviceLayout:
         return self.on_gpu and self.train_devices[rank] in self.shared_gpus
 
     def generator_settings(self) -> dict:
-        """Keyword arguments for rollout.GeneratorSettings: none on the CPU (its defaults are the CPU path)."""
+        """Keyword arguments for rollout.GeneratorSettings: none on the CPU (its defaults are the
+        CPU path)."""
         if not self.on_gpu:
             return {}
-        return {"device": "cuda", "cuda_visible_devices": self.gen_visible_devices,
-                "gpu_memory_utilization": self.gpu_memory_utilization,
-                "tensor_parallel_size": self.tensor_parallel_size}
+        return {
+            "device": "cuda",
+            "cuda_visible_devices": self.gen_visible_devices,
+            "gpu_memory_utilization": self.gpu_memory_utilization,
+            "tensor_parallel_size": self.tensor_parallel_size,
+        }
 
 
 def parse_devices(text: str, flag: str = "--devices") -> tuple[int, ...]:
-    """"" or "cpu" -> (); "0" -> (0,); "1,2,3" -> (1, 2, 3). Raises DeviceError (one line) otherwise."""
+    """ "" or "cpu" -> (); "0" -> (0,); "1,2,3" -> (1, 2, 3). Raises DeviceError (one line)
+    otherwise."""
     text = (text or "").strip()
     if text.lower() in ("", "cpu"):
         return ()
@@ -92,7 +110,9 @@ def parse_devices(text: str, flag: str = "--devices") -> tuple[int, ...]:
     for part in text.split(","):
         part = part.strip()
         if not part.isdigit():  # also rejects "-1", "cuda:0", "" (as in "1,,2")
-            raise DeviceError(f"{flag} {text!r}: give comma-separated GPU indices like 0 or 1,2,3 (or cpu)")
+            raise DeviceError(
+                f"{flag} {text!r}: give comma-separated GPU indices like 0 or 1,2,3 (or cpu)"
+            )
         out.append(int(part))
     if len(set(out)) != len(out):
         raise DeviceError(f"{flag} {text!r}: a GPU appears twice")
@@ -108,87 +128,138 @@ def cuda_device_count() -> int:
 
 
 def visible_tokens(count: int, env: str | None) -> list[str]:
-    """How each GPU index of this process is named in CUDA_VISIBLE_DEVICES (so a child sees the same GPU)."""
+    """How each GPU index of this process is named in CUDA_VISIBLE_DEVICES (so a child sees the same
+    GPU)."""
     if env is None or not env.strip():
         return [str(i) for i in range(count)]
     tokens = [t.strip() for t in env.split(",") if t.strip()]
     return tokens[:count] if len(tokens) >= count else [str(i) for i in range(count)]
 
 
-def plan(gen_devices: str, train_devices: str, train_ranks: int = 1, cuda_count: int | None = None,
-         visible_env: str | None = None, gpu_memory_utilization: float = 0.0,
-         buffer_fraction: float = 0.0) -> DeviceLayout:
+def plan(
+    gen_devices: str,
+    train_devices: str,
+    train_ranks: int = 1,
+    cuda_count: int | None = None,
+    visible_env: str | None = None,
+    gpu_memory_utilization: float = 0.0,
+    buffer_fraction: float = 0.0,
+) -> DeviceLayout:
     """Decide the layout. `cuda_count` None: ask torch (only when a GPU is asked for).
     `visible_env`: the launcher's CUDA_VISIBLE_DEVICES (None: read it from the environment).
-    `gpu_memory_utilization`: vLLM's share of each of its GPUs (0: DEDICATED_GEN_FRACTION, or on a GPU shared
-    with a trainer rank SHARED_GEN_FRACTION); on a shared GPU the trainer rank is capped at the rest of
-    SHARED_BUDGET, which leaves the weight buffer (`buffer_fraction` of that GPU) room too."""
+    `gpu_memory_utilization`: vLLM's share of each of its GPUs (0: DEDICATED_GEN_FRACTION, or on a
+    GPU shared with a trainer rank SHARED_GEN_FRACTION); on a shared GPU the trainer rank is capped
+    at the rest of SHARED_BUDGET, which leaves the weight buffer (`buffer_fraction` of that GPU)
+    room too."""
     if not 0 <= gpu_memory_utilization < 1:
-        raise DeviceError(f"--gpu-memory-utilization must be in (0, 1), or 0 for the default "
-                          f"(got {gpu_memory_utilization})")
+        raise DeviceError(
+            f"--gpu-memory-utilization must be in (0, 1), or 0 for the default "
+            f"(got {gpu_memory_utilization})"
+        )
     gen = parse_devices(gen_devices, "--gen-devices")
     train = parse_devices(train_devices, "--train-devices")
     if not gen and not train:
         return DeviceLayout("cpu", world_size=train_ranks)
     if not gen or not train:
-        raise DeviceError("--gen-devices and --train-devices go together: give both GPU lists (e.g. "
-                          "--gen-devices 0 --train-devices 1), or neither for the CPU path")
+        raise DeviceError(
+            "--gen-devices and --train-devices go together: give both GPU lists (e.g. "
+            "--gen-devices 0 --train-devices 1), or neither for the CPU path"
+        )
     if cuda_count is None:
         cuda_count = cuda_device_count()
     if cuda_count == 0:
-        return DeviceLayout("cpu", world_size=train_ranks,
-                            notice=f"notice: --gen-devices {gen_devices} --train-devices {train_devices} ignored: "
-                                   "no CUDA device here (torch.cuda.is_available() is False); running the CPU path")
+        return DeviceLayout(
+            "cpu",
+            world_size=train_ranks,
+            notice=f"notice: --gen-devices {gen_devices} --train-devices {train_devices} ignored: "
+            "no CUDA device here (torch.cuda.is_available() is False); running the CPU path",
+        )
     for flag, devs in (("--gen-devices", gen), ("--train-devices", train)):
         bad = [d for d in devs if d >= cuda_count]
         if bad:
-            raise DeviceError(f"{flag} {','.join(map(str, devs))}: GPU {bad[0]} does not exist "
-                              f"(this process sees {cuda_count} GPU(s): 0..{cuda_count - 1})")
+            raise DeviceError(
+                f"{flag} {','.join(map(str, devs))}: GPU {bad[0]} does not exist "
+                f"(this process sees {cuda_count} GPU(s): 0..{cuda_count - 1})"
+            )
     if train_ranks not in (1, len(train)):
-        raise DeviceError(f"--train-ranks {train_ranks} does not match --train-devices {train_devices} "
-                          f"({len(train)} GPU(s)): on GPUs there is one trainer rank per GPU")
+        raise DeviceError(
+            f"--train-ranks {train_ranks} does not match --train-devices {train_devices} "
+            f"({len(train)} GPU(s)): on GPUs there is one trainer rank per GPU"
+        )
     shared = tuple(d for d in train if d in gen)
-    names = visible_tokens(cuda_count, os.environ.get("CUDA_VISIBLE_DEVICES") if visible_env is None else visible_env)
+    names = visible_tokens(
+        cuda_count, os.environ.get("CUDA_VISIBLE_DEVICES") if visible_env is None else visible_env
+    )
     buffer_gpu = train[0]
     gen_visible = list(gen) + ([buffer_gpu] if buffer_gpu not in gen else [])
-    gen_fraction = gpu_memory_utilization or (SHARED_GEN_FRACTION if shared else DEDICATED_GEN_FRACTION)
+    gen_fraction = gpu_memory_utilization or (
+        SHARED_GEN_FRACTION if shared else DEDICATED_GEN_FRACTION
+    )
     train_fraction = None
-    if shared:  # both sides on one GPU: vLLM gets its share, the trainer rank the rest of the budget
-        budget = round(min(SHARED_BUDGET, 1 - RESERVED_FRACTION - buffer_fraction), 4)  # the buffer is on train[0]
+    # both sides on one GPU: vLLM gets its share, the trainer rank the rest of the budget
+    if shared:
+        # the buffer is on train[0]
+        budget = round(min(SHARED_BUDGET, 1 - RESERVED_FRACTION - buffer_fraction), 4)
         train_fraction = round(budget - gen_fraction, 4)
         if train_fraction < MIN_SHARED_TRAIN_FRACTION:
             raise DeviceError(
-                f"--gpu-memory-utilization {gen_fraction} on GPU {shared[0]}, which a trainer rank shares"
-                + (f" with the weight buffer ({buffer_fraction:.0%} of it)" if buffer_fraction else "")
+                f"--gpu-memory-utilization {gen_fraction} on GPU {shared[0]}, which a trainer rank "
+                f"shares"
+                + (
+                    f" with the weight buffer ({buffer_fraction:.0%} of it)"
+                    if buffer_fraction
+                    else ""
+                )
                 + f", leaves the trainer {train_fraction:.0%} of it: give at most "
-                f"{budget - MIN_SHARED_TRAIN_FRACTION:.2f} there (0: {SHARED_GEN_FRACTION}), or give the trainer "
-                "a GPU of its own")
+                f"{budget - MIN_SHARED_TRAIN_FRACTION:.2f} there (0: {SHARED_GEN_FRACTION}), or "
+                f"give the trainer "
+                "a GPU of its own"
+            )
     return DeviceLayout(
-        "cuda", world_size=len(train), gen_devices=gen, train_devices=train, shared_gpus=shared,
-        backend=GPU_BACKEND, buffer_device=f"cuda:{buffer_gpu}",
+        "cuda",
+        world_size=len(train),
+        gen_devices=gen,
+        train_devices=train,
+        shared_gpus=shared,
+        backend=GPU_BACKEND,
+        buffer_device=f"cuda:{buffer_gpu}",
         gen_visible_devices=",".join(names[d] for d in gen_visible),
-        gpu_memory_utilization=gen_fraction, train_memory_fraction=train_fraction)
+        gpu_memory_utilization=gen_fraction,
+        train_memory_fraction=train_fraction,
+    )
 
 
 def generator_share_beside_buffer(requested: float, buffer_fraction: float) -> float:
-    """vLLM's share of a GPU of its own that also holds the packed weight buffer (the generator node's GPU):
-    `requested` (0: DEDICATED_GEN_FRACTION, lowered to fit) at most 1 - buffer - RESERVED_FRACTION, since vLLM
-    refuses to start unless its share is free. A requested share that does not fit is refused."""
+    """vLLM's share of a GPU of its own that also holds the packed weight buffer (the generator
+    node's GPU): `requested` (0: DEDICATED_GEN_FRACTION, lowered to fit) at most 1 - buffer -
+    RESERVED_FRACTION, since vLLM refuses to start unless its share is free. A requested share that
+    does not fit is refused."""
     room = round(1 - RESERVED_FRACTION - buffer_fraction, 4)
     if room < MIN_GEN_FRACTION:
-        raise DeviceError(f"the weight buffer takes {buffer_fraction:.0%} of the generator's GPU: too little is left "
-                          "for vLLM (use --dtype bf16, or a GPU with more memory)")
+        raise DeviceError(
+            f"the weight buffer takes {buffer_fraction:.0%} of the generator's GPU: too little is "
+            f"left "
+            "for vLLM (use --dtype bf16, or a GPU with more memory)"
+        )
     if requested > room:
-        raise DeviceError(f"--gpu-memory-utilization {requested} does not fit beside the weight buffer "
-                          f"({buffer_fraction:.0%} of the GPU): give at most {room} (0: the most that fits)")
+        raise DeviceError(
+            f"--gpu-memory-utilization {requested} does not fit beside the weight buffer "
+            f"({buffer_fraction:.0%} of the GPU): give at most {room} (0: the most that fits)"
+        )
     return requested or min(DEDICATED_GEN_FRACTION, room)
 
 
 def layout_for(cfg, buffer_fraction: float = 0.0) -> DeviceLayout:
     """The layout of a config.Config (reads cfg.gen_devices, cfg.train_devices, cfg.train_ranks,
-    cfg.gpu_memory_utilization); `buffer_fraction`: the packed weight buffer over its GPU's memory."""
-    return plan(getattr(cfg, "gen_devices", ""), getattr(cfg, "train_devices", ""), cfg.train_ranks,
-                gpu_memory_utilization=getattr(cfg, "gpu_memory_utilization", 0.0), buffer_fraction=buffer_fraction)
+    cfg.gpu_memory_utilization); `buffer_fraction`: the packed weight buffer over its GPU's
+    memory."""
+    return plan(
+        getattr(cfg, "gen_devices", ""),
+        getattr(cfg, "train_devices", ""),
+        cfg.train_ranks,
+        gpu_memory_utilization=getattr(cfg, "gpu_memory_utilization", 0.0),
+        buffer_fraction=buffer_fraction,
+    )
 
 
 def gpu_fraction(nbytes: int, device: str) -> float:
@@ -197,7 +268,8 @@ def gpu_fraction(nbytes: int, device: str) -> float:
 
 
 def resolve_dtype(choice: str, layout: DeviceLayout) -> str:
-    """--dtype: "bf16" or "fp32" as given; "auto" is GPU_DEFAULT_DTYPE on GPUs, CPU_DEFAULT_DTYPE on the CPU."""
+    """--dtype: "bf16" or "fp32" as given; "auto" is GPU_DEFAULT_DTYPE on GPUs, CPU_DEFAULT_DTYPE on
+    the CPU."""
     if choice == "auto":
         return GPU_DEFAULT_DTYPE if layout.on_gpu else CPU_DEFAULT_DTYPE
     if choice not in DTYPES:
@@ -206,7 +278,7 @@ def resolve_dtype(choice: str, layout: DeviceLayout) -> str:
 
 
 def torch_dtype(name: str):
-    """"bf16" -> torch.bfloat16, "fp32" -> torch.float32 (what torch, FSDP2 and vLLM are given)."""
+    """ "bf16" -> torch.bfloat16, "fp32" -> torch.float32 (what torch, FSDP2 and vLLM are given)."""
     return {"bf16": torch.bfloat16, "fp32": torch.float32}[name]
 
 
@@ -221,28 +293,34 @@ def problems(cfg) -> list[str]:
 
 def enter_generator_devices(settings, kv_cache_mb: int) -> dict:
     """vLLM's placement and memory options (AsyncEngineArgs keywords) for the generator's `settings`
-    (rollout.GeneratorSettings). On GPUs it sets CUDA_VISIBLE_DEVICES first, before vLLM is imported (its
-    engine and worker processes inherit it): vLLM runs on the first tensor_parallel_size visible GPUs; the
-    trainer's weight buffer is on one of them or on the last one, where the worker extension opens its CUDA
-    IPC handle and copies peer-to-peer. CUDA graphs on GPUs (weight reloads copy into the same storage, so
-    captured graphs stay valid); on the CPU eager starts fastest (torch.compile adds ~20 s)."""
+    (rollout.GeneratorSettings). On GPUs it sets CUDA_VISIBLE_DEVICES first, before vLLM is imported
+    (its engine and worker processes inherit it): vLLM runs on the first tensor_parallel_size
+    visible GPUs; the trainer's weight buffer is on one of them or on the last one, where the worker
+    extension opens its CUDA IPC handle and copies peer-to-peer. CUDA graphs on GPUs (weight reloads
+    copy into the same storage, so captured graphs stay valid); on the CPU eager starts fastest
+    (torch.compile adds ~20 s)."""
     if settings.device != "cuda":
         return dict(kv_cache_memory_bytes=kv_cache_mb * 2**20, enforce_eager=True)
     os.environ["CUDA_VISIBLE_DEVICES"] = settings.cuda_visible_devices
-    return dict(gpu_memory_utilization=settings.gpu_memory_utilization,
-                tensor_parallel_size=settings.tensor_parallel_size, enforce_eager=False)
+    return dict(
+        gpu_memory_utilization=settings.gpu_memory_utilization,
+        tensor_parallel_size=settings.tensor_parallel_size,
+        enforce_eager=False,
+    )
 
 
 def rank_device(layout: DeviceLayout, rank: int, torchrun: bool = False) -> torch.device:
-    """A trainer rank's device: the layout's, or under torchrun (--role trainer) this node's GPU LOCAL_RANK."""
+    """A trainer rank's device: the layout's, or under torchrun (--role trainer) this node's GPU
+    LOCAL_RANK."""
     if torchrun and torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     return torch.device(layout.train_device(rank))
 
 
 def enter_rank_device(layout: DeviceLayout, rank: int, device: torch.device) -> None:
-    """Make a trainer rank's GPU current, capped to its share of a GPU it shares with vLLM (nothing on the CPU
-    path). Call it only once vLLM has started on a shared GPU: vLLM measures the free memory as it starts."""
+    """Make a trainer rank's GPU current, capped to its share of a GPU it shares with vLLM (nothing
+    on the CPU path). Call it only once vLLM has started on a shared GPU: vLLM measures the free
+    memory as it starts."""
     if not layout.on_gpu:
         return
     torch.cuda.set_device(device)
@@ -250,57 +328,93 @@ def enter_rank_device(layout: DeviceLayout, rank: int, device: torch.device) -> 
         torch.cuda.set_per_process_memory_fraction(layout.train_memory_fraction, device)
 
 
-# vLLM 0.32's CPU attention (CPUAttentionBackend.get_supported_head_sizes): another head size starts the
-# engine and then fails at the first forward pass, inside the worker.
+# vLLM 0.32's CPU attention (CPUAttentionBackend.get_supported_head_sizes): another head size starts
+# the engine and then fails at the first forward pass, inside the worker.
 CPU_ATTENTION_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 
-EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")  # MoE configs' names
+# MoE configs' names
+EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
 
-def engine_problems(model_path: str, on_gpu: bool, max_model_len: int, max_new_tokens: int, kv_cache_mb: int,
-                    dtype: str, lora_rank: int = 0) -> list[str]:
-    """What would stop vLLM from serving `model_path` with these settings, found from its config.json before
-    anything starts (vLLM itself finds it inside its worker, as a stack trace): one line each."""
+def engine_problems(
+    model_path: str,
+    on_gpu: bool,
+    max_model_len: int,
+    max_new_tokens: int,
+    kv_cache_mb: int,
+    dtype: str,
+    lora_rank: int = 0,
+) -> list[str]:
+    """What would stop vLLM from serving `model_path` with these settings, found from its
+    config.json before anything starts (vLLM itself finds it inside its worker, as a stack trace):
+    one line each."""
     config = AutoConfig.from_pretrained(model_path)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = getattr(text, "num_attention_heads", None)
     head_dim = getattr(text, "head_dim", None) or (text.hidden_size // heads if heads else None)
     problems = []
     if not on_gpu and head_dim is not None and head_dim not in CPU_ATTENTION_HEAD_SIZES:
-        problems.append(f"{model_path}: attention head size {head_dim} (hidden_size / num_attention_heads) is not "
-                        f"one vLLM's CPU backend runs ({', '.join(map(str, CPU_ATTENTION_HEAD_SIZES))}); use "
-                        "such a model, or GPUs (--gen-devices/--train-devices)")
+        problems.append(
+            f"{model_path}: attention head size {head_dim} (hidden_size / num_attention_heads) is "
+            f"not "
+            f"one vLLM's CPU backend runs ({', '.join(map(str, CPU_ATTENTION_HEAD_SIZES))}); use "
+            "such a model, or GPUs (--gen-devices/--train-devices)"
+        )
     positions = getattr(text, "max_position_embeddings", None)
-    scaling = getattr(text, "rope_scaling", None) or {}  # a scaled RoPE (YaRN...) lets vLLM go past positions
-    scaled = isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type", "default")) != "default"
+    # a scaled RoPE (YaRN...) lets vLLM go past positions
+    scaling = getattr(text, "rope_scaling", None) or {}
+    scaled = (
+        isinstance(scaling, dict)
+        and scaling.get("rope_type", scaling.get("type", "default")) != "default"
+    )
     if max_model_len and positions and max_model_len > positions and not scaled:
-        problems.append(f"--max-model-len {max_model_len} is longer than {model_path} was built for "
-                        f"(max_position_embeddings {positions})")
+        problems.append(
+            f"--max-model-len {max_model_len} is longer than {model_path} was built for "
+            f"(max_position_embeddings {positions})"
+        )
     context = max_model_len or positions
     if context and context <= max_new_tokens:
-        problems.append(f"--max-new-tokens {max_new_tokens} fills the whole context ({context} tokens) of "
-                        f"{model_path}: lower it (or raise --max-model-len)")
+        problems.append(
+            f"--max-new-tokens {max_new_tokens} fills the whole context ({context} tokens) of "
+            f"{model_path}: lower it (or raise --max-model-len)"
+        )
     if lora_rank and not on_gpu and any(getattr(text, name, None) for name in EXPERT_COUNTS):
-        problems.append(f"{model_path} is a Mixture-of-Experts model: vLLM 0.32 runs MoE layers under LoRA only with "
-                        "its Triton kernels, which its CPU backend lacks (the engine fails at its first step): "
-                        "train it without --lora-rank here, or on GPUs")
+        problems.append(
+            f"{model_path} is a Mixture-of-Experts model: vLLM 0.32 runs MoE layers under LoRA "
+            f"only with "
+            "its Triton kernels, which its CPU backend lacks (the engine fails at its first step): "
+            "train it without --lora-rank here, or on GPUs"
+        )
     window = getattr(text, "sliding_window", None)
     sliding = "sliding_attention" in (getattr(text, "layer_types", None) or [])
-    if getattr(text, "model_type", "") in ("cohere2", "cohere2_moe") and sliding and context and context > window:
-        # vLLM 0.32 (commandr.py, cohere2_moe.py) lets a sliding layer see sliding_window + 1 tokens (Cohere's
-        # training convention), transformers 5 sliding_window: a tiny Cohere2-MoE measured 0.14 apart in log-prob
-        problems.append(f"{model_path}: vLLM serves its sliding-window layers one token wider than transformers "
-                        f"({window} + 1 against {window}), so sequences longer than {window} tokens would be "
-                        f"scored on another distribution than sampled: give --max-model-len {window} or less")
+    if (
+        getattr(text, "model_type", "") in ("cohere2", "cohere2_moe")
+        and sliding
+        and context
+        and context > window
+    ):
+        # vLLM 0.32 (commandr.py, cohere2_moe.py) lets a sliding layer see sliding_window + 1 tokens
+        # (Cohere's training convention), transformers 5 sliding_window: a tiny Cohere2-MoE measured
+        # 0.14 apart in log-prob
+        problems.append(
+            f"{model_path}: vLLM serves its sliding-window layers one token wider than "
+            f"transformers "
+            f"({window} + 1 against {window}), so sequences longer than {window} tokens would be "
+            f"scored on another distribution than sampled: give --max-model-len {window} or less"
+        )
     layers = getattr(text, "num_hidden_layers", None)
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     if not on_gpu and context and layers and kv_heads and head_dim:
-        # A lower bound (vLLM also rounds up to 128-token blocks and holds one back): refuse only the sure cases.
-        per_token = 2 * layers * kv_heads * head_dim * (2 if dtype == "bf16" else 4)  # keys and values
+        # A lower bound (vLLM also rounds up to 128-token blocks and holds one back): refuse only
+        # the sure cases. keys and values
+        per_token = 2 * layers * kv_heads * head_dim * (2 if dtype == "bf16" else 4)
         needed_mb = context * per_token / 2**20
         if needed_mb > kv_cache_mb:
-            problems.append(f"one sequence of {context} tokens (--max-model-len, or the model's "
-                            f"max_position_embeddings) needs at least {needed_mb:.0f} MB of KV cache, more than "
-                            f"--kv-cache-mb {kv_cache_mb}: raise --kv-cache-mb or lower --max-model-len")
+            problems.append(
+                f"one sequence of {context} tokens (--max-model-len, or the model's "
+                f"max_position_embeddings) needs at least {needed_mb:.0f} MB of KV cache, more "
+                f"than "
+                f"--kv-cache-mb {kv_cache_mb}: raise --kv-cache-mb or lower --max-model-len"
+            )
     return problems

@@ -1,17 +1,19 @@
-"""evaluation.py — held-out evaluation: what the trainer asks for, what the generator answers, what it means.
+"""evaluation.py — held-out evaluation: what the trainer asks for, what the generator answers, what
+it means.
 
-Role: rank 0 asks every --eval-every steps and at the end (`request`); the generator (rollout.py) evaluates
-the weights it holds on its own engine, beside training requests, and answers on a queue of its own, so
-evaluation outputs are never trained on. The trainer picks answers up between steps (`collect`); `summarize`
-turns one into the eval/... keys.
+Role: rank 0 asks every --eval-every steps and at the end (`request`); the generator (rollout.py)
+evaluates the weights it holds on its own engine, beside training requests, and answers on a queue
+of its own, so evaluation outputs are never trained on. The trainer picks answers up between steps
+(`collect`); `summarize` turns one into the eval/... keys.
 Data contract
-    - The request, `control.eval_request` = [step, version]: evaluate the weights of `version` or newer;
-      only the newest request counts.
-    - `EvalResult`: the step asked for, the one version evaluated, and per held-out prompt the reward of its
-      greedy completion then those of S sampled ones (an env task: of its greedy and S sampled episodes, and
-      their mean turns); pass@k is Chen et al.'s unbiased estimator.
+    - The request, `control.eval_request` = [step, version]: evaluate the weights of `version` or
+      newer; only the newest request counts.
+    - `EvalResult`: the step asked for, the one version evaluated, and per held-out prompt the
+      reward of its greedy completion then those of S sampled ones (an env task: of its greedy and S
+      sampled episodes, and their mean turns); pass@k is Chen et al.'s unbiased estimator.
 May touch: the two eval fields of `processes.Control`. No engine, no model.
 """
+
 from __future__ import annotations
 
 import math
@@ -25,16 +27,18 @@ from dataclasses import dataclass, field
 class EvalResult:
     step: int  # steps done when it was asked for (0: the initial weights)
     version: int  # the version of the weights evaluated
-    rewards: list[list[float]]  # per held-out prompt: [greedy completion's reward, then the S samples' rewards]
+    # per held-out prompt: [greedy completion's reward, then the S samples' rewards]
+    rewards: list[list[float]]
     time_s: float = 0.0
     tokens: int = 0
-    turns: list[float] = field(default_factory=list)  # an env task: per held-out prompt, its episodes' mean turns
+    # an env task: per held-out prompt, its episodes' mean turns
+    turns: list[float] = field(default_factory=list)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
-    """The probability that at least one of k completions drawn without replacement from n, of which c pass,
-    passes: 1 - C(n - c, k) / C(n, k) (the unbiased estimator of Chen et al. 2021, "Evaluating Large Language
-    Models Trained on Code")."""
+    """The probability that at least one of k completions drawn without replacement from n, of which
+    c pass, passes: 1 - C(n - c, k) / C(n, k) (the unbiased estimator of Chen et al. 2021,
+    "Evaluating Large Language Models Trained on Code")."""
     if not 0 <= c <= n or not 1 <= k <= n:
         raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n (got n={n}, c={c}, k={k})")
     if n - c < k:
@@ -44,7 +48,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 def ks_for(samples: int) -> list[int]:
     """The k reported for S samples: 1, 2, 4, ... up to S, and S."""
-    ks = [k for k in (2 ** i for i in range(samples.bit_length())) if k <= samples]
+    ks = [k for k in (2**i for i in range(samples.bit_length())) if k <= samples]
     return sorted(set(ks + [samples])) if samples else []
 
 
@@ -53,13 +57,24 @@ def summarize(result: EvalResult, pass_reward: float = 1.0) -> dict:
     prompts = [r for r in result.rewards if r]
     n = len(prompts)
     samples = min((len(r) - 1 for r in prompts), default=0)
-    out = {"eval/step": result.step, "eval/version": result.version, "eval/prompts": n,
-           "eval/greedy_pass@1": sum(r[0] >= pass_reward for r in prompts) / n if n else None,
-           "eval/greedy_reward": sum(r[0] for r in prompts) / n if n else None,
-           "eval/reward": sum(sum(r[1:samples + 1]) for r in prompts) / (n * samples) if n and samples else None}
+    out = {
+        "eval/step": result.step,
+        "eval/version": result.version,
+        "eval/prompts": n,
+        "eval/greedy_pass@1": sum(r[0] >= pass_reward for r in prompts) / n if n else None,
+        "eval/greedy_reward": sum(r[0] for r in prompts) / n if n else None,
+        "eval/reward": sum(sum(r[1 : samples + 1]) for r in prompts) / (n * samples)
+        if n and samples
+        else None,
+    }
     for k in ks_for(samples):
-        out[f"eval/pass@{k}"] = sum(pass_at_k(samples, sum(x >= pass_reward for x in r[1:samples + 1]), k)
-                                    for r in prompts) / n
+        out[f"eval/pass@{k}"] = (
+            sum(
+                pass_at_k(samples, sum(x >= pass_reward for x in r[1 : samples + 1]), k)
+                for r in prompts
+            )
+            / n
+        )
     if result.turns:  # an env task: the greedy pass@1 is its success rate
         out["eval/turns_mean"] = sum(result.turns) / len(result.turns)
     out["eval/time_s"] = result.time_s
@@ -67,11 +82,12 @@ def summarize(result: EvalResult, pass_reward: float = 1.0) -> dict:
     return out
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Crossing processes (processes.Control holds `eval_request` and `eval_results`)
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 def request(control, step: int, version: int) -> None:
-    """The trainer asks for an evaluation of the weights after `step` steps (published as `version`)."""
+    """The trainer asks for an evaluation of the weights after `step` steps (published as
+    `version`)."""
     with control.eval_request.get_lock():
         control.eval_request[0], control.eval_request[1] = step, version
 
@@ -82,22 +98,32 @@ def requested(control) -> tuple[int, int]:
         return control.eval_request[0], control.eval_request[1]
 
 
-def collect(control, wait_for_step: int | None = None, timeout_s: float = 0.0,
-            should_stop=lambda: False) -> list[EvalResult]:
-    """The answers that have arrived, without waiting; with `wait_for_step`, wait (at most `timeout_s`, and
-    not once `should_stop()`) until the answer for that step is among them."""
+def collect(
+    control, wait_for_step: int | None = None, timeout_s: float = 0.0, should_stop=lambda: False
+) -> list[EvalResult]:
+    """The answers that have arrived, without waiting; with `wait_for_step`, wait (at most
+    `timeout_s`, and not once `should_stop()`) until the answer for that step is among them."""
     results: list[EvalResult] = []
     deadline = time.monotonic() + timeout_s
     while True:
         waiting = wait_for_step is not None and not any(r.step >= wait_for_step for r in results)
         try:
-            results.append(control.eval_results.get(timeout=0.2) if waiting else control.eval_results.get_nowait())
+            results.append(
+                control.eval_results.get(timeout=0.2)
+                if waiting
+                else control.eval_results.get_nowait()
+            )
         except queue_lib.Empty:
             if not waiting:
                 return results
             if should_stop():
                 return results
             if time.monotonic() > deadline:
-                print(f"warning: the generator sent no evaluation for step {wait_for_step} within {timeout_s:.0f} s "
-                      "(--timeout-s): the run ends without it", file=sys.stderr, flush=True)
+                print(
+                    f"warning: the generator sent no evaluation for step {wait_for_step} within "
+                    f"{timeout_s:.0f} s "
+                    "(--timeout-s): the run ends without it",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 return results

@@ -15,33 +15,38 @@ only).
 
 import torch
 
-
 # ---------- Log-probs consistent with the generator's sampler -------------------------------------
 
 
 def token_logprobs(logits, tokens, temperature=1.0, top_k=-1, top_p=1.0, exact_top_k=None):
-    """log p(tokens) under the distribution vLLM samples from: logits (..., V), tokens (...) long -> (...) float32.
-    Mirrors vLLM 0.32's sampler (v1/sample/sampler.py: float32 logits / temperature; then, on CPU,
-    ops/topk_topp_sampler.py apply_top_k_top_p_pytorch), then log_softmax over the kept set ("processed_logprobs").
-      top_k on iff 0 < top_k < V: every logit >= the k-th largest is kept (ties at the k-th all kept).
-      top_p on iff top_p < 1, on the top-k set: sort ascending, softmax, cumsum; a token is removed iff its
-        cumsum <= 1 - top_p (float32, as vLLM), the largest always kept: the smallest top set reaching top_p;
-        boundary ties follow the sort order (lower vocabulary indices dropped first).
-    A sampled token just outside the kept set here (the two sides' logits differ in the last bits) gets -inf:
-    callers mask or weight it. Recorded log-probs match this only with logprobs_mode="processed_logprobs".
-    On CUDA (exact_top_k None and CUDA logits, or True) the kept set is vLLM's Triton kernel's
-    (topk_topp_triton.py; FlashInfer is never used with processed log-probs): exactly k tokens, ties by lowest
-    index (`_cuda_kept_set`); where the kernel is inexact (top-p ties within 1e-9, pivot searches of 18 steps)
-    it may differ. Checked on CPU tensors against a reading of the kernel, never yet on a GPU."""
+    """log p(tokens) under the distribution vLLM samples from: logits (..., V), tokens (...) long ->
+    (...) float32. Mirrors vLLM 0.32's sampler (v1/sample/sampler.py: float32 logits / temperature;
+    then, on CPU, ops/topk_topp_sampler.py apply_top_k_top_p_pytorch), then log_softmax over the
+      kept set ("processed_logprobs"). top_k on iff 0 < top_k < V: every logit >= the k-th largest
+      is kept (ties at the k-th all kept). top_p on iff top_p < 1, on the top-k set: sort ascending,
+        softmax, cumsum; a token is removed iff its cumsum <= 1 - top_p (float32, as vLLM), the
+        largest always kept: the smallest top set reaching top_p; boundary ties follow the sort
+        order (lower vocabulary indices dropped first).
+    A sampled token just outside the kept set here (the two sides' logits differ in the last bits)
+    gets -inf: callers mask or weight it. Recorded log-probs match this only with
+    logprobs_mode="processed_logprobs". On CUDA (exact_top_k None and CUDA logits, or True) the kept
+    set is vLLM's Triton kernel's (topk_topp_triton.py; FlashInfer is never used with processed
+    log-probs): exactly k tokens, ties by lowest index (`_cuda_kept_set`); where the kernel is
+    inexact (top-p ties within 1e-9, pivot searches of 18 steps) it may differ. Checked on CPU
+    tensors against a reading of the kernel, never yet on a GPU."""
     x = sampling_logits(logits, temperature, top_k, top_p, exact_top_k)
     return torch.log_softmax(x, dim=-1).gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
 
 
 def sampling_logits(logits, temperature=1.0, top_k=-1, top_p=1.0, exact_top_k=None):
-    """The float32 logits (..., V) vLLM samples from: / temperature, -inf outside the top-k/top-p set (rules in
-    `token_logprobs`; exact_top_k: vLLM's CUDA rule, None: on CUDA logits). Differentiable on the kept set."""
+    """The float32 logits (..., V) vLLM samples from: / temperature, -inf outside the top-k/top-p
+    set (rules in `token_logprobs`; exact_top_k: vLLM's CUDA rule, None: on CUDA logits).
+    Differentiable on the kept set."""
     if not temperature > 0:
-        raise ValueError(f"temperature must be > 0 (greedy decoding has no log-probs to train on), got {temperature}")
+        raise ValueError(
+            f"temperature must be > 0 (greedy decoding has no log-probs to train on), got "
+            f"{temperature}"
+        )
     if not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     vocab = logits.shape[-1]
@@ -76,10 +81,12 @@ def sampling_logits(logits, temperature=1.0, top_k=-1, top_p=1.0, exact_top_k=No
 
 
 def _cuda_kept_set(flat, top_k, top_p):
-    """(N, V) bool: what vLLM 0.32's Triton kernel keeps on CUDA (top_k 0: off). Top-k: exactly k, ties at the
-    k-th logit by lowest index (the kernel walks the row in index order). Top-p on that set: the smallest top
-    set reaching top_p, ties by lowest index, but a boundary at the k-th logit keeps every token equal to it."""
-    # a stable descending sort orders ties by index: its first k positions are the kernel's top-k set
+    """(N, V) bool: what vLLM 0.32's Triton kernel keeps on CUDA (top_k 0: off). Top-k: exactly k,
+    ties at the k-th logit by lowest index (the kernel walks the row in index order). Top-p on that
+    set: the smallest top set reaching top_p, ties by lowest index, but a boundary at the k-th logit
+    keeps every token equal to it."""
+    # a stable descending sort orders ties by index: its first k positions are the kernel's top-k
+    # set
     values, order = flat.sort(dim=-1, descending=True, stable=True)
     ranked_keep = torch.ones_like(values, dtype=torch.bool)
     if top_k:
@@ -90,69 +97,118 @@ def _cuda_kept_set(flat, top_k, top_p):
         ranked_keep &= mass_before < torch.tensor(top_p, dtype=torch.float32, device=flat.device)
         if top_k:  # the boundary token's value: at the k-th logit, every token equal to it survives
             boundary = values.gather(-1, (ranked_keep.sum(-1, keepdim=True) - 1).clamp(min=0))
-            ranked_keep |= (boundary == values[:, top_k - 1:top_k]) & (values == boundary)
+            ranked_keep |= (boundary == values[:, top_k - 1 : top_k]) & (values == boundary)
     return torch.zeros_like(ranked_keep).scatter_(-1, order, ranked_keep)
 
 
 # ---------- Log-probs straight from hidden states, a chunk of tokens at a time --------------------
 
-# Logits held at once by `chunked_logprobs`: 2**24 float32 values, 64 MiB (110 tokens of a 151,936-token
-# vocabulary); its forward and backward hold two or three such arrays. This bound, not the batch, sets the
-# LM head's memory. Chunks of 2**23 to 2**25 logits cost the same per token on a CPU; smaller ones cost more.
+# Logits held at once by `chunked_logprobs`: 2**24 float32 values, 64 MiB (110 tokens of a
+# 151,936-token vocabulary); its forward and backward hold two or three such arrays. This bound, not
+# the batch, sets the LM head's memory. Chunks of 2**23 to 2**25 logits cost the same per token on a
+# CPU; smaller ones cost more.
 LOGIT_CHUNK_ELEMENTS = 2**24
 
 
-def chunked_logprobs(hidden, weight, bias, tokens, temperature=1.0, top_k=-1, top_p=1.0, hidden_scale=1.0,
-                     logit_scale=1.0, softcap=0.0, chunk_elements=LOGIT_CHUNK_ELEMENTS):
-    """`token_logprobs(head(hidden), tokens, ...)` and the entropy of the same distribution, never holding more
-    than ~`chunk_elements` logits. The family's head (heads.HeadTransform, `_head_logits`), then / temperature and
-    top-k/top-p as vLLM does: head(h) = logit_scale * softcap * tanh(((hidden_scale * h) @ weight.T + bias) / softcap)
-    (softcap 0: no tanh). hidden (N, H) at the positions to score, weight (V, H), bias (V,) or None, tokens (N,)
-    long -> logp (N,) float32 (a gradient to hidden, weight, bias) and the detached entropy (N,) of the sampling
-    distribution. Chunks of max(1, chunk_elements // V) tokens; the backward recomputes each chunk's logits and
-    applies the gradient in closed form, d logp_t / d x = (onehot(t) - p) / temperature (p: the kept-set
-    softmax), through d x / d z = logit_scale * (1 - tanh^2(z / softcap)): no chunk's logits outlive it."""
+def chunked_logprobs(
+    hidden,
+    weight,
+    bias,
+    tokens,
+    temperature=1.0,
+    top_k=-1,
+    top_p=1.0,
+    hidden_scale=1.0,
+    logit_scale=1.0,
+    softcap=0.0,
+    chunk_elements=LOGIT_CHUNK_ELEMENTS,
+):
+    """`token_logprobs(head(hidden), tokens, ...)` and the entropy of the same distribution, never
+    holding more than ~`chunk_elements` logits. The family's head (heads.HeadTransform,
+    `_head_logits`), then / temperature and top-k/top-p as vLLM does: head(h) = logit_scale *
+    softcap * tanh(((hidden_scale * h) @ weight.T + bias) / softcap) (softcap 0: no tanh). hidden
+    (N, H) at the positions to score, weight (V, H), bias (V,) or None, tokens (N,) long -> logp
+    (N,) float32 (a gradient to hidden, weight, bias) and the detached entropy (N,) of the sampling
+    distribution. Chunks of max(1, chunk_elements // V) tokens; the backward recomputes each chunk's
+    logits and applies the gradient in closed form, d logp_t / d x = (onehot(t) - p) / temperature
+    (p: the kept-set softmax), through d x / d z = logit_scale * (1 - tanh^2(z / softcap)): no
+    chunk's logits outlive it."""
     chunk = max(1, chunk_elements // weight.shape[0])
-    return _ChunkedLogprobs.apply(hidden, weight, bias, tokens, (temperature, top_k, top_p),
-                                  (hidden_scale, logit_scale, softcap), chunk)
+    return _ChunkedLogprobs.apply(
+        hidden,
+        weight,
+        bias,
+        tokens,
+        (temperature, top_k, top_p),
+        (hidden_scale, logit_scale, softcap),
+        chunk,
+    )
 
 
-def score_tokens(model, decoder, lm_head, input_ids, attention_mask, targets, mask, temperature=1.0, top_k=-1,
-                 top_p=1.0, untruncated=False, **head):
-    """(logp, entropy, logp_untruncated or None), each (B, T), 0 off `mask`: `chunked_logprobs` of `targets` at the
-    `mask` positions, without logits. `model` (a causal LM: plain, FSDP2 or PEFT) runs with logits_to_keep=[]; a
-    hook on its `decoder` catches the final hidden states; `lm_head` (a DTensor weight is gathered) and the
-    family's transform `head` (hidden_scale, logit_scale, softcap) run at the masked positions only (FSDP2's root
-    keeps the head gathered until the backward ends). untruncated: also under the temperature alone."""
+def score_tokens(
+    model,
+    decoder,
+    lm_head,
+    input_ids,
+    attention_mask,
+    targets,
+    mask,
+    temperature=1.0,
+    top_k=-1,
+    top_p=1.0,
+    untruncated=False,
+    **head,
+):
+    """(logp, entropy, logp_untruncated or None), each (B, T), 0 off `mask`: `chunked_logprobs` of
+    `targets` at the `mask` positions, without logits. `model` (a causal LM: plain, FSDP2 or PEFT)
+    runs with logits_to_keep=[]; a hook on its `decoder` catches the final hidden states; `lm_head`
+    (a DTensor weight is gathered) and the family's transform `head` (hidden_scale, logit_scale,
+    softcap) run at the masked positions only (FSDP2's root keeps the head gathered until the
+    backward ends). untruncated: also under the temperature alone."""
     caught = []
     hook = decoder.register_forward_hook(
-        lambda _, __, out: caught.append(out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]))
+        lambda _, __, out: caught.append(
+            out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        )
+    )
     try:
-        model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
-              logits_to_keep=torch.zeros(0, dtype=torch.long, device=input_ids.device))
+        model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            use_cache=False,
+            logits_to_keep=torch.zeros(0, dtype=torch.long, device=input_ids.device),
+        )
     finally:
         hook.remove()
     hidden, tokens = caught[0][:, :-1][mask], targets[mask]  # where completion tokens are predicted
     weight, bias = lm_head.weight, lm_head.bias
     if hasattr(weight, "full_tensor"):
         weight, bias = weight.full_tensor(), None if bias is None else bias.full_tensor()
-    logp, entropy = chunked_logprobs(hidden, weight, bias, tokens, temperature, top_k, top_p, **head)
+    logp, entropy = chunked_logprobs(
+        hidden, weight, bias, tokens, temperature, top_k, top_p, **head
+    )
     full = None
     if untruncated:  # (the KL term's distribution: the temperature alone)
-        full = chunked_logprobs(hidden, weight, bias, tokens, temperature, **head)[0] if 0 < top_k < weight.shape[0] \
-            or top_p < 1 else logp
-    return tuple(None if v is None else mask.new_zeros(mask.shape, dtype=v.dtype).masked_scatter(mask, v)
-                 for v in (logp, entropy, full))
+        full = (
+            chunked_logprobs(hidden, weight, bias, tokens, temperature, **head)[0]
+            if 0 < top_k < weight.shape[0] or top_p < 1
+            else logp
+        )
+    return tuple(
+        None if v is None else mask.new_zeros(mask.shape, dtype=v.dtype).masked_scatter(mask, v)
+        for v in (logp, entropy, full)
+    )
 
 
 def _head_logits(h, weight, bias, head, slope=False):
     """float32 logits of a chunk through the family's transform `head` = (hidden_scale, logit_scale,
-    softcap); with slope, also d logits / d z in float32 (None where it is the constant logit_scale).
-    As vLLM 0.32's LogitsProcessor.forward (model_executor/layers/logits_processor.py) does it: the soft cap
-    (/ cap, tanh, * cap), then the scale, each in the matmul's output dtype (vLLM's head_dtype, by default the
-    serving dtype: bf16 matmul outputs are capped in bf16), then float32 (its sampler). In float32 nothing
-    differs; Gemma-2's cap of 30 applied in float32 after a bf16 matmul moved sampled tokens' log-probs by 0.04
-    nats on average, 0.19 at most (tests/test_heads.py's bf16 case; a scale of 0.3 alone: 0.012, 0.078)."""
+    softcap); with slope, also d logits / d z in float32 (None where it is the constant
+    logit_scale). As vLLM 0.32's LogitsProcessor.forward (model_executor/layers/logits_processor.py)
+    does it: the soft cap (/ cap, tanh, * cap), then the scale, each in the matmul's output dtype
+    (vLLM's head_dtype, by default the serving dtype: bf16 matmul outputs are capped in bf16), then
+    float32 (its sampler). In float32 nothing differs; Gemma-2's cap of 30 applied in float32 after
+    a bf16 matmul moved sampled tokens' log-probs by 0.04 nats on average, 0.19 at most
+    (tests/test_heads.py's bf16 case; a scale of 0.3 alone: 0.012, 0.078)."""
     hidden_scale, logit_scale, softcap = head
     x = torch.nn.functional.linear(h * hidden_scale if hidden_scale != 1 else h, weight, bias)
     dx_dz = None
@@ -166,8 +222,8 @@ def _head_logits(h, weight, bias, head, slope=False):
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
-    """Each chunk's logits are made, used in place and dropped within its iteration (autograd records
-    nothing inside a Function's forward and backward)."""
+    """Each chunk's logits are made, used in place and dropped within its iteration (autograd
+    records nothing inside a Function's forward and backward)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, tokens, sampling, head, chunk):
@@ -179,9 +235,12 @@ class _ChunkedLogprobs(torch.autograd.Function):
             total = e.sum(dim=-1, keepdim=True)
             norm = top + total.log()  # logsumexp
             logp.append((x.gather(-1, t[:, None]) - norm).squeeze(-1))
-            # H = norm - sum_v p_v x_v over the kept set (p = e / total; -inf outside it, where p = 0)
+            # H = norm - sum_v p_v x_v over the kept set (p = e / total; -inf outside it, where p =
+            # 0)
             x.clamp_(min=torch.finfo(x.dtype).min)
-            entropy.append((norm - torch.bmm(e[:, None, :], x[:, :, None]).squeeze(-1) / total).squeeze(-1))
+            entropy.append(
+                (norm - torch.bmm(e[:, None, :], x[:, :, None]).squeeze(-1) / total).squeeze(-1)
+            )
             lse.append(norm.squeeze(-1))
         empty = hidden.new_zeros(0, dtype=torch.float32)
         lse = torch.cat(lse) if lse else empty
@@ -200,8 +259,12 @@ class _ChunkedLogprobs(torch.autograd.Function):
         grad_bias = torch.zeros_like(bias, dtype=torch.float32) if need_bias else None
         temperature, (hidden_scale, logit_scale, _) = ctx.sampling[0], ctx.head
         start = 0
-        for h, t, norm, g in zip(hidden.split(ctx.chunk), tokens.split(ctx.chunk), lse.split(ctx.chunk),
-                                 grad_logp.split(ctx.chunk)):
+        for h, t, norm, g in zip(
+            hidden.split(ctx.chunk),
+            tokens.split(ctx.chunk),
+            lse.split(ctx.chunk),
+            grad_logp.split(ctx.chunk),
+        ):
             x, dx_dz = _head_logits(h, weight, bias, ctx.head, slope=True)
             x = sampling_logits(x, *ctx.sampling)
             # d logp / d logits = (onehot(t) - p) / temperature, times the incoming gradient g
@@ -212,7 +275,9 @@ class _ChunkedLogprobs(torch.autograd.Function):
             if dx_dz is not None or logit_scale != 1:
                 grad_x.mul_(dx_dz if dx_dz is not None else logit_scale)
             if need_hidden:
-                grad_hidden[start:start + len(h)] = (grad_x.to(weight.dtype) @ weight) * hidden_scale
+                grad_hidden[start : start + len(h)] = (
+                    grad_x.to(weight.dtype) @ weight
+                ) * hidden_scale
             if need_weight:
                 grad_weight.addmm_(grad_x.T, h.float(), alpha=hidden_scale)
             if need_bias:

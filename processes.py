@@ -1,19 +1,21 @@
 """processes.py — the run's processes: start them, watch them, end them.
 
-Role: children start from the spawn context; one that raises sends its traceback to the parent and exits 1,
-and the parent prints `error: NAME died (...)` with it, kills the rest and returns 1 within seconds (a
-SIGKILL the run did not send gets a line naming the memory flag to lower). Ctrl-C or SIGTERM stop the run
-after the current step with a checkpoint (130 / 143); a second Ctrl-C stops at once. A SIGTERM sent to a
-child is forwarded to the parent (SLURM signals every process of a job step): any number of them is one
-stop. While a trainer saves (`saving`), the parent waits for it up to --save-timeout-s before it kills.
-The generator has its own process group, so killing it also kills vLLM's EngineCore: nothing is left behind;
-a child whose parent dies (SIGKILL, a CI timeout) ends at once, with its group. A child that succeeds, and the
-parent, end without the interpreter's teardown (`exit_now`).
-Data contract: `Control`, the flags and counters every child shares; `run_children(ctx, children, errors,
-control)`, children by name -> (function, args, own_process_group) ("trainer*" ranks end the run; a
-generator node, remote.py, runs the generator alone); (name, traceback) pairs on `errors`.
-May touch: the processes it starts, the parent's signal handlers while the run lasts.
+Role: children start from the spawn context; one that raises sends its traceback to the parent and
+exits 1, and the parent prints `error: NAME died (...)` with it, kills the rest and returns 1 within
+seconds (a SIGKILL the run did not send gets a line naming the memory flag to lower). Ctrl-C or
+SIGTERM stop the run after the current step with a checkpoint (130 / 143); a second Ctrl-C stops at
+once. A SIGTERM sent to a child is forwarded to the parent (SLURM signals every process of a job
+step): any number of them is one stop. While a trainer saves (`saving`), the parent waits for it up
+to --save-timeout-s before it kills. The generator has its own process group, so killing it also
+kills vLLM's EngineCore: nothing is left behind; a child whose parent dies (SIGKILL, a CI timeout)
+ends at once, with its group. A child that succeeds, and the parent, end without the interpreter's
+teardown (`exit_now`). Data contract: `Control`, the flags and counters every child shares;
+`run_children(ctx, children, errors, control)`, children by name -> (function, args,
+own_process_group) ("trainer*" ranks end the run; a generator node, remote.py, runs the generator
+alone); (name, traceback) pairs on `errors`. May touch: the processes it starts, the parent's signal
+handlers while the run lasts.
 """
+
 import atexit
 import contextlib
 import multiprocessing.connection
@@ -30,22 +32,38 @@ from dataclasses import dataclass
 @dataclass
 class Control:
     """Shared flags and counters (from the spawn context, so children can use them)."""
+
     stop: object  # Event: everyone winds down
-    ready: object  # Event: the generator's engine is up and serving (start weights loaded, step 0 evaluated)
-    engine_started: object  # Event: vLLM has started and measured its GPU (a GPU it shares is free to use now)
-    groups_dropped: object  # Value: groups the trainer rejected entirely (the generator replaces them)
-    steps_skipped: object  # Value: steps that made no new version (every update NaN/inf): version = step - this
+    # Event: the generator's engine is up and serving (start weights loaded, step 0 evaluated)
+    ready: object
+    # Event: vLLM has started and measured its GPU (a GPU it shares is free to use now)
+    engine_started: object
+    # Value: groups the trainer rejected entirely (the generator replaces them)
+    groups_dropped: object
+    # Value: steps that made no new version (every update NaN/inf): version = step - this
+    steps_skipped: object
     loaded_version: object  # Value: the version the generator serves now
     interrupted: object  # Event: a signal asked the run to stop (the trainer checkpoints)
-    eval_request: object  # Array [step, version]: the newest evaluation the trainer asked for (step -1: none)
+    # Array [step, version]: the newest evaluation the trainer asked for (step -1: none)
+    eval_request: object
     eval_results: object  # Queue: evaluation.EvalResult from the generator to the trainer's rank 0
-    saving: object  # Value: trainer ranks inside a save now (the parent's grace lasts while it is > 0)
+    # Value: trainer ranks inside a save now (the parent's grace lasts while it is > 0)
+    saving: object
 
 
 def make_control(ctx) -> Control:
-    return Control(stop=ctx.Event(), ready=ctx.Event(), engine_started=ctx.Event(), groups_dropped=ctx.Value("q", 0),
-                   steps_skipped=ctx.Value("q", 0), loaded_version=ctx.Value("q", 0), interrupted=ctx.Event(),
-                   eval_request=ctx.Array("q", [-1, 0]), eval_results=ctx.Queue(), saving=ctx.Value("q", 0))
+    return Control(
+        stop=ctx.Event(),
+        ready=ctx.Event(),
+        engine_started=ctx.Event(),
+        groups_dropped=ctx.Value("q", 0),
+        steps_skipped=ctx.Value("q", 0),
+        loaded_version=ctx.Value("q", 0),
+        interrupted=ctx.Event(),
+        eval_request=ctx.Array("q", [-1, 0]),
+        eval_results=ctx.Queue(),
+        saving=ctx.Value("q", 0),
+    )
 
 
 @contextlib.contextmanager
@@ -61,20 +79,24 @@ def saving(control):
 
 
 def forward_to(parent_pid: int):
-    """A signal handler that passes the signal on to the parent, which decides what it means (and to no
-    one once the parent is gone: the pid may belong to another process by then)."""
+    """A signal handler that passes the signal on to the parent, which decides what it means (and to
+    no one once the parent is gone: the pid may belong to another process by then)."""
+
     def forward(signum, frame):
         if os.getppid() == parent_pid:
             os.kill(parent_pid, signum)
+
     return forward
 
 
 def child_entry(name, fn, args, errors, own_process_group):
     """Run `fn(*args)` in a child; on any failure send the traceback to the parent and exit 1."""
     if own_process_group:
-        os.setpgrp()  # the parent can kill this child and every process it starts (vLLM's EngineCore)
+        # the parent can kill this child and every process it starts (vLLM's EngineCore)
+        os.setpgrp()
     else:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides what Ctrl-C means (it gets it too)
+        # the parent decides what Ctrl-C means (it gets it too)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, forward_to(os.getppid()))
     end_with_parent(own_process_group)
     try:
@@ -89,9 +111,10 @@ def child_entry(name, fn, args, errors, own_process_group):
 
 
 def exit_now(code: int) -> None:
-    """End this process once its work is done: the exit handlers run (atexit's, then multiprocessing's, which
-    hands on what the process put on the run's queues), but not the interpreter's teardown of torch and vLLM
-    (their C++ threads and allocations: 3-20 s at the end of every run, none of it ours)."""
+    """End this process once its work is done: the exit handlers run (atexit's, then
+    multiprocessing's, which hands on what the process put on the run's queues), but not the
+    interpreter's teardown of torch and vLLM (their C++ threads and allocations: 3-20 s at the end
+    of every run, none of it ours)."""
     atexit._run_exitfuncs()
     multiprocessing.util._exit_function()
     sys.stdout.flush()
@@ -100,8 +123,9 @@ def exit_now(code: int) -> None:
 
 
 def end_with_parent(own_process_group: bool) -> None:
-    """If the parent dies without ending the run (SIGKILL, the OOM killer, a CI timeout), this child ends too,
-    with every process it started (a generator's group holds vLLM's EngineCore): no orphan keeps a core busy."""
+    """If the parent dies without ending the run (SIGKILL, the OOM killer, a CI timeout), this child
+    ends too, with every process it started (a generator's group holds vLLM's EngineCore): no orphan
+    keeps a core busy."""
     parent = multiprocessing.parent_process()
     if parent is None:
         return
@@ -138,26 +162,45 @@ def kill_tree(proc, own_group: bool):
         pass
 
 
-def run_children(ctx, children: dict, errors, control: Control, failed=None, on_failure=None,
-                 save_grace_s: float = 0.0) -> int:
-    """Start every child, supervise them until the trainers finish or something fails, then make sure
-    none is left. Returns 0, 1 (a child failed), or 128 + the signal that stopped the run. Without trainer
-    children (a generator node, remote.py) the run ends when the generator does; `failed` (an Event another
-    thread of this process sets, having printed why) ends it with 1; `on_failure(report)` also gets the
-    failure report printed for a child. While the run ends, trainers get GRACE_S to exit, longer while one
-    saves (`control.saving`), up to `save_grace_s` (--save-timeout-s)."""
-    procs = {name: (ctx.Process(target=child_entry, name=name, args=(name, fn, args, errors, own_group)),
-                    own_group) for name, (fn, args, own_group) in children.items()}
+def run_children(
+    ctx,
+    children: dict,
+    errors,
+    control: Control,
+    failed=None,
+    on_failure=None,
+    save_grace_s: float = 0.0,
+) -> int:
+    """Start every child, supervise them until the trainers finish or something fails, then make
+    sure none is left. Returns 0, 1 (a child failed), or 128 + the signal that stopped the run.
+    Without trainer children (a generator node, remote.py) the run ends when the generator does;
+    `failed` (an Event another thread of this process sets, having printed why) ends it with 1;
+    `on_failure(report)` also gets the failure report printed for a child. While the run ends,
+    trainers get GRACE_S to exit, longer while one saves (`control.saving`), up to `save_grace_s`
+    (--save-timeout-s)."""
+    procs = {
+        name: (
+            ctx.Process(target=child_entry, name=name, args=(name, fn, args, errors, own_group)),
+            own_group,
+        )
+        for name, (fn, args, own_group) in children.items()
+    }
     interrupted = []
 
     def on_signal(signum, frame):
-        if interrupted:  # a second Ctrl-C stops now; more SIGTERMs are the same stop (SLURM, forwarded ones)
+        # a second Ctrl-C stops now; more SIGTERMs are the same stop (SLURM, forwarded ones)
+        if interrupted:
             if signum == signal.SIGINT:
                 raise KeyboardInterrupt
             return
         interrupted.append(signum)
-        print(f"\n{signal.Signals(signum).name}: stopping after the current step and writing a checkpoint "
-              "(press Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
+        print(
+            f"\n{signal.Signals(signum).name}: stopping after the current step and writing a "
+            f"checkpoint "
+            "(press Ctrl-C again to stop at once)",
+            file=sys.stderr,
+            flush=True,
+        )
         control.interrupted.set()
         control.stop.set()
 
@@ -192,7 +235,8 @@ def run_children(ctx, children: dict, errors, control: Control, failed=None, on_
     return code
 
 
-GRACE_S = 20  # what a child gets to exit once the run ends (a trainer inside a save: up to --save-timeout-s)
+# what a child gets to exit once the run ends (a trainer inside a save: up to --save-timeout-s)
+GRACE_S = 20
 
 
 def supervise(procs, errors, control, failed=None, on_failure=None) -> int:
@@ -203,7 +247,9 @@ def supervise(procs, errors, control, failed=None, on_failure=None) -> int:
         multiprocessing.connection.wait(sentinels, timeout=0.2 if failed is not None else 1.0)
         for name, (proc, _) in procs.items():
             if name == "generator" and trainers and control.interrupted.is_set():
-                continue  # stopping on a signal (SLURM sends it to vLLM too): the trainers' checkpoint matters
+                # stopping on a signal (SLURM sends it to vLLM too): the trainers' checkpoint
+                # matters
+                continue
             if proc.exitcode is not None and proc.exitcode != 0:
                 report = failure_report(name, proc.exitcode, errors)
                 print(report, file=sys.stderr, flush=True)
@@ -219,10 +265,18 @@ def supervise(procs, errors, control, failed=None, on_failure=None) -> int:
             generator = procs["generator"][0]
             generator.join(timeout=60)  # it stops on control.stop and shuts its engine down
             if generator.exitcode not in (0, None) and not control.interrupted.is_set():
-                print(failure_report("generator", generator.exitcode, errors), file=sys.stderr, flush=True)
+                print(
+                    failure_report("generator", generator.exitcode, errors),
+                    file=sys.stderr,
+                    flush=True,
+                )
             return 0
         if procs["generator"][0].exitcode == 0 and not control.stop.is_set():
-            print("error: the generator exited before the trainer finished", file=sys.stderr, flush=True)
+            print(
+                "error: the generator exited before the trainer finished",
+                file=sys.stderr,
+                flush=True,
+            )
             return 1
 
 
@@ -246,16 +300,20 @@ def failure_report(name, exitcode, errors) -> str:
 
 # What lowers the memory of each kind of child, for the hint below.
 MEMORY_FLAGS = {
-    "trainer": "--micro-batch-tokens (fewer tokens per forward/backward; or fewer --prompts-per-step x "
-               "--group-size, or a shorter --max-new-tokens)",
+    "trainer": "--micro-batch-tokens (fewer tokens per forward/backward; or fewer "
+    "--prompts-per-step x "
+    "--group-size, or a shorter --max-new-tokens)",
     "generator": "--kv-cache-mb on CPU, --gpu-memory-utilization on GPUs, or --max-model-len",
 }
 
 
 def killed_by_kernel_hint(name: str) -> str:
-    """The line after a child's SIGKILL. The run itself sends SIGKILL only while it ends (kill_tree, after
-    supervise has reported), so this one came from outside: almost always the kernel's out-of-memory killer."""
+    """The line after a child's SIGKILL. The run itself sends SIGKILL only while it ends (kill_tree,
+    after supervise has reported), so this one came from outside: almost always the kernel's
+    out-of-memory killer."""
     flags = MEMORY_FLAGS["trainer" if name.startswith("trainer") else "generator"]
-    return (f"error: the run did not send that SIGKILL: most likely the kernel killed {name} for lack of memory "
-            f"(the run needed more than the machine has). Lower its memory with {flags}")
-
+    return (
+        f"error: the run did not send that SIGKILL: most likely the kernel killed {name} for lack "
+        f"of memory "
+        f"(the run needed more than the machine has). Lower its memory with {flags}"
+    )

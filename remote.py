@@ -1,14 +1,16 @@
 """remote.py — beyond one node: the generator on its own machine, the trainer ranks under torchrun.
 
-Role: `--role generator` runs the ordinary generator (processes.run_children) behind a bridge to a trainer;
-`--role trainer` is one torchrun rank, rank 0 holding the link (link.py: ZMQ messages; weights over a
-2-member gloo/NCCL group on a TCPStore at PORT + 1). Contract: the one-node RolloutGroups, version tags and
-staleness gate; at most --queue-size finished groups not yet taken (1 in the node's queue + queue_size - 1
-credits, one granted back per group taken). A publish is gathered on every rank, then rank 0 sends it in
-buckets into the node's packed buffer (begin_write .. end_write: vLLM loads it as today). Either side ending
-ends the other, non-zero; the trainer checkpoints as it does when a process fails on one node.
-May touch: its link and group, the generator node's buffer, queue and Control.
+Role: `--role generator` runs the ordinary generator (processes.run_children) behind a bridge to a
+trainer; `--role trainer` is one torchrun rank, rank 0 holding the link (link.py: ZMQ messages;
+weights over a 2-member gloo/NCCL group on a TCPStore at PORT + 1). Contract: the one-node
+RolloutGroups, version tags and staleness gate; at most --queue-size finished groups not yet taken
+(1 in the node's queue + queue_size - 1 credits, one granted back per group taken). A publish is
+gathered on every rank, then rank 0 sends it in buckets into the node's packed buffer (begin_write
+.. end_write: vLLM loads it as today). Either side ending ends the other, non-zero; the trainer
+checkpoints as it does when a process fails on one node. May touch: its link and group, the
+generator node's buffer, queue and Control.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,17 +32,17 @@ import metrics
 import prepare
 import processes
 from config import split_addr
-from link import Link, receive_weights, send_weights, silence_limit, weight_group
 from devices import engine_problems
+from link import Link, receive_weights, send_weights, silence_limit, weight_group
 from rollout import generator_main
+from shared_weights import SharedWeights, make_layout, packed_numel
 from tasks import envs
 from tasks.datasets import DataError
-from shared_weights import SharedWeights, make_layout, packed_numel
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The trainer's side (torchrun ranks; rank 0 holds the link)
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 class Counter:
     """An mp.Value look-alike for threads: `.value`, `.get_lock()`."""
 
@@ -52,7 +54,8 @@ class Counter:
 
 
 class Pair(list):
-    """An mp.Array look-alike for threads (evaluation.request writes [step, version] under its lock)."""
+    """An mp.Array look-alike for threads (evaluation.request writes [step, version] under its
+    lock)."""
 
     def __init__(self, values):
         super().__init__(values)
@@ -63,25 +66,39 @@ class Pair(list):
 
 
 def thread_control():
-    """A processes.Control built from threading primitives (what trainer_main reads on a torchrun rank)."""
-    return processes.Control(stop=threading.Event(), ready=threading.Event(), engine_started=threading.Event(),
-                             groups_dropped=Counter(),
-                             steps_skipped=Counter(), loaded_version=Counter(), interrupted=threading.Event(),
-                             eval_request=Pair([-1, 0]), eval_results=queue.Queue(), saving=Counter())
+    """A processes.Control built from threading primitives (what trainer_main reads on a torchrun
+    rank)."""
+    return processes.Control(
+        stop=threading.Event(),
+        ready=threading.Event(),
+        engine_started=threading.Event(),
+        groups_dropped=Counter(),
+        steps_skipped=Counter(),
+        loaded_version=Counter(),
+        interrupted=threading.Event(),
+        eval_request=Pair([-1, 0]),
+        eval_results=queue.Queue(),
+        saving=Counter(),
+    )
 
 
 class RemoteWeights:
-    """What trainer ranks publish into with a remote role: the packed buffer's writer methods, a single
-    writer (sync.publish_model gathers each parameter on every rank, rank 0 alone writes). On rank 0 a local
-    packed buffer in the serving dtype, sent to the generator node by `end_write`; on other ranks only the
-    layout."""
+    """What trainer ranks publish into with a remote role: the packed buffer's writer methods, a
+    single writer (sync.publish_model gathers each parameter on every rank, rank 0 alone writes). On
+    rank 0 a local packed buffer in the serving dtype, sent to the generator node by `end_write`; on
+    other ranks only the layout."""
+
     device_type = "remote"
     single_writer = True
     starts_empty = True  # the generator node serves nothing until the first publish reaches it
 
     def __init__(self, layout, dtype, trainer_link: "TrainerLink | None" = None, device="cpu"):
         self.layout, self.dtype, self.link = layout, dtype, trainer_link
-        self.buffer = None if trainer_link is None else torch.empty(packed_numel(layout), dtype=dtype, device=device)
+        self.buffer = (
+            None
+            if trainer_link is None
+            else torch.empty(packed_numel(layout), dtype=dtype, device=device)
+        )
 
     @property
     def nbytes(self) -> int:
@@ -91,9 +108,10 @@ class RemoteWeights:
         pass
 
     def write_param(self, slot, value, row_start: int = 0) -> None:
-        self.buffer[slot.offset:slot.offset + slot.numel].view(slot.shape).copy_(value.detach())
+        self.buffer[slot.offset : slot.offset + slot.numel].view(slot.shape).copy_(value.detach())
 
-    def end_write(self, version: int) -> None:  # every rank has gathered: nothing interleaves with the sends
+    # every rank has gathered: nothing interleaves with the sends
+    def end_write(self, version: int) -> None:
         self.link.send_weights(version, self.buffer)
 
 
@@ -110,7 +128,9 @@ class TrainerLink:
         self.send_ms = None  # the last publish's send
         self.sent_state = None
         self.group = None
-        self.link = Link(self.addr, False, silence_limit(cfg.timeout_s), self.on_message, self.tick, self.on_fail)
+        self.link = Link(
+            self.addr, False, silence_limit(cfg.timeout_s), self.on_message, self.tick, self.on_fail
+        )
 
     def on_fail(self, text: str) -> None:
         print(f"error: the generator at {self.addr} {text}", file=sys.stderr, flush=True)
@@ -139,8 +159,13 @@ class TrainerLink:
             return
         with c.eval_request.get_lock():
             request = tuple(c.eval_request)
-        state = dict(stop=c.stop.is_set(), interrupted=c.interrupted.is_set(), groups_dropped=c.groups_dropped.value,
-                     steps_skipped=c.steps_skipped.value, eval_request=request)
+        state = dict(
+            stop=c.stop.is_set(),
+            interrupted=c.interrupted.is_set(),
+            groups_dropped=c.groups_dropped.value,
+            steps_skipped=c.steps_skipped.value,
+            eval_request=request,
+        )
         if state != self.sent_state:
             self.link.send("control", state)
             self.sent_state = state
@@ -157,14 +182,22 @@ class TrainerLink:
         return {"remote_groups_held_max": self.held_max, "sync_send_ms": self.send_ms}
 
     def handshake(self, settings, shapes, dtype: torch.dtype, device: torch.device) -> bool:
-        """Send the generator its settings and the weight layout; join the weight group. False: failed
-        (the line is printed)."""
+        """Send the generator its settings and the weight layout; join the weight group. False:
+        failed (the line is printed)."""
         hub_id = prepare.hub_id_of(self.cfg.model)
-        self.link.send("hello", dict(settings=settings, shapes=shapes, dtype=str(dtype).removeprefix("torch."),
-                                     hub_id=hub_id,
-                                     groups_dropped=self.control.groups_dropped.value,
-                                     steps_skipped=self.control.steps_skipped.value,
-                                     credits=self.cfg.queue_size - 1, timeout_s=self.cfg.timeout_s))
+        self.link.send(
+            "hello",
+            dict(
+                settings=settings,
+                shapes=shapes,
+                dtype=str(dtype).removeprefix("torch."),
+                hub_id=hub_id,
+                groups_dropped=self.control.groups_dropped.value,
+                steps_skipped=self.control.steps_skipped.value,
+                credits=self.cfg.queue_size - 1,
+                timeout_s=self.cfg.timeout_s,
+            ),
+        )
         deadline = time.monotonic() + self.cfg.timeout_s
         while not self.link.failed.is_set():
             try:
@@ -172,14 +205,18 @@ class TrainerLink:
                 break
             except queue.Empty:
                 if time.monotonic() > deadline:
-                    self.link.fail(f"did not answer within {self.cfg.timeout_s:.0f} s (--timeout-s): start "
-                                   "`train.py --role generator` there first")
+                    self.link.fail(
+                        f"did not answer within {self.cfg.timeout_s:.0f} s (--timeout-s): start "
+                        "`train.py --role generator` there first"
+                    )
                 if self.control.stop.is_set():
                     return False
         else:
             return False
         host, _ = split_addr(self.addr)
-        store = TCPStore(host, welcome["store_port"], 2, False, timedelta(seconds=self.cfg.timeout_s))
+        store = TCPStore(
+            host, welcome["store_port"], 2, False, timedelta(seconds=self.cfg.timeout_s)
+        )
         self.group = weight_group(store, 0, device, self.cfg.timeout_s)
         return True
 
@@ -201,40 +238,63 @@ class TrainerLink:
 
 
 def run_trainer(cfg, trainer_main) -> int:
-    """One torchrun rank of `train.py --role trainer`, training with `trainer_main` (train.trainer_main, handed
-    in by train.main: this module does not import train.py). Returns its exit code: 1 when the generator failed
-    (after the checkpoint), 128 + the signal when rank 0 was stopped by one. Ctrl-C (or SIGTERM, which
-    torchrun forwards to every rank) is rank 0's to handle: it stops after the current step and every rank
-    writes the checkpoint together; the other ranks ignore both signals meanwhile. torchrun itself then exits
-    1 with its own traceback, and SIGKILLs ranks still alive 30 s after it forwarded the signal."""
-    metrics.configure_terminal(cfg.log_level)  # every rank: torchrun started them, not a parent of ours
+    """One torchrun rank of `train.py --role trainer`, training with `trainer_main`
+    (train.trainer_main, handed in by train.main: this module does not import train.py). Returns its
+    exit code: 1 when the generator failed (after the checkpoint), 128 + the signal when rank 0 was
+    stopped by one. Ctrl-C (or SIGTERM, which torchrun forwards to every rank) is rank 0's to
+    handle: it stops after the current step and every rank writes the checkpoint together; the other
+    ranks ignore both signals meanwhile. torchrun itself then exits 1 with its own traceback, and
+    SIGKILLs ranks still alive 30 s after it forwarded the signal."""
+    # every rank: torchrun started them, not a parent of ours
+    metrics.configure_terminal(cfg.log_level)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank, local_size = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    local_rank, local_size = (
+        int(os.environ.get("LOCAL_RANK", 0)),
+        int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
+    )
     device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo", init_method="env://",
-                            timeout=timedelta(seconds=cfg.timeout_s + 60))
-    dtype = devices.GPU_DEFAULT_DTYPE if device.type == "cuda" and cfg.dtype == "auto" else cfg.dtype
-    cfg = dataclasses.replace(cfg, train_ranks=world_size, dtype=dtype,
-                              train_threads=cfg.train_threads or max(1, len(os.sched_getaffinity(0)) // local_size))
+    dist.init_process_group(
+        "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo",
+        init_method="env://",
+        timeout=timedelta(seconds=cfg.timeout_s + 60),
+    )
+    dtype = (
+        devices.GPU_DEFAULT_DTYPE if device.type == "cuda" and cfg.dtype == "auto" else cfg.dtype
+    )
+    cfg = dataclasses.replace(
+        cfg,
+        train_ranks=world_size,
+        dtype=dtype,
+        train_threads=cfg.train_threads or max(1, len(os.sched_getaffinity(0)) // local_size),
+    )
     trainer_link = TrainerLink(cfg) if rank == 0 else None
     control = trainer_link.control if rank == 0 else thread_control()
     caught = []
-    if rank == 0:  # a stop with a checkpoint, as on one node; the other ranks follow rank 0 through it
+    # a stop with a checkpoint, as on one node; the other ranks follow rank 0 through it
+    if rank == 0:
+
         def on_signal(signum, frame):
-            if caught:  # a second Ctrl-C stops now; more SIGTERMs (SLURM signals every process) are one stop
+            # a second Ctrl-C stops now; more SIGTERMs (SLURM signals every process) are one stop
+            if caught:
                 if signum == signal.SIGINT:
                     raise KeyboardInterrupt
                 return
             caught.append(signum)
-            print(f"\n{signal.Signals(signum).name}: stopping after the current step and writing a checkpoint",
-                  file=sys.stderr, flush=True)
+            print(
+                f"\n{signal.Signals(signum).name}: stopping after the current step and writing a "
+                f"checkpoint",
+                file=sys.stderr,
+                flush=True,
+            )
             control.interrupted.set()
             control.stop.set()
+
         for s in (signal.SIGINT, signal.SIGTERM):
             signal.signal(s, on_signal)
-    else:  # torchrun sends SIGTERM (and a terminal SIGINT) to every rank: rank 0 decides what it means
+    # torchrun sends SIGTERM (and a terminal SIGINT) to every rank: rank 0 decides what it means
+    else:
         for s in (signal.SIGINT, signal.SIGTERM):
             signal.signal(s, signal.SIG_IGN)
     box = [None]
@@ -242,12 +302,19 @@ def run_trainer(cfg, trainer_main) -> int:
         try:
             cfg = prepare.resolve(cfg)
             prepared = prepare.prepare_run(cfg, engine_here=False)
-            shared = prepare.allocate_shared_weights(prepared.model_path, "meta", devices.torch_dtype(cfg.dtype))
-            # vLLM starts from the original model; the weights it serves (a checkpoint's too) are the ones we send
-            settings = prepare.generator_settings(cfg, dataclasses.replace(prepared, model_path=prepared.base_model))
+            shared = prepare.allocate_shared_weights(
+                prepared.model_path, "meta", devices.torch_dtype(cfg.dtype)
+            )
+            # vLLM starts from the original model; the weights it serves (a checkpoint's too) are
+            # the ones we send
+            settings = prepare.generator_settings(
+                cfg, dataclasses.replace(prepared, model_path=prepared.base_model)
+            )
             control.groups_dropped.value = prepared.groups_dropped
             control.steps_skipped.value = prepared.start_step - prepared.start_version
-            ok = trainer_link.handshake(settings, [(s.name, s.shape) for s in shared.layout], shared.dtype, device)
+            ok = trainer_link.handshake(
+                settings, [(s.name, s.shape) for s in shared.layout], shared.dtype, device
+            )
             box = [(prepared, cfg, shared.layout) if ok else None]
         except BaseException:
             dist.broadcast_object_list([None], src=0)
@@ -259,9 +326,20 @@ def run_trainer(cfg, trainer_main) -> int:
             trainer_link.close("error", "gave up before training started")
         return 1
     prepared, cfg, layout = box[0]
-    weights = RemoteWeights(layout, devices.torch_dtype(cfg.dtype), trainer_link if rank == 0 else None, device)
+    weights = RemoteWeights(
+        layout, devices.torch_dtype(cfg.dtype), trainer_link if rank == 0 else None, device
+    )
     try:
-        trainer_main(cfg, prepared, rank, world_size, weights, trainer_link if rank == 0 else None, control, "")
+        trainer_main(
+            cfg,
+            prepared,
+            rank,
+            world_size,
+            weights,
+            trainer_link if rank == 0 else None,
+            control,
+            "",
+        )
     except BaseException as err:
         if rank == 0:
             trainer_link.close("error", f"failed: {type(err).__name__}: {err}")
@@ -273,12 +351,12 @@ def run_trainer(cfg, trainer_main) -> int:
     return 128 + caught[0] if caught else 0
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The generator node
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 class GeneratorBridge:
-    """The generator node's parent: mirrors groups out (while holding credits), control in, state and
-    evaluation answers out, weights in (a thread receiving into the local packed buffer)."""
+    """The generator node's parent: mirrors groups out (while holding credits), control in, state
+    and evaluation answers out, weights in (a thread receiving into the local packed buffer)."""
 
     def __init__(self, cfg):
         self.addr, self.timeout_s = cfg.generator_addr, cfg.timeout_s
@@ -286,7 +364,9 @@ class GeneratorBridge:
         self.weights: queue.Queue = queue.Queue()
         self.control = self.rollout_queue = self.shared = self.group = None
         self.credits, self.sent_state, self.trainer_done = 0, None, False
-        self.link = Link(self.addr, True, silence_limit(cfg.timeout_s), self.on_message, self.tick, self.on_fail)
+        self.link = Link(
+            self.addr, True, silence_limit(cfg.timeout_s), self.on_message, self.tick, self.on_fail
+        )
 
     def on_fail(self, text: str) -> None:
         print(f"error: the trainer at {self.addr} {text}", file=sys.stderr, flush=True)
@@ -341,7 +421,8 @@ class GeneratorBridge:
             self.sent_state = state
 
     def receive(self) -> None:
-        """The weights thread: each header announces one publish; its bytes follow on the weight group."""
+        """The weights thread: each header announces one publish; its bytes follow on the weight
+        group."""
         while not self.link.closed.is_set() and not self.link.failed.is_set():
             try:
                 version, nbytes = self.weights.get(timeout=0.2)
@@ -349,7 +430,9 @@ class GeneratorBridge:
                 continue
             try:
                 if nbytes != self.shared.nbytes:
-                    raise ValueError(f"a publish of {nbytes} bytes for a buffer of {self.shared.nbytes}")
+                    raise ValueError(
+                        f"a publish of {nbytes} bytes for a buffer of {self.shared.nbytes}"
+                    )
                 receive_weights(self.group, self.shared, version)
             except Exception as err:
                 if not self.trainer_done:
@@ -358,25 +441,39 @@ class GeneratorBridge:
 
 
 def generator_placement(cfg, buffer_nbytes: int) -> tuple[dict, str]:
-    """This node's own GeneratorSettings placement fields and the packed buffer's device. The buffer is on
-    vLLM's first GPU, allocated before vLLM starts: vLLM's share leaves it room (devices.DeviceError if none)."""
+    """This node's own GeneratorSettings placement fields and the packed buffer's device. The buffer
+    is on vLLM's first GPU, allocated before vLLM starts: vLLM's share leaves it room
+    (devices.DeviceError if none)."""
     gen = devices.parse_devices(cfg.gen_devices, "--gen-devices")
     if gen and devices.cuda_device_count():
-        names = devices.visible_tokens(devices.cuda_device_count(), os.environ.get("CUDA_VISIBLE_DEVICES"))
+        names = devices.visible_tokens(
+            devices.cuda_device_count(), os.environ.get("CUDA_VISIBLE_DEVICES")
+        )
         share = devices.generator_share_beside_buffer(
-            cfg.gpu_memory_utilization, devices.gpu_fraction(buffer_nbytes, f"cuda:{gen[0]}"))
-        return dict(device="cuda", cuda_visible_devices=",".join(names[d] for d in gen),
-                    gpu_memory_utilization=share, tensor_parallel_size=len(gen)), f"cuda:{gen[0]}"
+            cfg.gpu_memory_utilization, devices.gpu_fraction(buffer_nbytes, f"cuda:{gen[0]}")
+        )
+        return dict(
+            device="cuda",
+            cuda_visible_devices=",".join(names[d] for d in gen),
+            gpu_memory_utilization=share,
+            tensor_parallel_size=len(gen),
+        ), f"cuda:{gen[0]}"
     return dict(device="cpu", cuda_visible_devices="", tensor_parallel_size=1), "cpu"
 
 
 def run_generator(cfg) -> int:
-    """`train.py --role generator`: wait for a trainer, then serve it until it stops. Returns the exit code."""
+    """`train.py --role generator`: wait for a trainer, then serve it until it stops. Returns the
+    exit code."""
     metrics.configure_terminal(cfg.log_level)
     bridge = GeneratorBridge(cfg)
-    print(f"generator node: waiting up to {cfg.timeout_s:.0f} s for a trainer on {cfg.generator_addr}", flush=True)
+    print(
+        f"generator node: waiting up to {cfg.timeout_s:.0f} s for a trainer on "
+        f"{cfg.generator_addr}",
+        flush=True,
+    )
     deadline = time.monotonic() + cfg.timeout_s
-    while True:  # a trainer that has connected may take longer to send its hello (its rank 0 prepares the model)
+    # a trainer that has connected may take longer to send its hello (its rank 0 prepares the model)
+    while True:
         try:
             hello = bridge.hello.get(timeout=0.5)
             break
@@ -385,40 +482,67 @@ def run_generator(cfg) -> int:
                 bridge.link.close()
                 return 1
             if not bridge.link.heard.is_set() and time.monotonic() > deadline:
-                print(f"error: no trainer connected to {cfg.generator_addr} within {cfg.timeout_s:.0f} s "
-                      "(--timeout-s)", file=sys.stderr, flush=True)
+                print(
+                    f"error: no trainer connected to {cfg.generator_addr} within "
+                    f"{cfg.timeout_s:.0f} s "
+                    "(--timeout-s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 bridge.link.close()
                 return 1
     problem = ""
-    buffer_nbytes = packed_numel(make_layout(hello["shapes"])) * getattr(torch, hello["dtype"]).itemsize
+    buffer_nbytes = (
+        packed_numel(make_layout(hello["shapes"])) * getattr(torch, hello["dtype"]).itemsize
+    )
     try:
         placement, buffer_device = generator_placement(cfg, buffer_nbytes)
     except devices.DeviceError as err:  # refused below, in one line
-        (placement, buffer_device), problem = generator_placement(dataclasses.replace(cfg, gen_devices=""), 0), str(err)
+        (placement, buffer_device), problem = (
+            generator_placement(dataclasses.replace(cfg, gen_devices=""), 0),
+            str(err),
+        )
     settings = hello["settings"]  # the trainer's config; this node's own devices and threads
     threads = cfg.gen_threads or max(1, len(os.sched_getaffinity(0)))
-    settings = dataclasses.replace(settings, cfg=dataclasses.replace(settings.cfg, gen_threads=threads), **placement)
-    if not problem and not os.path.isdir(settings.model) and hello["hub_id"]:  # the trainer's copy: its hub cache
+    settings = dataclasses.replace(
+        settings, cfg=dataclasses.replace(settings.cfg, gen_threads=threads), **placement
+    )
+    # the trainer's copy: its hub cache
+    if not problem and not os.path.isdir(settings.model) and hello["hub_id"]:
         try:
             settings = dataclasses.replace(settings, model=prepare.resolve_model(hello["hub_id"]))
         except DataError as err:
             problem = str(err)
     if not problem and not os.path.isdir(settings.model):
-        problem = (f"the trainer's model directory {settings.model} does not exist on this machine: put --out "
-                   "(and --model) on a filesystem both nodes share, or give --model a Hugging Face hub id")
+        problem = (
+            f"the trainer's model directory {settings.model} does not exist on this machine: put "
+            f"--out "
+            "(and --model) on a filesystem both nodes share, or give --model a Hugging Face hub id"
+        )
     if not problem:
         run = settings.cfg
-        problem = "; ".join(engine_problems(settings.model, placement["device"] == "cuda", run.max_model_len,
-                                            run.max_new_tokens, run.kv_cache_mb, run.dtype, run.lora_rank)
-                            # episodes run here: the --env must load on this machine too
-                            + [f"on the generator node: {p}" for p in envs.check(run)])
+        problem = "; ".join(
+            engine_problems(
+                settings.model,
+                placement["device"] == "cuda",
+                run.max_model_len,
+                run.max_new_tokens,
+                run.kv_cache_mb,
+                run.dtype,
+                run.lora_rank,
+            )
+            # episodes run here: the --env must load on this machine too
+            + [f"on the generator node: {p}" for p in envs.check(run)]
+        )
     if problem:
         print(f"error: {problem}", file=sys.stderr, flush=True)
         bridge.link.close("error", f"cannot serve: {problem}")
         return 1
-    # serves nothing until the trainer's first publish reaches it (its start weights, a checkpoint's too)
-    bridge.shared = SharedWeights.allocate(hello["shapes"], getattr(torch, hello["dtype"]), buffer_device,
-                                           starts_empty=True)
+    # serves nothing until the trainer's first publish reaches it (its start weights, a checkpoint's
+    # too)
+    bridge.shared = SharedWeights.allocate(
+        hello["shapes"], getattr(torch, hello["dtype"]), buffer_device, starts_empty=True
+    )
     ctx = mp.get_context("spawn")
     bridge.rollout_queue = ctx.Queue(maxsize=1)  # + the trainer's credits = --queue-size
     errors = ctx.Queue()
@@ -427,7 +551,9 @@ def run_generator(cfg) -> int:
     control.steps_skipped.value = hello["steps_skipped"]
     bridge.credits = hello["credits"]
     _, port = split_addr(cfg.generator_addr)
-    store = TCPStore("0.0.0.0", port + 1, 2, True, timedelta(seconds=hello["timeout_s"]), wait_for_workers=False)
+    store = TCPStore(
+        "0.0.0.0", port + 1, 2, True, timedelta(seconds=hello["timeout_s"]), wait_for_workers=False
+    )
     bridge.link.timeout_s = silence_limit(hello["timeout_s"])  # the run's, from now on
     bridge.control = control  # from here the link mirrors it
     bridge.link.send("welcome", {"store_port": port + 1})
@@ -436,9 +562,20 @@ def run_generator(cfg) -> int:
     receiver.start()
     reports = []
     print(f"generator node: serving the trainer at {cfg.generator_addr}", flush=True)
-    code = processes.run_children(ctx, {"generator": (generator_main, (settings, bridge.shared,
-                                                                        bridge.rollout_queue, control), True)},
-                                  errors, control, failed=bridge.link.failed, on_failure=reports.append)
+    code = processes.run_children(
+        ctx,
+        {
+            "generator": (
+                generator_main,
+                (settings, bridge.shared, bridge.rollout_queue, control),
+                True,
+            )
+        },
+        errors,
+        control,
+        failed=bridge.link.failed,
+        on_failure=reports.append,
+    )
     if bridge.link.failed.is_set():
         bridge.link.close()
         return 1

@@ -10,14 +10,15 @@ use this class only through tasks/protocols.Sampler, which it satisfies). What i
 weights or an adapter) comes through lora.Served, its devices through
 devices.enter_generator_devices; with --router-replay or --router-record, each sample's routes come
 through routes.GeneratorRoutes.
-Data contract: writes `buffer.RolloutGroup`s with vLLM's processed log-probs (the behaviour policy) and, per
-token, the version of the weights that sampled it (and, when recorded, its routes); a group starts only if the
-loaded weights are at most --max-lag versions behind the trainer version that will consume it (its step less
-the steps skipped).
+Data contract: writes `buffer.RolloutGroup`s with vLLM's processed log-probs (the behaviour policy)
+and, per token, the version of the weights that sampled it (and, when recorded, its routes); a group
+starts only if the loaded weights are at most --max-lag versions behind the trainer version that
+will consume it (its step less the steps skipped).
 Reads the buffer's version and `Control`.
-May touch: its engine, the queue, the shared buffer (read only), `Control`, its trace events (tracing.py).
-Nothing of the trainer.
+May touch: its engine, the queue, the shared buffer (read only), `Control`, its trace events
+(tracing.py). Nothing of the trainer.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -44,127 +45,183 @@ from tasks.builtin import make_task
 from tasks.prompts import Prompt, walk
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+
 @dataclass
 class GeneratorSettings:
-    """The generator's start: the run's resolved Config (the one source of every setting) and what the
-    parent derived for this process (prepare.generator_settings)."""
+    """The generator's start: the run's resolved Config (the one source of every setting) and what
+    the parent derived for this process (prepare.generator_settings)."""
+
     cfg: Config
     model: str  # the directory vLLM serves (a resumed run: the checkpoint's model)
     initial_version: int = 0  # the version of the weights in `model`
-    first_group_id: int = 0  # a resumed run continues the sequence of group ids (and so the walk of prompts)
-    eval_at_start: bool = False  # evaluate the initial weights (step 0) before training starts, engine to itself
-    lora_dir: str = ""  # with --lora-rank: holds the adapter's adapter_config.json (rank, alpha, targets)
+    # a resumed run continues the sequence of group ids (and so the walk of prompts)
+    first_group_id: int = 0
+    # evaluate the initial weights (step 0) before training starts, engine to itself
+    eval_at_start: bool = False
+    # with --lora-rank: holds the adapter's adapter_config.json (rank, alpha, targets)
+    lora_dir: str = ""
     stop: tuple = ()  # --stop, unescaped (vLLM's SamplingParams.stop)
     # GPU placement (devices.DeviceLayout.generator_settings; the defaults are the CPU path)
     device: str = "cpu"  # "cpu" or "cuda"
-    cuda_visible_devices: str = ""  # this process's GPUs: the generator's first, then the weight buffer's
-    gpu_memory_utilization: float = 0.9  # vLLM's share of each of its GPUs (bounded on a shared GPU)
+    # this process's GPUs: the generator's first, then the weight buffer's
+    cuda_visible_devices: str = ""
+    # vLLM's share of each of its GPUs (bounded on a shared GPU)
+    gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1  # = number of generator GPUs
 
 
 async def load_same_version(load, max_tries: int = 20) -> int:
-    """Call `load()` (every vLLM worker loads the buffer's newest weights and reports their version) until all
-    workers report the same version, and return it. With tensor parallelism each worker reads the buffer on its
-    own, so a publish that lands between two reads leaves them on different versions; tokens sampled then would
-    mix two models under one tag. Loading again converges as soon as no publish lands during a load."""
+    """Call `load()` (every vLLM worker loads the buffer's newest weights and reports their version)
+    until all workers report the same version, and return it. With tensor parallelism each worker
+    reads the buffer on its own, so a publish that lands between two reads leaves them on different
+    versions; tokens sampled then would mix two models under one tag. Loading again converges as
+    soon as no publish lands during a load."""
     versions = []
     for _ in range(max_tries):
         versions = list(await load())
         if len(set(versions)) == 1:
             return versions[0]
-    raise RuntimeError(f"the generator's workers loaded different weight versions {max_tries} times in a row "
-                       f"(last: {versions}): the trainer publishes faster than they load; raise --sync-every")
+    raise RuntimeError(
+        f"the generator's workers loaded different weight versions {max_tries} times in a row "
+        f"(last: {versions}): the trainer publishes faster than they load; raise --sync-every"
+    )
 
 
 class Generator:
     """The asyncio side of the generator process: one engine, many concurrent groups."""
 
     def __init__(self, settings: GeneratorSettings, shared, rollout_queue, control):
-        self.settings, self.shared, self.queue, self.control = settings, shared, rollout_queue, control
+        self.settings, self.shared, self.queue, self.control = (
+            settings,
+            shared,
+            rollout_queue,
+            control,
+        )
         self.cfg = settings.cfg
         self.loaded_version = settings.initial_version
         self.issued = settings.first_group_id
         self.running: set[asyncio.Task] = set()
         self.generating = 0  # groups inside engine.generate: 0 means the engine is idle (waiting)
         self.idle_since: float | None = time.perf_counter()
-        self.stats = {"tokens": 0, "groups": 0, "idle_s": 0.0, "queue_wait_s": 0.0, "elapsed_s": 0.0,
-                      "loads": 0, "swap_requests": 0}
-        self.sync_ms: list[float] = []  # publish -> serving, per load, not yet handed to the trainer
+        self.stats = {
+            "tokens": 0,
+            "groups": 0,
+            "idle_s": 0.0,
+            "queue_wait_s": 0.0,
+            "elapsed_s": 0.0,
+            "loads": 0,
+            "swap_requests": 0,
+        }
+        # publish -> serving, per load, not yet handed to the trainer
+        self.sync_ms: list[float] = []
         self.sync_parts: list[dict] = []
         self.error: BaseException | None = None
-        self.wake: asyncio.Event | None = None  # set when a group finishes: the loop may start the next at once
-        self.eval_task: asyncio.Task | None = None  # the evaluation in flight: no weight load until it is done
+        # set when a group finishes: the loop may start the next at once
+        self.wake: asyncio.Event | None = None
+        # the evaluation in flight: no weight load until it is done
+        self.eval_task: asyncio.Task | None = None
         self.last_eval_step = -1  # the newest evaluation request started
         recorded = self.cfg.router_replay or self.cfg.router_record
         self.routes = GeneratorRoutes(settings.device == "cuda") if recorded else None
 
     def build_engine(self):
-        options = enter_generator_devices(self.settings, self.cfg.kv_cache_mb)  # (sets CUDA_VISIBLE_DEVICES)
-        # vLLM is imported here, in the generator process, never in the parent (nor before CUDA_VISIBLE_DEVICES).
+        # (sets CUDA_VISIBLE_DEVICES)
+        options = enter_generator_devices(self.settings, self.cfg.kv_cache_mb)
+        # vLLM is imported here, in the generator process, never in the parent (nor before
+        # CUDA_VISIBLE_DEVICES).
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        options.update(self.served.engine_options, **(self.routes.engine_options if self.routes else {}))
+        options.update(
+            self.served.engine_options, **(self.routes.engine_options if self.routes else {})
+        )
         if self.cfg.max_model_len:
             options.update(max_model_len=self.cfg.max_model_len)
         args = AsyncEngineArgs(
-            model=self.settings.model, tokenizer=self.settings.model, dtype=torch_dtype(self.cfg.dtype),
-            seed=self.cfg.seed, logprobs_mode="processed_logprobs",
-            worker_extension_cls="vllm_worker.WeightSyncWorker", **options,
-            enable_prefix_caching=True, disable_log_stats=True, use_tqdm_on_load=self.cfg.log_level != "warning",
+            model=self.settings.model,
+            tokenizer=self.settings.model,
+            dtype=torch_dtype(self.cfg.dtype),
+            seed=self.cfg.seed,
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls="vllm_worker.WeightSyncWorker",
+            **options,
+            enable_prefix_caching=True,
+            disable_log_stats=True,
+            use_tqdm_on_load=self.cfg.log_level != "warning",
         )
         self.engine = AsyncLLM.from_engine_args(args)
         return self.engine
 
     @functools.cached_property
     def served(self) -> Served:
-        """What the engine serves: the full weights, or an adapter (first asked for by build_engine, after
-        the devices are set: vLLM's LoRA request is imported then)."""
+        """What the engine serves: the full weights, or an adapter (first asked for by build_engine,
+        after the devices are set: vLLM's LoRA request is imported then)."""
         return served_weights(self.cfg.lora_rank, self.settings.lora_dir)
 
     def generate(self, ids: list[int], params, request_id: str):
         """The engine's outputs for one request of token `ids`, under the weights it serves."""
-        return tracing.request(self.engine.generate(self.prompt_input(ids), params, request_id=request_id,
-                                                    **self.served.request_options), request_id, n=params.n)
+        return tracing.request(
+            self.engine.generate(
+                self.prompt_input(ids), params, request_id=request_id, **self.served.request_options
+            ),
+            request_id,
+            n=params.n,
+        )
 
     def request_params(self, max_tokens: int | None = None, **sampling):
-        """vLLM's SamplingParams for one request: final output only, the run's stop strings and length
-        (an episode's turn: what is left of its budget, at most --max-new-tokens)."""
+        """vLLM's SamplingParams for one request: final output only, the run's stop strings and
+        length (an episode's turn: what is left of its budget, at most --max-new-tokens)."""
         from vllm import SamplingParams  # the generator process only (see build_engine)
         from vllm.sampling_params import RequestOutputKind
 
-        # Detokenizing every token costs the front end CPU time; a task scored by token ids skips it (stop
-        # strings are matched in the text: they need it).
-        return SamplingParams(**sampling, max_tokens=max_tokens or self.cfg.max_new_tokens,
-                              output_kind=RequestOutputKind.FINAL_ONLY,
-                              stop=list(self.settings.stop) or None,
-                              detokenize=self.task.needs_text or bool(self.settings.stop))
+        # Detokenizing every token costs the front end CPU time; a task scored by token ids skips it
+        # (stop strings are matched in the text: they need it).
+        return SamplingParams(
+            **sampling,
+            max_tokens=max_tokens or self.cfg.max_new_tokens,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+            stop=list(self.settings.stop) or None,
+            detokenize=self.task.needs_text or bool(self.settings.stop),
+        )
 
     def sampling_params(self, group_id: int):
-        # A per-request seed makes a group's samples a function of (seed, group id, weights), so a resumed
-        # run regenerates the same rollouts. Only when no request is ever preempted by a weight swap:
-        # vLLM's CPU sampler cannot re-seed a preempted request ("CPU Generator does not use offset").
-        # --kv-on-swap keep preempts nothing at a swap, but the seed stays off: vLLM still preempts for KV room,
-        # and where a swap lands is timing, so the tokens are no function of the seed anyway.
+        # A per-request seed makes a group's samples a function of (seed, group id, weights), so a
+        # resumed run regenerates the same rollouts. Only when no request is ever preempted by a
+        # weight swap: vLLM's CPU sampler cannot re-seed a preempted request ("CPU Generator does
+        # not use offset"). --kv-on-swap keep preempts nothing at a swap, but the seed stays off:
+        # vLLM still preempts for KV room, and where a swap lands is timing, so the tokens are no
+        # function of the seed anyway.
         reproducible = self.cfg.max_lag == 0 or self.cfg.update_mode == "drain"
-        return self.request_params(n=self.cfg.group_size, temperature=self.cfg.temperature, top_k=self.cfg.top_k,
-                                   top_p=self.cfg.top_p, logprobs=0,
-                                   seed=self.cfg.seed * 1_000_003 + group_id if reproducible else None)
+        return self.request_params(
+            n=self.cfg.group_size,
+            temperature=self.cfg.temperature,
+            top_k=self.cfg.top_k,
+            top_p=self.cfg.top_p,
+            logprobs=0,
+            seed=self.cfg.seed * 1_000_003 + group_id if reproducible else None,
+        )
 
     def prompt_input(self, ids: list[int]) -> dict:
-        """vLLM's prompt for token `ids`. Under --kv-on-swap keep the prefix cache is never reset, so a request
-        is salted with the loaded version (vLLM hashes the salt into its first block): it shares cached blocks
-        with requests sent under the same weights (a group's G samples), never with the old weights' ones."""
+        """vLLM's prompt for token `ids`. Under --kv-on-swap keep the prefix cache is never reset,
+        so a request is salted with the loaded version (vLLM hashes the salt into its first block):
+        it shares cached blocks with requests sent under the same weights (a group's G samples),
+        never with the old weights' ones."""
         salt = {"cache_salt": f"v{self.loaded_version}"} if self.cfg.kv_on_swap == "keep" else {}
         return {"prompt_token_ids": ids, **salt}
 
     def eval_params(self, greedy: bool):
-        """An evaluation request: one greedy completion, or S samples with the run's sampling settings; no
-        log-probs, no seed (a seeded request re-prefilled after a chunked prefill fails on vLLM's CPU sampler)."""
+        """An evaluation request: one greedy completion, or S samples with the run's sampling
+        settings; no log-probs, no seed (a seeded request re-prefilled after a chunked prefill fails
+        on vLLM's CPU sampler)."""
         if greedy:
             return self.request_params(n=1, temperature=0.0)
-        return self.request_params(n=self.cfg.eval_samples, temperature=self.cfg.temperature, top_k=self.cfg.top_k,
-                                   top_p=self.cfg.top_p)
+        return self.request_params(
+            n=self.cfg.eval_samples,
+            temperature=self.cfg.temperature,
+            top_k=self.cfg.top_k,
+            top_p=self.cfg.top_p,
+        )
 
     @contextlib.contextmanager
     def generating_request(self):
@@ -185,38 +242,75 @@ class Generator:
 
     async def run_eval(self, step: int):
         """Evaluate the weights held now on the first `eval_prompts` held-out prompts; answer on
-        control.eval_results (never the rollout queue). The loop loads no weights while this runs."""
+        control.eval_results (never the rollout queue). The loop loads no weights while this
+        runs."""
         t0, version = time.perf_counter(), self.loaded_version
         prompts = self.task.held_out[: self.cfg.eval_prompts]
-        evaluate = functools.partial(envs.eval_env_prompt, self) if self.task.is_env else self.eval_prompt
-        results = await asyncio.gather(*(evaluate(step, i, p, version) for i, p in enumerate(prompts)))
+        evaluate = (
+            functools.partial(envs.eval_env_prompt, self) if self.task.is_env else self.eval_prompt
+        )
+        results = await asyncio.gather(
+            *(evaluate(step, i, p, version) for i, p in enumerate(prompts))
+        )
         tokens = sum(r[1] for r in results)
         self.stats["eval_tokens"] = self.stats.get("eval_tokens", 0) + tokens
-        self.control.eval_results.put(EvalResult(step, version, [r[0] for r in results], time.perf_counter() - t0,
-                                                 tokens, [r[2] for r in results if len(r) > 2]))
-        tracing.complete(f"evaluation (step {step})", t0, track="evaluation", cat="evaluation", version=version)
+        self.control.eval_results.put(
+            EvalResult(
+                step,
+                version,
+                [r[0] for r in results],
+                time.perf_counter() - t0,
+                tokens,
+                [r[2] for r in results if len(r) > 2],
+            )
+        )
+        tracing.complete(
+            f"evaluation (step {step})", t0, track="evaluation", cat="evaluation", version=version
+        )
 
-    async def eval_prompt(self, step: int, i: int, prompt: Prompt, version: int) -> tuple[list[float], int]:
-        """[reward of the greedy completion, rewards of the samples] for one held-out prompt, and its tokens."""
+    async def eval_prompt(
+        self, step: int, i: int, prompt: Prompt, version: int
+    ) -> tuple[list[float], int]:
+        """[reward of the greedy completion, rewards of the samples] for one held-out prompt, and
+        its tokens."""
+
         async def generate(greedy: bool):
             final = None
-            async for out in self.generate(prompt.prompt_ids, self.eval_params(greedy),
-                                           f"eval-{step}-{i}-{'greedy' if greedy else 'sampled'}"):
+            async for out in self.generate(
+                prompt.prompt_ids,
+                self.eval_params(greedy),
+                f"eval-{step}-{i}-{'greedy' if greedy else 'sampled'}",
+            ):
                 final = out
             return sorted(final.outputs, key=lambda c: c.index)
 
         with self.generating_request():
-            outputs = await asyncio.gather(generate(True), *([generate(False)] if self.cfg.eval_samples else []))
+            outputs = await asyncio.gather(
+                generate(True), *([generate(False)] if self.cfg.eval_samples else [])
+            )
         completions = [c for group in outputs for c in group]
         ids = [list(c.token_ids) for c in completions]
-        if any(v != version for c, t in zip(completions, ids) for v in tag_versions(c.weight_versions, len(t))):
-            raise RuntimeError(f"evaluation of version {version} sampled tokens under other weights")
+        if any(
+            v != version
+            for c, t in zip(completions, ids)
+            for v in tag_versions(c.weight_versions, len(t))
+        ):
+            raise RuntimeError(
+                f"evaluation of version {version} sampled tokens under other weights"
+            )
         rewards, _, _ = await asyncio.get_running_loop().run_in_executor(
-            self.reward_threads, self.task.score, prompt, [c.text or "" for c in completions], ids, version)
+            self.reward_threads,
+            self.task.score,
+            prompt,
+            [c.text or "" for c in completions],
+            ids,
+            version,
+        )
         return list(rewards), sum(map(len, ids))
 
     def maybe_start_eval(self) -> None:
-        """Start the newest requested evaluation once the weights it asks for (or newer) are loaded."""
+        """Start the newest requested evaluation once the weights it asks for (or newer) are
+        loaded."""
         step, version = requested(self.control)
         if step > self.last_eval_step and self.loaded_version >= version:
             self.last_eval_step = step
@@ -236,7 +330,9 @@ class Generator:
             return
         final = None
         with self.generating_request():
-            async for out in self.generate(prompt.prompt_ids, self.sampling_params(group_id), f"group-{group_id}"):
+            async for out in self.generate(
+                prompt.prompt_ids, self.sampling_params(group_id), f"group-{group_id}"
+            ):
                 final = out
         completions, logprobs, versions, texts = [], [], [], []
         for c in sorted(final.outputs, key=lambda c: c.index):
@@ -247,36 +343,74 @@ class Generator:
             texts.append(c.text or "")  # "" when the task does not need text (detokenize=False)
         # Rewards run in worker threads (or the task's process pool), never on this event loop.
         rewards, reward_stats, unscored = await asyncio.get_running_loop().run_in_executor(
-            self.reward_threads, self.task.score, prompt, texts, completions, self.loaded_version)
+            self.reward_threads, self.task.score, prompt, texts, completions, self.loaded_version
+        )
         outputs = sorted(final.outputs, key=lambda c: c.index)
-        routes = None if self.routes is None else await self.routes.sequences(  # prompt + completion, each
-            self.engine, f"group-{group_id}", outputs, [len(prompt.prompt_ids) + len(ids) for ids in completions])
-        group = RolloutGroup(group_id, prompt.prompt_ids, completions, logprobs, versions, rewards, prompt.answer,
-                             reward_stats=reward_stats, unscored=unscored, epoch=epoch, routes=routes,
-                             finish_reasons=[c.finish_reason for c in outputs])
+        # prompt + completion, each
+        routes = (
+            None
+            if self.routes is None
+            else await self.routes.sequences(
+                self.engine,
+                f"group-{group_id}",
+                outputs,
+                [len(prompt.prompt_ids) + len(ids) for ids in completions],
+            )
+        )
+        group = RolloutGroup(
+            group_id,
+            prompt.prompt_ids,
+            completions,
+            logprobs,
+            versions,
+            rewards,
+            prompt.answer,
+            reward_stats=reward_stats,
+            unscored=unscored,
+            epoch=epoch,
+            routes=routes,
+            finish_reasons=[c.finish_reason for c in outputs],
+        )
         await self.enqueue(group)
 
     async def enqueue(self, group: RolloutGroup):
-        """Count a scored group and put it on the rollout queue, stamped with the generator's counters."""
-        self.stats["reward_s"] = self.stats.get("reward_s", 0.0) + sum(s["time_s"] for s in group.reward_stats.values())
+        """Count a scored group and put it on the rollout queue, stamped with the generator's
+        counters."""
+        self.stats["reward_s"] = self.stats.get("reward_s", 0.0) + sum(
+            s["time_s"] for s in group.reward_stats.values()
+        )
         self.stats["unscored"] = self.stats.get("unscored", 0) + len(group.unscored)
-        self.stats["groups"] += 1  # counted with its tokens once scored (a run stopping mid-score drops it)
-        self.stats["tokens"] += sum(map(sum, group.model_masks)) if group.model_masks is not None else \
-            sum(map(len, group.completion_ids))
-        group.gen_stats = dict(self.stats, sync_ms=self.sync_ms, sync_parts=self.sync_parts,
-                               loaded_version=self.loaded_version)
+        # counted with its tokens once scored (a run stopping mid-score drops it)
+        self.stats["groups"] += 1
+        self.stats["tokens"] += (
+            sum(map(sum, group.model_masks))
+            if group.model_masks is not None
+            else sum(map(len, group.completion_ids))
+        )
+        group.gen_stats = dict(
+            self.stats,
+            sync_ms=self.sync_ms,
+            sync_parts=self.sync_parts,
+            loaded_version=self.loaded_version,
+        )
         self.sync_ms, self.sync_parts = [], []
-        try:  # usually there is room: no thread hop (mp.Queue.put only hands the group to its feeder thread)
+        # usually there is room: no thread hop (mp.Queue.put only hands the group to its feeder
+        # thread)
+        try:
             self.queue.put_nowait(group)
         except queue_lib.Full:  # a full queue: wait in a thread, never on this event loop
-            waited = await asyncio.to_thread(put_group, self.queue, group, self.control.stop.is_set,
-                                             self.cfg.timeout_s)
+            waited = await asyncio.to_thread(
+                put_group, self.queue, group, self.control.stop.is_set, self.cfg.timeout_s
+            )
             self.stats["queue_wait_s"] += waited
-            tracing.complete("queue full", time.perf_counter() - waited, track=tracing.LANE, cat="queue full")
+            tracing.complete(
+                "queue full", time.perf_counter() - waited, track=tracing.LANE, cat="queue full"
+            )
         tracing.counter("rollout queue", groups=tracing.qsize(self.queue))
 
     async def engine_call(self, awaitable, what: str):
-        """Await an engine call, failing fast if vLLM's EngineCore dies (a dead engine never answers)."""
+        """Await an engine call, failing fast if vLLM's EngineCore dies (a dead engine never
+        answers)."""
         task = asyncio.ensure_future(awaitable)
         deadline = time.monotonic() + self.cfg.timeout_s
         while True:
@@ -291,70 +425,105 @@ class Generator:
                 raise TimeoutError(f"vLLM did not finish {what} within {self.cfg.timeout_s:.0f} s")
 
     async def swap_weights(self, version: int):
-        """Load the newest published weights between engine steps; tag later tokens with `version`."""
+        """Load the newest published weights between engine steps; tag later tokens with
+        `version`."""
         t0 = time.perf_counter()
         mode = "keep" if self.cfg.update_mode == "inflight" else "wait"
-        # The scheduler's own pause, not `AsyncLLM.pause_generation`: with clear_cache=False that method only
-        # adds a fixed 20 ms sleep (vLLM 0.32), meant to let outputs of the last step reach their callers
-        # before it returns. We do not need that ordering: EngineCore stamps each step's output with the
-        # version it was sampled under, so a token that arrives after the swap still carries its own tag.
-        await self.engine_call(self.engine.engine_core.pause_scheduler_async(mode=mode, clear_cache=False),
-                               "the pause")
+        # The scheduler's own pause, not `AsyncLLM.pause_generation`: with clear_cache=False that
+        # method only adds a fixed 20 ms sleep (vLLM 0.32), meant to let outputs of the last step
+        # reach their callers before it returns. We do not need that ordering: EngineCore stamps
+        # each step's output with the version it was sampled under, so a token that arrives after
+        # the swap still carries its own tag.
+        await self.engine_call(
+            self.engine.engine_core.pause_scheduler_async(mode=mode, clear_cache=False), "the pause"
+        )
         t1 = time.perf_counter()
-        in_flight = self.engine.get_num_unfinished_requests()  # samples (n > 1 counts n), running or waiting
-        # The buffer may already hold a newer version than we were told: the workers report what they loaded.
-        version = await load_same_version(lambda: self.engine_call(self.load_rpc(version), "the weight load"))
+        # samples (n > 1 counts n), running or waiting
+        in_flight = self.engine.get_num_unfinished_requests()
+        # The buffer may already hold a newer version than we were told: the workers report what
+        # they loaded.
+        version = await load_same_version(
+            lambda: self.engine_call(self.load_rpc(version), "the weight load")
+        )
         t2 = time.perf_counter()
-        # Cached blocks hold keys/values of the old weights. recompute: in-flight requests are re-prefilled (NeMo-RL's
-        # recompute_kv_cache_after_weight_updates=true). keep: they go on with their cache (PipelineRL's vllm1.py:
-        # pause "keep", no reset); reset_prefix_cache(reset_running_requests=False) refuses while a block is in
-        # use (vLLM 0.32), so nothing is reset and the cache salt keeps new requests off old blocks (prompt_input).
+        # Cached blocks hold keys/values of the old weights. recompute: in-flight requests are
+        # re-prefilled (NeMo-RL's recompute_kv_cache_after_weight_updates=true). keep: they go on
+        # with their cache (PipelineRL's vllm1.py: pause "keep", no reset);
+        # reset_prefix_cache(reset_running_requests=False) refuses while a block is in use (vLLM
+        # 0.32), so nothing is reset and the cache salt keeps new requests off old blocks
+        # (prompt_input).
         if self.cfg.kv_on_swap == "recompute" and not await self.engine_call(
-                self.engine.reset_prefix_cache(reset_running_requests=True), "the reset"):
-            raise RuntimeError("reset_prefix_cache failed after a weight update: stale KV cache would be reused")
-        await self.engine_call(self.engine.update_weight_version(str(version)), "update_weight_version")
+            self.engine.reset_prefix_cache(reset_running_requests=True), "the reset"
+        ):
+            raise RuntimeError(
+                "reset_prefix_cache failed after a weight update: stale KV cache would be reused"
+            )
+        await self.engine_call(
+            self.engine.update_weight_version(str(version)), "update_weight_version"
+        )
         t3 = time.perf_counter()
         await self.engine_call(self.engine.resume_generation(), "resume_generation")
         self.loaded_version = version
         self.control.loaded_version.value = version
         self.stats["loads"] += 1
-        self.stats["swap_requests"] += in_flight  # re-prefilled (recompute) or kept on their cache (keep)
+        # re-prefilled (recompute) or kept on their cache (keep)
+        self.stats["swap_requests"] += in_flight
         self.sync_ms.append((time.time_ns() - self.shared.publish_time_ns()) / 1e6)
-        self.sync_parts.append({"pause_ms": (t1 - t0) * 1e3, "load_ms": (t2 - t1) * 1e3,
-                                "reset_ms": (t3 - t2) * 1e3, "resume_ms": (time.perf_counter() - t3) * 1e3,
-                                "requests": in_flight})
+        self.sync_parts.append(
+            {
+                "pause_ms": (t1 - t0) * 1e3,
+                "load_ms": (t2 - t1) * 1e3,
+                "reset_ms": (t3 - t2) * 1e3,
+                "resume_ms": (time.perf_counter() - t3) * 1e3,
+                "requests": in_flight,
+            }
+        )
         tracing.swap(t0, t1, t2, t3, version, in_flight)
 
     def load_rpc(self, version: int):
-        """The worker call that loads the buffer's contents: the full weights, or the adapter in place."""
+        """The worker call that loads the buffer's contents: the full weights, or the adapter in
+        place."""
         method, args = self.served.load_call(version)
         return self.engine.collective_rpc(method, args=args)
 
     async def load_first_publish(self):
-        """A buffer that starts empty (an adapter, a resume, a remote generator): the engine serves nothing until
-        the trainer's first publish (at its start) is loaded, tagged with the version it carries."""
+        """A buffer that starts empty (an adapter, a resume, a remote generator): the engine serves
+        nothing until the trainer's first publish (at its start) is loaded, tagged with the version
+        it carries."""
         deadline = time.monotonic() + self.cfg.timeout_s
-        while self.shared.publish_time_ns() == 0 or self.shared.version() < self.settings.initial_version:
+        while (
+            self.shared.publish_time_ns() == 0
+            or self.shared.version() < self.settings.initial_version
+        ):
             if self.control.stop.is_set():
                 return
             if time.monotonic() > deadline:
-                raise TimeoutError(f"the trainer published no weights within {self.cfg.timeout_s:.0f} s")
+                raise TimeoutError(
+                    f"the trainer published no weights within {self.cfg.timeout_s:.0f} s"
+                )
             await asyncio.sleep(0.01)
         self.loaded_version = await load_same_version(
-            lambda: self.engine_call(self.load_rpc(self.settings.initial_version), "the first load"))
-        await self.engine.update_weight_version(str(self.loaded_version))  # the tag of the tokens it samples
+            lambda: self.engine_call(self.load_rpc(self.settings.initial_version), "the first load")
+        )
+        # the tag of the tokens it samples
+        await self.engine.update_weight_version(str(self.loaded_version))
         self.control.loaded_version.value = self.loaded_version
 
     def may_start_group(self) -> bool:
         max_running = self.cfg.max_inflight_groups or self.cfg.prompts_per_step
         if len(self.running) >= max_running:
             return False
-        # The trainer's version when this group lands: its step, less the steps skipped so far (a skipped step
-        # keeps the version; skips still to come only lower it, so the bound holds).
-        landing_step = (self.issued - self.control.groups_dropped.value) // self.cfg.prompts_per_step
+        # The trainer's version when this group lands: its step, less the steps skipped so far (a
+        # skipped step keeps the version; skips still to come only lower it, so the bound holds).
+        landing_step = (
+            self.issued - self.control.groups_dropped.value
+        ) // self.cfg.prompts_per_step
         landing_version = landing_step - self.control.steps_skipped.value
-        return not tracing.state("staleness gate", "no new group (--max-lag)",
-                                 self.loaded_version < landing_version - self.cfg.max_lag)
+        return not tracing.state(
+            "staleness gate",
+            "no new group (--max-lag)",
+            self.loaded_version < landing_version - self.cfg.max_lag,
+        )
 
     def _done(self, task: asyncio.Task):
         self.running.discard(task)
@@ -364,24 +533,37 @@ class Generator:
             self.wake.set()
 
     async def run(self):
-        self.max_model_len = getattr(getattr(self.engine, "model_config", None), "max_model_len", None)
-        self.task = make_task(self.cfg, chat.load_tokenizer(self.settings.model, self.cfg.chat_template,
-                                                             self.cfg.chat_template_kwargs), self.max_model_len)
-        self.stats.update(train_prompts=len(self.task.prompts), held_out_prompts=len(self.task.held_out),
-                          prompts_dropped_long=self.task.dropped_long)
-        # One scoring thread (user reward functions need not be thread-safe); with a process pool, one
-        # thread per worker process, to keep them all busy.
-        self.reward_threads = ThreadPoolExecutor(max(1, self.cfg.reward_workers), thread_name_prefix="reward")
+        self.max_model_len = getattr(
+            getattr(self.engine, "model_config", None), "max_model_len", None
+        )
+        self.task = make_task(
+            self.cfg,
+            chat.load_tokenizer(
+                self.settings.model, self.cfg.chat_template, self.cfg.chat_template_kwargs
+            ),
+            self.max_model_len,
+        )
+        self.stats.update(
+            train_prompts=len(self.task.prompts),
+            held_out_prompts=len(self.task.held_out),
+            prompts_dropped_long=self.task.dropped_long,
+        )
+        # One scoring thread (user reward functions need not be thread-safe); with a process pool,
+        # one thread per worker process, to keep them all busy.
+        self.reward_threads = ThreadPoolExecutor(
+            max(1, self.cfg.reward_workers), thread_name_prefix="reward"
+        )
         await self.engine.update_weight_version(str(self.loaded_version))
         await self.engine.collective_rpc("attach_shared_weights", args=(self.shared.to_bytes(),))
         if self.routes is not None:
             await self.routes.start(self.engine)
-        # The trainer may use a GPU it shares with vLLM from now on; it must, before its first publish, which
-        # a buffer that starts empty waits for below.
+        # The trainer may use a GPU it shares with vLLM from now on; it must, before its first
+        # publish, which a buffer that starts empty waits for below.
         self.control.engine_started.set()
         if self.shared.starts_empty:
             await self.load_first_publish()
-        if self.settings.eval_at_start:  # alone on the engine it takes a fraction of its time beside the first steps
+        # alone on the engine it takes a fraction of its time beside the first steps
+        if self.settings.eval_at_start:
             self.last_eval_step = 0
             self.idle_since = None  # the engine's start-up is not idle time of the run
             await self.run_eval(0)
@@ -395,7 +577,8 @@ class Generator:
             if self.engine.errored:  # vLLM's EngineCore died (it is not our child: we must look)
                 raise RuntimeError("vLLM's engine died") from self.engine.dead_error
             published = self.shared.version()
-            if published > self.loaded_version and self.eval_task is None:  # an evaluation keeps its weights
+            # an evaluation keeps its weights
+            if published > self.loaded_version and self.eval_task is None:
                 await self.swap_weights(published)
             if self.eval_task is None:
                 self.maybe_start_eval()
@@ -403,13 +586,16 @@ class Generator:
                 # (epoch, row): a function of the id
                 epoch, row = walk(self.issued, len(self.task.prompts), self.cfg.seed)
                 group = self.run_group(self.issued, self.task.prompts[row], epoch)
-                task = asyncio.create_task(tracing.on_lane(group, f"group {self.issued}", group=self.issued))
+                task = asyncio.create_task(
+                    tracing.on_lane(group, f"group {self.issued}", group=self.issued)
+                )
                 task.add_done_callback(self._done)
                 self.running.add(task)
                 self.issued += 1
                 continue
-            # Nothing to start: sleep until a group finishes (its slot frees at once), or 2 ms pass (new
-            # weights, the trainer's progress and the stop flag live in shared memory: they are polled).
+            # Nothing to start: sleep until a group finishes (its slot frees at once), or 2 ms pass
+            # (new weights, the trainer's progress and the stop flag live in shared memory: they are
+            # polled).
             self.wake.clear()
             try:
                 await asyncio.wait_for(self.wake.wait(), timeout=0.002)
@@ -422,7 +608,8 @@ class Generator:
         await asyncio.gather(*pending, return_exceptions=True)
         self.reward_threads.shutdown(wait=False, cancel_futures=True)
         self.task.close()
-        if tracing.enabled():  # the worker's last events: vLLM kills it at shutdown, before its own last flush
+        # the worker's last events: vLLM kills it at shutdown, before its own last flush
+        if tracing.enabled():
             try:
                 await asyncio.wait_for(self.engine.collective_rpc("flush_trace"), timeout=10)
             except Exception:  # a dead engine: its trace ends where its last flush did
@@ -430,12 +617,15 @@ class Generator:
 
 
 def generator_main(settings: GeneratorSettings, shared, rollout_queue, control) -> None:
-    """Entry point of the generator process (spawned by train.py, or remote.py on a generator node)."""
+    """Entry point of the generator process (spawned by train.py, or remote.py on a generator
+    node)."""
     rollout_queue.cancel_join_thread()  # exiting must not wait for a full queue to drain
     control.eval_results.cancel_join_thread()  # nor for evaluation answers nobody will read
-    os.environ["PYTHONPATH"] = HERE + os.pathsep + os.environ.get("PYTHONPATH", "")  # for the extension
+    # for the extension
+    os.environ["PYTHONPATH"] = HERE + os.pathsep + os.environ.get("PYTHONPATH", "")
     sys.path.insert(0, HERE)
-    os.environ.setdefault("OMP_NUM_THREADS", str(settings.cfg.gen_threads or 1))  # (0: an unresolved Config)
+    # (0: an unresolved Config)
+    os.environ.setdefault("OMP_NUM_THREADS", str(settings.cfg.gen_threads or 1))
     tracing.start("generator", sort=100)
     gen = Generator(settings, shared, rollout_queue, control)
     engine = gen.build_engine()
@@ -444,19 +634,23 @@ def generator_main(settings: GeneratorSettings, shared, rollout_queue, control) 
     finally:
         if settings.cfg.log_level == "warning":
             quiet_requested_shutdown()
-        # On CPU, vLLM 0.32's worker lingers after acknowledging the shutdown and is force-killed after 5 s
-        # anyway; there is no device memory to release, so the engine gets 1 s (GPUs: vLLM's own grace).
+        # On CPU, vLLM 0.32's worker lingers after acknowledging the shutdown and is force-killed
+        # after 5 s anyway; there is no device memory to release, so the engine gets 1 s (GPUs:
+        # vLLM's own grace).
         engine.shutdown(timeout=CPU_ENGINE_SHUTDOWN_S if settings.device == "cpu" else None)
         gen.engine = engine = None  # no second shutdown from __del__ at interpreter exit
 
 
-CPU_ENGINE_SHUTDOWN_S = 1.0  # what vLLM's EngineCore gets to exit on CPU before it is killed with its worker
+# what vLLM's EngineCore gets to exit on CPU before it is killed with its worker
+CPU_ENGINE_SHUTDOWN_S = 1.0
 
 
 def quiet_requested_shutdown() -> None:
-    """vLLM 0.32's CPU worker lingers after it acknowledges the shutdown, so at every end of a run vLLM force-
-    kills it (after CPU_ENGINE_SHUTDOWN_S) and logs three "[shutdown] ... force killing" warnings. We asked for
-    this shutdown and nothing is lost: those lines are left out (with --log-level info they show)."""
+    """vLLM 0.32's CPU worker lingers after it acknowledges the shutdown, so at every end of a run
+    vLLM force- kills it (after CPU_ENGINE_SHUTDOWN_S) and logs three "[shutdown] ... force killing"
+    warnings. We asked for this shutdown and nothing is lost: those lines are left out
+    (with --log-level info they show)."""
+
     class RequestedShutdown(logging.Filter):
         def filter(self, record):
             return not record.getMessage().startswith("[shutdown]")

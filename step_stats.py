@@ -9,6 +9,7 @@ Data contract: a micro-batch's tensors ((B, T), 0-d) in; a `StepResult` of plain
 same on every rank.
 May touch: collectives of the default process group (`StepStats.reduced`: every rank calls it).
 """
+
 from dataclasses import dataclass
 from typing import Optional
 
@@ -18,8 +19,9 @@ import torch.distributed as dist
 from losses import LossTerms, mismatch_k3
 
 
-def diagnostics(stats, loss, t: LossTerms, entropy, mb, cfg, version,
-                measure_agreement=True) -> None:
+def diagnostics(
+    stats, loss, t: LossTerms, entropy, mb, cfg, version, measure_agreement=True
+) -> None:
     """What the step's row says of one micro-batch (its `loss`, `t` of losses.grpo_loss, the
     `entropy` of the current sampling distribution): policy_loss's diagnostics, entropy, KL terms,
     the behaviour-to-trainer mismatch (k3, overall and by lag), the share each off-policy rule
@@ -31,9 +33,10 @@ def diagnostics(stats, loss, t: LossTerms, entropy, mb, cfg, version,
     k3 = mismatch_k3(t.logp, mb.behaviour_logp, t.trained)
     stats.mean("mismatch_k3", k3.sum(), n)
     lag = version - mb.token_versions
-    # every trained token's lag is within --max-lag (buffer.stale_mask) and within the version (token versions are
-    # >= 0): the loop stops at both, since each lag costs a few tensor ops and two names per micro-batch, and a run
-    # that never drops (--max-lag 1000000) looped a million times per micro-batch (minutes and GBs a step)
+    # every trained token's lag is within --max-lag (buffer.stale_mask) and within the version
+    # (token versions are >= 0): the loop stops at both, since each lag costs a few tensor ops and
+    # two names per micro-batch, and a run that never drops (--max-lag 1000000) looped a million
+    # times per micro-batch (minutes and GBs a step)
     for age in range(min(cfg.max_lag, version) + 1):
         at = t.trained & (lag == age)
         stats.mean(f"mismatch_k3/lag{age}", (k3 * at).sum(), at.sum())
@@ -56,7 +59,8 @@ def diagnostics(stats, loss, t: LossTerms, entropy, mb, cfg, version,
         stats.mean("kl_ref", t.kl.sum(), m)
     if t.reverse_kl is not None:
         stats.mean("distill_reverse_kl", t.reverse_kl.sum(), m)
-    for name, value in t.policy.items():  # policy_loss's are means over the masked tokens, but ratio_max
+    # policy_loss's are means over the masked tokens, but ratio_max
+    for name, value in t.policy.items():
         stats.max(name, value) if name == "ratio_max" else stats.mean(name, value * m, m)
     stats.mean("entropy", entropy[mb.mask].sum(), mb.mask.sum())
     stats.add("outside_support_tokens", t.outside.sum())
@@ -68,9 +72,9 @@ def diagnostics(stats, loss, t: LossTerms, entropy, mb, cfg, version,
 
 
 def agreement(stats, logp, batch, version, scored=None) -> None:
-    """|trainer - generator| log-prob on completions sampled entirely by the weights `logp` comes from
-    (the tokens `scored`: by default the batch's where `logp` is finite); bf16 makes the max a tail, the
-    mean says how far the two sides typically disagree."""
+    """|trainer - generator| log-prob on completions sampled entirely by the weights `logp` comes
+    from (the tokens `scored`: by default the batch's where `logp` is finite); bf16 makes the max a
+    tail, the mean says how far the two sides typically disagree."""
     scored = batch.mask & torch.isfinite(logp) if scored is None else scored
     on_policy_rows = ((batch.token_versions == version) | ~scored).all(dim=1) & scored.any(dim=1)
     both = scored & on_policy_rows[:, None]
@@ -81,9 +85,9 @@ def agreement(stats, logp, batch, version, scored=None) -> None:
 
 
 class StepStats:
-    """One step's metrics, added up over its micro-batches and updates as tensors where they were made (no
-    host sync), then reduced over ranks once: means (a total over a count), sums and maxima. Every rank adds
-    the same names, in any order."""
+    """One step's metrics, added up over its micro-batches and updates as tensors where they were
+    made (no host sync), then reduced over ranks once: means (a total over a count), sums and
+    maxima. Every rank adds the same names, in any order."""
 
     def __init__(self):
         self.means, self.sums, self.maxima = {}, {}, {}
@@ -96,28 +100,45 @@ class StepStats:
         self.sums[name] = self.sums.get(name, 0.0) + value
 
     def max(self, name, value):
-        self.maxima[name] = value if name not in self.maxima else torch.maximum(
-            torch.as_tensor(self.maxima[name]), torch.as_tensor(value))
+        self.maxima[name] = (
+            value
+            if name not in self.maxima
+            else torch.maximum(torch.as_tensor(self.maxima[name]), torch.as_tensor(value))
+        )
 
     def reduced(self, world_size) -> dict:
         """The step's values (the same on every rank: a collective, every rank calls it)."""
         means, sums, maxima = sorted(self.means), sorted(self.sums), sorted(self.maxima)
-        values = to_host([self.means[n][0] for n in means] + [self.means[n][1] for n in means]
-                         + [self.sums[n] for n in sums] + [self.maxima[n] for n in maxima])
-        k, totals, highest = len(means), values[:2 * len(means) + len(sums)], values[2 * len(means) + len(sums):]
+        values = to_host(
+            [self.means[n][0] for n in means]
+            + [self.means[n][1] for n in means]
+            + [self.sums[n] for n in sums]
+            + [self.maxima[n] for n in maxima]
+        )
+        k, totals, highest = (
+            len(means),
+            values[: 2 * len(means) + len(sums)],
+            values[2 * len(means) + len(sums) :],
+        )
         if world_size > 1:
             dist.all_reduce(totals)
             dist.all_reduce(highest, op=dist.ReduceOp.MAX)
-        out = {n: float(totals[i] / totals[k + i]) if totals[k + i] > 0 else 0.0 for i, n in enumerate(means)}
-        out.update(zip(sums, totals[2 * k:].tolist()))
+        out = {
+            n: float(totals[i] / totals[k + i]) if totals[k + i] > 0 else 0.0
+            for i, n in enumerate(means)
+        }
+        out.update(zip(sums, totals[2 * k :].tolist()))
         out.update(zip(maxima, highest.tolist()))
         return out
 
 
 def to_host(values) -> torch.Tensor:
-    """float64 CPU copies of numbers and 0-d tensors: those on an accelerator in one device-to-host copy."""
-    out = torch.tensor([float(v) if not torch.is_tensor(v) or v.device.type == "cpu" else 0.0 for v in values],
-                       dtype=torch.float64)
+    """float64 CPU copies of numbers and 0-d tensors: those on an accelerator in one device-to-host
+    copy."""
+    out = torch.tensor(
+        [float(v) if not torch.is_tensor(v) or v.device.type == "cpu" else 0.0 for v in values],
+        dtype=torch.float64,
+    )
     on_device = [i for i, v in enumerate(values) if torch.is_tensor(v) and v.device.type != "cpu"]
     if on_device:
         out[on_device] = torch.stack([values[i].double().reshape(()) for i in on_device]).cpu()
@@ -127,13 +148,15 @@ def to_host(values) -> torch.Tensor:
 @dataclass
 class StepResult:
     loss: float  # the loss summed over micro-batches, ranks and updates
-    logprob_diff: Optional[float]  # max |trainer - generator| log-prob on fully on-policy rows (None: none)
+    # max |trainer - generator| log-prob on fully on-policy rows (None: none)
+    logprob_diff: Optional[float]
     metrics: dict  # the per-step row's loss diagnostics, entropy, pad_frac, micro_batches
 
 
 def step_result(stats: StepStats, world_size: int) -> StepResult:
-    """The step's reduced metrics, with the derived figures (ESS, padding share) and without the counts
-    they came from; a lag no trained token has, or agreement with no on-policy row, gets no figure (not a 0)."""
+    """The step's reduced metrics, with the derived figures (ESS, padding share) and without the
+    counts they came from; a lag no trained token has, or agreement with no on-policy row, gets no
+    figure (not a 0)."""
     row = stats.reduced(world_size)
     on_policy = row.pop("on_policy_rows", 0) > 0
     diff = row.pop("logprob_diff_on_policy", -1.0)
@@ -146,8 +169,9 @@ def step_result(stats: StepStats, world_size: int) -> StepResult:
     if n:
         row["is_ess"] = w * w / (n * w2) if w2 > 0 else 0.0
     positions, padding = row.pop("positions"), row.pop("padding")
-    row.update(outside_support_tokens=int(row["outside_support_tokens"]), pad_frac=padding / positions,
-                micro_batches=int(row["micro_batches"]))
+    row.update(
+        outside_support_tokens=int(row["outside_support_tokens"]),
+        pad_frac=padding / positions,
+        micro_batches=int(row["micro_batches"]),
+    )
     return StepResult(row.pop("loss"), diff if on_policy else None, row)
-
-

@@ -1,14 +1,17 @@
-"""trace_merge.py — join a run's trace files (tracing.py writes them, one per process) into OUT/trace.json.
+"""trace_merge.py — join a run's trace files (tracing.py writes them, one per process) into
+OUT/trace.json.
 
 Role: `merge(out)` reads OUT/trace/'s segment files, keeps the trainer's last --trace-steps steps
-(`last_steps`), adds each request's phases (`request_phases`) and writes OUT/trace.json; train.py's parent
-calls it at the end of a run, `python plots.py OUT` on a run in progress.
-Data contract: tracing.py's files (one JSON event a line; metadata events "M" kept once each, the newest) and
-OUT/trace/run.json ({"steps", "t0_ns"}); the output is Chrome's trace-event format (see tracing.py). Request
-phases: from the engine steps' request ids (vLLM's worker records which requests each step scheduled new,
-preempted or resumed), grouped by the id the generator sent.
-May touch: OUT/trace.json (written whole, then renamed) and, when asked, OUT/trace/. Standard library only.
+(`last_steps`), adds each request's phases (`request_phases`) and writes OUT/trace.json; train.py's
+parent calls it at the end of a run, `python plots.py OUT` on a run in progress.
+Data contract: tracing.py's files (one JSON event a line; metadata events "M" kept once each, the
+newest) and OUT/trace/run.json ({"steps", "t0_ns"}); the output is Chrome's trace-event format (see
+tracing.py). Request phases: from the engine steps' request ids (vLLM's worker records which
+requests each step scheduled new, preempted or resumed), grouped by the id the generator sent.
+May touch: OUT/trace.json (written whole, then renamed) and, when asked, OUT/trace/. Standard
+library only.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -19,9 +22,10 @@ import shutil
 
 
 def merge(out: str, remove_parts: bool = False) -> str | None:
-    """Join OUT/trace/'s files into OUT/trace.json (written whole, then renamed: a reader never sees half of
-    it); with `remove_parts`, delete them after. Returns its path, or None when there is nothing to merge.
-    Lines cut short by a killed process, and files removed while we read them, are skipped."""
+    """Join OUT/trace/'s files into OUT/trace.json (written whole, then renamed: a reader never sees
+    half of it); with `remove_parts`, delete them after. Returns its path, or None when there is
+    nothing to merge. Lines cut short by a killed process, and files removed while we read them, are
+    skipped."""
     folder = os.path.join(out, "trace")
     try:
         with open(os.path.join(folder, "run.json")) as f:
@@ -49,8 +53,15 @@ def merge(out: str, remove_parts: bool = False) -> str | None:
     events.sort(key=lambda e: (e["ts"], -e.get("dur", 0)))
     path = os.path.join(out, "trace.json")
     with open(f"{path}.{os.getpid()}.tmp", "w") as f:
-        json.dump({"traceEvents": list(meta.values()) + events, "displayTimeUnit": "ms",
-                   "otherData": {"t0_ns": run["t0_ns"], "trace_steps": run["steps"]}}, f, separators=(",", ":"))
+        json.dump(
+            {
+                "traceEvents": list(meta.values()) + events,
+                "displayTimeUnit": "ms",
+                "otherData": {"t0_ns": run["t0_ns"], "trace_steps": run["steps"]},
+            },
+            f,
+            separators=(",", ":"),
+        )
     os.replace(f"{path}.{os.getpid()}.tmp", path)
     if remove_parts:
         shutil.rmtree(folder, ignore_errors=True)
@@ -58,8 +69,13 @@ def merge(out: str, remove_parts: bool = False) -> str | None:
 
 
 def last_steps(events: list[dict], steps: int) -> list[dict]:
-    """The events of the trainer's last `steps` steps (rank 0's "step" spans; all events if it has fewer)."""
-    ends = sorted(e["ts"] + e["dur"] for e in events if e.get("cat") == "step" and e.get("args", {}).get("rank") == 0)
+    """The events of the trainer's last `steps` steps (rank 0's "step" spans; all events if it has
+    fewer)."""
+    ends = sorted(
+        e["ts"] + e["dur"]
+        for e in events
+        if e.get("cat") == "step" and e.get("args", {}).get("rank") == 0
+    )
     if len(ends) <= steps:
         return events
     cut = ends[-steps - 1]
@@ -67,10 +83,11 @@ def last_steps(events: list[dict], steps: int) -> list[dict]:
 
 
 def request_phases(events: list[dict]) -> list[dict]:
-    """Each request's phases, nested in its span: queued (sent, not yet scheduled by the engine), paused (a
-    weight swap), preempted (until the engine resumed it) and re-prefill (the engine step that resumed it: its
-    KV cache recomputed). From the engine steps' request ids, grouped by the id the generator sent: for a group
-    of n samples, the first scheduled and every preemption or resume of any of them."""
+    """Each request's phases, nested in its span: queued (sent, not yet scheduled by the engine),
+    paused (a weight swap), preempted (until the engine resumed it) and re-prefill (the engine step
+    that resumed it: its KV cache recomputed). From the engine steps' request ids, grouped by the id
+    the generator sent: for a group of n samples, the first scheduled and every preemption or resume
+    of any of them."""
     first, preempted, resumed, swaps = {}, {}, {}, []
     for e in events:
         if e.get("cat") == "engine" and e["ph"] == "X":
@@ -92,20 +109,42 @@ def request_phases(events: list[dict]) -> list[dict]:
         if rid not in first:  # (no engine step of it in the trace: its phases are unknown)
             continue
         running = min(max(first[rid], start), end)
-        near = swaps[max(0, bisect.bisect_left(swap_starts, running) - 1):bisect.bisect_left(swap_starts, end)]
+        near = swaps[
+            max(0, bisect.bisect_left(swap_starts, running) - 1) : bisect.bisect_left(
+                swap_starts, end
+            )
+        ]
         spans = [(a, b, "paused (weight swap)") for a, b in near if a < end and b > running]
         resumes = sorted(r for r in resumed.get(rid, ()) if start <= r[0] <= end)
         for p in preempted.get(rid, ()):
             later = [r for r in resumes if r[0] >= p]
-            if later and later[0][0] > p:  # (a swap preempts and resumes in one step: its pause is the gap)
+            # (a swap preempts and resumes in one step: its pause is the gap)
+            if later and later[0][0] > p:
                 spans.append((p, later[0][0], "preempted"))
         spans += [(a, b, "re-prefill") for a, b in resumes]
         cursor = running
         for a, b, name in sorted(spans):
             a, b = max(a, cursor), min(b, end)
             if b > a:
-                phases.append(dict(e, name=name, cat="request phase", ts=a, dur=round(b - a, 1), args={"id": rid}))
+                phases.append(
+                    dict(
+                        e,
+                        name=name,
+                        cat="request phase",
+                        ts=a,
+                        dur=round(b - a, 1),
+                        args={"id": rid},
+                    )
+                )
                 cursor = b
         if running > start:
-            phases.append(dict(e, name="queued", cat="request phase", dur=round(running - start, 1), args={"id": rid}))
+            phases.append(
+                dict(
+                    e,
+                    name="queued",
+                    cat="request phase",
+                    dur=round(running - start, 1),
+                    args={"id": rid},
+                )
+            )
     return phases

@@ -1,15 +1,17 @@
-"""train.py — the trainer: FSDP2 ranks that turn rollout batches into new weights; `python train.py`.
+"""train.py — the trainer: FSDP2 ranks that turn rollout batches into new weights; `python
+train.py`.
 
-Role: `python train.py` prepares the run (prepare.py), spawns one vLLM generator (rollout.py) and the FSDP2
-trainer ranks, and supervises them (processes.py). Each rank loops: take a batch of rollout groups
-(buffer.py) -> group advantages -> the GRPO update (update.py, losses.py) -> publish the weights (sync.py)
--> log (metrics.py) and save (checkpoint.py).
-Data contract: trainer version = rollout batches trained on; a sample is trained on only if its oldest
-token is at most --max-lag versions old. OUT/ gets metrics.jsonl, summary.json, model/ (Hugging Face format;
-with --lora-rank adapter/), checkpoints/, and from every process's trace events (tracing.py) trace.json and
-timeline.png.
+Role: `python train.py` prepares the run (prepare.py), spawns one vLLM generator (rollout.py) and
+the FSDP2 trainer ranks, and supervises them (processes.py). Each rank loops: take a batch of
+rollout groups (buffer.py) -> group advantages -> the GRPO update (update.py, losses.py) -> publish
+the weights (sync.py) -> log (metrics.py) and save (checkpoint.py).
+Data contract: trainer version = rollout batches trained on; a sample is trained on only if its
+oldest token is at most --max-lag versions old. OUT/ gets metrics.jsonl, summary.json, model/
+(Hugging Face format; with --lora-rank adapter/), checkpoints/, and from every process's trace
+events (tracing.py) trace.json and timeline.png.
 May touch: everything under --out; it spawns and kills its own children.
 """
+
 import functools
 import os
 import sys
@@ -32,22 +34,23 @@ import plots
 import prepare
 import trace_merge
 import tracing
-from models import build_frozen_models, build_policy, check_layout, checkpoint_layers
-from config import Config, inactive_flags
 from advantages import estimate_advantages
+from config import Config, inactive_flags
+from models import build_frozen_models, build_policy, check_layout, checkpoint_layers
 from processes import Control, exit_now, make_control, run_children, saving, wait_for
 from rollout import generator_main
-from sync import WeightsSink, publish_model, trainable_parameters
 from schedule import learning_rate, shaped_rewards
+from sync import WeightsSink, publish_model, trainable_parameters
 from update import update_on_batch
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The trainer (one process per rank): set-up, the loop, tear-down
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 @dataclass
 class Rank:
     """What one trainer rank holds while it trains."""
+
     cfg: Config
     prepared: prepare.Prepared
     rank: int
@@ -59,42 +62,62 @@ class Rank:
     pad_id: int
     shared: WeightsSink  # shared_weights.SharedWeights, or remote.RemoteWeights
     rollout_queue: buffer.GroupSource  # buffer.RolloutQueue, or remote.TrainerLink
-    control: Control  # the run's flags and counters (processes.make_control, or remote.thread_control)
-    save_group: object = None  # the gloo group of every collective around a save (timeout --save-timeout-s)
+    # the run's flags and counters (processes.make_control, or remote.thread_control)
+    control: Control
+    # the gloo group of every collective around a save (timeout --save-timeout-s)
+    save_group: object = None
     log: metrics.RunLog | None = None  # rank 0 only
     version: int = 0
     teacher: torch.nn.Module | None = None  # --teacher (frozen, sharded like the reference)
-    published: int = 0  # what the generator holds or will load next: what an evaluation asked for now sees
+    # what the generator holds or will load next: what an evaluation asked for now sees
+    published: int = 0
     bad_steps: int = 0
 
 
 def train(trainer: Rank) -> int:
-    """The algorithm, one rollout batch per step; returns the step it stopped at (cfg.steps when done)."""
+    """The algorithm, one rollout batch per step; returns the step it stopped at (cfg.steps when
+    done)."""
     cfg = trainer.cfg
     for step in range(trainer.prepared.start_step, cfg.steps):
         tracing.step(step)
         t_wait = time.perf_counter()
         taken = take_batch(trainer)
-        if taken is None:  # asked to stop (a signal, or another process failed): every rank leaves together
+        # asked to stop (a signal, or another process failed): every rank leaves together
+        if taken is None:
             return step
         wait_s, t_step = time.perf_counter() - t_wait, time.perf_counter()
         tracing.complete("wait for data", t_wait, t_step, cat="wait", step=step)
-        # ---- the algorithm: rewards -> advantages -> a batch of fresh-enough tokens -> the GRPO update ----
+        # ---- the algorithm: rewards -> advantages -> a batch of fresh-enough tokens -> the GRPO
+        # update
         rewards, truncated = shaped_rewards(taken.groups, cfg)
-        # an unscored sample (a reward or env fault) gets advantage 0 and stays out of every statistic
+        # an unscored sample (a reward or env fault) gets advantage 0 and stays out of every
+        # statistic
         scored = buffer.scored_mask(taken.groups)
         advantages = estimate_advantages(rewards, cfg.adv_estimator, cfg.adv_scale, scored=scored)
         batch = buffer.collate(buffer.to_samples(taken.groups, advantages), trainer.pad_id)
-        stale = buffer.stale_mask(batch, trainer.version, cfg.max_lag)  # (none left with --stale-rule group)
+        # (none left with --stale-rule group)
+        stale = buffer.stale_mask(batch, trainer.version, cfg.max_lag)
         batch.mask &= ~stale  # --max-lag bounds every trained token's age
         if cfg.overlong_filter:  # cut completions add no loss (and no tokens to the normalisation)
             batch.mask &= ~truncated.flatten()[:, None]
         lr = learning_rate(step, cfg)
         for group in trainer.optimizer.param_groups:
             group["lr"] = lr
-        result = update_on_batch(trainer.model, trainer.ref_model, trainer.optimizer, batch, cfg, trainer.rank,
-                                 trainer.world_size, trainer.version, step, trainer.device, teacher=trainer.teacher)
-        skipped = result.applied == 0  # every update had a NaN/inf loss or gradient: nothing changed
+        result = update_on_batch(
+            trainer.model,
+            trainer.ref_model,
+            trainer.optimizer,
+            batch,
+            cfg,
+            trainer.rank,
+            trainer.world_size,
+            trainer.version,
+            step,
+            trainer.device,
+            teacher=trainer.teacher,
+        )
+        # every update had a NaN/inf loss or gradient: nothing changed
+        skipped = result.applied == 0
         if not skipped:
             trainer.version += 1  # one version per rollout batch, however many updates it took
         # ---- plumbing: count bad steps, publish the weights, evaluate, log, save ----
@@ -102,9 +125,12 @@ def train(trainer: Rank) -> int:
         if skipped and trainer.rank == 0:
             count_skipped_step(trainer.control)
         t_publish = time.perf_counter()
-        last = step + 1 == cfg.steps  # the final evaluation must see the final weights: publish them
+        # the final evaluation must see the final weights: publish them
+        last = step + 1 == cfg.steps
         if (trainer.version % cfg.sync_every == 0 or (last and cfg.eval_every > 0)) and not skipped:
-            publish_model(trainer.model, trainer.shared, trainer.version, trainer.rank, trainer.world_size)
+            publish_model(
+                trainer.model, trainer.shared, trainer.version, trainer.rank, trainer.world_size
+            )
             trainer.published = trainer.version
             tracing.complete("publish", t_publish, version=trainer.version)
         publish_ms = (time.perf_counter() - t_publish) * 1e3
@@ -112,24 +138,42 @@ def train(trainer: Rank) -> int:
         evals = evaluate(trainer, step, last)
         if trainer.log is not None:
             task_rewards = torch.tensor([g.rewards for g in taken.groups])
-            result.metrics.update(lr=lr, truncated_frac=float(truncated.float().mean()),
-                                  stale_masked_tokens=int(stale.sum()), groups_filtered=taken.groups_filtered,
-                                  overlong_penalty=float((rewards - task_rewards).mean()),
-                                  **trainer.rollout_queue.metrics())  # (remote.TrainerLink: the queue bound, the send)
-            trainer.log.step(step, trainer.version, taken, batch, result.metrics, loss=result.loss,
-                             grad_norm=result.grad_norm, logprob_diff=result.logprob_diff, wait_s=wait_s,
-                             train_s=train_s, publish_ms=publish_ms, skipped=skipped, evals=evals)
+            result.metrics.update(
+                lr=lr,
+                truncated_frac=float(truncated.float().mean()),
+                stale_masked_tokens=int(stale.sum()),
+                groups_filtered=taken.groups_filtered,
+                overlong_penalty=float((rewards - task_rewards).mean()),
+                # (remote.TrainerLink: the queue bound, the send)
+                **trainer.rollout_queue.metrics(),
+            )
+            trainer.log.step(
+                step,
+                trainer.version,
+                taken,
+                batch,
+                result.metrics,
+                loss=result.loss,
+                grad_norm=result.grad_norm,
+                logprob_diff=result.logprob_diff,
+                wait_s=wait_s,
+                train_s=train_s,
+                publish_ms=publish_ms,
+                skipped=skipped,
+                evals=evals,
+            )
         if cfg.save_every and (step + 1) % cfg.save_every == 0:
             save_checkpoint(trainer, step + 1)
-        if cfg.save_hf_every and (step + 1) % cfg.save_hf_every == 0 and not last:  # (the end writes it anyway)
+        # (the end writes it anyway)
+        if cfg.save_hf_every and (step + 1) % cfg.save_hf_every == 0 and not last:
             save_hf_model(trainer)
         tracing.complete(f"step {step}", t_step, cat="step", **step_args(trainer, step, batch))
     return cfg.steps
 
 
 def step_args(trainer: Rank, step: int, batch) -> dict:
-    """What the trace's step span says: the step, rank and version after it, and (rank 0) its trained tokens
-    by the version that sampled them."""
+    """What the trace's step span says: the step, rank and version after it, and (rank 0) its
+    trained tokens by the version that sampled them."""
     args = {"step": step, "rank": trainer.rank, "version": trainer.version}
     if trainer.rank == 0 and tracing.enabled():
         versions, counts = batch.token_versions[batch.mask].unique(return_counts=True)
@@ -138,16 +182,23 @@ def step_args(trainer: Rank, step: int, batch) -> dict:
 
 
 def take_batch(trainer: Rank):
-    """Rank 0 takes the step's groups off the rollout queue (the staleness rule, whole groups) and every rank
-    gets them; None on every rank when the run is asked to stop."""
+    """Rank 0 takes the step's groups off the rollout queue (the staleness rule, whole groups) and
+    every rank gets them; None on every rank when the run is asked to stop."""
     taken = None
     if trainer.rank == 0 and not trainer.control.stop.is_set():
         try:
             cfg = trainer.cfg
-            taken = buffer.take_groups(trainer.rollout_queue, cfg.prompts_per_step, trainer.version, cfg.max_lag,
-                                       cfg.timeout_s, should_stop=trainer.control.stop.is_set,
-                                       filter_groups=cfg.filter_groups, stale_rule=cfg.stale_rule,
-                                       on_drop=functools.partial(count_dropped_group, trainer.control))
+            taken = buffer.take_groups(
+                trainer.rollout_queue,
+                cfg.prompts_per_step,
+                trainer.version,
+                cfg.max_lag,
+                cfg.timeout_s,
+                should_stop=trainer.control.stop.is_set,
+                filter_groups=cfg.filter_groups,
+                stale_rule=cfg.stale_rule,
+                on_drop=functools.partial(count_dropped_group, trainer.control),
+            )
         except buffer.Stopped:
             taken = None
         tracing.counter("rollout queue", groups=tracing.qsize(trainer.rollout_queue))
@@ -155,13 +206,15 @@ def take_batch(trainer: Rank):
 
 
 def count_dropped_group(control) -> None:
-    """The generator replaces a group the trainer rejected whole (its staleness gate counts the groups still needed)."""
+    """The generator replaces a group the trainer rejected whole (its staleness gate counts the
+    groups still needed)."""
     with control.groups_dropped.get_lock():
         control.groups_dropped.value += 1
 
 
 def count_skipped_step(control) -> None:
-    """A step that kept the version: the generator's staleness gate reads versions from steps less these."""
+    """A step that kept the version: the generator's staleness gate reads versions from steps less
+    these."""
     with control.steps_skipped.get_lock():
         control.steps_skipped.value += 1
 
@@ -176,23 +229,31 @@ def broadcast(value, world_size: int):
 
 
 def count_bad_steps(trainer: Rank, skipped_updates: int) -> None:
-    """A bad step: one with any update skipped for a NaN/inf loss or gradient (however many of its updates)."""
+    """A bad step: one with any update skipped for a NaN/inf loss or gradient (however many of its
+    updates)."""
     trainer.bad_steps += skipped_updates > 0
     if trainer.bad_steps > trainer.cfg.max_bad_steps:
-        raise RuntimeError(f"{trainer.bad_steps} steps with NaN/inf loss or gradients (--max-bad-steps "
-                           f"{trainer.cfg.max_bad_steps}): lower --lr or check the rewards")
+        raise RuntimeError(
+            f"{trainer.bad_steps} steps with NaN/inf loss or gradients (--max-bad-steps "
+            f"{trainer.cfg.max_bad_steps}): lower --lr or check the rewards"
+        )
 
 
 def evaluate(trainer: Rank, step: int, last: bool) -> list:
-    """Ask the generator for an evaluation every --eval-every steps; pick up answers between steps (only the
-    final one is waited for). Rank 0 only (the generator evaluated step 0 before it was ready)."""
+    """Ask the generator for an evaluation every --eval-every steps; pick up answers between steps
+    (only the final one is waited for). Rank 0 only (the generator evaluated step 0 before it was
+    ready)."""
     if trainer.rank != 0 or trainer.cfg.eval_every <= 0:
         return []
     t0 = time.perf_counter()
     if (step + 1) % trainer.cfg.eval_every == 0 or last:
         evaluation.request(trainer.control, step + 1, trainer.published)
-    answers = evaluation.collect(trainer.control, trainer.cfg.steps if last else None, trainer.cfg.timeout_s,
-                                 trainer.control.stop.is_set)
+    answers = evaluation.collect(
+        trainer.control,
+        trainer.cfg.steps if last else None,
+        trainer.cfg.timeout_s,
+        trainer.control.stop.is_set,
+    )
     if answers or last:
         tracing.complete("evaluation", t0, answers=len(answers))
     return answers
@@ -200,14 +261,27 @@ def evaluate(trainer: Rank, step: int, last: bool) -> list:
 
 @tracing.timed("checkpoint")
 def save_checkpoint(trainer: Rank, step: int) -> str:
-    """A sharded checkpoint (every rank writes); the parent waits for it if the run is ending meanwhile."""
+    """A sharded checkpoint (every rank writes); the parent waits for it if the run is ending
+    meanwhile."""
     t0 = time.perf_counter()
     with saving(trainer.control):
-        where = checkpoint.save_trainer_state(trainer.model, trainer.optimizer, trainer.prepared.base_model,
-                                              trainer.cfg, step, trainer.version, trainer.rank, trainer.save_group,
-                                              groups_dropped=trainer.control.groups_dropped.value)
+        where = checkpoint.save_trainer_state(
+            trainer.model,
+            trainer.optimizer,
+            trainer.prepared.base_model,
+            trainer.cfg,
+            step,
+            trainer.version,
+            trainer.rank,
+            trainer.save_group,
+            groups_dropped=trainer.control.groups_dropped.value,
+        )
     if trainer.rank == 0:
-        print(f"checkpoint {where} written in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+        print(
+            f"checkpoint {where} written in {time.perf_counter() - t0:.1f} s",
+            file=sys.stderr,
+            flush=True,
+        )
     return where
 
 
@@ -215,35 +289,61 @@ def save_checkpoint(trainer: Rank, step: int) -> str:
 def save_hf_model(trainer: Rank) -> None:
     """OUT/model (with LoRA OUT/adapter): gathered, written by rank 0."""
     with saving(trainer.control):
-        checkpoint.save_final_model(trainer.model, trainer.prepared.base_model, trainer.cfg, trainer.rank,
-                                    trainer.save_group)
+        checkpoint.save_final_model(
+            trainer.model,
+            trainer.prepared.base_model,
+            trainer.cfg,
+            trainer.rank,
+            trainer.save_group,
+        )
 
 
-def start_rank(cfg: Config, prepared: prepare.Prepared, rank: int, world_size: int, shared: WeightsSink,
-               rollout_queue: buffer.GroupSource, control: Control, init_file: str) -> Rank | None:
-    """Device and process group, the model (restored on a resume), the reference, the tokenizer; then wait for
-    the generator's engine. None when the run was stopped before its first step."""
+def start_rank(
+    cfg: Config,
+    prepared: prepare.Prepared,
+    rank: int,
+    world_size: int,
+    shared: WeightsSink,
+    rollout_queue: buffer.GroupSource,
+    control: Control,
+    init_file: str,
+) -> Rank | None:
+    """Device and process group, the model (restored on a resume), the reference, the tokenizer;
+    then wait for the generator's engine. None when the run was stopped before its first step."""
     torch.set_num_threads(cfg.train_threads)
     torch.manual_seed(cfg.seed + rank)
     layout = prepared.layout
     device = devices.rank_device(layout, rank, torchrun=cfg.role == "trainer")
-    # vLLM measures a GPU's free memory while it starts: on a shared GPU, keep off it until vLLM is up.
-    if layout.shared_gpus and not wait_for(control.engine_started, control.stop, cfg.timeout_s,
-                                           "the generator's engine to start"):
+    # vLLM measures a GPU's free memory while it starts: on a shared GPU, keep off it until vLLM is
+    # up.
+    if layout.shared_gpus and not wait_for(
+        control.engine_started, control.stop, cfg.timeout_s, "the generator's engine to start"
+    ):
         return None
     devices.enter_rank_device(layout, rank, device)
-    if not dist.is_initialized():  # (--role trainer: torchrun's env:// group, made by remote.run_trainer)
-        dist.init_process_group(layout.backend, init_method=f"file://{init_file}", rank=rank,
-                                world_size=world_size, timeout=timedelta(seconds=cfg.timeout_s + 60))
-    # Saves wait on their own group: a rank that finished writing its shards waits for the slowest one.
+    # (--role trainer: torchrun's env:// group, made by remote.run_trainer)
+    if not dist.is_initialized():
+        dist.init_process_group(
+            layout.backend,
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=cfg.timeout_s + 60),
+        )
+    # Saves wait on their own group: a rank that finished writing its shards waits for the slowest
+    # one.
     save_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.save_timeout_s))
     resume_dir = prepared.resume_dir
     model = build_policy(cfg, prepared.base_model, world_size, device)
     if cfg.grad_checkpointing:
         checkpoint_layers(model)
-    # Build the optimizer before any forward pass (FSDP2 pitfall: see shared notes). Only what trains has state.
-    optimizer = torch.optim.AdamW(trainable_parameters(model), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    if resume_dir:  # the trained weights (with LoRA the adapter) and the optimizer, resharded to these ranks
+    # Build the optimizer before any forward pass (FSDP2 pitfall: see shared notes). Only what
+    # trains has state.
+    optimizer = torch.optim.AdamW(
+        trainable_parameters(model), lr=cfg.lr, weight_decay=cfg.weight_decay
+    )
+    # the trained weights (with LoRA the adapter) and the optimizer, resharded to these ranks
+    if resume_dir:
         checkpoint.load_trainer_state(model, optimizer, resume_dir, save_group)
     check_layout(model, shared.layout)
     version = prepared.start_version
@@ -251,24 +351,50 @@ def start_rank(cfg: Config, prepared: prepare.Prepared, rank: int, world_size: i
         publish_model(model, shared, version, rank, world_size)
     ref_model, teacher = build_frozen_models(cfg, prepared, model, world_size, device)
     tokenizer = AutoTokenizer.from_pretrained(prepared.base_model)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad_id = (
+        tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    )
     # the run's clock starts when the engine is up, not while vLLM starts
-    ready = wait_for(control.ready, control.stop, cfg.timeout_s, "the generator's engine to start") \
-        if rank == 0 else True
-    if not broadcast(ready, world_size):  # stopped by a signal before the first step: nothing to save
+    ready = (
+        wait_for(control.ready, control.stop, cfg.timeout_s, "the generator's engine to start")
+        if rank == 0
+        else True
+    )
+    # stopped by a signal before the first step: nothing to save
+    if not broadcast(ready, world_size):
         dist.destroy_process_group()
         return None
     log = metrics.RunLog(cfg, world_size, prepared.start_step) if rank == 0 else None
     if log is not None:
         log.sync_mb = shared.nbytes / 2**20  # in the serving dtype
-    return Rank(cfg, prepared, rank, world_size, device, model, ref_model, optimizer, pad_id, shared, rollout_queue,
-                control, save_group, log, version, teacher=teacher, published=version)
+    return Rank(
+        cfg,
+        prepared,
+        rank,
+        world_size,
+        device,
+        model,
+        ref_model,
+        optimizer,
+        pad_id,
+        shared,
+        rollout_queue,
+        control,
+        save_group,
+        log,
+        version,
+        teacher=teacher,
+        published=version,
+    )
 
 
 def finish_rank(trainer: Rank, step: int) -> None:
-    """The final model when the run is done; otherwise (a signal, or another process failed) a checkpoint."""
+    """The final model when the run is done; otherwise (a signal, or another process failed) a
+    checkpoint."""
     # rank 0's control decides (under torchrun each rank has a control of its own)
-    finished = broadcast(step >= trainer.cfg.steps and not trainer.control.interrupted.is_set(), trainer.world_size)
+    finished = broadcast(
+        step >= trainer.cfg.steps and not trainer.control.interrupted.is_set(), trainer.world_size
+    )
     if trainer.rank == 0:
         trainer.control.stop.set()  # the generator can stop now
     if finished:
@@ -276,16 +402,28 @@ def finish_rank(trainer: Rank, step: int) -> None:
     else:
         where = save_checkpoint(trainer, step)
         if trainer.rank == 0:
-            print(f"stopped at step {step} (version {trainer.version}); checkpoint in {where}; continue with "
-                  f"--resume latest --out {trainer.cfg.out}", flush=True)
+            print(
+                f"stopped at step {step} (version {trainer.version}); checkpoint in {where}; "
+                f"continue with "
+                f"--resume latest --out {trainer.cfg.out}",
+                flush=True,
+            )
     if trainer.log is not None:
         trainer.log.finish(trainer.version)
     dist.barrier()
     dist.destroy_process_group()
 
 
-def trainer_main(cfg: Config, prepared: prepare.Prepared, rank: int, world_size: int, shared: WeightsSink,
-                 rollout_queue: buffer.GroupSource, control: Control, init_file: str) -> None:
+def trainer_main(
+    cfg: Config,
+    prepared: prepare.Prepared,
+    rank: int,
+    world_size: int,
+    shared: WeightsSink,
+    rollout_queue: buffer.GroupSource,
+    control: Control,
+    init_file: str,
+) -> None:
     """One FSDP2 rank, from start to end."""
     tracing.start(f"trainer {rank}", sort=rank)
     trainer = start_rank(cfg, prepared, rank, world_size, shared, rollout_queue, control, init_file)
@@ -293,38 +431,56 @@ def trainer_main(cfg: Config, prepared: prepare.Prepared, rank: int, world_size:
         finish_rank(trainer, train(trainer))
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The parent: prepare, spawn, supervise
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 def run(cfg: Config) -> int:
     """Start the generator and trainer ranks, wait for them, and return the run's exit code."""
     metrics.configure_terminal(cfg.log_level)
     inactive = inactive_flags(cfg)
     if inactive:
-        print(f"warning: {', '.join(inactive)} cannot act in this run: one optimizer step per batch keeps the ratio "
-              "to the proximal policy at 1 (the clips act with --mini-batches > 1, --ppo-epochs > 1 or --is-mode off)",
-              file=sys.stderr, flush=True)
+        print(
+            f"warning: {', '.join(inactive)} cannot act in this run: one optimizer step per batch "
+            f"keeps the ratio "
+            "to the proximal policy at 1 (the clips act with --mini-batches > 1, --ppo-epochs > 1 "
+            "or --is-mode off)",
+            file=sys.stderr,
+            flush=True,
+        )
     cfg = prepare.resolve(cfg)
     prepared = prepare.prepare_run(cfg)
     layout = prepared.layout
-    print(f"starting the vLLM generator and {cfg.train_ranks} FSDP2 trainer rank(s); writing to {cfg.out}/"
-          + ("" if layout.on_gpu else "\n(on CPU, vLLM's start-up warnings about Triton, torch.compile and "
-                                       "LD_PRELOAD are expected)"), flush=True)
-    # On GPUs this process owns the packed buffer (on the first trainer GPU) and outlives every reader.
+    print(
+        f"starting the vLLM generator and {cfg.train_ranks} FSDP2 trainer rank(s); writing to "
+        f"{cfg.out}/"
+        + (
+            ""
+            if layout.on_gpu
+            else "\n(on CPU, vLLM's start-up warnings about Triton, torch.compile and "
+            "LD_PRELOAD are expected)"
+        ),
+        flush=True,
+    )
+    # On GPUs this process owns the packed buffer (on the first trainer GPU) and outlives every
+    # reader.
     shared, adapter_dir = prepare.run_weights(cfg, prepared, layout.buffer_device)
     ctx = mp.get_context("spawn")
     rollout_queue = buffer.RolloutQueue(cfg.queue_size, ctx)
     errors = ctx.Queue()
     control = make_control(ctx)
-    control.groups_dropped.value = prepared.groups_dropped  # the generator's staleness gate counts from here
+    # the generator's staleness gate counts from here
+    control.groups_dropped.value = prepared.groups_dropped
     control.steps_skipped.value = prepared.start_step - prepared.start_version  # (and from here)
     settings = prepare.generator_settings(cfg, prepared, adapter_dir)
     init_file = tempfile.mktemp(prefix="asyncgrpo-dist-")
     tracing.configure(cfg.out, cfg.trace_steps)  # (the children inherit where to write)
     children = {"generator": (generator_main, (settings, shared, rollout_queue, control), True)}
     for rank in range(cfg.train_ranks):
-        children[f"trainer{rank}"] = (trainer_main, (cfg, prepared, rank, cfg.train_ranks, shared, rollout_queue,
-                                                     control, init_file), False)
+        children[f"trainer{rank}"] = (
+            trainer_main,
+            (cfg, prepared, rank, cfg.train_ranks, shared, rollout_queue, control, init_file),
+            False,
+        )
     try:
         return run_children(ctx, children, errors, control, save_grace_s=cfg.save_timeout_s)
     finally:
@@ -334,8 +490,8 @@ def run(cfg: Config) -> int:
 
 
 def write_timeline(cfg: Config) -> None:
-    """OUT/trace.json from every process's trace events, and OUT/timeline.png from it (even after a failure:
-    it shows what happened). Never fails the run: a problem is one warning line."""
+    """OUT/trace.json from every process's trace events, and OUT/timeline.png from it (even after a
+    failure: it shows what happened). Never fails the run: a problem is one warning line."""
     tracing.unconfigure()
     if cfg.trace_steps <= 0:
         return
@@ -343,8 +499,11 @@ def write_timeline(cfg: Config) -> None:
         if trace_merge.merge(cfg.out, remove_parts=True):
             plots.plot_timeline(cfg.out)
     except Exception as e:
-        print(f"warning: no {cfg.out}/trace.json or timeline.png ({type(e).__name__}: {e})", file=sys.stderr,
-              flush=True)
+        print(
+            f"warning: no {cfg.out}/trace.json or timeline.png ({type(e).__name__}: {e})",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def main(argv=None) -> int:
@@ -352,7 +511,11 @@ def main(argv=None) -> int:
     if cfg.role != "all":
         import remote  # (only when a remote role asks for it: it starts ZMQ)
 
-        return remote.run_trainer(cfg, trainer_main) if cfg.role == "trainer" else remote.run_generator(cfg)
+        return (
+            remote.run_trainer(cfg, trainer_main)
+            if cfg.role == "trainer"
+            else remote.run_generator(cfg)
+        )
     return run(cfg)
 
 

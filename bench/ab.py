@@ -1,20 +1,25 @@
-"""bench/ab.py — did a change of the code leave the run alone? Two revisions side by side on one machine.
+"""bench/ab.py — did a change of the code leave the run alone? Two revisions side by side on one
+machine.
 
-    python bench/ab.py --base REV [--head REV] [--runs 3] [--args "..."] --out DIR   # DIR/ab.json, DIR/ab.png
-    python bench/ab.py --smoke --out DIR   # the suite's size (tests/test_bench.py): HEAD against itself, one run each
+    python bench/ab.py --base REV [--head REV] [--runs 3] [--args "..."] --out DIR   # DIR/ab.json,
+    DIR/ab.png python bench/ab.py --smoke --out DIR   # the suite's size (tests/test_bench.py): HEAD
+    against itself, one run each
 
-Both revisions are checked out into scratch worktrees (`git worktree add --detach`) and run with this
-interpreter. Two parts:
-- exact: `update.update_on_batch` of each revision, run on the same model and the same fixed batch for
-  three steps with AdamW, one case per loss setting (CASES). Each process runs one thread, so each case is
-  a deterministic computation. The parameters and losses are compared: equal to the bit, or their largest
-  difference.
-- runs: `python train.py --out OUT ARGS` from each revision, alternating base and head (a drifting machine
-  load hits both alike), --runs times each. Per run: wall time (start-up included), reward (first 10% ->
-  last 20% of steps), held-out greedy pass@1 at the end, the log-prob agreement after sync, tokens/s. The
-  async schedule makes a run unrepeatable, so each side's spread is the noise a difference is judged by.
-May touch: the repository's worktree list (two scratch worktrees, removed at the end) and its scratch folder.
+Both revisions are checked out into scratch worktrees (`git worktree add --detach`) and run with
+this interpreter. Two parts:
+- exact: `update.update_on_batch` of each revision, run on the same model and the same fixed batch
+  for three steps with AdamW, one case per loss setting (CASES). Each process runs one thread, so
+  each case is a deterministic computation. The parameters and losses are compared: equal to the
+  bit, or their largest difference.
+- runs: `python train.py --out OUT ARGS` from each revision, alternating base and head (a drifting
+  machine load hits both alike), --runs times each. Per run: wall time (start-up included), reward
+  (first 10% -> last 20% of steps), held-out greedy pass@1 at the end, the log-prob agreement after
+  sync, tokens/s. The async schedule makes a run unrepeatable, so each side's spread is the noise a
+  difference is judged by.
+May touch: the repository's worktree list (two scratch worktrees, removed at the end) and its
+scratch folder.
 """
+
 from __future__ import annotations
 
 import json
@@ -28,20 +33,32 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 import torch  # noqa: E402
 
-# (name, train.py flags): the update's variants both revisions have (the default, a second loss, the KL term,
-# mini-batches with the proximal policy, micro-batches, LoRA with its KL reference)
-CASES = (("default", []), ("dr_grpo", ["--loss", "dr_grpo"]), ("kl", ["--kl-coef", "0.05"]),
-         ("mini_batches", ["--mini-batches", "2", "--ppo-epochs", "2"]),
-         ("micro_batches", ["--micro-batch-tokens", "64"]),
-         ("lora_kl", ["--lora-rank", "4", "--kl-coef", "0.05"]))
+# (name, train.py flags): the update's variants both revisions have (the default, a second loss, the
+# KL term, mini-batches with the proximal policy, micro-batches, LoRA with its KL reference)
+CASES = (
+    ("default", []),
+    ("dr_grpo", ["--loss", "dr_grpo"]),
+    ("kl", ["--kl-coef", "0.05"]),
+    ("mini_batches", ["--mini-batches", "2", "--ppo-epochs", "2"]),
+    ("micro_batches", ["--micro-batch-tokens", "64"]),
+    ("lora_kl", ["--lora-rank", "4", "--kl-coef", "0.05"]),
+)
 STEPS = 3
-FIGURES = ("process_s", "wall_s", "reward_first10", "reward_last20", "eval_last", "logprob_diff_after_sync",
-           "gen_tokens_per_s", "train_tokens_per_s")
+FIGURES = (
+    "process_s",
+    "wall_s",
+    "reward_first10",
+    "reward_last20",
+    "eval_last",
+    "logprob_diff_after_sync",
+    "gen_tokens_per_s",
+    "train_tokens_per_s",
+)
 
-# Runs inside a revision's checkout (argv: checkout, model, cases as JSON, out file): what it computes
-# is that revision's code alone. Trainer models moved from train.py to models.py; the LoRA reference
-# became lora.AdapterOff (before: None, the adapter switched off inside update.py).
-PROBE = r'''
+# Runs inside a revision's checkout (argv: checkout, model, cases as JSON, out file): what it
+# computes is that revision's code alone. Trainer models moved from train.py to models.py; the LoRA
+# reference became lora.AdapterOff (before: None, the adapter switched off inside update.py).
+PROBE = r"""
 import json, sys, tempfile
 checkout, model_path, cases, out = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
 sys.path.insert(0, checkout)
@@ -62,15 +79,20 @@ def fixed_batch(vocab, seed=0, rows=16):
         n = int(torch.randint(2, 6, (1,), generator=g))
         ids = torch.randint(3, vocab, (n,), generator=g).tolist()
         behaviour = (-torch.rand(n, generator=g) * 3).tolist()
-        samples.append(buffer.Sample([1, 5, 6, 7], ids, behaviour, [0] * n, float(i % 2), float(i % 3) - 1.0))
+        samples.append(
+            buffer.Sample([1, 5, 6, 7], ids, behaviour, [0] * n, float(i % 2), float(i % 3) - 1.0)
+        )
     return buffer.collate(samples, 0)
 
 result = {}
 for name, argv in cases:
     cfg = config.parse_args(argv)
     torch.manual_seed(0)
-    lora_config = lora.peft_config(cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets) \
-        if cfg.lora_rank else None
+    lora_config = None
+    if cfg.lora_rank:
+        lora_config = lora.peft_config(
+            cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets
+        )
     model = build_trainer_model(model_path, 1, lora_config=lora_config, seed=0)
     ref = None
     if cfg.kl_coef > 0:
@@ -83,51 +105,87 @@ for name, argv in cases:
     for step in range(int(sys.argv[5])):
         r = update.update_on_batch(model, ref, optimizer, batch, cfg, 0, 1, step, step)
         losses.append([r.loss, r.grad_norm])
-    params = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    params = {
+        n: p.full_tensor().detach().clone() for n, p in model.named_parameters() if p.requires_grad
+    }
     result[name] = {"losses": losses, "params": params}
 torch.save(result, out)
 dist.destroy_process_group()
-'''
+"""
 
 
 def checkout(rev: str, where: Path) -> tuple[Path, str]:
     """A detached worktree of `rev` at `where`; (path, full commit)."""
-    sha = subprocess.check_output(["git", "-C", str(common.REPO), "rev-parse", rev], text=True).strip()
-    subprocess.run(["git", "-C", str(common.REPO), "worktree", "add", "-f", "--detach", str(where), sha],
-                   check=True, capture_output=True)
+    sha = subprocess.check_output(
+        ["git", "-C", str(common.REPO), "rev-parse", rev], text=True
+    ).strip()
+    subprocess.run(
+        ["git", "-C", str(common.REPO), "worktree", "add", "-f", "--detach", str(where), sha],
+        check=True,
+        capture_output=True,
+    )
     return where, sha
 
 
 def remove(where: Path) -> None:
-    subprocess.run(["git", "-C", str(common.REPO), "worktree", "remove", "--force", str(where)],
-                   capture_output=True)
+    subprocess.run(
+        ["git", "-C", str(common.REPO), "worktree", "remove", "--force", str(where)],
+        capture_output=True,
+    )
 
 
 def exact_part(trees: dict, model: str, work: Path) -> dict:
-    """Each revision's probe on the same model and batch; per case, whether losses and parameters agree."""
+    """Each revision's probe on the same model and batch; per case, whether losses and parameters
+    agree."""
     out = {}
     for side, tree in trees.items():
         dst = work / f"probe_{side}.pt"
-        probe = subprocess.run([sys.executable, "-c", PROBE, str(tree), model, json.dumps(CASES), str(dst),
-                                str(STEPS)], cwd=tree, capture_output=True, text=True, timeout=900)
+        probe = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                PROBE,
+                str(tree),
+                model,
+                json.dumps(CASES),
+                str(dst),
+                str(STEPS),
+            ],
+            cwd=tree,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
         if probe.returncode != 0:
-            raise RuntimeError(f"the {side} revision's update probe failed:\n{probe.stderr[-3000:]}")
+            raise RuntimeError(
+                f"the {side} revision's update probe failed:\n{probe.stderr[-3000:]}"
+            )
         out[side] = torch.load(dst)
     cases = {}
     for name, _ in CASES:
         a, b = out["base"][name], out["head"][name]
         if set(a["params"]) != set(b["params"]):
             raise RuntimeError(f"{name}: the revisions train different parameters")
-        diff = max(float((a["params"][k].double() - b["params"][k].double()).abs().max()) for k in a["params"])
-        loss_diff = max(abs(x - y) for la, lb in zip(a["losses"], b["losses"]) for x, y in zip(la, lb))
-        cases[name] = {"identical": diff == 0.0 and loss_diff == 0.0, "max_param_diff": diff,
-                       "max_loss_or_grad_norm_diff": loss_diff, "losses_base": a["losses"],
-                       "losses_head": b["losses"]}
+        diff = max(
+            float((a["params"][k].double() - b["params"][k].double()).abs().max())
+            for k in a["params"]
+        )
+        loss_diff = max(
+            abs(x - y) for la, lb in zip(a["losses"], b["losses"]) for x, y in zip(la, lb)
+        )
+        cases[name] = {
+            "identical": diff == 0.0 and loss_diff == 0.0,
+            "max_param_diff": diff,
+            "max_loss_or_grad_norm_diff": loss_diff,
+            "losses_base": a["losses"],
+            "losses_head": b["losses"],
+        }
     return cases
 
 
 def run_part(trees: dict, runs: int, args: list[str], work: Path) -> dict:
-    """`python train.py` from each revision, alternating sides; each run's figures and reward curve."""
+    """`python train.py` from each revision, alternating sides; each run's figures and reward
+    curve."""
     results = {side: [] for side in trees}
     for i in range(runs):
         for side, tree in trees.items():
@@ -137,8 +195,12 @@ def run_part(trees: dict, runs: int, args: list[str], work: Path) -> dict:
             figures["process_s"] = run["process_s"]
             figures["reward_curve"] = [round(r["reward"], 4) for r in run["rows"]]
             results[side].append(figures)
-            print(f"[ab] {side} run {i + 1}: {run['process_s']:.0f} s, reward {s['reward_first10']:.3f} -> "
-                  f"{s['reward_last20']:.3f}, held-out {s.get('eval_last')}", flush=True)
+            print(
+                f"[ab] {side} run {i + 1}: {run['process_s']:.0f} s, reward "
+                f"{s['reward_first10']:.3f} -> "
+                f"{s['reward_last20']:.3f}, held-out {s.get('eval_last')}",
+                flush=True,
+            )
     return results
 
 
@@ -146,17 +208,31 @@ def spread(values: list) -> dict:
     values = [v for v in values if v is not None]
     if not values:
         return {"mean": None, "sd": None, "min": None, "max": None}
-    return {"mean": statistics.mean(values), "sd": statistics.stdev(values) if len(values) > 1 else 0.0,
-            "min": min(values), "max": max(values)}
+    return {
+        "mean": statistics.mean(values),
+        "sd": statistics.stdev(values) if len(values) > 1 else 0.0,
+        "min": min(values),
+        "max": max(values),
+    }
 
 
 def main(argv=None) -> int:
     p = common.parser(__doc__, smoke={"base": "HEAD", "runs": 1})
-    p.add_argument("--base", default="", help="the revision before the change (a commit, tag or branch; required)")
+    p.add_argument(
+        "--base",
+        default="",
+        help="the revision before the change (a commit, tag or branch; required)",
+    )
     p.add_argument("--head", default="HEAD", help="the revision after it")
-    p.add_argument("--runs", type=int, default=3, help="train.py runs per revision (0: the exact part only)")
-    p.add_argument("--args", default="", help="train.py flags of every run (default: none, the default run)")
-    p.add_argument("--skip-exact", action="store_true", help="leave out the update-on-fixed-batches part")
+    p.add_argument(
+        "--runs", type=int, default=3, help="train.py runs per revision (0: the exact part only)"
+    )
+    p.add_argument(
+        "--args", default="", help="train.py flags of every run (default: none, the default run)"
+    )
+    p.add_argument(
+        "--skip-exact", action="store_true", help="leave out the update-on-fixed-batches part"
+    )
     args = common.parse_args(p, argv)
     if not args.base:
         p.error("--base is required (or --smoke)")
@@ -172,29 +248,71 @@ def main(argv=None) -> int:
             for tree in trees.values():
                 remove(tree)
     summary = {side: {k: spread([r[k] for r in rs]) for k in FIGURES} for side, rs in runs.items()}
-    ratios = {k: summary["head"][k]["mean"] / summary["base"][k]["mean"]
-              for k in FIGURES if summary["base"][k]["mean"] and summary["head"][k]["mean"] is not None}
-    # run i of base against run i of head, step by step (0 at every step: the same run; --max-lag 0 repeats)
-    step_diffs = [max(abs(a - b) for a, b in zip(rb["reward_curve"], rh["reward_curve"]))
-                  for rb, rh in zip(runs["base"], runs["head"])]
-    data = {"settings": {"base": commits["base"], "head": commits["head"], "runs": args.runs,
-                         "args": args.args, "exact_steps": STEPS, "cases": dict(CASES)},
-            "exact": exact, "runs": runs, "summary": summary, "head_over_base": ratios,
-            "max_step_reward_diff": step_diffs}
+    ratios = {
+        k: summary["head"][k]["mean"] / summary["base"][k]["mean"]
+        for k in FIGURES
+        if summary["base"][k]["mean"] and summary["head"][k]["mean"] is not None
+    }
+    # run i of base against run i of head, step by step (0 at every step: the same run; --max-lag 0
+    # repeats)
+    step_diffs = [
+        max(abs(a - b) for a, b in zip(rb["reward_curve"], rh["reward_curve"]))
+        for rb, rh in zip(runs["base"], runs["head"])
+    ]
+    data = {
+        "settings": {
+            "base": commits["base"],
+            "head": commits["head"],
+            "runs": args.runs,
+            "args": args.args,
+            "exact_steps": STEPS,
+            "cases": dict(CASES),
+        },
+        "exact": exact,
+        "runs": runs,
+        "summary": summary,
+        "head_over_base": ratios,
+        "max_step_reward_diff": step_diffs,
+    }
     path = bench.save(data, plot)
     print()
     if exact:
-        print(common.table(["case", "identical", "max param diff", "max loss/grad-norm diff"],
-                           [[n, c["identical"], c["max_param_diff"], c["max_loss_or_grad_norm_diff"]]
-                            for n, c in exact.items()]))
+        print(
+            common.table(
+                ["case", "identical", "max param diff", "max loss/grad-norm diff"],
+                [
+                    [n, c["identical"], c["max_param_diff"], c["max_loss_or_grad_norm_diff"]]
+                    for n, c in exact.items()
+                ],
+            )
+        )
     if args.runs:
-        rows = [[k] + [f"{summary[s][k]['mean']:.4g} ± {summary[s][k]['sd']:.2g}"
-                       if summary[s][k]["mean"] is not None else "-" for s in ("base", "head")]
-                + [f"{ratios[k]:.3f}" if k in ratios else "-"] for k in FIGURES]
-        print(common.table(["figure", f"base {commits['base'][:7]}", f"head {commits['head'][:7]}", "head / base"],
-                           rows))
-        print("largest per-step reward difference, base run i vs head run i: "
-              + ", ".join(f"{d:.3g}" for d in step_diffs))
+        rows = [
+            [k]
+            + [
+                f"{summary[s][k]['mean']:.4g} ± {summary[s][k]['sd']:.2g}"
+                if summary[s][k]["mean"] is not None
+                else "-"
+                for s in ("base", "head")
+            ]
+            + [f"{ratios[k]:.3f}" if k in ratios else "-"]
+            for k in FIGURES
+        ]
+        print(
+            common.table(
+                [
+                    "figure",
+                    f"base {commits['base'][:7]}",
+                    f"head {commits['head'][:7]}",
+                    "head / base",
+                ],
+                rows,
+            )
+        )
+        print(
+            "largest per-step reward difference, base run i vs head run i: "
+            + ", ".join(f"{d:.3g}" for d in step_diffs)
+        )
     print(bench.closing_line(path))
     return 0
 
@@ -205,8 +323,13 @@ def plot(data: dict, path: Path) -> None:
     colors = {"base": "#7f7f7f", "head": "#1f77b4"}
     for side, runs in data["runs"].items():
         for i, run in enumerate(runs):
-            ax.plot(run["reward_curve"], color=colors[side], lw=1, alpha=0.8,
-                    label=f"{side} {data['settings'][side][:7]}" if i == 0 else None)
+            ax.plot(
+                run["reward_curve"],
+                color=colors[side],
+                lw=1,
+                alpha=0.8,
+                label=f"{side} {data['settings'][side][:7]}" if i == 0 else None,
+            )
     ax.set_xlabel("step")
     ax.set_ylabel("reward")
     if any(data["runs"].values()):

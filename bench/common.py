@@ -1,11 +1,12 @@
-"""bench/common.py — what the benchmarks share: the options and outputs of a benchmark (`Bench`: machine
-facts and the load of other processes from bench/machine.py, a scratch folder, its JSON, plot and closing
-line), tables, child processes, and the project's own stages run alone (generation without training,
-training without generation), started the way `train.run` starts them with the other side a stand-in that
-does no work.
-Project, torch and vLLM imports stay inside functions: spawned children re-import the benchmark script, and
-vLLM must load only in the process that runs the engine.
+"""bench/common.py — what the benchmarks share: the options and outputs of a benchmark (`Bench`:
+machine facts and the load of other processes from bench/machine.py, a scratch folder, its JSON,
+plot and closing line), tables, child processes, and the project's own stages run alone (generation
+without training, training without generation), started the way `train.run` starts them with the
+other side a stand-in that does no work.
+Project, torch and vLLM imports stay inside functions: spawned children re-import the benchmark
+script, and vLLM must load only in the process that runs the engine.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,9 +45,9 @@ def setup_paths() -> None:
 setup_paths()
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Output: JSON, tables, plots
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 def write_json(out: str | Path, name: str, data: dict) -> Path:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -85,7 +86,9 @@ def fmt(x) -> str:
 def table(headers: list[str], rows: list[list], title: str | None = None) -> str:
     """A markdown table (prints well in a terminal and pastes into the README)."""
     cells = [[fmt(c) for c in r] for r in rows]
-    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
+    widths = [
+        max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)
+    ]
     lines = []
     if title:
         lines.append(title)
@@ -106,20 +109,30 @@ def plt():
 
 
 def parser(doc: str, sizes: dict | None = None, smoke: dict | None = None):
-    """The options every benchmark takes (--out, --work, --seed; --sizes when it has model `sizes`; --smoke
-    when it has a `smoke` size: {dest: value} of its own options); the benchmark adds its own. Its
-    description is the first paragraph of the benchmark's docstring."""
+    """The options every benchmark takes (--out, --work, --seed; --sizes when it has model
+    `sizes`; --smoke when it has a `smoke` size: {dest: value} of its own options); the benchmark
+    adds its own. Its description is the first paragraph of the benchmark's docstring."""
     p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     p.add_argument("--out", default="bench_out", help="folder for NAME.json and NAME.png")
-    p.add_argument("--work", default="", help="scratch folder for runs (default: a temporary folder, "
-                                              "deleted at the end)")
+    p.add_argument(
+        "--work",
+        default="",
+        help="scratch folder for runs (default: a temporary folder, deleted at the end)",
+    )
     p.add_argument("--seed", type=int, default=0)
     if sizes:
-        p.add_argument("--sizes", default=",".join(sizes), help=f"comma-separated, from {', '.join(sizes)}")
+        p.add_argument(
+            "--sizes", default=",".join(sizes), help=f"comma-separated, from {', '.join(sizes)}"
+        )
     if smoke:
         p.smoke = smoke
-        p.add_argument("--smoke", action="store_true", help="the tiny size tests/test_bench.py runs (figures are "
-                       "meaningless; flags given beside it win): " + " ".join(f"{k}={v!r}" for k, v in smoke.items()))
+        p.add_argument(
+            "--smoke",
+            action="store_true",
+            help="the tiny size tests/test_bench.py runs (figures are "
+            "meaningless; flags given beside it win): "
+            + " ".join(f"{k}={v!r}" for k, v in smoke.items()),
+        )
     return p
 
 
@@ -139,12 +152,12 @@ def parse_args(p, argv, sizes: dict | None = None):
 
 
 class Bench:
-    """What every benchmark does around its measurements: while it runs, the machine's facts, the load
-    monitor and a scratch folder; afterwards its JSON (name, machine, load and wall time first), its plot
-    and its closing line.
+    """What every benchmark does around its measurements: while it runs, the machine's facts, the
+    load monitor and a scratch folder; afterwards its JSON (name, machine, load and wall time
+    first), its plot and its closing line.
 
-        with common.Bench("overlap", args) as bench:     # bench.work: the scratch folder, bench.info
-            ...measure...
+        with common.Bench("overlap", args) as bench:     # bench.work: the scratch folder,
+            bench.info ...measure...
         path = bench.save(data, plot)                    # DIR/overlap.json, DIR/overlap.png
         print(bench.closing_line(path))
     """
@@ -156,8 +169,11 @@ class Bench:
         self._start = time.perf_counter()
         self._monitor = LoadMonitor()
         self._keep = bool(args.work)  # a scratch folder given is kept; a temporary one is deleted
-        self.work = Path(args.work) if args.work else Path(tempfile.mkdtemp(
-            prefix=f"asyncgrpo-bench-{name.replace('_', '-')}-"))
+        self.work = (
+            Path(args.work)
+            if args.work
+            else Path(tempfile.mkdtemp(prefix=f"asyncgrpo-bench-{name.replace('_', '-')}-"))
+        )
         self.work.mkdir(parents=True, exist_ok=True)
 
     def __enter__(self):
@@ -175,29 +191,40 @@ class Bench:
         self.wall_s = time.perf_counter() - self._start
 
     def save(self, data: dict, plot) -> Path:
-        data = {"benchmark": self.name, "machine": self.info, "load": self.load, "wall_s": self.wall_s, **data}
+        data = {
+            "benchmark": self.name,
+            "machine": self.info,
+            "load": self.load,
+            "wall_s": self.wall_s,
+            **data,
+        }
         path = write_json(self.out, self.name, data)
         plot(data, self.out / f"{self.name}.png")
         return path
 
     def closing_line(self, path: Path) -> str:
-        return (f"machine: {machine_line(self.info)}; other processes used {self.load['foreign_cores_mean']} "
-                f"cores on average. Wrote {path}")
+        return (
+            f"machine: {machine_line(self.info)}; other processes used "
+            f"{self.load['foreign_cores_mean']} "
+            f"cores on average. Wrote {path}"
+        )
 
 
 def save_figure(fig, path: Path, data: dict, what: str) -> None:
-    """Title the figure with what it shows and the machine it was measured on, write it, close it."""
+    """Title the figure with what it shows and the machine it was measured on, write it, close
+    it."""
     fig.suptitle(f"{what}: {machine_line(data['machine'])}", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt().close(fig)
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Processes
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 def _child_main(fn, args, results):
-    os.setpgrp()  # we can kill this child and what it starts (vLLM's EngineCore and workers) as a group
+    # we can kill this child and what it starts (vLLM's EngineCore and workers) as a group
+    os.setpgrp()
     try:
         results.put(("ok", fn(*args)))
     except BaseException:
@@ -208,8 +235,9 @@ def _child_main(fn, args, results):
 
 def in_child(fn, *args, timeout_s: float = 600.0, what: str = "child", in_session: bool = False):
     """Run `fn(*args)` in a spawned child in its own process group; return its result (picklable).
-    The whole group is killed afterwards, so no engine process outlives the call. `in_session`: in a smoke
-    session (bench/engines.py) `fn` runs in this process instead (on the session's engines, if it needs one)."""
+    The whole group is killed afterwards, so no engine process outlives the call. `in_session`: in a
+    smoke session (bench/engines.py) `fn` runs in this process instead (on the session's engines, if
+    it needs one)."""
     if in_session and engines.SESSION is not None:
         return fn(*args)
     import torch.multiprocessing as mp
@@ -247,10 +275,12 @@ def _kill_group(proc):
     proc.join(timeout=5)
 
 
-def run_train_cli(out_dir: Path, args: list[str], timeout_s: float = 900.0, cpu_window=None, repo=REPO) -> dict:
-    """`python train.py --out OUT ARGS` exactly as a user runs it (from `repo`: another checkout may be
-    given); returns its summary and per-step rows. With `cpu_window=(from_step, to_step)`, also the cores
-    each process used over those steps."""
+def run_train_cli(
+    out_dir: Path, args: list[str], timeout_s: float = 900.0, cpu_window=None, repo=REPO
+) -> dict:
+    """`python train.py --out OUT ARGS` exactly as a user runs it (from `repo`: another checkout may
+    be given); returns its summary and per-step rows. With `cpu_window=(from_step, to_step)`, also
+    the cores each process used over those steps."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "metrics.jsonl").unlink(missing_ok=True)
@@ -258,8 +288,14 @@ def run_train_cli(out_dir: Path, args: list[str], timeout_s: float = 900.0, cpu_
     start = time.perf_counter()
     cpu = None
     with open(out_dir / "stdout.txt", "w") as so, open(out_dir / "stderr.txt", "w") as se:
-        proc = subprocess.Popen(cmd, cwd=repo, stdout=so, stderr=se, env=dict(os.environ, PYTHONUNBUFFERED="1"),
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            cwd=repo,
+            stdout=so,
+            stderr=se,
+            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            start_new_session=True,
+        )
         if cpu_window:
             cpu = CpuByRole(proc.pid, out_dir / "metrics.jsonl", *cpu_window)
         try:
@@ -279,8 +315,12 @@ def run_train_cli(out_dir: Path, args: list[str], timeout_s: float = 900.0, cpu_
     if rc != 0:
         tail = (out_dir / "stderr.txt").read_text()[-3000:]
         raise RuntimeError(f"{' '.join(cmd)} ended with {rc}:\n{tail}")
-    return {**read_run(out_dir), "process_s": total_s, "cmd": " ".join(cmd[1:]),
-            "cores_by_role": cpu.result() if cpu else None}
+    return {
+        **read_run(out_dir),
+        "process_s": total_s,
+        "cmd": " ".join(cmd[1:]),
+        "cores_by_role": cpu.result() if cpu else None,
+    }
 
 
 def read_run(out_dir: Path) -> dict:
@@ -290,25 +330,33 @@ def read_run(out_dir: Path) -> dict:
     return {"summary": summary, "rows": [json.loads(line) for line in lines if line.strip()]}
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Steady-state rates from a run's per-step rows
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 def steady(rows: list[dict], warmup: int) -> dict:
     """Rates over the steps after `warmup` (the first steps carry start-up effects).
 
-    wall_s of row i is when step i ended; the window is (end of step warmup-1, end of the last step]."""
+    wall_s of row i is when step i ended; the window is (end of step warmup-1, end of the last
+    step]."""
     if len(rows) <= warmup + 1:
         raise ValueError(f"need more than {warmup + 1} steps, got {len(rows)}")
     a, b = rows[warmup - 1] if warmup > 0 else None, rows[-1]
     t0 = a["wall_s"] if a else 0.0
     window = rows[warmup:]
     span = b["wall_s"] - t0
-    out = {"steps": len(window), "window_s": span, "steps_per_s": len(window) / span,
-           "step_s_median": statistics.median(r["wall_s"] - p["wall_s"] for p, r in zip(rows[warmup - 1:], window))
-           if warmup > 0 else None,
-           "trainer_wait_frac": sum(r["trainer_wait_s"] for r in window) / span,
-           "train_s_mean": statistics.fmean(r["train_s"] for r in window),
-           "tokens_per_step": statistics.fmean(r["tokens"] for r in window)}
+    out = {
+        "steps": len(window),
+        "window_s": span,
+        "steps_per_s": len(window) / span,
+        "step_s_median": statistics.median(
+            r["wall_s"] - p["wall_s"] for p, r in zip(rows[warmup - 1 :], window)
+        )
+        if warmup > 0
+        else None,
+        "trainer_wait_frac": sum(r["trainer_wait_s"] for r in window) / span,
+        "train_s_mean": statistics.fmean(r["train_s"] for r in window),
+        "tokens_per_step": statistics.fmean(r["tokens"] for r in window),
+    }
     if a and a.get("gen_elapsed_s") is not None and b.get("gen_elapsed_s") is not None:
         d_el = b["gen_elapsed_s"] - a["gen_elapsed_s"]
         d_idle = b["gen_idle_s"] - a["gen_idle_s"]
@@ -320,18 +368,19 @@ def steady(rows: list[dict], warmup: int) -> dict:
     return out
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The project's stages, each run alone
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 def typical_mean(values, outlier: float = 3.0) -> float:
-    """The mean of `values` without those above `outlier` x their median (one stalled step, a page-in, another
-    job's burst): what a stage costs per step in steady state."""
+    """The mean of `values` without those above `outlier` x their median (one stalled step, a
+    page-in, another job's burst): what a stage costs per step in steady state."""
     median = statistics.median(values)
     return statistics.fmean(v for v in values if v <= outlier * median)
 
 
 def default_config(**changes):
-    """The run's config with `changes`, validated and resolved as `train.run` resolves it (prepare.resolve)."""
+    """The run's config with `changes`, validated and resolved as `train.run` resolves it
+    (prepare.resolve)."""
     import config
     import prepare
 
@@ -341,15 +390,17 @@ def default_config(**changes):
 
 
 def run_ahead_settings(cfg, model_path: str):
-    """The generator's settings as `train.run` builds them (`prepare.generator_settings`), except that the
-    staleness gate never closes: a stand-in trainer never lags, so the generator runs as far ahead as the
-    queue allows."""
+    """The generator's settings as `train.run` builds them (`prepare.generator_settings`), except
+    that the staleness gate never closes: a stand-in trainer never lags, so the generator runs as
+    far ahead as the queue allows."""
     import devices
     import prepare
 
     # (and no held-out evaluation: bench/eval_cost.py measures that apart)
-    return prepare.generator_settings(dataclasses.replace(cfg, max_lag=10**6, eval_every=0),
-                                      prepare.Prepared(model_path, model_path, devices.layout_for(cfg)))
+    return prepare.generator_settings(
+        dataclasses.replace(cfg, max_lag=10**6, eval_every=0),
+        prepare.Prepared(model_path, model_path, devices.layout_for(cfg)),
+    )
 
 
 def build_model(path: Path, seed: int = 0, **sizes) -> str:
@@ -357,9 +408,12 @@ def build_model(path: Path, seed: int = 0, **sizes) -> str:
     from tasks.builtin import build_tiny_model
 
     path = Path(path)
-    if engines.SESSION is not None:  # one folder per model for the session's benchmarks (one engine each)
+    # one folder per model for the session's benchmarks (one engine each)
+    if engines.SESSION is not None:
         models = engines.SESSION.models
-        path = models.setdefault((seed, tuple(sorted(sizes.items()))), Path(engines.SESSION.work) / f"m{len(models)}")
+        path = models.setdefault(
+            (seed, tuple(sorted(sizes.items()))), Path(engines.SESSION.work) / f"m{len(models)}"
+        )
     if not (path / "config.json").exists():
         build_tiny_model(str(path), seed=seed, **sizes)
     return str(path)
@@ -374,21 +428,36 @@ def count_params(model_path: str) -> int:
     return sum(p.numel() for p in m.parameters())
 
 
-def stand_in_trainer(queue, control, shared, model_path: str, steps: int, prompts_per_step: int,
-                     publish: bool = True, keep_groups: bool = True, timeout_s: float = 300.0, armed=None,
-                     on_step=None) -> dict:
+def stand_in_trainer(
+    queue,
+    control,
+    shared,
+    model_path: str,
+    steps: int,
+    prompts_per_step: int,
+    publish: bool = True,
+    keep_groups: bool = True,
+    timeout_s: float = 300.0,
+    armed=None,
+    on_step=None,
+) -> dict:
     """The trainer's side of the queue with the training taken out: take each step's groups
-    (`buffer.take_groups`, as the trainer does) and, if `publish`, republish the same weights under the next
-    version (`shared_weights.SharedWeights.publish`), so that the generator swaps weights once per step as in a run.
-    Records when each step's last group arrived and how many tokens it held; sets `control.stop` at the end."""
+    (`buffer.take_groups`, as the trainer does) and, if `publish`, republish the same weights under
+    the next version (`shared_weights.SharedWeights.publish`), so that the generator swaps weights
+    once per step as in a run. Records when each step's last group arrived and how many tokens it
+    held; sets `control.stop` at the end."""
     import torch
     from transformers import AutoModelForCausalLM
 
     import buffer
     import train
 
-    weights = {k: v.detach().clone() for k, v in
-               AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).named_parameters()}
+    weights = {
+        k: v.detach().clone()
+        for k, v in AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=torch.float32
+        ).named_parameters()
+    }
     if armed is not None:
         armed.set()
     t_wait = time.perf_counter()
@@ -415,22 +484,30 @@ def stand_in_trainer(queue, control, shared, model_path: str, steps: int, prompt
                 shared.publish(weights, version)
     finally:
         control.stop.set()
-    return {"groups": groups, "step_end_s": step_end, "tokens": tokens, "ready_wait_s": ready_s,
-            "gen_stats": last_stats, "sync_ms": sync_ms, "sync_parts": parts}
+    return {
+        "groups": groups,
+        "step_end_s": step_end,
+        "tokens": tokens,
+        "ready_wait_s": ready_s,
+        "gen_stats": last_stats,
+        "sync_ms": sync_ms,
+        "sync_parts": parts,
+    }
 
 
 def generate_alone(cfg, model_path: str, steps: int, cpu_from_step: int | None = None) -> dict:
-    """Generation with no training: the real generator process (`rollout.generator_main`, started like
-    `train.run` starts it) feeding `stand_in_trainer` (here, in this process). Returns the groups (the
-    batches a run would train on), per step when its last group arrived, and from its trace (tracing.py) vLLM's
-    engine time per scheduled token from the swap to version `cpu_from_step` on (`engine_s_per_token`)."""
+    """Generation with no training: the real generator process (`rollout.generator_main`, started
+    like `train.run` starts it) feeding `stand_in_trainer` (here, in this process). Returns the
+    groups (the batches a run would train on), per step when its last group arrived, and from its
+    trace (tracing.py) vLLM's engine time per scheduled token from the swap to version
+    `cpu_from_step` on (`engine_s_per_token`)."""
     import torch.multiprocessing as mp
+    import traces
 
     import prepare
     import processes
     import rollout
     import train
-    import traces
 
     ctx = mp.get_context("spawn")
     shared = prepare.allocate_shared_weights(model_path)
@@ -438,34 +515,57 @@ def generate_alone(cfg, model_path: str, steps: int, cpu_from_step: int | None =
     errors = ctx.Queue()
     control = train.make_control(ctx)
     settings = run_ahead_settings(cfg, model_path)
-    proc = ctx.Process(target=processes.child_entry, name="generator", args=(
-        "generator", rollout.generator_main, (settings, shared, queue, control), errors, True))
+    proc = ctx.Process(
+        target=processes.child_entry,
+        name="generator",
+        args=(
+            "generator",
+            rollout.generator_main,
+            (settings, shared, queue, control),
+            errors,
+            True,
+        ),
+    )
     t_spawn = time.perf_counter()
     with traces.Recording() as recording:  # (the generator and vLLM's processes it starts: traced)
         proc.start()
     snaps = []
 
-    def on_step(step):  # CPU time of the generator's processes at the start and the end of the window
+    # CPU time of the generator's processes at the start and the end of the window
+    def on_step(step):
         if cpu_from_step is not None and step in (cpu_from_step - 1, steps - 1):
             snaps.append((time.monotonic(), tree_cpu(proc.pid)))
 
     try:
-        result = stand_in_trainer(queue, control, shared, model_path, steps, cfg.prompts_per_step, on_step=on_step)
+        result = stand_in_trainer(
+            queue, control, shared, model_path, steps, cfg.prompts_per_step, on_step=on_step
+        )
         proc.join(timeout=60)
     finally:
         control.stop.set()
         processes.kill_tree(proc, True)
     result["process_s"] = time.perf_counter() - t_spawn
-    result["cores_by_role"] = cores_by_role(snaps, proc.pid, "generator") if len(snaps) == 2 else None
-    result["engine_s_per_token"] = traces.engine_seconds_per_token(recording.events(), cpu_from_step or 0)
+    result["cores_by_role"] = (
+        cores_by_role(snaps, proc.pid, "generator") if len(snaps) == 2 else None
+    )
+    result["engine_s_per_token"] = traces.engine_seconds_per_token(
+        recording.events(), cpu_from_step or 0
+    )
     return result
 
 
-def train_alone(cfg, model_path: str, groups: list, out_dir: Path, timeout_s: float = 600.0,
-                cpu_from_step: int | None = None):
-    """Training with no generation: the real trainer (`train.trainer_main`, rank 0 of 1, started like
-    `train.run` starts it) fed from a queue already holding every group it will take. Returns its
-    metrics rows (metrics.jsonl), and with `cpu_from_step`, (rows, cores the trainer used from that step on)."""
+def train_alone(
+    cfg,
+    model_path: str,
+    groups: list,
+    out_dir: Path,
+    timeout_s: float = 600.0,
+    cpu_from_step: int | None = None,
+):
+    """Training with no generation: the real trainer (`train.trainer_main`, rank 0 of 1, started
+    like `train.run` starts it) fed from a queue already holding every group it will take. Returns
+    its metrics rows (metrics.jsonl), and with `cpu_from_step`, (rows, cores the trainer used from
+    that step on)."""
     import torch.multiprocessing as mp
 
     import buffer
@@ -476,13 +576,25 @@ def train_alone(cfg, model_path: str, groups: list, out_dir: Path, timeout_s: fl
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    # --max-lag: the oldest sample of each step's groups against the version the trainer is at then, so nothing is
-    # dropped or masked, and the per-lag diagnostics cost what a run's do (a lag they need, no more)
-    lag = max(buffer.sample_lag(i // cfg.prompts_per_step, v) for i, g in enumerate(groups) for v in g.token_versions)
-    # no held-out evaluation: no generator would answer, and its last step would wait --timeout-s for one
-    cfg = dataclasses.replace(cfg, out=str(out_dir), max_lag=max(cfg.max_lag, lag), queue_size=len(groups) + 1,
-                              eval_every=0, steps=len(groups) // cfg.prompts_per_step,
-                              timeout_s=min(cfg.timeout_s, 60.0))
+    # --max-lag: the oldest sample of each step's groups against the version the trainer is at then,
+    # so nothing is dropped or masked, and the per-lag diagnostics cost what a run's do (a lag they
+    # need, no more)
+    lag = max(
+        buffer.sample_lag(i // cfg.prompts_per_step, v)
+        for i, g in enumerate(groups)
+        for v in g.token_versions
+    )
+    # no held-out evaluation: no generator would answer, and its last step would wait --timeout-s
+    # for one
+    cfg = dataclasses.replace(
+        cfg,
+        out=str(out_dir),
+        max_lag=max(cfg.max_lag, lag),
+        queue_size=len(groups) + 1,
+        eval_every=0,
+        steps=len(groups) // cfg.prompts_per_step,
+        timeout_s=min(cfg.timeout_s, 60.0),
+    )
     ctx = mp.get_context("spawn")
     shared = prepare.allocate_shared_weights(model_path)
     queue = buffer.RolloutQueue(ctx=ctx)
@@ -492,12 +604,32 @@ def train_alone(cfg, model_path: str, groups: list, out_dir: Path, timeout_s: fl
     control = train.make_control(ctx)
     control.ready.set()  # no engine to wait for
     init_file = tempfile.mktemp(prefix="asyncgrpo-bench-dist-")
-    proc = ctx.Process(target=processes.child_entry, name="trainer0", args=(
-        "trainer0", train.trainer_main, (cfg, prepare.Prepared(model_path, model_path, devices.layout_for(cfg)), 0, 1,
-                                     shared, queue, control, init_file), errors,
-        False))
+    proc = ctx.Process(
+        target=processes.child_entry,
+        name="trainer0",
+        args=(
+            "trainer0",
+            train.trainer_main,
+            (
+                cfg,
+                prepare.Prepared(model_path, model_path, devices.layout_for(cfg)),
+                0,
+                1,
+                shared,
+                queue,
+                control,
+                init_file,
+            ),
+            errors,
+            False,
+        ),
+    )
     proc.start()
-    cpu = CpuByRole(proc.pid, out_dir / "metrics.jsonl", cpu_from_step, cfg.steps) if cpu_from_step else None
+    cpu = (
+        CpuByRole(proc.pid, out_dir / "metrics.jsonl", cpu_from_step, cfg.steps)
+        if cpu_from_step
+        else None
+    )
     deadline = time.monotonic() + timeout_s
     try:
         while proc.is_alive() and time.monotonic() < deadline:
@@ -512,7 +644,11 @@ def train_alone(cfg, model_path: str, groups: list, out_dir: Path, timeout_s: fl
         processes.kill_tree(proc, False)
         if os.path.exists(init_file):
             os.unlink(init_file)
-    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = [
+        json.loads(line)
+        for line in (out_dir / "metrics.jsonl").read_text().splitlines()
+        if line.strip()
+    ]
     if cpu is None:
         return rows
     cores = cpu.result()
@@ -523,5 +659,8 @@ def train_alone(cfg, model_path: str, groups: list, out_dir: Path, timeout_s: fl
 
 def intervals(ends: list[float], warmup: int) -> list[float]:
     """Per-step durations from cumulative end times, skipping `warmup` steps."""
-    return [b - a for a, b in zip(ends[warmup - 1:], ends[warmup:])] if warmup > 0 else \
-        [ends[0]] + [b - a for a, b in zip(ends, ends[1:])]
+    return (
+        [b - a for a, b in zip(ends[warmup - 1 :], ends[warmup:])]
+        if warmup > 0
+        else [ends[0]] + [b - a for a, b in zip(ends, ends[1:])]
+    )

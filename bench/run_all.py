@@ -1,11 +1,14 @@
 """bench/run_all.py — every benchmark, one after the other, then the summary page.
 
     python bench/run_all.py --out bench/results     # about 16 minutes on 2 cores
-    python bench/run_all.py --smoke --only memory --out DIR   # the suite's size (tests/test_bench.py): --smoke
+    python bench/run_all.py --smoke --only memory --out DIR   # the suite's size
+    (tests/test_bench.py): --smoke
                                                               # passed to each benchmark
 
-Each benchmark runs as its own `python bench/NAME.py --out DIR`; a failure is reported and the others go on.
+Each benchmark runs as its own `python bench/NAME.py --out DIR`; a failure is reported and the
+others go on.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,13 +25,17 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="bench_out")
     p.add_argument("--only", default=",".join(NAMES), help="comma-separated subset")
-    p.add_argument("--smoke", action="store_true", help="each benchmark at its smoke size (its own --smoke)")
+    p.add_argument(
+        "--smoke", action="store_true", help="each benchmark at its smoke size (its own --smoke)"
+    )
     args = p.parse_args(argv)
     failed = []
     for name in [n.strip() for n in args.only.split(",") if n.strip()]:
         start = time.perf_counter()
         print(f"===== {name}", flush=True)
-        rc = subprocess.call([sys.executable, str(HERE / f"{name}.py"), "--out", args.out, *["--smoke"] * args.smoke])
+        rc = subprocess.call(
+            [sys.executable, str(HERE / f"{name}.py"), "--out", args.out, *["--smoke"] * args.smoke]
+        )
         print(f"===== {name}: exit {rc} after {time.perf_counter() - start:.0f} s", flush=True)
         if rc != 0:
             failed.append(name)

@@ -1,16 +1,18 @@
-"""bench/traces.py — stage times read from a run's OUT/trace.json (tracing.py), for bench/overlap.py.
+"""bench/traces.py — stage times read from a run's OUT/trace.json (tracing.py), for
+bench/overlap.py.
 
-Role: `steady_breakdown(trace, warmup)` sums, over a run's steady window (after the first `warmup` steps, as
-common.steady), what each side did per step: trainer rank 0's wait for data, split by what the generator did
-meanwhile (in this order: swapping weights; nothing in the engine while the staleness gate let no group
-start, i.e. waiting for newer weights; nothing in the engine otherwise; a group blocked on a full queue;
-generating), and its work (forward and backward, optimizer, publish, evaluation); the generator's swaps, its
-waits for weights with nothing to run, its full-queue waits, its idle engine; vLLM's engine steps (time,
-tokens). `engine_seconds_per_token` is the engine's time per scheduled token after a given weight version (a
-generation-alone run has no trainer steps).
-`Recording` traces the processes a benchmark starts inside it (as train.run does a run's).
-Data contract: reads the events' "cat" and args as tracing.py writes them; times in seconds.
+Role: `steady_breakdown(trace, warmup)` sums, over a run's steady window (after the first `warmup`
+steps, as common.steady), what each side did per step: trainer rank 0's wait for data, split by what
+the generator did meanwhile (in this order: swapping weights; nothing in the engine while the
+staleness gate let no group start, i.e. waiting for newer weights; nothing in the engine otherwise;
+a group blocked on a full queue; generating), and its work (forward and backward, optimizer,
+publish, evaluation); the generator's swaps, its waits for weights with nothing to run, its
+full-queue waits, its idle engine; vLLM's engine steps (time, tokens). `engine_seconds_per_token` is
+the engine's time per scheduled token after a given weight version (a generation-alone run has no
+trainer steps). `Recording` traces the processes a benchmark starts inside it (as train.run does a
+run's). Data contract: reads the events' "cat" and args as tracing.py writes them; times in seconds.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,8 +25,8 @@ import tracing
 
 
 class Recording:
-    """`with Recording() as r: proc.start()`: the processes started inside record a trace (as a run's do);
-    `r.events()` afterwards merges what they wrote (and removes it)."""
+    """`with Recording() as r: proc.start()`: the processes started inside record a trace (as a
+    run's do); `r.events()` afterwards merges what they wrote (and removes it)."""
 
     def __enter__(self):
         self.folder = tempfile.mkdtemp(prefix="asyncgrpo-bench-trace-")
@@ -46,9 +48,13 @@ def load(path) -> list[dict]:
 
 
 def intervals(events: list[dict], cat: str, pid=None) -> list[tuple[float, float]]:
-    """The (start, end) seconds of the spans of `cat` (of process `pid`), merged where they overlap."""
-    spans = sorted((e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6) for e in events
-                   if e["ph"] == "X" and e.get("cat") == cat and (pid is None or e["pid"] == pid))
+    """The (start, end) seconds of the spans of `cat` (of process `pid`), merged where they
+    overlap."""
+    spans = sorted(
+        (e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6)
+        for e in events
+        if e["ph"] == "X" and e.get("cat") == cat and (pid is None or e["pid"] == pid)
+    )
     merged: list[list[float]] = []
     for a, b in spans:
         if merged and a <= merged[-1][1]:
@@ -96,37 +102,78 @@ def subtract(xs, ys) -> list[tuple[float, float]]:
 
 
 def steady_breakdown(events: list[dict], warmup: int) -> dict | None:
-    """Per step of the steady window (seconds): what each side did, and what the trainer's wait overlapped.
-    None when the trace has too few of rank 0's steps."""
-    steps = sorted((e for e in events if e["ph"] == "X" and e.get("cat") == "step" and e["args"].get("rank") == 0),
-                   key=lambda e: e["args"]["step"])
+    """Per step of the steady window (seconds): what each side did, and what the trainer's wait
+    overlapped. None when the trace has too few of rank 0's steps."""
+    steps = sorted(
+        (
+            e
+            for e in events
+            if e["ph"] == "X" and e.get("cat") == "step" and e["args"].get("rank") == 0
+        ),
+        key=lambda e: e["args"]["step"],
+    )
     if len(steps) <= warmup + 1:
         return None
     trainer = steps[0]["pid"]
-    lo = (steps[warmup - 1]["ts"] + steps[warmup - 1]["dur"]) / 1e6 if warmup else steps[0]["ts"] / 1e6
+    lo = (
+        (steps[warmup - 1]["ts"] + steps[warmup - 1]["dur"]) / 1e6
+        if warmup
+        else steps[0]["ts"] / 1e6
+    )
     hi = (steps[-1]["ts"] + steps[-1]["dur"]) / 1e6
     n = len(steps) - warmup
 
     def per_step(cat, pid=None):
         return clip(intervals(events, cat, pid), lo, hi)
 
-    wait, swap, idle, full = per_step("wait", trainer), per_step("swap"), per_step("idle"), per_step("queue full")
-    for_weights = intersect(idle, per_step("staleness gate"))  # nothing to run, and no group may start
+    wait, swap, idle, full = (
+        per_step("wait", trainer),
+        per_step("swap"),
+        per_step("idle"),
+        per_step("queue full"),
+    )
+    # nothing to run, and no group may start
+    for_weights = intersect(idle, per_step("staleness gate"))
     parts, rest = {}, wait
-    for key, spans in (("swap", swap), ("weights", for_weights), ("idle", idle), ("full_queue", full)):
+    for key, spans in (
+        ("swap", swap),
+        ("weights", for_weights),
+        ("idle", idle),
+        ("full_queue", full),
+    ):
         parts[key], rest = intersect(rest, spans), subtract(rest, spans)
-    engine = [e for e in events if e["ph"] == "X" and e.get("cat") == "engine" and lo <= e["ts"] / 1e6 < hi]
-    out = {"steps": n, "window_s": hi - lo, "step_s": (hi - lo) / n, "trainer_wait_s": total(wait) / n,
-           "wait_during_swap_s": total(parts["swap"]) / n, "wait_for_weights_s": total(parts["weights"]) / n,
-           "wait_engine_idle_s": total(parts["idle"]) / n, "wait_during_full_queue_s": total(parts["full_queue"]) / n,
-           "wait_while_generating_s": total(rest) / n, "trainer_busy_s": total(per_step("step", trainer)) / n,
-           "engine_s": total(intervals(engine, "engine")) / n,
-           "engine_tokens": sum(e["args"]["tokens"] for e in engine) / n}
-    for key, cat in (("forward_backward_s", ("forward", "backward")), ("optimizer_s", ("optimizer",)),
-                     ("publish_s", ("publish",)), ("evaluation_s", ("evaluation", "checkpoint", "save model"))):
+    engine = [
+        e
+        for e in events
+        if e["ph"] == "X" and e.get("cat") == "engine" and lo <= e["ts"] / 1e6 < hi
+    ]
+    out = {
+        "steps": n,
+        "window_s": hi - lo,
+        "step_s": (hi - lo) / n,
+        "trainer_wait_s": total(wait) / n,
+        "wait_during_swap_s": total(parts["swap"]) / n,
+        "wait_for_weights_s": total(parts["weights"]) / n,
+        "wait_engine_idle_s": total(parts["idle"]) / n,
+        "wait_during_full_queue_s": total(parts["full_queue"]) / n,
+        "wait_while_generating_s": total(rest) / n,
+        "trainer_busy_s": total(per_step("step", trainer)) / n,
+        "engine_s": total(intervals(engine, "engine")) / n,
+        "engine_tokens": sum(e["args"]["tokens"] for e in engine) / n,
+    }
+    for key, cat in (
+        ("forward_backward_s", ("forward", "backward")),
+        ("optimizer_s", ("optimizer",)),
+        ("publish_s", ("publish",)),
+        ("evaluation_s", ("evaluation", "checkpoint", "save model")),
+    ):
         out[key] = sum(total(per_step(c, trainer)) for c in cat) / n
-    for key, spans in (("gen_swap_s", swap), ("gen_for_weights_s", for_weights), ("gen_full_queue_s", full),
-                       ("gen_idle_s", idle)):
+    for key, spans in (
+        ("gen_swap_s", swap),
+        ("gen_for_weights_s", for_weights),
+        ("gen_full_queue_s", full),
+        ("gen_idle_s", idle),
+    ):
         out[key] = total(spans) / n
     return out
 
@@ -134,7 +181,11 @@ def steady_breakdown(events: list[dict], warmup: int) -> dict | None:
 def engine_seconds_per_token(events: list[dict], from_version: int) -> float | None:
     """vLLM's engine time per scheduled token (prefill and decode), over the engine steps after the
     generator's swap to `from_version` (None without one)."""
-    swaps = [e for e in events if e["ph"] == "X" and e.get("cat") == "swap" and e["args"]["version"] >= from_version]
+    swaps = [
+        e
+        for e in events
+        if e["ph"] == "X" and e.get("cat") == "swap" and e["args"]["version"] >= from_version
+    ]
     if not swaps:
         return None
     start = min(e["ts"] for e in swaps)

@@ -1,13 +1,15 @@
-"""bench/weight_sync_cross.py — bench/weight_sync.py's cross-machine rows (`--cross-sizes`, `--cross-only`).
+"""bench/weight_sync_cross.py — bench/weight_sync.py's cross-machine rows (`--cross-sizes`,
+`--cross-only`).
 
 The trainer side of remote.py (`--role trainer`): the publish gathered into rank
 0's own buffer (`remote.RemoteWeights`) and sent in 64 MiB buckets over the 2-member gloo group
-(`link.send_weights`) to a second process standing in for the generator node, which receives straight
-into its packed buffer (`link.receive_weights`), here over loopback. Timed from the publish's start to
-the receiver's `end_write` (one clock: one machine), against the one-node path (the publish into the shared
-buffer) and a memcpy of the same bytes. The generator's load that follows (pause, reload, reset) is the same
-on both paths (bench/weight_sync.py's rows).
+(`link.send_weights`) to a second process standing in for the generator node, which receives
+straight into its packed buffer (`link.receive_weights`), here over loopback. Timed from the
+publish's start to the receiver's `end_write` (one clock: one machine), against the one-node path
+(the publish into the shared buffer) and a memcpy of the same bytes. The generator's load that
+follows (pause, reload, reset) is the same on both paths (bench/weight_sync.py's rows).
 """
+
 from __future__ import annotations
 
 import statistics
@@ -17,11 +19,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+
 # torch and the project are imported in the functions that run in child processes (common.py)
 
 
 def memcpy_ms(buffer, repeats: int = 7) -> list[float]:
-    """Milliseconds of copying `buffer` into a fresh tensor of its size, `repeats` times (after one warm copy)."""
+    """Milliseconds of copying `buffer` into a fresh tensor of its size, `repeats` times (after one
+    warm copy)."""
     import torch
 
     dst = torch.empty_like(buffer)
@@ -35,7 +39,8 @@ def memcpy_ms(buffer, repeats: int = 7) -> list[float]:
 
 
 def _cross_receiver(port: int, shapes, dtype, versions: int, results) -> None:
-    """The generator node's side of the cross-machine row: receive `versions` publishes into its own buffer."""
+    """The generator node's side of the cross-machine row: receive `versions` publishes into its own
+    buffer."""
     from datetime import timedelta
 
     import torch
@@ -54,8 +59,9 @@ def _cross_receiver(port: int, shapes, dtype, versions: int, results) -> None:
 
 
 def measure_cross_machine(name: str, shape: tuple, work: str, seed: int, syncs: int) -> dict:
-    """One size's cross-machine row (no engine): memcpy, the one-node publish into shared memory, and the
-    remote publish (gather into rank 0's buffer, then buckets over gloo into another process's buffer)."""
+    """One size's cross-machine row (no engine): memcpy, the one-node publish into shared memory,
+    and the remote publish (gather into rank 0's buffer, then buckets over gloo into another
+    process's buffer)."""
     import os
     import socket
     import tempfile
@@ -67,13 +73,15 @@ def measure_cross_machine(name: str, shape: tuple, work: str, seed: int, syncs: 
     from torch.distributed import TCPStore
 
     import link
+    import models
     import prepare
     import remote
     import sync
-    import models
 
     hidden, layers, heads = shape
-    path = common.build_model(Path(work) / f"model_{name}", seed=seed, hidden=hidden, layers=layers, heads=heads)
+    path = common.build_model(
+        Path(work) / f"model_{name}", seed=seed, hidden=hidden, layers=layers, heads=heads
+    )
     cfg = common.default_config(model=path)
     torch.set_num_threads(cfg.train_threads)
     init_file = tempfile.mktemp(prefix="asyncgrpo-bench-dist-")
@@ -95,8 +103,10 @@ def measure_cross_machine(name: str, shape: tuple, work: str, seed: int, syncs: 
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    receiver = ctx.Process(target=_cross_receiver, args=(port, [(sl.name, sl.shape) for sl in shared.layout],
-                                                           shared.dtype, syncs, results))
+    receiver = ctx.Process(
+        target=_cross_receiver,
+        args=(port, [(sl.name, sl.shape) for sl in shared.layout], shared.dtype, syncs, results),
+    )
     receiver.start()
     try:
         store = TCPStore("127.0.0.1", port, 2, True, timedelta(seconds=120))
@@ -117,7 +127,8 @@ def measure_cross_machine(name: str, shape: tuple, work: str, seed: int, syncs: 
             got, end_ns = results.get(timeout=120)
             assert got == version
             cross.append((end_ns - starts[-1]) / 1e6)
-        equal = torch.equal(weights.buffer, shared.buffer)  # the same packed bytes (the last version)
+        # the same packed bytes (the last version)
+        equal = torch.equal(weights.buffer, shared.buffer)
         receiver.join(timeout=60)
     finally:
         receiver.kill()
@@ -125,22 +136,56 @@ def measure_cross_machine(name: str, shape: tuple, work: str, seed: int, syncs: 
         if os.path.exists(init_file):
             os.unlink(init_file)
     cross, sends, shm = cross[1:], sends[1:], shm[1:]  # the first of each warms up
-    return {"name": name, "params": sum(sl.numel for sl in shared.layout), "bytes": nbytes, "mb": nbytes / 2**20,
-            "memcpy_ms": med(memcpy), "shm_publish_ms": med(shm), "cross_ms": med(cross),
-            "cross_send_ms": med(sends), "cross_copy_ms": med(cross) - med(sends),
-            "cross_over_memcpy": med(cross) / med(memcpy), "cross_over_shm": med(cross) / med(shm),
-            "shm_over_memcpy": med(shm) / med(memcpy), "same_bytes": equal, "samples": len(cross),
-            "all_cross_ms": cross}
+    return {
+        "name": name,
+        "params": sum(sl.numel for sl in shared.layout),
+        "bytes": nbytes,
+        "mb": nbytes / 2**20,
+        "memcpy_ms": med(memcpy),
+        "shm_publish_ms": med(shm),
+        "cross_ms": med(cross),
+        "cross_send_ms": med(sends),
+        "cross_copy_ms": med(cross) - med(sends),
+        "cross_over_memcpy": med(cross) / med(memcpy),
+        "cross_over_shm": med(cross) / med(shm),
+        "shm_over_memcpy": med(shm) / med(memcpy),
+        "same_bytes": equal,
+        "samples": len(cross),
+        "all_cross_ms": cross,
+    }
 
 
 def cross_table(rows: list[dict]) -> str:
     return common.table(
-        ["size", "MB", "memcpy ms", "shared memory ms", "gloo loopback ms", "(send part)", "shm / memcpy",
-         "gloo / memcpy", "gloo / shm"],
-        [[r["name"], r["mb"], r["memcpy_ms"], r["shm_publish_ms"], r["cross_ms"], r["cross_send_ms"],
-          r["shm_over_memcpy"], r["cross_over_memcpy"], r["cross_over_shm"]] for r in rows],
-        title="cross-machine path (remote.py, gloo over loopback on this machine) against the one-node publish "
-              "into shared memory and a memcpy of the same bytes:")
+        [
+            "size",
+            "MB",
+            "memcpy ms",
+            "shared memory ms",
+            "gloo loopback ms",
+            "(send part)",
+            "shm / memcpy",
+            "gloo / memcpy",
+            "gloo / shm",
+        ],
+        [
+            [
+                r["name"],
+                r["mb"],
+                r["memcpy_ms"],
+                r["shm_publish_ms"],
+                r["cross_ms"],
+                r["cross_send_ms"],
+                r["shm_over_memcpy"],
+                r["cross_over_memcpy"],
+                r["cross_over_shm"],
+            ]
+            for r in rows
+        ],
+        title="cross-machine path (remote.py, gloo over loopback on this machine) against the "
+        "one-node publish "
+        "into shared memory and a memcpy of the same bytes:",
+    )
 
 
 def plot_cross(data: dict, path: Path) -> None:
@@ -148,9 +193,19 @@ def plot_cross(data: dict, path: Path) -> None:
     rows = data["cross_machine"]
     fig, ax = plt.subplots(figsize=(7, 4))
     width = 0.27
-    for i, (key, label) in enumerate([("memcpy_ms", "memcpy"), ("shm_publish_ms", "publish into shared memory"),
-                                      ("cross_ms", "publish over gloo (loopback)")]):
-        ax.bar([j + (i - 1) * width for j in range(len(rows))], [r[key] for r in rows], width, label=label)
+    for i, (key, label) in enumerate(
+        [
+            ("memcpy_ms", "memcpy"),
+            ("shm_publish_ms", "publish into shared memory"),
+            ("cross_ms", "publish over gloo (loopback)"),
+        ]
+    ):
+        ax.bar(
+            [j + (i - 1) * width for j in range(len(rows))],
+            [r[key] for r in rows],
+            width,
+            label=label,
+        )
     ax.set_xticks(range(len(rows)), [f"{r['name']} ({r['mb']:.0f} MB)" for r in rows])
     ax.set_yscale("log")
     ax.set_ylabel("ms (log)")

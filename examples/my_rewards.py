@@ -1,9 +1,11 @@
-"""examples/my_rewards.py — reward functions as a researcher writes them (TRL's GRPOTrainer convention).
+"""examples/my_rewards.py — reward functions as a researcher writes them (TRL's GRPOTrainer
+convention).
 
 Role
     A template to copy, and the user module the tests load. Use with
-    `--reward examples/my_rewards.py:format_reward` (a file path) or `--reward examples.my_rewards:format_reward`
-    (a module on the path); several: `--reward math,examples/my_rewards.py:format_reward --reward-weights 1,0.2`.
+    `--reward examples/my_rewards.py:format_reward` (a file path) or `--reward
+    examples.my_rewards:format_reward` (a module on the path); several: `--reward
+    math,examples/my_rewards.py:format_reward --reward-weights 1,0.2`.
 
 Data contract
     Each function is called with keyword arguments, one list entry per completion:
@@ -12,6 +14,7 @@ Data contract
     (the answer column also as `answer`). Take `**kwargs` for what you do not use.
     Return one float per completion, or None where the function does not apply.
 """
+
 import re
 
 
@@ -32,7 +35,8 @@ def brevity_reward(completion_ids, **kwargs) -> list[float]:
 
 
 def numbers_from_question(prompts, completions, **kwargs) -> list[float | None]:
-    """Share of the question's numbers that the completion mentions; None when the question has none."""
+    """Share of the question's numbers that the completion mentions; None when the question has
+    none."""
     rewards = []
     for prompt, completion in zip(prompts, completions):
         question = _text(prompt) if isinstance(prompt, list) else prompt

@@ -1,28 +1,32 @@
 """scripts/gpu_check.py — the GPU path on one GPU, with only PyTorch and transformers (no vLLM).
 
 Role
-    Checks, on a GPU machine (one GPU is enough), what `python train.py --gen-devices G --train-devices T`
-    relies on, without vLLM's CUDA build:
-    1. FSDP2 training steps on the GPU through the project's own functions (models.build_trainer_model,
-       update.update_on_batch, sync.publish_model) in a process group with the GPU layout's backend
-       (devices.GPU_BACKEND).
-    2. The CUDA IPC packed sync between two processes. This process is the trainer's rank 0 and owns the
-       packed device buffer (shared_weights.SharedWeights.allocate on its GPU); a second process plays the generator's
-       worker: it opens the IPC handle once (SharedWeights.from_bytes), copies seqlock-consistent snapshots
-       onto its own device (read_snapshot) and loads them into a transformers model. With 2+ GPUs it runs
-       on GPU 1 under a reordered CUDA_VISIBLE_DEVICES (so the handle's GPU is found by UUID and the copy
-       is peer-to-peer); with one GPU both processes share it. Latency: publish (gather + write + sync) and
-       snapshot (copy + sync), against a plain device-to-device copy of the same bytes.
-    3. The seqlock under fire: the trainer rewrites the whole buffer back to back (each version a constant)
-       while the receiver snapshots it; a snapshot that is not one constant would be a torn read.
-    4. Log-prob agreement after a sync: the receiver scores a batch with the weights it copied; the trainer
-       scores it with its FSDP2 model; the max |difference| must be < 1e-4 (fp32).
+    Checks, on a GPU machine (one GPU is enough), what `python train.py --gen-devices
+    G --train-devices T` relies on, without vLLM's CUDA build:
+    1. FSDP2 training steps on the GPU through the project's own functions
+       (models.build_trainer_model, update.update_on_batch, sync.publish_model) in a process group
+       with the GPU layout's backend (devices.GPU_BACKEND).
+    2. The CUDA IPC packed sync between two processes. This process is the trainer's rank 0 and owns
+       the packed device buffer (shared_weights.SharedWeights.allocate on its GPU); a second process
+       plays the generator's worker: it opens the IPC handle once (SharedWeights.from_bytes), copies
+       seqlock-consistent snapshots onto its own device (read_snapshot) and loads them into a
+       transformers model. With 2+ GPUs it runs on GPU 1 under a reordered CUDA_VISIBLE_DEVICES (so
+       the handle's GPU is found by UUID and the copy is peer-to-peer); with one GPU both processes
+       share it. Latency: publish (gather + write + sync) and snapshot (copy + sync), against a
+       plain device-to-device copy of the same bytes.
+    3. The seqlock under fire: the trainer rewrites the whole buffer back to back (each version a
+       constant) while the receiver snapshots it; a snapshot that is not one constant would be a
+       torn read.
+    4. Log-prob agreement after a sync: the receiver scores a batch with the weights it copied; the
+       trainer scores it with its FSDP2 model; the max |difference| must be < 1e-4 (fp32).
 
 Data contract
-    stdout: exactly one JSON line, also on failure ({"ok": false, "error": ..., ...}); progress on stderr.
-    Exit 0 when every check passes, 1 when one fails, 2 when no GPU is visible or a package is missing.
-    `--device cpu` runs the same flow on the CPU (gloo, shared memory): what the CPU tests run.
+    stdout: exactly one JSON line, also on failure ({"ok": false, "error": ..., ...}); progress on
+    stderr. Exit 0 when every check passes, 1 when one fails, 2 when no GPU is visible or a package
+    is missing. `--device cpu` runs the same flow on the CPU (gloo, shared memory): what the CPU
+    tests run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -65,11 +69,17 @@ def environment_problem(device: str) -> str | None:
     try:
         import transformers  # noqa: F401
     except ImportError as err:
-        return f"transformers is not installed ({err}); carry it as wheels (see README, 'The GPU path')"
+        return (
+            f"transformers is not installed ({err}); carry it as wheels "
+            "(see README, 'The GPU path')"
+        )
     if device == "cuda" and not torch.cuda.is_available():
-        return (f"no CUDA GPU visible: torch {torch.__version__} (CUDA build: {torch.version.cuda}), "
-                f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}; this check needs "
-                "one GPU (use --device cpu for a dry run of the same flow)")
+        return (
+            f"no CUDA GPU visible: torch {torch.__version__} (CUDA build: {torch.version.cuda}), "
+            f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}; this check "
+            f"needs "
+            "one GPU (use --device cpu for a dry run of the same flow)"
+        )
     return None
 
 
@@ -78,16 +88,30 @@ def build_model(path: str, size: str, seed: int = 0) -> str:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     hidden, layers, heads = SIZES[size]
-    config = Qwen2Config(vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                         num_key_value_heads=heads, intermediate_size=4 * hidden, max_position_embeddings=64,
-                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0, dtype="float32")
+    config = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        intermediate_size=4 * hidden,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        dtype="float32",
+    )
     torch.manual_seed(seed)
     Qwen2ForCausalLM(config).save_pretrained(path)
     return path
 
 
-def synthetic_batch(seed: int, rows: int = 16, prompt_len: int = 6, completion_len: int = 8, group: int = 4):
-    """A GRPO batch as the trainer sees it: random prompts and completions, group-relative advantages."""
+def synthetic_batch(
+    seed: int, rows: int = 16, prompt_len: int = 6, completion_len: int = 8, group: int = 4
+):
+    """A GRPO batch as the trainer sees it: random prompts and completions, group-relative
+    advantages."""
     import torch
 
     import buffer
@@ -100,9 +124,16 @@ def synthetic_batch(seed: int, rows: int = 16, prompt_len: int = 6, completion_l
     for i in range(rows):
         prompt = [1] + torch.randint(3, VOCAB, (prompt_len - 1,), generator=rng).tolist()
         completion = torch.randint(3, VOCAB, (completion_len,), generator=rng).tolist()
-        samples.append(buffer.Sample(prompt_ids=prompt, completion_ids=completion,
-                                     behaviour_logprobs=[-3.4] * completion_len, token_versions=[0] * completion_len,
-                                     reward=float(rewards.flatten()[i]), advantage=float(advantages[i])))
+        samples.append(
+            buffer.Sample(
+                prompt_ids=prompt,
+                completion_ids=completion,
+                behaviour_logprobs=[-3.4] * completion_len,
+                token_versions=[0] * completion_len,
+                reward=float(rewards.flatten()[i]),
+                advantage=float(advantages[i]),
+            )
+        )
     return buffer.collate(samples, pad_id=0)
 
 
@@ -117,9 +148,9 @@ def synchronize(device) -> None:
         torch.cuda.synchronize(device)
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The receiver: plays the generator's worker extension (vllm_worker.WeightSyncWorker) without vLLM
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 def receiver_main(handle_bytes, model_dir, device, visible, cmd_q, res_q, threads):
     if visible is not None:  # before CUDA starts in this process
         os.environ["CUDA_VISIBLE_DEVICES"] = visible
@@ -137,19 +168,33 @@ def receiver_main(handle_bytes, model_dir, device, visible, cmd_q, res_q, thread
             torch.cuda.set_device(device)
         t0 = time.perf_counter()
         shared = SharedWeights.from_bytes(handle_bytes)  # the handle crossed once, as bytes
-        buf = shared.buffer  # opened here: CUDA IPC (the trainer's GPU found by UUID) or shared memory
+        # opened here: CUDA IPC (the trainer's GPU found by UUID) or shared memory
+        buf = shared.buffer
         open_ms = (time.perf_counter() - t0) * 1e3
-        snapshot = torch.empty_like(buf, device=device)  # private: a torn read never reaches the model
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+        # private: a torn read never reaches the model
+        snapshot = torch.empty_like(buf, device=device)
+        model = (
+            AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+        )
         params = dict(model.named_parameters())
         cfg = config.Config()
-        res_q.put(("ready", {"open_ms": open_ms, "buffer_device": str(buf.device), "device": str(device),
-                             "visible": os.environ.get("CUDA_VISIBLE_DEVICES")}))
+        res_q.put(
+            (
+                "ready",
+                {
+                    "open_ms": open_ms,
+                    "buffer_device": str(buf.device),
+                    "device": str(device),
+                    "visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                },
+            )
+        )
         while True:
             cmd, arg = cmd_q.get(timeout=600)
             if cmd == "stop":
                 break
-            if cmd == "torn":  # snapshot while the trainer rewrites the buffer; each version is one constant
+            # snapshot while the trainer rewrites the buffer; each version is one constant
+            if cmd == "torn":
                 deadline, n, torn, seen = time.monotonic() + arg, 0, 0, set()
                 while time.monotonic() < deadline:
                     version = shared.read_snapshot(snapshot, max_tries=10**6)
@@ -171,11 +216,27 @@ def receiver_main(handle_bytes, model_dir, device, visible, cmd_q, res_q, thread
                         params[slot.name].copy_(shared.view(slot, snapshot))
                     synchronize(device)
                     load_ms = (time.perf_counter() - t1) * 1e3
-                    b = argparse.Namespace(**{k: torch.tensor(v).to(device) for k, v in batch.items()})
-                    logp = update.completion_logprobs(model, b, cfg.temperature, cfg.top_k, cfg.top_p).logp
-                res_q.put(("load", {"version": version, "wanted": want, "snapshot_ms": snapshot_ms,
-                                    "load_ms": load_ms, "done_ns": done_ns, "logp": logp.cpu().tolist()}))
-        del model, params, snapshot, buf, shared  # release the mapping before the owner frees anything
+                    b = argparse.Namespace(
+                        **{k: torch.tensor(v).to(device) for k, v in batch.items()}
+                    )
+                    logp = update.completion_logprobs(
+                        model, b, cfg.temperature, cfg.top_k, cfg.top_p
+                    ).logp
+                res_q.put(
+                    (
+                        "load",
+                        {
+                            "version": version,
+                            "wanted": want,
+                            "snapshot_ms": snapshot_ms,
+                            "load_ms": load_ms,
+                            "done_ns": done_ns,
+                            "logp": logp.cpu().tolist(),
+                        },
+                    )
+                )
+        # release the mapping before the owner frees anything
+        del model, params, snapshot, buf, shared
         synchronize(device)
         res_q.put(("bye", {}))
     except BaseException:
@@ -191,7 +252,9 @@ def wait_reply(res_q, proc, kind, timeout_s=300):
             got, payload = res_q.get(timeout=1.0)
         except queue_lib.Empty:
             if not proc.is_alive():
-                raise RuntimeError(f"the receiver process died (exit code {proc.exitcode}) before '{kind}'")
+                raise RuntimeError(
+                    f"the receiver process died (exit code {proc.exitcode}) before '{kind}'"
+                )
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no '{kind}' from the receiver in {timeout_s} s")
             continue
@@ -202,17 +265,17 @@ def wait_reply(res_q, proc, kind, timeout_s=300):
         return payload
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The trainer side (this process: rank 0 of a one-rank FSDP2 group)
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 def check_size(size, args, device, receiver_device, receiver_visible, peer_here, workdir):
     import torch
     import torch.multiprocessing as mp
 
-    import sync
-    import models
     import config
+    import models
     import prepare
+    import sync
     import update
 
     result = {"size": size}
@@ -220,21 +283,40 @@ def check_size(size, args, device, receiver_device, receiver_visible, peer_here,
     cfg = config.Config()
     model = models.build_trainer_model(path, 1, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)  # before any forward (FSDP2 pitfall)
-    shared = prepare.allocate_shared_weights(path, device=device)  # the owner: this process, on its device
+    # the owner: this process, on its device
+    shared = prepare.allocate_shared_weights(path, device=device)
     names = [name for name, _ in model.named_parameters()]
     assert names == [slot.name for slot in shared.layout], "trainer parameters != buffer layout"
     numel = shared.buffer.numel()
-    result.update(params=numel, bytes=numel * shared.buffer.element_size(), buffer_device=str(shared.buffer.device))
+    result.update(
+        params=numel,
+        bytes=numel * shared.buffer.element_size(),
+        buffer_device=str(shared.buffer.device),
+    )
 
     ctx = mp.get_context("spawn")
     cmd_q, res_q = ctx.Queue(), ctx.Queue()
-    proc = ctx.Process(target=receiver_main, args=(shared.to_bytes(), path, receiver_device, receiver_visible,
-                                                   cmd_q, res_q, args.threads))
+    proc = ctx.Process(
+        target=receiver_main,
+        args=(
+            shared.to_bytes(),
+            path,
+            receiver_device,
+            receiver_visible,
+            cmd_q,
+            res_q,
+            args.threads,
+        ),
+    )
     proc.start()
     try:
         ready = wait_reply(res_q, proc, "ready")
-        result.update(receiver_device=ready["device"], receiver_sees_buffer_on=ready["buffer_device"],
-                      receiver_visible=ready["visible"], ipc_open_ms=ready["open_ms"])
+        result.update(
+            receiver_device=ready["device"],
+            receiver_sees_buffer_on=ready["buffer_device"],
+            receiver_visible=ready["visible"],
+            ipc_open_ms=ready["open_ms"],
+        )
 
         # 1. torn reads: rewrite the whole buffer back to back while the receiver snapshots it
         cmd_q.put(("torn", args.torn_seconds))
@@ -251,15 +333,21 @@ def check_size(size, args, device, receiver_device, receiver_visible, peer_here,
 
         # 2. FSDP2 steps, each published and checked on the other side
         eval_batch = synthetic_batch(seed=10_000)
-        eval_lists = {k: getattr(eval_batch, k).tolist() for k in ("input_ids", "attention_mask", "targets", "mask")}
+        eval_lists = {
+            k: getattr(eval_batch, k).tolist()
+            for k in ("input_ids", "attention_mask", "targets", "mask")
+        }
         eval_dev = to_device(eval_batch, device)
         steps, losses, diffs, versions_ok = [], [], [], True
         publish_ms, snapshot_ms, load_ms, e2e_ms = [], [], [], []
         for step in range(args.steps):
-            batch = synthetic_batch(seed=step)  # update_on_batch moves each micro-batch to the device
+            # update_on_batch moves each micro-batch to the device
+            batch = synthetic_batch(seed=step)
             synchronize(device)
             t0 = time.perf_counter()
-            stepped = update.update_on_batch(model, None, optimizer, batch, cfg, 0, 1, step, step, device)
+            stepped = update.update_on_batch(
+                model, None, optimizer, batch, cfg, 0, 1, step, step, device
+            )
             synchronize(device)
             steps.append((time.perf_counter() - t0) * 1e3)
             losses.append(stepped.loss)
@@ -269,7 +357,9 @@ def check_size(size, args, device, receiver_device, receiver_visible, peer_here,
             sync.publish_model(model, shared, step + 1, 0, 1)
             publish_ms.append((time.perf_counter() - t0) * 1e3)
             with torch.no_grad():
-                mine = update.completion_logprobs(model, eval_dev, cfg.temperature, cfg.top_k, cfg.top_p).logp.cpu()
+                mine = update.completion_logprobs(
+                    model, eval_dev, cfg.temperature, cfg.top_k, cfg.top_p
+                ).logp.cpu()
             if hasattr(model, "reshard"):
                 model.reshard()  # after a no-grad forward (FSDP2 pitfall: see shared notes)
             cmd_q.put(("load", (step + 1, eval_lists)))
@@ -281,7 +371,8 @@ def check_size(size, args, device, receiver_device, receiver_visible, peer_here,
             load_ms.append(got["load_ms"])
             e2e_ms.append((got["done_ns"] - published_ns) / 1e6)
 
-        # 3. the bound: one device-to-device copy of the same bytes (and peer-to-peer to the receiver's GPU)
+        # 3. the bound: one device-to-device copy of the same bytes (and peer-to-peer to the
+        #    receiver's GPU)
         def copy_ms(dst):
             times = []
             for _ in range(args.reps):
@@ -303,14 +394,29 @@ def check_size(size, args, device, receiver_device, receiver_visible, peer_here,
             del peer
 
         result.update(
-            fsdp_steps=args.steps, train_step_ms=median(steps[1:] or steps), loss_first=losses[0],
-            loss_last=losses[-1], losses_finite=all(math.isfinite(x) for x in losses),
-            publish_ms=median(publish_ms), snapshot_ms=median(snapshot_ms), load_into_model_ms=median(load_ms),
-            publish_to_snapshot_e2e_ms=median(e2e_ms), logprob_max_diff=max(diffs), versions_ok=versions_ok)
+            fsdp_steps=args.steps,
+            train_step_ms=median(steps[1:] or steps),
+            loss_first=losses[0],
+            loss_last=losses[-1],
+            losses_finite=all(math.isfinite(x) for x in losses),
+            publish_ms=median(publish_ms),
+            snapshot_ms=median(snapshot_ms),
+            load_into_model_ms=median(load_ms),
+            publish_to_snapshot_e2e_ms=median(e2e_ms),
+            logprob_max_diff=max(diffs),
+            versions_ok=versions_ok,
+        )
         result["sync_ms"] = result["publish_ms"] + result["snapshot_ms"]
-        result["sync_over_d2d_copy"] = (result["sync_ms"] / result["d2d_copy_ms"]) if result["d2d_copy_ms"] else None
-        result["ok"] = bool(versions_ok and result["losses_finite"] and max(diffs) < LOGPROB_TOLERANCE
-                            and result["torn_check"]["torn"] == 0 and result["torn_check"]["snapshots"] > 0)
+        result["sync_over_d2d_copy"] = (
+            (result["sync_ms"] / result["d2d_copy_ms"]) if result["d2d_copy_ms"] else None
+        )
+        result["ok"] = bool(
+            versions_ok
+            and result["losses_finite"]
+            and max(diffs) < LOGPROB_TOLERANCE
+            and result["torn_check"]["torn"] == 0
+            and result["torn_check"]["snapshots"] > 0
+        )
         cmd_q.put(("stop", None))
         wait_reply(res_q, proc, "bye")
         proc.join(timeout=60)
@@ -324,8 +430,12 @@ def check_size(size, args, device, receiver_device, receiver_visible, peer_here,
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    parser.add_argument("--sizes", default="tiny,large", help=f"comma-separated, of {sorted(SIZES)}")
-    parser.add_argument("--steps", type=int, default=5, help="FSDP2 steps per size (each one published)")
+    parser.add_argument(
+        "--sizes", default="tiny,large", help=f"comma-separated, of {sorted(SIZES)}"
+    )
+    parser.add_argument(
+        "--steps", type=int, default=5, help="FSDP2 steps per size (each one published)"
+    )
     parser.add_argument("--reps", type=int, default=20, help="repetitions of the copy baseline")
     parser.add_argument("--torn-seconds", type=float, default=2.0)
     parser.add_argument("--threads", type=int, default=1, help="CPU threads per process")
@@ -346,7 +456,9 @@ def main(argv=None) -> int:
     import devices
 
     torch.set_num_threads(args.threads)
-    result.update(torch=torch.__version__, cuda=torch.version.cuda, transformers=transformers.__version__)
+    result.update(
+        torch=torch.__version__, cuda=torch.version.cuda, transformers=transformers.__version__
+    )
     stage = "setup"
     workdir = tempfile.mkdtemp(prefix="asyncgrpo-gpu-check-")
     try:
@@ -357,7 +469,10 @@ def main(argv=None) -> int:
             result.update(gpus=count, gpu=torch.cuda.get_device_name(0))
             if count >= 2:  # the generator-on-another-GPU layout: peer copy, GPU found by UUID
                 names = devices.visible_tokens(count, os.environ.get("CUDA_VISIBLE_DEVICES"))
-                receiver_device, receiver_visible = "cuda:0", ",".join([names[1], names[0]] + names[2:])
+                receiver_device, receiver_visible = (
+                    "cuda:0",
+                    ",".join([names[1], names[0]] + names[2:]),
+                )
                 peer_here = "cuda:1"
                 result["layout"] = "trainer on GPU 0, receiver on GPU 1 (peer-to-peer copy)"
             else:  # async on a single GPU: both processes share it
@@ -375,9 +490,13 @@ def main(argv=None) -> int:
             if size not in SIZES:
                 raise ValueError(f"unknown size {size!r} (choose from {sorted(SIZES)})")
             stage = f"size {size}"
-            log(f"{size}: {SIZES[size]} (hidden, layers, heads) on {device}, receiver on {receiver_device}")
-            result["sizes"][size] = check_size(size, args, device, receiver_device, receiver_visible, peer_here,
-                                                 workdir)
+            log(
+                f"{size}: {SIZES[size]} (hidden, layers, heads) on {device}, receiver on "
+                f"{receiver_device}"
+            )
+            result["sizes"][size] = check_size(
+                size, args, device, receiver_device, receiver_visible, peer_here, workdir
+            )
             log(f"{size}: {json.dumps(result['sizes'][size], sort_keys=True)}")
             if args.device == "cuda":
                 torch.cuda.empty_cache()
@@ -390,6 +509,7 @@ def main(argv=None) -> int:
         if dist.is_initialized():
             dist.destroy_process_group()
         import shutil
+
         shutil.rmtree(workdir, ignore_errors=True)
     result["wall_s"] = time.perf_counter() - start
     emit(result)

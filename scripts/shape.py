@@ -1,24 +1,31 @@
-"""scripts/shape.py — the repository's shape, measured statically (ast, nothing imported): `python scripts/shape.py`.
+"""scripts/shape.py — the repository's shape, measured statically (ast, nothing imported): `python
+scripts/shape.py`.
 
 Role: the counts issue 24 asks to hold, each a function tests/test_shape.py asserts:
-    - `line_counts`: non-blank lines of every .py file (top level, tests/, bench/, examples/, scripts/).
-    - `line_widths`: the widths of the non-blank lines of the top-level modules (the code a reader reads), summed
-      up by `width_summary` (mean, 90th percentile); `long_lines`: every line over MAX_WIDTH, in every .py file.
-    - `import_cycles`: cycles among the top-level modules (every import, function-level ones included).
-    - `calls_below_loop`: the shortest static call chain from the training loop (train.train) to a function.
-    - `sample_files`: the files a reader follows one sample through, from the generator's sampling to the loss
-      (the chains sampling -> the queue's put, the loop -> the queue's take and batch assembly, the loop -> loss).
-    - `step_walk` / `returns`: the files met, in order, reading the trainer's step depth first from the loop,
-      and how often the reading comes back into a file it had left (a loss assembled across two files makes a
-      reader go back and forth between them).
+    - `line_counts`: non-blank lines of every .py file (top level, tests/, bench/, examples/,
+      scripts/).
+    - `line_widths`: the widths of the non-blank lines of the top-level modules (the code a reader
+      reads), summed up by `width_summary` (mean, 90th percentile); `long_lines`: every line over
+      MAX_WIDTH, in every .py file.
+    - `import_cycles`: cycles among the top-level modules (every import, function-level ones
+      included).
+    - `calls_below_loop`: the shortest static call chain from the training loop (train.train) to a
+      function.
+    - `sample_files`: the files a reader follows one sample through, from the generator's sampling
+      to the loss (the chains sampling -> the queue's put, the loop -> the queue's take and batch
+      assembly, the loop -> loss).
+    - `step_walk` / `returns`: the files met, in order, reading the trainer's step depth first from
+      the loop, and how often the reading comes back into a file it had left (a loss assembled
+      across two files makes a reader go back and forth between them).
     - `config_imports`: the project modules config.py imports (a leaf: none).
-Data contract: a module is "name" (a top-level file) or "package.name" (a file of a top-level package such as
-tasks/); a function is "module.name" or "module.Class.method". A call edge is a call or a reference (a
-function handed to another, e.g. functools.partial) resolved through the module's own functions, `import m`
-/ `from m import f` of a top-level module, and `self.method` inside a class; calls on other objects are not
-followed (the graph under-approximates: a chain found is real, a chain may exist that it does not see).
-May touch: nothing (reads the repository's files).
+Data contract: a module is "name" (a top-level file) or "package.name" (a file of a top-level
+package such as tasks/); a function is "module.name" or "module.Class.method". A call edge is a call
+or a reference (a function handed to another, e.g. functools.partial) resolved through the module's
+own functions, `import m` / `from m import f` of a top-level module, and `self.method` inside a
+class; calls on other objects are not followed (the graph under-approximates: a chain found is real,
+a chain may exist that it does not see). May touch: nothing (reads the repository's files).
 """
+
 from __future__ import annotations
 
 import ast
@@ -29,25 +36,35 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 FOLDERS = ("", "tests", "bench", "examples", "scripts")
 MAX_LINES = 450
-MAX_WIDTH = 120  # characters per line, in every file
+MAX_WIDTH = 100  # characters per line, in every file (ruff.toml's line-length)
 WALK_SKIP = ("tracing",)  # left out of the step's walk: the trace recorder, called from every file
 LOOP = "train.train"
 LOSS = "losses.grpo_loss"  # the per-micro-batch loss
-SAMPLE_CHAINS = (("rollout.Generator.run_group", "buffer.put_group"),  # sampling -> onto the queue
-                 (LOOP, "buffer.take_groups"),  # off the queue (the hand-off between the two processes)
-                 (LOOP, "buffer.collate"),  # into the training batch
-                 (LOOP, LOSS))  # into the loss
+SAMPLE_CHAINS = (
+    ("rollout.Generator.run_group", "buffer.put_group"),  # sampling -> onto the queue
+    # off the queue (the hand-off between the two processes)
+    (LOOP, "buffer.take_groups"),
+    (LOOP, "buffer.collate"),  # into the training batch
+    (LOOP, LOSS),
+)  # into the loss
 
 
 def python_files() -> list[Path]:
-    """Every .py file of the project: its modules (packages included) and the FOLDERS beside them."""
-    return sorted({p for folder in FOLDERS for p in (REPO / folder).glob("*.py")} | set(module_paths().values()))
+    """Every .py file of the project: its modules (packages included) and the FOLDERS beside
+    them."""
+    return sorted(
+        {p for folder in FOLDERS for p in (REPO / folder).glob("*.py")}
+        | set(module_paths().values())
+    )
 
 
 def line_counts() -> dict[str, int]:
-    """Non-blank lines per file (what `grep -cv '^\\s*$'` counts), by path relative to the repository."""
-    return {str(p.relative_to(REPO)): sum(1 for line in p.read_text().splitlines() if line.strip())
-            for p in python_files()}
+    """Non-blank lines per file (what `grep -cv '^\\s*$'` counts), by path relative to the
+    repository."""
+    return {
+        str(p.relative_to(REPO)): sum(1 for line in p.read_text().splitlines() if line.strip())
+        for p in python_files()
+    }
 
 
 def line_widths(paths) -> list[int]:
@@ -62,19 +79,27 @@ def width_summary(widths: list[int]) -> tuple[float, int]:
 
 
 def long_lines(limit: int = MAX_WIDTH) -> list[str]:
-    """"path:line" of every line wider than `limit`, in every .py file."""
-    return [f"{p.relative_to(REPO)}:{number}" for p in python_files()
-            for number, line in enumerate(p.read_text().splitlines(), 1) if len(line) > limit]
+    """ "path:line" of every line wider than `limit`, in every .py file."""
+    return [
+        f"{p.relative_to(REPO)}:{number}"
+        for p in python_files()
+        for number, line in enumerate(p.read_text().splitlines(), 1)
+        if len(line) > limit
+    ]
 
 
 def module_paths() -> dict[str, Path]:
-    """The project's modules: "name" for a top-level file, "package.name" for a file of a top-level package
-    (a folder with an __init__.py, e.g. tasks/), by module name."""
+    """The project's modules: "name" for a top-level file, "package.name" for a file of a top-level
+    package (a folder with an __init__.py, e.g. tasks/), by module name."""
     paths = {p.stem: p for p in sorted(REPO.glob("*.py"))}
     for init in sorted(REPO.glob("*/__init__.py")):
         package = init.parent.name
         paths[package] = init
-        paths |= {f"{package}.{p.stem}": p for p in sorted(init.parent.glob("*.py")) if p.stem != "__init__"}
+        paths |= {
+            f"{package}.{p.stem}": p
+            for p in sorted(init.parent.glob("*.py"))
+            if p.stem != "__init__"
+        }
     return paths
 
 
@@ -84,7 +109,8 @@ def top_level_modules() -> dict[str, ast.Module]:
 
 
 def imported_modules(node: ast.AST, modules) -> set[str]:
-    """The project modules an import statement imports (`from package import module` names the module)."""
+    """The project modules an import statement imports (`from package import module` names the
+    module)."""
     if isinstance(node, ast.Import):
         return {alias.name for alias in node.names if alias.name in modules}
     if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in modules:
@@ -94,13 +120,16 @@ def imported_modules(node: ast.AST, modules) -> set[str]:
 
 
 def module_of(qualname: str, modules) -> str:
-    """The module a "module.name" / "module.Class.method" lives in (the longest module name it starts with)."""
+    """The module a "module.name" / "module.Class.method" lives in (the longest module name it
+    starts with)."""
     parts = qualname.split(".")
-    return next(".".join(parts[:n]) for n in range(len(parts), 0, -1) if ".".join(parts[:n]) in modules)
+    return next(
+        ".".join(parts[:n]) for n in range(len(parts), 0, -1) if ".".join(parts[:n]) in modules
+    )
 
 
 def file_of(module: str) -> str:
-    """"tasks.envs" -> "tasks/envs.py"."""
+    """ "tasks.envs" -> "tasks/envs.py"."""
     return str(module_paths()[module].relative_to(REPO))
 
 
@@ -149,7 +178,8 @@ def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def imported_names(tree: ast.Module, modules) -> tuple[dict[str, str], dict[str, str]]:
-    """(alias -> module for `import m [as a]`, name -> "module.name" for `from m import name`), anywhere."""
+    """(alias -> module for `import m [as a]`, name -> "module.name" for `from m import name`),
+    anywhere."""
     aliases, names = {}, {}
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -166,7 +196,7 @@ def imported_names(tree: ast.Module, modules) -> tuple[dict[str, str], dict[str,
 
 
 def functions(modules: dict[str, ast.Module]) -> dict[str, tuple[str, str | None, ast.AST]]:
-    """"module.name" / "module.Class.method" -> (module, class name or None, node)."""
+    """ "module.name" / "module.Class.method" -> (module, class name or None, node)."""
     found = {}
     for mod, tree in modules.items():
         for node in tree.body:
@@ -185,14 +215,17 @@ def call_graph(modules: dict[str, ast.Module]) -> dict[str, set[str]]:
 
 
 def ordered_calls(modules: dict[str, ast.Module]) -> dict[str, list[str]]:
-    """function -> the known functions it calls or hands on, each once, in the order the code reads."""
+    """function -> the known functions it calls or hands on, each once, in the order the code
+    reads."""
     known = functions(modules)
     imports = {mod: imported_names(tree, modules) for mod, tree in modules.items()}
     graph = {}
     for qualname, (mod, cls, node) in known.items():
         aliases, names = imports[mod]
         edges = {}
-        in_order = sorted(ast.walk(node), key=lambda n: (getattr(n, "lineno", 0), getattr(n, "col_offset", 0)))
+        in_order = sorted(
+            ast.walk(node), key=lambda n: (getattr(n, "lineno", 0), getattr(n, "col_offset", 0))
+        )
         for sub in in_order:
             target = None
             if isinstance(sub, ast.Name) and isinstance(sub.ctx, ast.Load):
@@ -209,10 +242,11 @@ def ordered_calls(modules: dict[str, ast.Module]) -> dict[str, list[str]]:
 
 
 def step_walk(calls: dict[str, list[str]], modules, start: str = LOOP, skip=WALK_SKIP) -> list[str]:
-    """The files a reader passes through, in order, following the trainer's step from the loop: depth first
-    through the calls in the order the code reads, each function read once, coming back to the caller's
-    file after each call into another file (so a file appears again each time the walk returns to it).
-    Calls into `skip` (the trace recorder, which every file calls) are left out."""
+    """The files a reader passes through, in order, following the trainer's step from the loop:
+    depth first through the calls in the order the code reads, each function read once, coming back
+    to the caller's file after each call into another file (so a file appears again each time the
+    walk returns to it). Calls into `skip` (the trace recorder, which every file calls) are left
+    out."""
     walk, read = [], set()
 
     def enter(function):
@@ -234,8 +268,8 @@ def step_walk(calls: dict[str, list[str]], modules, start: str = LOOP, skip=WALK
 
 
 def returns(walk: list[str], hub: str = "train.py") -> int:
-    """The times a walk comes back into a file it had left, other than the loop's own file (the hub that
-    calls each part in turn, which a reader returns to by design)."""
+    """The times a walk comes back into a file it had left, other than the loop's own file (the hub
+    that calls each part in turn, which a reader returns to by design)."""
     return sum(1 for i, file in enumerate(walk) if file != hub and file in walk[:i])
 
 
@@ -257,7 +291,9 @@ def shortest_chain(graph: dict[str, set[str]], start: str, goal: str) -> list[st
     return None
 
 
-def calls_below_loop(graph, goal: str = LOSS, loop: str = LOOP) -> tuple[int | None, list[str] | None]:
+def calls_below_loop(
+    graph, goal: str = LOSS, loop: str = LOOP
+) -> tuple[int | None, list[str] | None]:
     """(calls from the loop down to `goal`, the chain); (None, None) if the graph finds no chain."""
     chain = shortest_chain(graph, loop, goal)
     return (len(chain) - 1, chain) if chain else (None, None)
@@ -287,18 +323,28 @@ def main() -> int:
     cycles = import_cycles(import_graph(modules))
     mean_width, p90_width = width_summary(line_widths(sorted(module_paths().values())))
     long = long_lines()
-    rows = [("files over %d non-blank lines" % MAX_LINES, len(over), ", ".join(f"{p} {n}" for p, n in over.items())),
-            ("largest file", max(counts.values()), max(counts, key=counts.get)),
-            ("mean line width, top-level modules", round(mean_width, 1), "characters, non-blank lines"),
-            ("90th percentile line width, same", p90_width, "characters"),
-            (f"lines over {MAX_WIDTH} characters", len(long), ", ".join(long)),
-            ("import cycles", len(cycles), "; ".join(" <-> ".join(c) for c in cycles)),
-            (f"calls below the loop to {LOSS}", calls, " -> ".join(chain or [])),
-            ("... to the aggregation (losses.aggregate)", deepest, " -> ".join(deepest_chain or [])),
-            ("files to follow one sample", len(files), ", ".join(files)),
-            ("files in a walk of the trainer's step", len(set(walk)), " -> ".join(walk)),
-            ("... returns to a file already left (but train.py)", returns(walk), ""),
-            ("project modules config.py imports", len(config_imports(modules)), ", ".join(config_imports(modules)))]
+    rows = [
+        (
+            "files over %d non-blank lines" % MAX_LINES,
+            len(over),
+            ", ".join(f"{p} {n}" for p, n in over.items()),
+        ),
+        ("largest file", max(counts.values()), max(counts, key=counts.get)),
+        ("mean line width, top-level modules", round(mean_width, 1), "characters, non-blank lines"),
+        ("90th percentile line width, same", p90_width, "characters"),
+        (f"lines over {MAX_WIDTH} characters", len(long), ", ".join(long)),
+        ("import cycles", len(cycles), "; ".join(" <-> ".join(c) for c in cycles)),
+        (f"calls below the loop to {LOSS}", calls, " -> ".join(chain or [])),
+        ("... to the aggregation (losses.aggregate)", deepest, " -> ".join(deepest_chain or [])),
+        ("files to follow one sample", len(files), ", ".join(files)),
+        ("files in a walk of the trainer's step", len(set(walk)), " -> ".join(walk)),
+        ("... returns to a file already left (but train.py)", returns(walk), ""),
+        (
+            "project modules config.py imports",
+            len(config_imports(modules)),
+            ", ".join(config_imports(modules)),
+        ),
+    ]
     width = max(len(r[0]) for r in rows)
     for what, value, detail in rows:
         print(f"{what:<{width}}  {value!s:>4}  {detail}")

@@ -22,6 +22,7 @@ Role
 May touch: the tokenizer, the files tasks/prompts.py is pointed at. No engine, no queue, no
 trainer.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -31,8 +32,15 @@ import time
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import (LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM,
-                          Qwen3MoeConfig, Qwen3MoeForCausalLM)
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 from tasks import prompts, rewards
 from tasks.envs import EnvTask
@@ -41,45 +49,62 @@ from tasks.prompts import Prompt
 SPECIALS = ["<pad>", "<bos>", "<eos>"]
 SYMBOLS = list("0123456789abcdefghij+=_")
 ASCII = [chr(i) for i in range(32, 127)] + ["\n", "\t"]  # printable ASCII, newline, tab
-TINY_MOE = "TINY_MOE"  # --model TINY_MOE: the copy task on a tiny Qwen3-MoE (build_tiny_model's `experts`)
+# --model TINY_MOE: the copy task on a tiny Qwen3-MoE (build_tiny_model's `experts`)
+TINY_MOE = "TINY_MOE"
 TINY_MOE_EXPERTS, TINY_MOE_ACTIVE = 8, 2  # experts per MoE layer, experts routed per token
 LETTERS = "abcdefghij"
 COPY_LENGTH = 3
-# A chat template that uses only printable ASCII (so the "ascii" tiny tokenizer encodes it faithfully).
-TINY_CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
-                      "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+# A chat template that uses only printable ASCII (so the "ascii" tiny tokenizer encodes it
+# faithfully).
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
 # The same with tool use (tasks/tools.py): the schemas in a system block, an assistant's calls in
 # the Hermes format tools.parse_tool_calls reads (so a call the model writes renders back to the
 # same text), tool results as `tool` messages. Without tools it renders exactly as
 # TINY_CHAT_TEMPLATE; the "ascii" tiny model has it.
 # (transformers renders templates with trim_blocks: a newline right after a block tag is dropped.)
 TINY_TOOL_CHAT_TEMPLATE = (
-    "{% if tools %}<|system|>\n{% if messages and messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n"
+    "{% if tools %}<|system|>\n{% if messages and messages[0]['role'] == 'system' %}{{ "
+    "messages[0]['content'] }}\n"
     "{% endif %}Tools:\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}"
-    "To call a tool write <tool_call>{\"name\": NAME, \"arguments\": {...}}</tool_call>\n{% endif %}"
+    'To call a tool write <tool_call>{"name": NAME, "arguments": {...}}</tool_call>\n{% endif %}'
     "{% for m in messages %}{% if not (tools and loop.first and m['role'] == 'system') %}"
     "<|{{ m['role'] }}|>\n{{ m['content'] if m['content'] is not none else '' }}"
-    "{% for call in m['tool_calls'] or [] %}{% set f = call['function'] if call['function'] is defined else call %}"
-    "<tool_call>{\"name\": {{ f['name'] | tojson }}, \"arguments\": "
-    "{{ f['arguments'] if f['arguments'] is string else f['arguments'] | tojson }}}</tool_call>{% endfor %}{{ '\\n' }}"
-    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+    "{% for call in m['tool_calls'] or [] %}{% set f = call['function'] if call['function'] is "
+    "defined else call %}"
+    '<tool_call>{"name": {{ f[\'name\'] | tojson }}, "arguments": '
+    "{{ f['arguments'] if f['arguments'] is string else f['arguments'] | tojson }}}</tool_call>{% "
+    "endfor %}{{ '\\n' }}"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
 
 
-def build_tiny_model(path: str, seed: int = 0, hidden: int = 128, layers: int = 2, heads: int = 4,
-                     alphabet: str = "copy", vocab_size: int = 0, experts: int = 0) -> str:
+def build_tiny_model(
+    path: str,
+    seed: int = 0,
+    hidden: int = 128,
+    layers: int = 2,
+    heads: int = 4,
+    alphabet: str = "copy",
+    vocab_size: int = 0,
+    experts: int = 0,
+) -> str:
     """Write a random-init Qwen2 model and its character tokenizer to `path` (Hugging Face format).
 
     alphabet="copy": the default 26 symbols (the copy task's), 64 positions.
-    alphabet="ascii": one token per printable ASCII character plus newline and tab (100 tokens with the
-    specials), 1024 positions and a small chat template with tool use (TINY_TOOL_CHAT_TEMPLATE): for trying
-    datasets, prompts, rewards and tools on real text (it is random-init: it writes garbage, but the whole
-    path runs). Llama architecture, not Qwen2:
-    transformers 5 loads any tokenizer saved next to a Qwen2 config as `Qwen2Tokenizer`, whose byte-level
-    pre-tokenizer would drop every space and newline of a character vocabulary.
-    vocab_size > the alphabet's: the vocabulary is filled up to that size with tokens `<|N|>` that text
-    never encodes to but the model can sample (the LM head and softmax of a real model, e.g. 151,936).
-    experts > 0 (copy alphabet): a Qwen3-MoE instead, every layer a mixture of `experts` experts of
-    `hidden` intermediate units each, TINY_MOE_ACTIVE routed per token (`--model TINY_MOE`: 8 experts)."""
+    alphabet="ascii": one token per printable ASCII character plus newline and tab (100 tokens with
+    the specials), 1024 positions and a small chat template with tool use (TINY_TOOL_CHAT_TEMPLATE):
+    for trying datasets, prompts, rewards and tools on real text (it is random-init: it writes
+    garbage, but the whole path runs). Llama architecture, not Qwen2:
+    transformers 5 loads any tokenizer saved next to a Qwen2 config as `Qwen2Tokenizer`, whose
+    byte-level pre-tokenizer would drop every space and newline of a character vocabulary.
+    vocab_size > the alphabet's: the vocabulary is filled up to that size with tokens `<|N|>` that
+    text never encodes to but the model can sample (the LM head and softmax of a real model, e.g.
+    151,936). experts > 0 (copy alphabet): a Qwen3-MoE instead, every layer a mixture of `experts`
+    experts of `hidden` intermediate units each, TINY_MOE_ACTIVE routed per token (`--model
+    TINY_MOE`: 8 experts)."""
     if alphabet not in ("copy", "ascii"):
         raise ValueError(f"alphabet must be 'copy' or 'ascii' (got {alphabet!r})")
     ascii_ = alphabet == "ascii"
@@ -89,22 +114,40 @@ def build_tiny_model(path: str, seed: int = 0, hidden: int = 128, layers: int = 
     pattern = r"<pad>|<bos>|<eos>|[\s\S]" if ascii_ else "<[a-z]+>|."
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(pattern), behavior="isolated")
     tok.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>",
-                                        pad_token="<pad>")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>"
+    )
     if ascii_:
         tokenizer.chat_template = TINY_TOOL_CHAT_TEMPLATE
-    config_class, model_class = (LlamaConfig, LlamaForCausalLM) if ascii_ else (Qwen2Config, Qwen2ForCausalLM)
+    config_class, model_class = (
+        (LlamaConfig, LlamaForCausalLM) if ascii_ else (Qwen2Config, Qwen2ForCausalLM)
+    )
     moe = {}
     if experts:
         if ascii_:
             raise ValueError("build_tiny_model: experts with the copy alphabet only")
         config_class, model_class = Qwen3MoeConfig, Qwen3MoeForCausalLM
-        moe = dict(num_experts=experts, num_experts_per_tok=TINY_MOE_ACTIVE, moe_intermediate_size=hidden,
-                   head_dim=hidden // heads)
-    config = config_class(vocab_size=len(vocab), hidden_size=hidden, num_hidden_layers=layers,
-                          num_attention_heads=heads, num_key_value_heads=heads, intermediate_size=4 * hidden,
-                          max_position_embeddings=1024 if ascii_ else 64, tie_word_embeddings=True,
-                          bos_token_id=1, eos_token_id=2, pad_token_id=0, dtype="float32", **moe)
+        moe = dict(
+            num_experts=experts,
+            num_experts_per_tok=TINY_MOE_ACTIVE,
+            moe_intermediate_size=hidden,
+            head_dim=hidden // heads,
+        )
+    config = config_class(
+        vocab_size=len(vocab),
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        intermediate_size=4 * hidden,
+        max_position_embeddings=1024 if ascii_ else 64,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        dtype="float32",
+        **moe,
+    )
     torch.manual_seed(seed)
     model = model_class(config)
     tmp = path + ".tmp"
@@ -115,20 +158,23 @@ def build_tiny_model(path: str, seed: int = 0, hidden: int = 128, layers: int = 
 
 
 def is_held_out(letters: str) -> bool:
-    """The copy task's fixed held-out split: ~1 triple in 10, chosen by a hash of the triple alone."""
+    """The copy task's fixed held-out split: ~1 triple in 10, chosen by a hash of the triple
+    alone."""
     return int.from_bytes(hashlib.sha256(letters.encode()).digest()[:8], "big") % 10 == 0
 
 
 def match_score(prediction, answer: str) -> float:
-    """Matching positions / max(len(prediction), len(answer)): partial credit, and never stopping does not pay."""
+    """Matching positions / max(len(prediction), len(answer)): partial credit, and never stopping
+    does not pay."""
     matches = sum(p == a for p, a in zip(prediction, answer))
     return matches / max(len(prediction), len(answer), 1)
 
 
 class CopyTask:
-    """Copy 3 letters: `<bos>abc=` -> `abc<eos>`. Reward: matching positions / max(len(prediction), len(answer)),
-    the prediction being the tokens before the first `<eos>` (never stopping does not pay). Of the 1000 triples
-    ~10% are held out (`is_held_out`) for evaluation; the others are the training prompts."""
+    """Copy 3 letters: `<bos>abc=` -> `abc<eos>`. Reward: matching positions / max(len(prediction),
+    len(answer)), the prediction being the tokens before the first `<eos>` (never stopping does not
+    pay). Of the 1000 triples ~10% are held out (`is_held_out`) for evaluation; the others are the
+    training prompts."""
 
     names = ["copy"]
     needs_text = False  # scored by token ids: vLLM need not detokenize
@@ -149,7 +195,9 @@ class CopyTask:
             raise RuntimeError(f"every copy prompt is longer than {limit} tokens")
 
     def encode(self, letters: str) -> Prompt:
-        return Prompt(self.tokenizer(f"<bos>{letters}=", add_special_tokens=False)["input_ids"], letters)
+        return Prompt(
+            self.tokenizer(f"<bos>{letters}=", add_special_tokens=False)["input_ids"], letters
+        )
 
     def reward(self, completion_ids: list[int], answer: str) -> float:
         prediction = []
@@ -163,8 +211,16 @@ class CopyTask:
         t0 = time.perf_counter()
         rewards = [self.reward(ids, prompt.answer) for ids in completion_ids]
         n = len(rewards)
-        stats = {"n": n, "count": n, "sum": sum(rewards), "sumsq": sum(r * r for r in rewards), "none": 0,
-                 "invalid": 0, "errors": 0, "time_s": time.perf_counter() - t0}
+        stats = {
+            "n": n,
+            "count": n,
+            "sum": sum(rewards),
+            "sumsq": sum(r * r for r in rewards),
+            "none": 0,
+            "invalid": 0,
+            "errors": 0,
+            "time_s": time.perf_counter() - t0,
+        }
         return rewards, {"copy": stats}, []
 
     def close(self):
@@ -186,25 +242,32 @@ class DatasetTask:
         self.names = self.scorer.names
         self.prompts, dropped = prompts.encode_rows(train_rows, tokenizer, spec, limit, "training")
         if not self.prompts:
-            raise RuntimeError(f"every prompt of {spec.dataset} is longer than {limit} tokens (--max-prompt-tokens, "
-                               "or the model's context minus --max-new-tokens)")
-        self.held_out, dropped_held = prompts.encode_rows(held_rows, tokenizer, spec, limit,
-                                                          "held-out")
+            raise RuntimeError(
+                f"every prompt of {spec.dataset} is longer than {limit} tokens "
+                f"(--max-prompt-tokens, "
+                "or the model's context minus --max-new-tokens)"
+            )
+        self.held_out, dropped_held = prompts.encode_rows(
+            held_rows, tokenizer, spec, limit, "held-out"
+        )
         self.dropped_long = dropped + dropped_held
 
     def score(self, prompt: Prompt, completion_texts, completion_ids, step: int = 0):
-        return self.scorer.score(prompt.prompt, completion_texts, completion_ids, prompt.columns, step)
+        return self.scorer.score(
+            prompt.prompt, completion_texts, completion_ids, prompt.columns, step
+        )
 
     def close(self):
         self.scorer.close()
 
 
 class RevealEnv:
-    """The built-in multi-turn task (`--task reveal`): a hidden word of 3 letters that only the environment
-    shows, and only when asked. The prompt is `<bos>=`. A model turn that contains `+` asks: the env answers
-    with the word and `=` (`abc=`), and scores the next turn like the copy task (partial credit; done). Any
-    other turn gets `_=` (nothing shown) and costs a turn of --max-turns. So the reward can only be earned by
-    acting (asking), then using what the env revealed. The words are the copy task's triples and split."""
+    """The built-in multi-turn task (`--task reveal`): a hidden word of 3 letters that only the
+    environment shows, and only when asked. The prompt is `<bos>=`. A model turn that contains `+`
+    asks: the env answers with the word and `=` (`abc=`), and scores the next turn like the copy
+    task (partial credit; done). Any other turn gets `_=` (nothing shown) and costs a turn
+    of --max-turns. So the reward can only be earned by acting (asking), then using what the env
+    revealed. The words are the copy task's triples and split."""
 
     async def reset(self, secret: str, **row):  # async: pure Python, no thread hop per call
         self.secret, self.revealed = secret, False
@@ -220,17 +283,19 @@ class RevealEnv:
 
 
 def reveal_rows() -> tuple[list[dict], list[dict]]:
-    """(training rows, held-out rows) of the reveal task: {"secret": triple}, held out (and ordered) as the copy
-    task's."""
+    """(training rows, held-out rows) of the reveal task: {"secret": triple}, held out (and ordered)
+    as the copy task's."""
     triples = ["".join(t) for t in itertools.product(LETTERS, repeat=COPY_LENGTH)]
     held = [t for t in triples if is_held_out(t)]
-    return ([{"secret": t} for t in triples if not is_held_out(t)],
-            [{"secret": held[i]} for i in prompts.held_out_order(len(held))])
+    return (
+        [{"secret": t} for t in triples if not is_held_out(t)],
+        [{"secret": held[i]} for i in prompts.held_out_order(len(held))],
+    )
 
 
 def make_task(settings, tokenizer, max_len: int | None = None):
-    """The task the run's flags ask for: the copy task (default), a dataset task (--dataset / --task), or an
-    env task (--env, --task reveal)."""
+    """The task the run's flags ask for: the copy task (default), a dataset task
+    (--dataset / --task), or an env task (--env, --task reveal)."""
     if settings.task == "reveal" or settings.env or settings.tools:
         if settings.task == "reveal":
             return EnvTask(settings, tokenizer, RevealEnv, reveal_rows())

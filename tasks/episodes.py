@@ -17,6 +17,7 @@ Data contract
 May touch: the env instances it is given; the generator only through tasks/protocols.Sampler
 (requests).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -41,9 +42,10 @@ def first_line(error: BaseException) -> str:
     return (str(error).strip().splitlines() or [""])[0]
 
 
-# ----------------------------------------------------------------------------------------------------
-# One episode (token in, token out: chat.Renderer renders and tokenizes what is new; sampled ids stay as they are)
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
+# One episode (token in, token out: chat.Renderer renders and tokenizes what is new; sampled ids
+# stay as they
+# are) ---------------------------------------------------------------------------------------------
 class EnvFault(Exception):
     """An env call that raised, timed out or returned a malformed value: its episode ends."""
 
@@ -54,7 +56,8 @@ class EnvFault(Exception):
 
 @dataclass
 class Episode:
-    ids: list[int] = field(default_factory=list)  # the whole sequence: initial context, turns, observations
+    # the whole sequence: initial context, turns, observations
+    ids: list[int] = field(default_factory=list)
     start: int = 0  # len of the initial context (prompt + reset's output)
     model_mask: list[bool] = field(default_factory=list)  # per token after `start`
     logprobs: list[float] = field(default_factory=list)
@@ -66,9 +69,11 @@ class Episode:
     error: str = ""  # the fault's first line
     timed_out: bool = False
     env_s: list[float] = field(default_factory=list)  # each reset/step/get_reward/close call
-    transcript: list = field(default_factory=list)  # model turns and observations (text or messages)
+    # model turns and observations (text or messages)
+    transcript: list = field(default_factory=list)
     chat: bool = False
-    routes: object = None  # numpy (positions so far, layers, top_k) when routes are recorded (routes.py)
+    # numpy (positions so far, layers, top_k) when routes are recorded (routes.py)
+    routes: object = None
 
     def append(self, ids, logprobs=None, versions=None):
         model = logprobs is not None
@@ -79,20 +84,27 @@ class Episode:
 
 
 async def call_env(ep: Episode, what: str, method, args, threads, timeout_s: float, kwargs=None):
-    """`method(*args, **kwargs)`: awaited on this loop when it is async, else run in a worker thread; at
-    most `timeout_s` seconds (a thread that hangs keeps its worker: --env-workers). Raises EnvFault."""
+    """`method(*args, **kwargs)`: awaited on this loop when it is async, else run in a worker
+    thread; at most `timeout_s` seconds (a thread that hangs keeps its worker: --env-workers).
+    Raises EnvFault."""
     t0 = time.perf_counter()
     try:
         if inspect.iscoroutinefunction(method):
             result = await asyncio.wait_for(method(*args, **(kwargs or {})), timeout_s)
         else:
-            result = await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(
-                threads, functools.partial(method, *args, **(kwargs or {}))), timeout_s)
+            result = await asyncio.wait_for(
+                asyncio.get_running_loop().run_in_executor(
+                    threads, functools.partial(method, *args, **(kwargs or {}))
+                ),
+                timeout_s,
+            )
             if inspect.isawaitable(result):
                 result = await asyncio.wait_for(result, timeout_s)
         return result
     except asyncio.TimeoutError:
-        raise EnvFault(f"{what} timed out after {timeout_s:g} s (--env-timeout-s)", timed_out=True) from None
+        raise EnvFault(
+            f"{what} timed out after {timeout_s:g} s (--env-timeout-s)", timed_out=True
+        ) from None
     except Exception as e:
         raise EnvFault(f"{what} raised {type(e).__name__}: {first_line(e)}") from None
     finally:
@@ -103,19 +115,33 @@ async def call_env(ep: Episode, what: str, method, args, threads, timeout_s: flo
 def checked_observation(value, what: str, allow_none: bool):
     if value is None and allow_none:
         return None
-    if isinstance(value, str) or (is_conversation(value) and value and all(
-            m["role"] in ("user", "tool", "system") and isinstance(m["content"], str) for m in value)):
+    if isinstance(value, str) or (
+        is_conversation(value)
+        and value
+        and all(
+            m["role"] in ("user", "tool", "system") and isinstance(m["content"], str) for m in value
+        )
+    ):
         return value
-    raise EnvFault(f"{what} returned a malformed observation ({type(value).__name__}: expected text or a list of "
-                   "{'role': 'user'|'tool', 'content': str} messages)")
+    raise EnvFault(
+        f"{what} returned a malformed observation ({type(value).__name__}: expected text or a list "
+        f"of "
+        "{'role': 'user'|'tool', 'content': str} messages)"
+    )
 
 
 def checked_step(value):
     if not isinstance(value, (tuple, list)) or len(value) != 3:
         size = "" if not hasattr(value, "__len__") else f" of {len(value)}"
-        raise EnvFault(f"step returned {type(value).__name__}{size}, expected (observation, reward, done)")
+        raise EnvFault(
+            f"step returned {type(value).__name__}{size}, expected (observation, reward, done)"
+        )
     observation, reward, done = value
-    if isinstance(reward, bool) or not isinstance(reward, numbers.Real) or not math.isfinite(float(reward)):
+    if (
+        isinstance(reward, bool)
+        or not isinstance(reward, numbers.Real)
+        or not math.isfinite(float(reward))
+    ):
         raise EnvFault(f"step returned a malformed reward {reward!r} (expected a finite float)")
     if type(done).__name__ not in ("bool", "bool_"):
         raise EnvFault(f"step returned a malformed done {done!r} (expected a bool)")
@@ -124,56 +150,90 @@ def checked_step(value):
 
 @dataclass
 class Turns:
-    """What one episode may do: sampling settings (a vLLM SamplingParams per turn), limits, a request id."""
+    """What one episode may do: sampling settings (a vLLM SamplingParams per turn), limits, a
+    request id."""
+
     sampling: dict
     request_id: str
     seed: int | None = None
 
 
 async def run_episode(gen: Sampler, env: Env, prompt, turns: Turns) -> Episode:
-    """One episode on `gen`'s engine: never raises for a faulty env (the fault ends it, recorded)."""
+    """One episode on `gen`'s engine: never raises for a faulty env (the fault ends it,
+    recorded)."""
     cfg, task = gen.cfg, gen.task
     ep, cancelled = Episode(), False
     budget = min(cfg.max_episode_tokens or 10**9, gen.max_model_len or 10**9)
     tools = getattr(env, "tools", None)
     parser = getattr(env, "parser", None)
-    # tool calls are parsed from the text with its special tokens (Llama's <|python_tag|>, Mistral's [TOOL_CALLS])
+    # tool calls are parsed from the text with its special tokens (Llama's <|python_tag|>, Mistral's
+    # [TOOL_CALLS])
     special = {"skip_special_tokens": False} if isinstance(env, ToolEnv) else {}
     threads, timeout_s = task.env_threads, cfg.env_timeout_s
-    routes = gen.routes if turns.request_id.startswith("group-") else None  # (recorded for training only)
+    # (recorded for training only)
+    routes = gen.routes if turns.request_id.startswith("group-") else None
     try:
-        reset_out = checked_observation(await call_env(ep, "reset", env.reset, (), threads, timeout_s, prompt.row),
-                                        "reset", True)
+        reset_out = checked_observation(
+            await call_env(ep, "reset", env.reset, (), threads, timeout_s, prompt.row),
+            "reset",
+            True,
+        )
         try:
             ep.ids, ep.chat = task.renderer.initial(prompt.prompt, reset_out, tools)
         except Exception as e:
-            raise EnvFault(f"the initial context could not be rendered ({type(e).__name__}: {first_line(e)})")
+            raise EnvFault(
+                f"the initial context could not be rendered ({type(e).__name__}: {first_line(e)})"
+            )
         ep.start = len(ep.ids)
         if not ep.ids or ep.start >= budget:
-            raise EnvFault(f"the initial context has {ep.start} tokens: no room for a turn within "
-                           f"{budget} (--max-episode-tokens, or the model's context)")
+            raise EnvFault(
+                f"the initial context has {ep.start} tokens: no room for a turn within "
+                f"{budget} (--max-episode-tokens, or the model's context)"
+            )
         while True:
             max_tokens = min(cfg.max_new_tokens, budget - len(ep.ids))
             seed = None if turns.seed is None else turns.seed + 7919 * ep.turns
             known = known_prefix(ep.routes) if routes else 0  # (positions whose routes it holds)
             request_id = f"{turns.request_id}-t{ep.turns}"
-            out = await model_turn(gen, ep.ids, gen.request_params(
-                max_tokens=max_tokens, seed=seed, **turns.sampling, **special,
-                **(routes.request_options(known) if routes else {})), request_id)
+            out = await model_turn(
+                gen,
+                ep.ids,
+                gen.request_params(
+                    max_tokens=max_tokens,
+                    seed=seed,
+                    **turns.sampling,
+                    **special,
+                    **(routes.request_options(known) if routes else {}),
+                ),
+                request_id,
+            )
             if routes:
                 ep.routes = await routes.turn(gen.engine, request_id, out, ep.routes, known)
             ids = list(out.token_ids)
-            ep.append(ids, [out.logprobs[i][t].logprob for i, t in enumerate(ids)] if out.logprobs is not None
-                      else [0.0] * len(ids), tag_versions(out.weight_versions, len(ids)))
+            ep.append(
+                ids,
+                [out.logprobs[i][t].logprob for i, t in enumerate(ids)]
+                if out.logprobs is not None
+                else [0.0] * len(ids),
+                tag_versions(out.weight_versions, len(ids)),
+            )
             ep.turns += 1
-            text = out.text or ""  # (the history reward functions see: a tool call as tool_calls, as TRL's)
-            ep.transcript.append(text if not ep.chat else assistant_message(text, parser) if tools
-                                 else {"role": "assistant", "content": text})
+            # (the history reward functions see: a tool call as tool_calls, as TRL's)
+            text = out.text or ""
+            ep.transcript.append(
+                text
+                if not ep.chat
+                else assistant_message(text, parser)
+                if tools
+                else {"role": "assistant", "content": text}
+            )
             if out.finish_reason == "length" and max_tokens < cfg.max_new_tokens:
-                ep.truncated = "max_episode_tokens"  # the budget cut the turn: no step on half an action
+                # the budget cut the turn: no step on half an action
+                ep.truncated = "max_episode_tokens"
                 break
-            observation, reward, done = checked_step(await call_env(ep, "step", env.step, (out.text or "",),
-                                                                     threads, timeout_s))
+            observation, reward, done = checked_step(
+                await call_env(ep, "step", env.step, (out.text or "",), threads, timeout_s)
+            )
             ep.step_rewards.append(reward)
             if done:
                 break
@@ -181,9 +241,13 @@ async def run_episode(gen: Sampler, env: Env, prompt, turns: Turns) -> Episode:
                 ep.truncated = "max_turns"
                 break
             try:
-                new = task.renderer.observation(observation, ep.chat, ids[-1] if ids else None, tools)
+                new = task.renderer.observation(
+                    observation, ep.chat, ids[-1] if ids else None, tools
+                )
             except Exception as e:
-                raise EnvFault(f"the observation could not be rendered ({type(e).__name__}: {first_line(e)})")
+                raise EnvFault(
+                    f"the observation could not be rendered ({type(e).__name__}: {first_line(e)})"
+                )
             if len(ep.ids) + len(new) >= budget:  # no room for the observation and a turn after it
                 ep.truncated = "max_episode_tokens"
                 break
@@ -191,8 +255,14 @@ async def run_episode(gen: Sampler, env: Env, prompt, turns: Turns) -> Episode:
             ep.transcript += [observation] if not ep.chat else as_messages(observation)
         if callable(getattr(env, "get_reward", None)):
             value = await call_env(ep, "get_reward", env.get_reward, (), threads, timeout_s)
-            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
-                raise EnvFault(f"get_reward returned a malformed value {value!r} (expected a finite float)")
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, numbers.Real)
+                or not math.isfinite(float(value))
+            ):
+                raise EnvFault(
+                    f"get_reward returned a malformed value {value!r} (expected a finite float)"
+                )
             ep.reward = float(value)
         else:
             ep.reward = float(sum(ep.step_rewards))
@@ -219,18 +289,32 @@ async def model_turn(gen: Sampler, ids: list[int], params, request_id: str):
     return final.outputs[0]
 
 
-async def run_episodes(gen: Sampler, prompt, sampling: dict, request_id: str, count: int,
-                       seed: int | None):
-    """`count` episodes of one prompt at once, each its own env and request chain; ([Episode], [env])."""
+async def run_episodes(
+    gen: Sampler, prompt, sampling: dict, request_id: str, count: int, seed: int | None
+):
+    """`count` episodes of one prompt at once, each its own env and request chain; ([Episode],
+    [env])."""
     envs_ = []
     for _ in range(count):
         try:
             envs_.append(gen.task.factory())
         except Exception as e:  # the factory itself failed: that episode ends before it starts
             envs_.append(FailedEnv(f"creating the env raised {type(e).__name__}: {first_line(e)}"))
-    episodes = await asyncio.gather(*(tracing.on_lane(
-        run_episode(gen, env, prompt, Turns(sampling, f"{request_id}-{j}", None if seed is None else seed + 31 * j)),
-        "episode", id=f"{request_id}-{j}") for j, env in enumerate(envs_)))
+    episodes = await asyncio.gather(
+        *(
+            tracing.on_lane(
+                run_episode(
+                    gen,
+                    env,
+                    prompt,
+                    Turns(sampling, f"{request_id}-{j}", None if seed is None else seed + 31 * j),
+                ),
+                "episode",
+                id=f"{request_id}-{j}",
+            )
+            for j, env in enumerate(envs_)
+        )
+    )
     gen.task.report_faults(episodes)
     return list(episodes), envs_
 

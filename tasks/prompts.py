@@ -14,6 +14,7 @@ messages. `walk(g, n, seed)` gives group id g the row of epoch g // n.
 May touch: the files it is pointed at (and the Hugging Face cache). Nothing of the engine or the
 trainer.
 """
+
 from __future__ import annotations
 
 import functools
@@ -26,38 +27,63 @@ from dataclasses import dataclass, field
 
 import chat
 from tasks.datasets import (  # noqa: F401 (also prompts.X)
-    RG, DataError, check_rows, is_file, is_rg, load_rows, load_splits, rg_dataset, rg_module,
-    rg_name, row_columns)
+    RG,
+    DataError,
+    check_rows,
+    is_file,
+    is_rg,
+    load_rows,
+    load_splits,
+    rg_dataset,
+    rg_module,
+    rg_name,
+    row_columns,
+)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+
 
 @dataclass
 class Prompt:
     """One prompt as the generator samples it (tasks/builtin.py and tasks/envs.py make them from
     rows)."""
+
     prompt_ids: list[int]
     answer: str
-    columns: dict = field(default_factory=dict)  # keyword arguments for reward functions (the row's columns)
+    # keyword arguments for reward functions (the row's columns)
+    columns: dict = field(default_factory=dict)
     prompt: object = None  # the prompt as the dataset gives it (text or messages): what rewards see
-    row: dict = field(default_factory=dict)  # an env task: reset's keyword arguments (the row's columns)
+    # an env task: reset's keyword arguments (the row's columns)
+    row: dict = field(default_factory=dict)
 
 
-BUILTIN_REWARDS = {"math": "tasks.rewards:math_reward",  # --reward NAME
-                   "rg": "tasks.rewards:reasoning_gym_reward"}
-GSM8K_SYSTEM_PROMPT = ("Solve the math problem step by step. "
-                       "End with the final answer on its own line, as '#### <number>'.")
+BUILTIN_REWARDS = {
+    "math": "tasks.rewards:math_reward",  # --reward NAME
+    "rg": "tasks.rewards:reasoning_gym_reward",
+}
+GSM8K_SYSTEM_PROMPT = (
+    "Solve the math problem step by step. "
+    "End with the final answer on its own line, as '#### <number>'."
+)
 # The GSM8K-style task (`--task gsm8k`): a preset for the dataset task; flags given explicitly win.
-GSM8K = {"dataset": os.path.join(HERE, "data", "gsm8k_sample.jsonl"), "prompt_column": "question",
-         "answer_column": "answer", "reward": "math", "system_prompt": GSM8K_SYSTEM_PROMPT}
-TASKS = ("auto", "copy", "dataset", "gsm8k", "reveal")  # and rg:NAME; reveal: the built-in multi-turn task
+GSM8K = {
+    "dataset": os.path.join(HERE, "data", "gsm8k_sample.jsonl"),
+    "prompt_column": "question",
+    "answer_column": "answer",
+    "reward": "math",
+    "system_prompt": GSM8K_SYSTEM_PROMPT,
+}
+# and rg:NAME; reveal: the built-in multi-turn task
+TASKS = ("auto", "copy", "dataset", "gsm8k", "reveal")
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Flags -> what the generator needs
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 @dataclass
 class DataSpec:
     """The resolved data/reward settings of a dataset task (the copy task has none)."""
+
     dataset: str
     split: str = "train"
     prompt_column: str = "prompt"
@@ -74,69 +100,122 @@ def split_list(text: str) -> list[str]:
     return [part.strip() for part in (text or "").split(",") if part.strip()]
 
 
-def resolve(task="auto", dataset="", split="train", prompt_column="prompt", answer_column="answer", reward="",
-            reward_weights="", system_prompt="", reward_workers=0, eval_dataset="", eval_split="",
-            env="", teacher="") -> DataSpec | None:
-    """The flags' data settings (None for the built-in copy and reveal tasks; raises DataError). `env` makes the
-    dataset (rows for reset) and rewards optional, `teacher` the rewards (none: all 0, it learns from the teacher)."""
+def resolve(
+    task="auto",
+    dataset="",
+    split="train",
+    prompt_column="prompt",
+    answer_column="answer",
+    reward="",
+    reward_weights="",
+    system_prompt="",
+    reward_workers=0,
+    eval_dataset="",
+    eval_split="",
+    env="",
+    teacher="",
+) -> DataSpec | None:
+    """The flags' data settings (None for the built-in copy and reveal tasks; raises DataError).
+    `env` makes the dataset (rows for reset) and rewards optional, `teacher` the rewards (none: all
+    0, it learns from the teacher)."""
     if task not in TASKS and not task.startswith(RG):
         raise DataError(f"--task must be one of {', '.join(TASKS)} or rg:NAME (got {task!r})")
     if task == "auto":
         task = "dataset" if dataset or env else "copy"
     if task in ("copy", "reveal"):
         if dataset or reward or eval_dataset or eval_split or env:
-            raise DataError(f"the {task} task has its own data and reward (and held-out set): --dataset, --reward, "
-                            "--eval-dataset, --eval-split and --env need --task auto, dataset or gsm8k")
+            raise DataError(
+                f"the {task} task has its own data and reward (and held-out set): --dataset, "
+                f"--reward, "
+                "--eval-dataset, --eval-split and --env need --task auto, dataset or gsm8k"
+            )
         return None
     if task == "gsm8k":  # preset values for whatever was left at its default
         dataset = dataset or GSM8K["dataset"]
         prompt_column = GSM8K["prompt_column"] if prompt_column == "prompt" else prompt_column
         reward = reward or GSM8K["reward"]
         system_prompt = system_prompt or GSM8K["system_prompt"]
-    if task.startswith(RG):  # reasoning-gym: its rows, its system prompt (answers in <answer> tags), its scorer
+    # reasoning-gym: its rows, its system prompt (answers in <answer> tags), its scorer
+    if task.startswith(RG):
         if dataset or eval_dataset or eval_split:
-            raise DataError(f"--task {task} generates its own training and held-out rows: --dataset, --eval-dataset "
-                            "and --eval-split do not apply")
+            raise DataError(
+                f"--task {task} generates its own training and held-out rows: --dataset, "
+                f"--eval-dataset "
+                "and --eval-split do not apply"
+            )
         dataset, prompt_column, answer_column = RG + rg_name(task), "question", "answer"
         reward = reward or "rg"
         system_prompt = system_prompt or rg_module("utils").SYSTEM_PROMPTS["default"]
     if not dataset and not env:
-        raise DataError("--task dataset needs --dataset (a .jsonl/.json/.parquet file or a Hugging Face "
-                        "dataset name)")
+        raise DataError(
+            "--task dataset needs --dataset (a .jsonl/.json/.parquet file or a Hugging Face "
+            "dataset name)"
+        )
     if not dataset and (eval_dataset or eval_split):
-        raise DataError("--eval-dataset / --eval-split: an --env without --dataset has its own held-out rows")
+        raise DataError(
+            "--eval-dataset / --eval-split: an --env without --dataset has its own held-out rows"
+        )
     if not reward and not env and not teacher:
-        raise DataError("a dataset task needs --reward module:function (or --reward math), or --teacher to "
-                        "learn from a teacher alone")
+        raise DataError(
+            "a dataset task needs --reward module:function (or --reward math), or --teacher to "
+            "learn from a teacher alone"
+        )
     specs = [BUILTIN_REWARDS.get(s, s) for s in split_list(reward)]
     for spec in specs:
         module, _, func = spec.rpartition(":")
         if not module or not func.isidentifier():
-            raise DataError(f"--reward {spec!r}: expected module:function or path/to/file.py:function "
-                            f"(built-in: {', '.join(BUILTIN_REWARDS)})")
+            raise DataError(
+                f"--reward {spec!r}: expected module:function or path/to/file.py:function "
+                f"(built-in: {', '.join(BUILTIN_REWARDS)})"
+            )
     if reward_weights:
         try:
             weights = [float(w) for w in split_list(reward_weights)]
         except ValueError:
-            raise DataError(f"--reward-weights {reward_weights!r}: expected comma-separated numbers") from None
+            raise DataError(
+                f"--reward-weights {reward_weights!r}: expected comma-separated numbers"
+            ) from None
         if len(weights) != len(specs):
-            raise DataError(f"--reward-weights has {len(weights)} value(s) for {len(specs)} reward function(s)")
+            raise DataError(
+                f"--reward-weights has {len(weights)} value(s) for {len(specs)} reward function(s)"
+            )
         if not all(math.isfinite(w) for w in weights):
             raise DataError(f"--reward-weights {reward_weights!r}: weights must be finite")
     else:
         weights = [1.0] * len(specs)
     if reward_workers < 0:
         raise DataError(f"--reward-workers must be >= 0 (got {reward_workers})")
-    return DataSpec(dataset, split, prompt_column, answer_column, tuple(specs), tuple(weights), system_prompt,
-                    reward_workers, eval_dataset, eval_split)
+    return DataSpec(
+        dataset,
+        split,
+        prompt_column,
+        answer_column,
+        tuple(specs),
+        tuple(weights),
+        system_prompt,
+        reward_workers,
+        eval_dataset,
+        eval_split,
+    )
 
 
 def spec_of(settings) -> DataSpec | None:
     """`resolve` for an object with the flags as attributes (config.Config)."""
-    return resolve(settings.task, settings.dataset, settings.split, settings.prompt_column, settings.answer_column,
-                   settings.reward, settings.reward_weights, settings.system_prompt, settings.reward_workers,
-                   settings.eval_dataset, settings.eval_split, getattr(settings, "env", ""),
-                   getattr(settings, "teacher", ""))
+    return resolve(
+        settings.task,
+        settings.dataset,
+        settings.split,
+        settings.prompt_column,
+        settings.answer_column,
+        settings.reward,
+        settings.reward_weights,
+        settings.system_prompt,
+        settings.reward_workers,
+        settings.eval_dataset,
+        settings.eval_split,
+        getattr(settings, "env", ""),
+        getattr(settings, "teacher", ""),
+    )
 
 
 def check_flags(cfg) -> list[str]:
@@ -148,11 +227,14 @@ def check_flags(cfg) -> list[str]:
     except DataError as e:
         return [str(e)]
     if spec is None:
-        refused = "--stop: the copy task ends its answers with <eos>; stop strings are for dataset tasks"
+        refused = (
+            "--stop: the copy task ends its answers with <eos>; stop strings are for dataset tasks"
+        )
         return [refused] if cfg.stop else []
     if not spec.dataset:  # an --env without a dataset: its rows are seeds (envs.EnvTask)
         return []
-    if is_rg(spec.dataset):  # rows it generates are always complete: only whether the dataset builds
+    # rows it generates are always complete: only whether the dataset builds
+    if is_rg(spec.dataset):
         try:
             rg_dataset(spec.dataset, spec.split)
             return []
@@ -173,10 +255,13 @@ def check_flags(cfg) -> list[str]:
             problems.append(flagged(flag, e))
             continue
         try:
-            check_rows(rows, spec.prompt_column, spec.answer_column, required=not getattr(cfg, "env", ""))
+            check_rows(
+                rows, spec.prompt_column, spec.answer_column, required=not getattr(cfg, "env", "")
+            )
         except DataError as e:
             problems.append(str(e).replace("\n", "\n  "))
-    return list(dict.fromkeys(problems))  # the training set and the held-out set may share a problem
+    # the training set and the held-out set may share a problem
+    return list(dict.fromkeys(problems))
 
 
 def stop_strings(values) -> tuple[str, ...]:
@@ -191,35 +276,41 @@ def flagged(flag: str, error: DataError) -> str:
 
 
 def has_eval_set(cfg) -> bool:
-    """Whether the run has held-out prompts: the copy task always; a dataset task with --eval-dataset, or
-    with a Hugging Face dataset that has a test split (or the --eval-split asked for)."""
+    """Whether the run has held-out prompts: the copy task always; a dataset task
+    with --eval-dataset, or with a Hugging Face dataset that has a test split (or the --eval-split
+    asked for)."""
     spec = spec_of(cfg)
     return spec is None or not spec.dataset or eval_source(spec) is not None
 
 
 def eval_source(spec: DataSpec) -> tuple[str, str] | None:
-    """(dataset, split) of the held-out prompts; None when there are none. Raises DataError when the split
-    asked for does not exist. A file has no splits: it is held out only when given as --eval-dataset."""
+    """(dataset, split) of the held-out prompts; None when there are none. Raises DataError when the
+    split asked for does not exist. A file has no splits: it is held out only when given
+    as --eval-dataset."""
     dataset = spec.eval_dataset or spec.dataset
     if is_rg(dataset):
         return dataset, "test"
     if is_file(dataset):
         if spec.eval_split and not spec.eval_dataset:
-            raise DataError(f"--eval-split {spec.eval_split}: {dataset} is a file, it has no splits; give the "
-                            "held-out prompts with --eval-dataset")
+            raise DataError(
+                f"--eval-split {spec.eval_split}: {dataset} is a file, it has no splits; give the "
+                "held-out prompts with --eval-dataset"
+            )
         return (dataset, "") if spec.eval_dataset else None
     split = spec.eval_split or "test"
     splits = load_splits(dataset)
     if split in splits:
         return dataset, split
     if spec.eval_split:
-        raise DataError(f"--eval-split {split}: {dataset} has no such split (splits: {', '.join(splits)})")
+        raise DataError(
+            f"--eval-split {split}: {dataset} has no such split (splits: {', '.join(splits)})"
+        )
     return None
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The order prompts are used in
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=4)
 def epoch_order(n: int, seed: int, epoch: int) -> tuple[int, ...]:
     """The rows of one epoch in the order they are used: a shuffle seeded by (seed, epoch)."""
@@ -229,59 +320,73 @@ def epoch_order(n: int, seed: int, epoch: int) -> tuple[int, ...]:
 
 
 def walk(group_id: int, n: int, seed: int) -> tuple[int, int]:
-    """(epoch, row) of group `group_id`: every row once per epoch, in an order shuffled per epoch."""
+    """(epoch, row) of group `group_id`: every row once per epoch, in an order shuffled per
+    epoch."""
     epoch, position = divmod(group_id, n)
     return epoch, epoch_order(n, seed, epoch)[position]
 
 
 def held_out_order(n: int) -> list[int]:
-    """The fixed order of a held-out set (the same for every seed): --eval-prompts K takes the first K."""
+    """The fixed order of a held-out set (the same for every seed): --eval-prompts K takes the first
+    K."""
     order = list(range(n))
     random.Random("held-out").shuffle(order)
     return order
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Prompts
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 def uses_chat_template(tokenizer, prompt, system_prompt: str = "") -> bool:
-    """Chat messages always go through the chat template; plain text only to carry a system prompt."""
-    return not isinstance(prompt, str) or bool(system_prompt and getattr(tokenizer, "chat_template", None))
+    """Chat messages always go through the chat template; plain text only to carry a system
+    prompt."""
+    return not isinstance(prompt, str) or bool(
+        system_prompt and getattr(tokenizer, "chat_template", None)
+    )
 
 
 def render_prompt(tokenizer, prompt, system_prompt: str = "") -> str:
-    """The text the model sees: chat template for messages, the plain text otherwise (see module doc)."""
+    """The text the model sees: chat template for messages, the plain text otherwise (see module
+    doc)."""
     if not uses_chat_template(tokenizer, prompt, system_prompt):
         return f"{system_prompt}\n\n{prompt}" if system_prompt else prompt
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
     if system_prompt and messages[0].get("role") != "system":
         messages.insert(0, {"role": "system", "content": system_prompt})
     if not getattr(tokenizer, "chat_template", None):
-        raise DataError("the prompt is a list of chat messages but the tokenizer has no chat template: give "
-                        "plain-text prompts, a model whose tokenizer has one, or --chat-template FILE")
+        raise DataError(
+            "the prompt is a list of chat messages but the tokenizer has no chat template: give "
+            "plain-text prompts, a model whose tokenizer has one, or --chat-template FILE"
+        )
     return chat.render(tokenizer, messages, True)  # (with --chat-template-kwargs)
 
 
 def encode_prompt(tokenizer, prompt, system_prompt: str = "") -> list[int]:
-    """Token ids of the rendered prompt. A chat template writes its own special tokens (BOS included);
-    plain text gets the tokenizer's usual ones, as vLLM does for a text prompt."""
+    """Token ids of the rendered prompt. A chat template writes its own special tokens (BOS
+    included); plain text gets the tokenizer's usual ones, as vLLM does for a text prompt."""
     text = render_prompt(tokenizer, prompt, system_prompt)
     chat = uses_chat_template(tokenizer, prompt, system_prompt)
     return list(tokenizer(text, add_special_tokens=not chat)["input_ids"])
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # From a DataSpec to prompts: what tasks/builtin.py (and tasks/envs.py) call, each once per set
-# ----------------------------------------------------------------------------------------------------
-def prompt_limit(max_prompt_tokens: int = 0, max_len: int | None = None, max_new_tokens: int = 0) -> int | None:
-    """The longest prompt kept: --max-prompt-tokens, and room for --max-new-tokens within the context."""
-    limits = ([max_prompt_tokens] if max_prompt_tokens else []) + ([max_len - max_new_tokens] if max_len else [])
+# --------------------------------------------------------------------------------------------------
+def prompt_limit(
+    max_prompt_tokens: int = 0, max_len: int | None = None, max_new_tokens: int = 0
+) -> int | None:
+    """The longest prompt kept: --max-prompt-tokens, and room for --max-new-tokens within the
+    context."""
+    limits = ([max_prompt_tokens] if max_prompt_tokens else []) + (
+        [max_len - max_new_tokens] if max_len else []
+    )
     return min(limits) if limits else None
 
 
 def dataset_rows(spec: DataSpec, check: bool = True) -> tuple[list[dict], list[dict]]:
-    """(training rows, held-out rows) of `spec`'s dataset, the held-out ones (eval_source's; none when it
-    has none) in held_out_order. `check`: check_rows on both (an --env's rows are not checked)."""
+    """(training rows, held-out rows) of `spec`'s dataset, the held-out ones (eval_source's; none
+    when it has none) in held_out_order. `check`: check_rows on both (an --env's rows are not
+    checked)."""
     train = load_rows(spec.dataset, spec.split)
     if check:
         check_rows(train, spec.prompt_column, spec.answer_column)
@@ -292,12 +397,22 @@ def dataset_rows(spec: DataSpec, check: bool = True) -> tuple[list[dict], list[d
     return [row for _, row in train], [held[i][1] for i in held_out_order(len(held))]
 
 
-def encode_rows(rows: list[dict], tokenizer, spec: DataSpec, limit: int | None, what: str) -> tuple[list[Prompt], int]:
-    """(prompts, how many dropped) of dataset rows: encode_prompt, the columns rewards get (row_columns), and
-    those longer than `limit` tokens dropped (drop_long; `what`: "training" or "held-out", in its report)."""
+def encode_rows(
+    rows: list[dict], tokenizer, spec: DataSpec, limit: int | None, what: str
+) -> tuple[list[Prompt], int]:
+    """(prompts, how many dropped) of dataset rows: encode_prompt, the columns rewards get
+    (row_columns), and those longer than `limit` tokens dropped (drop_long; `what`: "training" or
+    "held-out", in its report)."""
     column, answer = spec.prompt_column, spec.answer_column
-    prompts = [Prompt(encode_prompt(tokenizer, row[column], spec.system_prompt), str(row[answer]),
-                      row_columns(row, column, answer), row[column]) for row in rows]
+    prompts = [
+        Prompt(
+            encode_prompt(tokenizer, row[column], spec.system_prompt),
+            str(row[answer]),
+            row_columns(row, column, answer),
+            row[column],
+        )
+        for row in rows
+    ]
     return drop_long(prompts, limit, what)
 
 
@@ -308,7 +423,13 @@ def drop_long(prompts: list[Prompt], limit: int | None, what: str) -> tuple[list
     kept = [p for p in prompts if len(p.prompt_ids) <= limit]
     dropped = len(prompts) - len(kept)
     if dropped:
-        print(f"[data] {dropped} of {len(prompts)} {what} prompts are longer than {limit} tokens: dropped before "
-              "training (--max-prompt-tokens, or too long to leave room for --max-new-tokens in the model's "
-              "context)", file=sys.stderr, flush=True)
+        print(
+            f"[data] {dropped} of {len(prompts)} {what} prompts are longer than {limit} tokens: "
+            f"dropped before "
+            "training (--max-prompt-tokens, or too long to leave room for --max-new-tokens in the "
+            "model's "
+            "context)",
+            file=sys.stderr,
+            flush=True,
+        )
     return kept, dropped

@@ -9,6 +9,7 @@ rollout.py.
 Data contract: types only (typing.Protocol, checked statically); nothing here runs.
 May touch: nothing.
 """
+
 from __future__ import annotations
 
 from concurrent.futures import Executor

@@ -2,18 +2,19 @@
 through.
 
 Role: `load_reward` (`module:function`, `path/file.py:function` or a built-in name such as `math`),
-`Scorer` (every --reward function on a group's completions, in a thread or a process pool; weighted sum),
-`math_reward` (the final number against the answer), `reasoning_gym_reward` (reasoning-gym's own scorer, for
-`--task rg:NAME`), `summarize` (per-function counters for metrics).
+`Scorer` (every --reward function on a group's completions, in a thread or a process pool; weighted
+sum), `math_reward` (the final number against the answer), `reasoning_gym_reward` (reasoning-gym's
+own scorer, for `--task rg:NAME`), `summarize` (per-function counters for metrics).
 Data contract: functions are called as TRL's GRPOTrainer calls them, `f(prompts=, completions=,
 completion_ids=, trainer_state=, **columns)` (the answer column also as `answer`), and return one
-float | None each. None, NaN or a raise leave the function out of that sample's weighted sum, counted; a
-sample no function scored gets its group's mean reward and is reported unscored (its advantage: 0).
-`load_object` resolves every `module:NAME` flag (--reward, --env, --tools); the module names the
-project had before tasks/ (`adapters`, `rewards`, ...: MOVED) still resolve, so
+float | None each. None, NaN or a raise leave the function out of that sample's weighted sum,
+counted; a sample no function scored gets its group's mean reward and is reported unscored (its
+advantage: 0). `load_object` resolves every `module:NAME` flag (--reward, --env, --tools); the
+module names the project had before tasks/ (`adapters`, `rewards`, ...: MOVED) still resolve, so
 `--env adapters:TextArenaEnv` works.
 May touch: the modules it is pointed at. Importable without vLLM or torch.
 """
+
 from __future__ import annotations
 
 import functools
@@ -36,8 +37,14 @@ from tasks.datasets import DataError, is_conversation
 from tasks.prompts import BUILTIN_REWARDS, spec_of
 
 # `module:NAME` spellings of the modules tasks/ holds now, as they were before it: they keep working
-MOVED = {"adapters": "tasks.textarena", "rewards": "tasks.rewards", "envs": "tasks.envs",
-         "tools": "tasks.tools", "tasks": "tasks.builtin", "data": "tasks.prompts"}
+MOVED = {
+    "adapters": "tasks.textarena",
+    "rewards": "tasks.rewards",
+    "envs": "tasks.envs",
+    "tools": "tasks.tools",
+    "tasks": "tasks.builtin",
+    "data": "tasks.prompts",
+}
 
 
 def check(cfg) -> list[str]:
@@ -56,9 +63,9 @@ def check(cfg) -> list[str]:
 
 
 def load_module(module_name: str, what: str):
-    """`path/to/file.py` or an importable module name -> the module (a file is loaded once per process, as
-    `user_<file name>`: --reward, --env and --tools naming one file share it). `what` names the flag and value
-    in the one-line DataError ("--reward x.py:f")."""
+    """`path/to/file.py` or an importable module name -> the module (a file is loaded once per
+    process, as `user_<file name>`: --reward, --env and --tools naming one file share it). `what`
+    names the flag and value in the one-line DataError ("--reward x.py:f")."""
     try:
         if module_name.endswith(".py"):
             path = os.path.abspath(os.path.expanduser(module_name))
@@ -72,7 +79,8 @@ def load_module(module_name: str, what: str):
                 loader_spec.loader.exec_module(module)
                 sys.modules[key] = module
             return module
-        if os.getcwd() not in sys.path:  # `--reward my_rewards:f` with my_rewards.py where you run from
+        # `--reward my_rewards:f` with my_rewards.py where you run from
+        if os.getcwd() not in sys.path:
             sys.path.append(os.getcwd())
         return importlib.import_module(MOVED.get(module_name, module_name))
     except DataError:
@@ -82,8 +90,8 @@ def load_module(module_name: str, what: str):
 
 
 def load_object(spec: str, flag: str, what: str = "function"):
-    """`module:NAME` or `path/to/file.py:NAME` -> the object it names (a --reward function, an --env class).
-    Raises DataError in one line, worded with `flag`."""
+    """`module:NAME` or `path/to/file.py:NAME` -> the object it names (a --reward function, an --env
+    class). Raises DataError in one line, worded with `flag`."""
     module_name, _, name = spec.rpartition(":")
     if not module_name or not name:
         raise DataError(f"{flag} {spec!r}: expected module:{what} or path/to/file.py:{what}")
@@ -94,7 +102,8 @@ def load_object(spec: str, flag: str, what: str = "function"):
 
 
 def load_reward(spec: str):
-    """`module:function`, `path/to/file.py:function` or a built-in name -> the function. Raises DataError."""
+    """`module:function`, `path/to/file.py:function` or a built-in name -> the function. Raises
+    DataError."""
     func = load_object(BUILTIN_REWARDS.get(spec, spec), "--reward", "function")
     if not callable(func):
         raise DataError(f"--reward {spec}: {spec.rpartition(':')[2]} is not callable")
@@ -114,7 +123,8 @@ def reward_names(specs) -> list[str]:
 
 
 def call_kwargs(func, kwargs: dict) -> dict:
-    """Only the keyword arguments `func` accepts, unless it takes **kwargs (TRL's functions all do)."""
+    """Only the keyword arguments `func` accepts, unless it takes **kwargs (TRL's functions all
+    do)."""
     try:
         params = inspect.signature(func).parameters.values()
     except (TypeError, ValueError):
@@ -126,8 +136,18 @@ def call_kwargs(func, kwargs: dict) -> dict:
 
 
 def call_reward(func, n: int, kwargs: dict) -> tuple[list, dict, str | None]:
-    """Call one reward function; return (values: float | None each, stats, fault message or None)."""
-    stats = {"n": n, "count": 0, "sum": 0.0, "sumsq": 0.0, "none": 0, "invalid": 0, "errors": 0, "time_s": 0.0}
+    """Call one reward function; return (values: float | None each, stats, fault message or
+    None)."""
+    stats = {
+        "n": n,
+        "count": 0,
+        "sum": 0.0,
+        "sumsq": 0.0,
+        "none": 0,
+        "invalid": 0,
+        "errors": 0,
+        "time_s": 0.0,
+    }
     t0 = time.perf_counter()
     fault = None
     try:
@@ -150,7 +170,8 @@ def call_reward(func, n: int, kwargs: dict) -> tuple[list, dict, str | None]:
             stats["none"] += 0 if fault else 1
             values.append(None)
             continue
-        f = float(v) if isinstance(v, numbers.Real) else math.nan  # bools and numpy scalars are numbers
+        # bools and numpy scalars are numbers
+        f = float(v) if isinstance(v, numbers.Real) else math.nan
         if not math.isfinite(f):
             stats["invalid"] += 1
             values.append(None)
@@ -163,10 +184,10 @@ def call_reward(func, n: int, kwargs: dict) -> tuple[list, dict, str | None]:
 
 
 def combine(values_per_func: list[list], weights, n: int) -> tuple[list[float], list[int]]:
-    """Weighted sum over the functions that scored each sample; unscored samples get the mean of the scored
-    ones (what the step's reward logs; their advantage is 0, advantages.estimate_advantages); no functions at all
-    (a --teacher run learning from it alone): 0 each, none unscored. Returns (rewards, the unscored samples'
-    indices)."""
+    """Weighted sum over the functions that scored each sample; unscored samples get the mean of the
+    scored ones (what the step's reward logs; their advantage is 0, advantages.estimate_advantages);
+    no functions at all (a --teacher run learning from it alone): 0 each, none unscored. Returns
+    (rewards, the unscored samples' indices)."""
     if not values_per_func:
         return [0.0] * n, []
     rewards, unscored = [], []
@@ -182,15 +203,21 @@ def combine(values_per_func: list[list], weights, n: int) -> tuple[list[float], 
     return [fill if r is None else r for r in rewards], unscored
 
 
-def reward_kwargs(prompt, completions: list[str], completion_ids: list[list[int]], columns: dict,
-                  step: int = 0) -> dict:
+def reward_kwargs(
+    prompt, completions: list[str], completion_ids: list[list[int]], columns: dict, step: int = 0
+) -> dict:
     """TRL's GRPOTrainer arguments for one group: one entry per completion."""
     n = len(completions)
     chat = is_conversation(prompt)
     kwargs = {key: [value] * n for key, value in columns.items()}
-    kwargs.update(prompts=[prompt] * n,
-                  completions=[[{"role": "assistant", "content": c}] for c in completions] if chat else completions,
-                  completion_ids=completion_ids, trainer_state=SimpleNamespace(global_step=step))
+    kwargs.update(
+        prompts=[prompt] * n,
+        completions=[[{"role": "assistant", "content": c}] for c in completions]
+        if chat
+        else completions,
+        completion_ids=completion_ids,
+        trainer_state=SimpleNamespace(global_step=step),
+    )
     return kwargs
 
 
@@ -211,11 +238,12 @@ def _worker_score(kwargs: dict, n: int):
 
 
 class Scorer:
-    """The reward functions of a run: TRL-convention calls, fault rules, weights, per-function stats.
+    """The reward functions of a run: TRL-convention calls, fault rules, weights, per-function
+    stats.
 
-    `workers=0`: the functions run in the calling thread (the generator calls `score` from a worker thread,
-    never on its event loop). `workers=N`: a pool of N spawned processes (for slow rewards; each process
-    imports the functions itself, and math-verify's own timeouts work there).
+    `workers=0`: the functions run in the calling thread (the generator calls `score` from a worker
+    thread, never on its event loop). `workers=N`: a pool of N spawned processes (for slow rewards;
+    each process imports the functions itself, and math-verify's own timeouts work there).
     """
 
     def __init__(self, specs, weights=None, workers: int = 0, log=None):
@@ -227,14 +255,27 @@ class Scorer:
         self.warned: set = set()
         self.pool = None
         if workers:
-            self.pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                                            initializer=_worker_init, initargs=(self.specs, os.getcwd()))
+            self.pool = ProcessPoolExecutor(
+                workers,
+                mp_context=multiprocessing.get_context("spawn"),
+                initializer=_worker_init,
+                initargs=(self.specs, os.getcwd()),
+            )
 
-    def score(self, prompt, completions: list[str], completion_ids: list[list[int]], columns: dict,
-              step: int = 0, first: tuple = (), extra: dict | None = None) -> tuple[list[float], dict, int]:
-        """(rewards, {name: stats}, unscored indices) for one group. Never raises for a faulty reward function.
-        `first`: (name, weight, values) terms added before the functions' (an episode's environment reward);
-        `extra`: keyword arguments for the functions beyond TRL's (in a thread only: `environments=`)."""
+    def score(
+        self,
+        prompt,
+        completions: list[str],
+        completion_ids: list[list[int]],
+        columns: dict,
+        step: int = 0,
+        first: tuple = (),
+        extra: dict | None = None,
+    ) -> tuple[list[float], dict, int]:
+        """(rewards, {name: stats}, unscored indices) for one group. Never raises for a faulty
+        reward function. `first`: (name, weight, values) terms added before the functions' (an
+        episode's environment reward); `extra`: keyword arguments for the functions beyond TRL's (in
+        a thread only: `environments=`)."""
         n = len(completions)
         kwargs = reward_kwargs(prompt, completions, completion_ids, columns, step)
         if self.pool is not None:
@@ -248,12 +289,20 @@ class Scorer:
             stats[name] = st
             kinds = [("error", fault)] if fault else []
             if st["invalid"]:
-                kinds.append(("invalid", f"gave {st['invalid']} NaN/inf/non-number value(s), treated as None"))
+                kinds.append(
+                    (
+                        "invalid",
+                        f"gave {st['invalid']} NaN/inf/non-number value(s), treated as None",
+                    )
+                )
             for kind, message in kinds:
                 if (name, kind) not in self.warned:
                     self.warned.add((name, kind))
-                    self.log(f"[reward] {name}: {message}\n[reward] (those samples get no value from {name}; "
-                             f"counted in reward/{name}/errors and none_frac, reported once)")
+                    self.log(
+                        f"[reward] {name}: {message}\n[reward] (those samples get no value from "
+                        f"{name}; "
+                        f"counted in reward/{name}/errors and none_frac, reported once)"
+                    )
         rewards, unscored = combine([r[0] for r in results], weights, n)
         return rewards, stats, unscored
 
@@ -283,11 +332,12 @@ def summarize(stats_list: list[dict]) -> dict:
     return out
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The built-in math reward
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 def final_answer(text: str) -> str:
-    """GSM8K-style text: what follows the last '####' (first line of it), without thousands commas."""
+    """GSM8K-style text: what follows the last '####' (first line of it), without thousands
+    commas."""
     if "####" in text:
         text = text.rsplit("####", 1)[1].strip().split("\n", 1)[0]
         text = text.replace(",", "").replace("$", "").strip()
@@ -297,20 +347,24 @@ def final_answer(text: str) -> str:
 def math_reward(completions, answer=None, solution=None, **kwargs) -> list[float | None]:
     """1.0 when the completion's final answer equals the reference (math-verify), else 0.0.
 
-    The reference comes from the `answer` column (or `solution`, as in TRL's examples); for GSM8K answers
-    the part after '####' is used, and so it is for completions that write '#### N'; otherwise math-verify
-    extracts the last answer-like expression (\\boxed{...}, "the answer is ...", the last number).
-    None when the reference itself cannot be parsed (the reward does not apply to that sample).
+    The reference comes from the `answer` column (or `solution`, as in TRL's examples); for GSM8K
+    answers the part after '####' is used, and so it is for completions that write '#### N';
+    otherwise math-verify extracts the last answer-like expression (\\boxed{...}, "the answer is
+    ...", the last number). None when the reference itself cannot be parsed (the reward does not
+    apply to that sample).
     """
-    from math_verify import parse, verify  # heavy (sympy): only runs that use the math reward load it
+    # heavy (sympy): only runs that use the math reward load it
+    from math_verify import parse, verify
 
     golds = answer if answer is not None else solution
     if golds is None:
         raise TypeError("math_reward needs an `answer` (or `solution`) column")
-    # math-verify's timeouts use signal.alarm, which only works in a process's main thread: in a thread we
-    # run without them (as its docs advise); use --reward-workers N to keep them, in worker processes.
+    # math-verify's timeouts use signal.alarm, which only works in a process's main thread: in a
+    # thread we run without them (as its docs advise); use --reward-workers N to keep them, in
+    # worker processes.
     timeout = 5 if threading.current_thread() is threading.main_thread() else None
-    logging.getLogger("math_verify").setLevel(logging.ERROR)  # its "timeout is disabled" notice, per call
+    # its "timeout is disabled" notice, per call
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
     rewards = []
     for completion, gold in zip(completions, golds):
         text = completion[-1]["content"] if isinstance(completion, list) else str(completion)
@@ -323,9 +377,9 @@ def math_reward(completions, answer=None, solution=None, **kwargs) -> list[float
     return rewards
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # reasoning-gym's scorers (`--task rg:NAME`, `--reward rg`)
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
 def reasoning_gym_scorer(name: str):
     import reasoning_gym  # only runs that use it load it
@@ -334,10 +388,11 @@ def reasoning_gym_scorer(name: str):
 
 
 def reasoning_gym_reward(prompts, completions, answer, metadata, **kwargs) -> list[float | None]:
-    """reasoning-gym's own `score_answer(answer, entry)` (in [0, 1]) of the dataset that made the row (its
-    `metadata["source_dataset"]`): the answer is the completion's last `<answer>...</answer>` (reasoning-gym's
-    `extract_answer`, as its system prompt asks; none scores as reasoning-gym scores None, 0). None where the
-    scorer raises (that sample is counted, not scored)."""
+    """reasoning-gym's own `score_answer(answer, entry)` (in [0, 1]) of the dataset that made the
+    row (its `metadata["source_dataset"]`): the answer is the completion's last
+    `<answer>...</answer>` (reasoning-gym's `extract_answer`, as its system prompt asks; none scores
+    as reasoning-gym scores None, 0). None where the scorer raises (that sample is counted, not
+    scored)."""
     from reasoning_gym.utils import extract_answer
 
     rewards = []
@@ -345,7 +400,9 @@ def reasoning_gym_reward(prompts, completions, answer, metadata, **kwargs) -> li
         text = completion[-1]["content"] if isinstance(completion, list) else str(completion)
         entry = {"question": prompt, "answer": gold, "metadata": meta}
         try:
-            rewards.append(float(reasoning_gym_scorer(meta["source_dataset"])(extract_answer(text), entry)))
+            rewards.append(
+                float(reasoning_gym_scorer(meta["source_dataset"])(extract_answer(text), entry))
+            )
         except Exception:
             rewards.append(None)
     return rewards

@@ -1,21 +1,23 @@
 """tasks/textarena.py — TextArena's games as episode environments
 (`--env tasks.textarena:TextArenaEnv`).
 
-Role: `TextArenaEnv(game="GuessTheNumber-v0")` plays one of TextArena's single-player games (GuessTheNumber,
-Minesweeper, Sudoku, FrozenLake, ...; its word games need NLTK's word lists once: `python -m nltk.downloader
-words`) for one episode: `reset(**row)` starts the game and returns its opening text, `step(action)` forwards
-the model's turn as the move and returns (what the game says next, the game's reward when it ends else 0.0,
-whether it ended). Offline: the games run in-process.
-Why TextArena (issue 22 item 7): text in, text out, single-player games with their own rewards, and five
-small packages (nltk, chess, joblib, defusedxml besides it); OpenEnv needs gradio and fastmcp (~30 packages)
-and serves each environment over HTTP; verifiers pulls openai, mcp and the prime-* sandbox clients.
-Data contract: the row's `seed` column seeds the game (without one, a hash of the row's columns does), so the
-episodes of a group play the same game; a `game` column picks another game than the constructor's.
-Observations are only what is new since the model's last turn (TextArena's own wrappers repeat the whole
-history each turn): each game message as "[GAME] text", the player's own move left out.
-May touch: the global `random` only under a lock and restored after each call (TextArena seeds and draws
-from it); each game keeps its own random state, so concurrent episodes are reproducible and independent.
+Role: `TextArenaEnv(game="GuessTheNumber-v0")` plays one of TextArena's single-player games
+(GuessTheNumber, Minesweeper, Sudoku, FrozenLake, ...; its word games need NLTK's word lists once:
+`python -m nltk.downloader words`) for one episode: `reset(**row)` starts the game and returns its
+opening text, `step(action)` forwards the model's turn as the move and returns (what the game says
+next, the game's reward when it ends else 0.0, whether it ended). Offline: the games run in-process.
+Why TextArena (issue 22 item 7): text in, text out, single-player games with their own rewards, and
+five small packages (nltk, chess, joblib, defusedxml besides it); OpenEnv needs gradio and fastmcp
+(~30 packages) and serves each environment over HTTP; verifiers pulls openai, mcp and the prime-*
+sandbox clients. Data contract: the row's `seed` column seeds the game (without one, a hash of the
+row's columns does), so the episodes of a group play the same game; a `game` column picks another
+game than the constructor's. Observations are only what is new since the model's last turn
+(TextArena's own wrappers repeat the whole history each turn): each game message as "[GAME] text",
+the player's own move left out. May touch: the global `random` only under a lock and restored after
+each call (TextArena seeds and draws from it); each game keeps its own random state, so concurrent
+episodes are reproducible and independent.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -59,8 +61,10 @@ class TextArenaEnv:
     def check_game(game: str) -> None:
         registry = textarena().envs.registration.ENV_REGISTRY
         if game not in registry:
-            raise ValueError(f"TextArena has no game {game!r} (single-player ones: GuessTheNumber-v0, "
-                             f"Minesweeper-v0, Sudoku-v0, FrozenLake-v0, TowerOfHanoi-v0, ...)")
+            raise ValueError(
+                f"TextArena has no game {game!r} (single-player ones: GuessTheNumber-v0, "
+                f"Minesweeper-v0, Sudoku-v0, FrozenLake-v0, TowerOfHanoi-v0, ...)"
+            )
 
     @contextlib.contextmanager
     def own_random(self):
@@ -95,8 +99,11 @@ class TextArenaEnv:
         ta = textarena()
         player, messages = self.base.get_observation()
         roles = self.base.state.role_mapping
-        return "\n".join(f"[{'GAME' if sender == ta.GAME_ID else roles.get(sender, sender)}] {text.strip()}"
-                         for sender, text, _ in messages if sender != player)
+        return "\n".join(
+            f"[{'GAME' if sender == ta.GAME_ID else roles.get(sender, sender)}] {text.strip()}"
+            for sender, text, _ in messages
+            if sender != player
+        )
 
     def step(self, action: str) -> tuple[str, float, bool]:
         with self.own_random():

@@ -18,6 +18,7 @@ Data contract: a call is {"name": str, "arguments": dict}; a tool message is {"r
 writes them).
 May touch: the modules it loads, and whatever the user's tools do. No engine, no tokens.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -31,14 +32,23 @@ from tasks import rewards
 from tasks.datasets import DataError
 from tasks.prompts import spec_of, split_list
 from tasks.tool_calls import (  # noqa: F401 (also tools.X)
-    PROBE_SCHEMA, ToolCallParser, assistant_message, parse_tool_calls, parser_name, parser_problem,
-    supports_tools, tokenizer_problem)
+    PROBE_SCHEMA,
+    ToolCallParser,
+    assistant_message,
+    parse_tool_calls,
+    parser_name,
+    parser_problem,
+    supports_tools,
+    tokenizer_problem,
+)
 
-RESERVED_METHODS = ("reset", "get_reward", "close")  # lifecycle hooks of an environment class, never tools
+# lifecycle hooks of an environment class, never tools
+RESERVED_METHODS = ("reset", "get_reward", "close")
 
 
 def load_functions(spec: str) -> list[Callable]:
-    """--tools `path/to/file.py:fn1,fn2` or `module:fn1,fn2` -> the functions. Raises ValueError in one line."""
+    """--tools `path/to/file.py:fn1,fn2` or `module:fn1,fn2` -> the functions. Raises ValueError in
+    one line."""
     module_name, _, names = spec.rpartition(":")
     wanted = split_list(names)
     if not module_name or not wanted or not all(name.isidentifier() for name in wanted):
@@ -54,8 +64,9 @@ def load_functions(spec: str) -> list[Callable]:
 
 
 def tool_schemas(functions: Sequence[Callable]) -> list[dict]:
-    """The JSON schema of each function, for the chat template's `tools=`. Raises ValueError in one line for
-    a function it cannot describe (what the model would see of it is exactly this schema)."""
+    """The JSON schema of each function, for the chat template's `tools=`. Raises ValueError in one
+    line for a function it cannot describe (what the model would see of it is exactly this
+    schema)."""
     from transformers.utils import get_json_schema  # transformers only where tools are used
 
     schemas = []
@@ -63,9 +74,12 @@ def tool_schemas(functions: Sequence[Callable]) -> list[dict]:
         try:
             schemas.append(get_json_schema(function))
         except Exception as e:
-            raise ValueError(f"tool {getattr(function, '__name__', function)!r} cannot be described to the model "
-                             f"({e}): give every argument a type hint and the function a Google-style docstring "
-                             "with an Args: section") from None
+            raise ValueError(
+                f"tool {getattr(function, '__name__', function)!r} cannot be described to the "
+                f"model "
+                f"({e}): give every argument a type hint and the function a Google-style docstring "
+                "with an Args: section"
+            ) from None
     return schemas
 
 
@@ -74,14 +88,15 @@ def error_text(message: str) -> str:
 
 
 class ToolEnv:
-    """An environment (reset/step) that runs tools: `step(action)` parses the turn's tool calls and runs each
-    (in order; an unknown tool, bad arguments or a raise is an error text in its tool message, counted), and
-    returns (tool messages, 0.0, False); a turn without any `<tool_call>` is the model's answer: (None, 0.0,
-    True). An unparseable `<tool_call>` gets an error message too, so the model sees what went wrong (TRL
-    instead ends the episode there). Reward comes from --reward functions (or the class wrapped by
-    `from_trl_environment`). `tools`: the schemas to render the prompt with. Counters, for the metrics:
-    `tool_calls`, `tool_call_parse_failures`, `tool_errors`. With an async tool `step` is a coroutine
-    function (the runner awaits it): async tools run on its loop, plain ones in a worker thread."""
+    """An environment (reset/step) that runs tools: `step(action)` parses the turn's tool calls and
+    runs each (in order; an unknown tool, bad arguments or a raise is an error text in its tool
+    message, counted), and returns (tool messages, 0.0, False); a turn without any `<tool_call>` is
+    the model's answer: (None, 0.0, True). An unparseable `<tool_call>` gets an error message too,
+    so the model sees what went wrong (TRL instead ends the episode there). Reward comes
+    from --reward functions (or the class wrapped by `from_trl_environment`). `tools`: the schemas
+    to render the prompt with. Counters, for the metrics: `tool_calls`, `tool_call_parse_failures`,
+    `tool_errors`. With an async tool `step` is a coroutine function (the runner awaits it): async
+    tools run on its loop, plain ones in a worker thread."""
 
     def __init__(self, functions: Sequence[Callable] = (), parser: "ToolCallParser | None" = None):
         self.parser = parser  # None: the Hermes format, parsed by hand (parse_tool_calls)
@@ -89,7 +104,9 @@ class ToolEnv:
         for function in functions:
             name = function.__name__
             if name in self.functions:
-                raise ValueError(f"two tools are named {name!r}: the model could not tell them apart")
+                raise ValueError(
+                    f"two tools are named {name!r}: the model could not tell them apart"
+                )
             self.functions[name] = function
         self.tools = tool_schemas(list(self.functions.values()))
         self.tool_calls = self.tool_call_parse_failures = self.tool_errors = 0
@@ -100,13 +117,16 @@ class ToolEnv:
         return None
 
     def parse(self, action: str) -> tuple[list[dict], list[str]]:
-        calls, failures = self.parser.parse(action) if self.parser is not None else parse_tool_calls(action)
+        calls, failures = (
+            self.parser.parse(action) if self.parser is not None else parse_tool_calls(action)
+        )
         self.tool_calls += len(calls)
         self.tool_call_parse_failures += len(failures)
         return calls, failures
 
     def invoke(self, call: dict):
-        """The tool's return value (a coroutine for an async tool); raises for an unknown tool or bad arguments."""
+        """The tool's return value (a coroutine for an async tool); raises for an unknown tool or
+        bad arguments."""
         function = self.functions.get(call["name"])
         if function is None:
             raise LookupError(f"Tool {call['name']} not found.")
@@ -120,8 +140,14 @@ class ToolEnv:
 
     @staticmethod
     def failure_messages(failures: list[str]) -> list[dict]:
-        return [{"role": "tool", "name": "unknown", "content": error_text(f"could not parse a tool call: {why}")}
-                for why in failures]
+        return [
+            {
+                "role": "tool",
+                "name": "unknown",
+                "content": error_text(f"could not parse a tool call: {why}"),
+            }
+            for why in failures
+        ]
 
     def run(self, call: dict) -> dict:
         try:
@@ -133,7 +159,8 @@ class ToolEnv:
         try:
             if inspect.iscoroutinefunction(self.functions.get(call["name"])):
                 return self.message(call, await self.invoke(call))
-            return self.message(call, await asyncio.to_thread(self.invoke, call))  # a plain tool may block
+            # a plain tool may block
+            return self.message(call, await asyncio.to_thread(self.invoke, call))
         except Exception as e:
             return self.message(call, error=e)
 
@@ -147,27 +174,41 @@ class ToolEnv:
         calls, failures = self.parse(action)
         if not calls and not failures:
             return None, 0.0, True
-        return [await self.run_async(call) for call in calls] + self.failure_messages(failures), 0.0, False
+        return (
+            [await self.run_async(call) for call in calls] + self.failure_messages(failures),
+            0.0,
+            False,
+        )
 
 
 def environment_methods(instance) -> list[Callable]:
-    """The tools of a TRL environment instance: its public bound methods but the reserved ones (TRL's rule:
-    `inspect.getmembers(..., inspect.ismethod)`, no leading underscore, not `reset`/`get_reward`; `close` is
-    reserved here too, as the episode's end hook)."""
-    return [member for name, member in inspect.getmembers(instance, predicate=inspect.ismethod)
-            if name not in RESERVED_METHODS and not name.startswith("_")]
+    """The tools of a TRL environment instance: its public bound methods but the reserved ones
+    (TRL's rule: `inspect.getmembers(..., inspect.ismethod)`, no leading underscore, not
+    `reset`/`get_reward`; `close` is reserved here too, as the episode's end hook)."""
+    return [
+        member
+        for name, member in inspect.getmembers(instance, predicate=inspect.ismethod)
+        if name not in RESERVED_METHODS and not name.startswith("_")
+    ]
 
 
 class TrlEnvironment(ToolEnv):
-    """One instance of a TRL `environment_factory` class, as an environment of the episode contract: `reset`,
-    `get_reward` and `close` are the instance's own (each only where it has one, sync or async), its public
-    methods are the tools (with any --tools functions), `step` is ToolEnv's. `env` is the instance (what
-    reward functions get as `environments=`)."""
+    """One instance of a TRL `environment_factory` class, as an environment of the episode contract:
+    `reset`, `get_reward` and `close` are the instance's own (each only where it has one, sync or
+    async), its public methods are the tools (with any --tools functions), `step` is ToolEnv's.
+    `env` is the instance (what reward functions get as `environments=`)."""
 
-    def __init__(self, factory: Callable, functions: Sequence[Callable] = (), parser: "ToolCallParser | None" = None):
+    def __init__(
+        self,
+        factory: Callable,
+        functions: Sequence[Callable] = (),
+        parser: "ToolCallParser | None" = None,
+    ):
         env = factory()
         if not callable(getattr(env, "reset", None)):
-            raise ValueError(f"{type(env).__name__} has no reset method: an environment class needs reset(**row)")
+            raise ValueError(
+                f"{type(env).__name__} has no reset method: an environment class needs reset(**row)"
+            )
         super().__init__(list(functions) + environment_methods(env), parser)
         self.env = env
         self.reset = env.reset
@@ -176,12 +217,16 @@ class TrlEnvironment(ToolEnv):
                 setattr(self, hook, getattr(env, hook))
 
 
-def from_trl_environment(cls: Callable, functions: Sequence[Callable] = (),
-                         parser: "ToolCallParser | None" = None) -> Callable[[], TrlEnvironment]:
-    """A zero-argument factory of TrlEnvironment around `cls` (a TRL environment class, or a zero-argument
-    factory of its instances), plus any --tools `functions`. Picklable when `cls` and the functions are."""
+def from_trl_environment(
+    cls: Callable, functions: Sequence[Callable] = (), parser: "ToolCallParser | None" = None
+) -> Callable[[], TrlEnvironment]:
+    """A zero-argument factory of TrlEnvironment around `cls` (a TRL environment class, or a
+    zero-argument factory of its instances), plus any --tools `functions`. Picklable when `cls` and
+    the functions are."""
     if isinstance(cls, type) and not callable(getattr(cls, "reset", None)):
-        raise ValueError(f"{cls.__name__} has no reset method: an environment class needs reset(**row)")
+        raise ValueError(
+            f"{cls.__name__} has no reset method: an environment class needs reset(**row)"
+        )
     return functools.partial(TrlEnvironment, cls, tuple(functions), parser=parser)
 
 
@@ -200,15 +245,25 @@ def check(cfg) -> list[str]:
     except DataError:  # prompts.check_flags reports it
         copy_task = False
     if copy_task:
-        return ["--tools: the copy task has no chat prompts to offer tools in; give a dataset task (--dataset, "
-                "--task gsm8k or --task rg:NAME)"]
+        return [
+            "--tools: the copy task has no chat prompts to offer tools in; give a dataset task "
+            "(--dataset, "
+            "--task gsm8k or --task rg:NAME)"
+        ]
     if not cfg.model:
-        return ["--tools: the default tiny model has no chat template to show tools with; give --model (a model "
-                "whose chat template supports tool calling)"]
+        return [
+            "--tools: the default tiny model has no chat template to show tools with; give --model "
+            "(a model "
+            "whose chat template supports tool calling)"
+        ]
     if os.path.isdir(os.path.expanduser(cfg.model)):
         try:
-            problem = tokenizer_problem(chat.load_tokenizer(os.path.expanduser(cfg.model), cfg.chat_template,
-                                                            cfg.chat_template_kwargs), cfg.model)
+            problem = tokenizer_problem(
+                chat.load_tokenizer(
+                    os.path.expanduser(cfg.model), cfg.chat_template, cfg.chat_template_kwargs
+                ),
+                cfg.model,
+            )
         except Exception:  # prepare reports a tokenizer that does not load
             problem = None
         return [problem] if problem else []

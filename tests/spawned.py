@@ -1,10 +1,12 @@
 """tests/spawned.py — run a test's engine work in one spawned child and take its one result.
 
-Role: the engine checks of test_heads.py and test_moe.py start several vLLM engines in one child process (each
-engine in-process there), so a crash or hang in vLLM fails the test instead of the pytest process.
-Data contract: `target(*args)` returns one picklable value; its exception fails the test with its traceback.
-May touch: PYTHONPATH (the repository, so the child finds vllm_worker by name).
+Role: the engine checks of test_heads.py and test_moe.py start several vLLM engines in one child
+process (each engine in-process there), so a crash or hang in vLLM fails the test instead of the
+pytest process. Data contract: `target(*args)` returns one picklable value; its exception fails the
+test with its traceback. May touch: PYTHONPATH (the repository, so the child finds vllm_worker by
+name).
 """
+
 import gc
 import os
 import queue as queue_lib
@@ -22,8 +24,12 @@ def run_and_report(target, args: tuple, results) -> None:
 
 
 def end_in_process_engine() -> None:
-    """Release an in-process vLLM engine (after `del` of the last reference) so the next one can start."""
-    from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+    """Release an in-process vLLM engine (after `del` of the last reference) so the next one can
+    start."""
+    from vllm.distributed.parallel_state import (
+        destroy_distributed_environment,
+        destroy_model_parallel,
+    )
 
     destroy_model_parallel()
     destroy_distributed_environment()
@@ -31,10 +37,12 @@ def end_in_process_engine() -> None:
 
 
 def result_of_child(target, args: tuple, timeout_s: float):
-    """`target`'s value from a spawned child; the test fails with the child's error, or after `timeout_s`."""
+    """`target`'s value from a spawned child; the test fails with the child's error, or after
+    `timeout_s`."""
     import torch.multiprocessing as mp
 
-    os.environ["PYTHONPATH"] = os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])  # vllm_worker by name
+    # vllm_worker by name
+    os.environ["PYTHONPATH"] = os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     child = ctx.Process(target=run_and_report, args=(target, args, results))

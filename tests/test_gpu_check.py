@@ -1,6 +1,7 @@
-"""scripts/gpu_check.py on a machine without a GPU: it fails at once with a clear message, and its whole
-flow (FSDP2 steps, the packed sync between two processes, the seqlock under back-to-back writes, log-prob
-agreement, one JSON line) runs as a CPU dry run with the same code."""
+"""scripts/gpu_check.py on a machine without a GPU: it fails at once with a clear message, and its
+whole flow (FSDP2 steps, the packed sync between two processes, the seqlock under back-to-back
+writes, log-prob agreement, one JSON line) runs as a CPU dry run with the same code."""
+
 import json
 import os
 import subprocess
@@ -30,11 +31,30 @@ def test_gpu_check_without_a_gpu_fails_at_once_with_a_clear_message():
 
 
 def test_gpu_check_flow_as_a_cpu_dry_run():
-    code, result, stderr = _check(sys.executable, "scripts/gpu_check.py", "--device", "cpu", "--sizes", "tiny",
-                                  "--steps", "2", "--torn-seconds", "0.3", "--reps", "3")
+    code, result, stderr = _check(
+        sys.executable,
+        "scripts/gpu_check.py",
+        "--device",
+        "cpu",
+        "--sizes",
+        "tiny",
+        "--steps",
+        "2",
+        "--torn-seconds",
+        "0.3",
+        "--reps",
+        "3",
+    )
     assert code == 0 and result["ok"] is True, stderr
     tiny = result["sizes"]["tiny"]
     assert tiny["versions_ok"] and tiny["logprob_max_diff"] < 1e-4 and tiny["fsdp_steps"] == 2
     assert tiny["torn_check"]["torn"] == 0 and tiny["torn_check"]["snapshots"] > 0
-    for key in ("publish_ms", "snapshot_ms", "d2d_copy_ms", "sync_ms", "train_step_ms", "ipc_open_ms"):
+    for key in (
+        "publish_ms",
+        "snapshot_ms",
+        "d2d_copy_ms",
+        "sync_ms",
+        "train_step_ms",
+        "ipc_open_ms",
+    ):
         assert tiny[key] is not None and tiny[key] >= 0, key

@@ -1,6 +1,6 @@
-"""Tests for advantages.py's group advantages and losses.py's loss variants, aggregation, KL and importance
-weights: every expected value is computed here by hand (plain python math over the small cases written out
-below), never by the code under test.
+"""Tests for advantages.py's group advantages and losses.py's loss variants, aggregation, KL and
+importance weights: every expected value is computed here by hand (plain python math over the small
+cases written out below), never by the code under test.
 Token scoring (token_logprobs, chunked_logprobs): tests/test_token_logprobs.py."""
 
 import math
@@ -105,7 +105,8 @@ def test_grpo_token_mean_by_hand():
     k3 = [r - 1 - math.log(r) for r in (1.1, 1.5, 0.7, 0.5, 1.3)]  # KL(old||new), samples from old
     assert met["approx_kl"] == pytest.approx(sum(k3) / 5)
     assert "dual_clip_frac" not in met
-    assert all(torch.is_tensor(v) and v.dim() == 0 for v in met.values())  # read back once per step, by the caller
+    # read back once per step, by the caller
+    assert all(torch.is_tensor(v) and v.dim() == 0 for v in met.values())
 
 
 def test_grpo_gradient_zero_where_clipped():
@@ -139,7 +140,9 @@ def test_agg_modes_by_hand_and_fully_masked_sequence_excluded(agg, expected):
 
 def test_agg_sum_norm_custom_max_len():
     logp, old, adv, m = make_case()
-    loss, _ = losses.policy_loss(logp, old, adv, m, variant="dr_grpo", agg="seq-mean-token-sum-norm", max_len=4)
+    loss, _ = losses.policy_loss(
+        logp, old, adv, m, variant="dr_grpo", agg="seq-mean-token-sum-norm", max_len=4
+    )
     assert loss.item() == pytest.approx(0.6 / 4)
 
 
@@ -192,7 +195,9 @@ def test_dapo_default_eps_high():
     assert losses.policy_loss(lp, o, a, mm, variant="grpo")[0].item() == pytest.approx(-1.2)
     assert losses.policy_loss(lp, o, a, mm, variant="dapo")[0].item() == pytest.approx(-1.25)
     # an explicit eps_high wins; eps_low stays as passed
-    assert losses.policy_loss(lp, o, a, mm, variant="dapo", eps_high=0.1)[0].item() == pytest.approx(-1.1)
+    assert losses.policy_loss(lp, o, a, mm, variant="dapo", eps_high=0.1)[
+        0
+    ].item() == pytest.approx(-1.1)
     lp2, o2, a2, mm2 = make_case([[0.7]], [[1]], [-1.0])
     assert losses.policy_loss(lp2, o2, a2, mm2, variant="dapo")[0].item() == pytest.approx(0.8)
 
@@ -222,7 +227,10 @@ GA = [1.0, -2.0, 1.0]
 
 
 def gspo_hand():
-    s = [math.exp(sum(math.log(GR[i][t]) for t in range(3) if GMASK[i][t]) / sum(GMASK[i])) for i in range(3)]
+    s = [
+        math.exp(sum(math.log(GR[i][t]) for t in range(3) if GMASK[i][t]) / sum(GMASK[i]))
+        for i in range(3)
+    ]
     per_seq = [ppo_token(s[i], GA[i]) for i in range(3)]  # one surrogate per sequence
     return s, per_seq
 
@@ -234,7 +242,9 @@ def test_gspo_values_by_hand():
     assert per_seq[2] == pytest.approx(-1.2)  # s=1.5 > 1.2, A>0: clipped
     logp, old, adv, m = make_case(GR, GMASK, GA)
     loss, met = losses.policy_loss(logp, old, adv, m, variant="gspo", agg="token-mean")
-    assert loss.item() == pytest.approx((3 * per_seq[0] + 2 * per_seq[1] + 2 * per_seq[2]) / 7, rel=1e-9)
+    assert loss.item() == pytest.approx(
+        (3 * per_seq[0] + 2 * per_seq[1] + 2 * per_seq[2]) / 7, rel=1e-9
+    )
     loss, met = losses.policy_loss(logp, old, adv, m, variant="gspo", agg="seq-mean-token-mean")
     assert loss.item() == pytest.approx(sum(per_seq) / 3, rel=1e-9)
     # clip fractions use the sequence ratio (counted per token): seq 2's 2 tokens
@@ -281,7 +291,9 @@ def test_gspo_gradient_matches_true_sequence_ratio():
 def test_gspo_per_token_advantages_use_masked_mean():
     logp, old, adv, m = make_case(GR, GMASK, GA)
     ref, _ = losses.policy_loss(logp, old, adv, m, variant="gspo")
-    adv_tok = torch.tensor([[0.5, 1.5, 1.0], [-1.0, -3.0, 99.0], [1.0, 1.0, -50.0]], dtype=torch.float64)
+    adv_tok = torch.tensor(
+        [[0.5, 1.5, 1.0], [-1.0, -3.0, 99.0], [1.0, 1.0, -50.0]], dtype=torch.float64
+    )
     got, _ = losses.policy_loss(logp, old, adv_tok, m, variant="gspo")
     assert got.item() == pytest.approx(ref.item(), rel=1e-12)
 
@@ -316,7 +328,9 @@ def test_cispo_values_and_gradient_through_clipped_tokens():
 
 def test_unknown_variant_and_agg():
     logp, old, adv, m = make_case()
-    with pytest.raises(ValueError, match=r"unknown policy-loss variant 'ppo2'.*grpo.*dapo.*dr_grpo.*gspo.*cispo"):
+    with pytest.raises(
+        ValueError, match=r"unknown policy-loss variant 'ppo2'.*grpo.*dapo.*dr_grpo.*gspo.*cispo"
+    ):
         losses.policy_loss(logp, old, adv, m, variant="ppo2")
     with pytest.raises(ValueError, match=r"unknown agg 'mean'.*token-mean"):
         losses.policy_loss(logp, old, adv, m, agg="mean")

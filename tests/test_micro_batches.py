@@ -1,39 +1,48 @@
-"""Micro-batches, chunked log-probs and activation checkpointing in the trainer step (`update.update_on_batch`).
+"""Micro-batches, chunked log-probs and activation checkpointing in the trainer step
+(`update.update_on_batch`).
 
-- `update.plan_micro_batches` / `rank_micro_batches`: rows grouped by length within the token budget, every
-  row exactly once, the same number of micro-batches on every rank (fillers add nothing).
+- `update.plan_micro_batches` / `rank_micro_batches`: rows grouped by length within the token
+  budget, every row exactly once, the same number of micro-batches on every rank (fillers add
+  nothing).
 - `update.completion_logprobs` keeps no vocabulary-sized tensor for the backward pass.
-- Gradient parity: for every aggregation mode, at world size 1 and 2 (FSDP2 over gloo), micro-batches of one
-  row, of a few rows and the whole batch give the gradients and the loss (and the logged means) of the plain
-  whole-batch computation: an unsharded model, full logits, one `policy_loss` over every row. Likewise with
-  top-k/top-p, a temperature and the KL term against a reference model, with LoRA (the reference is the
-  model with its adapter off), and with `--grad-checkpointing`.
+- Gradient parity: for every aggregation mode, at world size 1 and 2 (FSDP2 over gloo),
+  micro-batches of one row, of a few rows and the whole batch give the gradients and the loss (and
+  the logged means) of the plain whole-batch computation: an unsharded model, full logits, one
+  `policy_loss` over every row. Likewise with top-k/top-p, a temperature and the KL term against a
+  reference model, with LoRA (the reference is the model with its adapter off), and with
+  `--grad-checkpointing`.
 """
+
 import dataclasses
-import os
-import tempfile
 
 import pytest
 import torch
-
-import logprobs
-import losses
-import lora
-from tasks import builtin
-import models
-from config import Config, parse_args
-import update
 from test_fsdp import backward, make_batch, spawn_ranks
 
-ONE_ROW, FEW_ROWS, WHOLE = 1, 20, 0  # --micro-batch-tokens: the test batch's rows hold 5 to 10 tokens
+import logprobs
+import lora
+import losses
+import models
+import update
+from config import Config, parse_args
+from tasks import builtin
+
+# --micro-batch-tokens: the test batch's rows hold 5 to 10 tokens
+ONE_ROW, FEW_ROWS, WHOLE = 1, 20, 0
 SPLITS = {"one row": ONE_ROW, "a few rows": FEW_ROWS, "whole batch": WHOLE}
 LORA = dict(rank=4, alpha=8, dropout=0.0, targets="all-linear")
 # name -> Config changes; each is run with every split
-CASES = {**{f"agg={agg}": dict(agg=agg, is_mode="off") for agg in losses.AGGS},  # ratios vary: clipping acts
-         "kl+sampling": dict(kl_coef=0.1, temperature=0.8, top_k=8, top_p=0.9, is_mode="truncate"),
-         "lora+kl": dict(kl_coef=0.1, top_k=8, lora=True)}
+# ratios vary: clipping acts
+CASES = {
+    **{f"agg={agg}": dict(agg=agg, is_mode="off") for agg in losses.AGGS},
+    "kl+sampling": dict(kl_coef=0.1, temperature=0.8, top_k=8, top_p=0.9, is_mode="truncate"),
+    "lora+kl": dict(kl_coef=0.1, top_k=8, lora=True),
+}
 # name -> (case, --micro-batch-tokens), with --grad-checkpointing
-CHECKPOINTED = {"checkpointed": ("kl+sampling", FEW_ROWS), "lora checkpointed": ("lora+kl", FEW_ROWS)}
+CHECKPOINTED = {
+    "checkpointed": ("kl+sampling", FEW_ROWS),
+    "lora checkpointed": ("lora+kl", FEW_ROWS),
+}
 
 
 def config(case):
@@ -41,13 +50,14 @@ def config(case):
     return Config(**changes)
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Planning
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 def test_plan_groups_rows_by_length_within_the_budget():
     lengths = [9, 3, 7, 3, 30, 8, 2]
     plan = update.plan_micro_batches(lengths, 16)
-    assert sorted(i for mb in plan for i in mb) == list(range(len(lengths)))  # every row exactly once
+    # every row exactly once
+    assert sorted(i for mb in plan for i in mb) == list(range(len(lengths)))
     assert plan == [[6, 1, 3], [2, 5], [0], [4]]  # shortest first; 30 > 16 alone
     for mb in plan[:-1]:
         assert len(mb) * max(lengths[i] for i in mb) <= 16
@@ -62,9 +72,15 @@ def test_every_rank_gets_as_many_micro_batches_and_its_own_rows(world, max_token
     assert len({len(m) for m in per_rank}) == 1
     for r, micro in enumerate(per_rank):
         rows = batch.select(update.rows_for_rank(len(batch), r, world))
-        def trained(batches):  # (advantage, completion tokens) of each row that trains (fillers do not)
-            return sorted((float(mb.advantages[i]), int(mb.mask[i].sum())) for mb in batches
-                          for i in range(len(mb)) if mb.mask[i].any())
+
+        # (advantage, completion tokens) of each row that trains (fillers do not)
+        def trained(batches):
+            return sorted(
+                (float(mb.advantages[i]), int(mb.mask[i].sum()))
+                for mb in batches
+                for i in range(len(mb))
+                if mb.mask[i].any()
+            )
 
         assert trained(micro) == trained([rows])
         for mb in micro:
@@ -82,9 +98,9 @@ def test_bad_flags_are_refused_before_anything_starts():
     assert parse_args(["--micro-batch-tokens", "0", "--grad-checkpointing"]).grad_checkpointing
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # No (tokens x vocabulary) tensor is kept for the backward pass
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 def test_completion_logprobs_saves_nothing_vocabulary_sized(model_path):
     from transformers import AutoModelForCausalLM
 
@@ -102,21 +118,23 @@ def test_completion_logprobs_saves_nothing_vocabulary_sized(model_path):
     (scores.logp.sum() + scores.logp_untruncated.sum()).backward()
     assert saved, "nothing was saved: the hook saw no graph"
     with_vocab = [s for s in saved if vocab in s]
-    head = {(vocab, model.config.hidden_size), (model.config.hidden_size, vocab)}  # the LM head's weight (or .T)
+    # the LM head's weight (or .T)
+    head = {(vocab, model.config.hidden_size), (model.config.hidden_size, vocab)}
     assert with_vocab and all(s in head for s in with_vocab), with_vocab
     assert model.model.embed_tokens.weight.grad.abs().sum() > 0
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Gradient parity
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):
     return builtin.build_tiny_model(str(tmp_path_factory.mktemp("micro") / "tiny"), seed=0)
 
 
 @pytest.fixture(scope="module")
-def ref_path(tmp_path_factory):  # the KL reference: other weights, so the KL term and its gradient are not 0
+# the KL reference: other weights, so the KL term and its gradient are not 0
+def ref_path(tmp_path_factory):
     return builtin.build_tiny_model(str(tmp_path_factory.mktemp("micro") / "ref"), seed=1)
 
 
@@ -125,12 +143,21 @@ def adapter_dir(model_path, tmp_path_factory):
     """A LoRA adapter with nonzero B (PEFT starts B at 0: the adapter would be the identity)."""
     from transformers import AutoModelForCausalLM
 
-    model = lora.wrap(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32),
-                      lora.peft_config(**LORA), seed=0)
+    model = lora.wrap(
+        AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32),
+        lora.peft_config(**LORA),
+        seed=0,
+    )
     torch.manual_seed(1)
-    state = {lora.file_name(n): torch.randn_like(p) * 0.1 for n, p in model.named_parameters() if p.requires_grad}
+    state = {
+        lora.file_name(n): torch.randn_like(p) * 0.1
+        for n, p in model.named_parameters()
+        if p.requires_grad
+    }
     config = model.peft_config[lora.ADAPTER_NAME]
-    return lora.save_adapter(state, config, model_path, str(tmp_path_factory.mktemp("micro") / "adapter"))
+    return lora.save_adapter(
+        state, config, model_path, str(tmp_path_factory.mktemp("micro") / "adapter")
+    )
 
 
 def _parity_worker(rank, world, init_file, model_path, ref_path, adapter_dir, results):
@@ -143,10 +170,19 @@ def _parity_worker(rank, world, init_file, model_path, ref_path, adapter_dir, re
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         full = models.build_trainer_model(model_path, world)
-        with_lora = models.build_trainer_model(model_path, world, lora_config=lora.peft_config(**LORA),
-                                              adapter_dir=adapter_dir, seed=0)
-        ref_model = AutoModelForCausalLM.from_pretrained(ref_path, dtype=torch.float32).eval().requires_grad_(False)
-        runs = [(f"{case} / {split}", case, tokens) for case in CASES for split, tokens in SPLITS.items()]
+        with_lora = models.build_trainer_model(
+            model_path, world, lora_config=lora.peft_config(**LORA), adapter_dir=adapter_dir, seed=0
+        )
+        ref_model = (
+            AutoModelForCausalLM.from_pretrained(ref_path, dtype=torch.float32)
+            .eval()
+            .requires_grad_(False)
+        )
+        runs = [
+            (f"{case} / {split}", case, tokens)
+            for case in CASES
+            for split, tokens in SPLITS.items()
+        ]
         runs += [(name, case, tokens) for name, (case, tokens) in CHECKPOINTED.items()]
         out = {}
         for name, case, tokens in runs:
@@ -154,12 +190,27 @@ def _parity_worker(rank, world, init_file, model_path, ref_path, adapter_dir, re
             model = with_lora if CASES[case].get("lora") else full
             if name in CHECKPOINTED:
                 models.checkpoint_layers(model)  # for good: the checkpointed runs come last
-            result = backward(model, lora.AdapterOff(model) if model is with_lora else ref_model, make_batch(), cfg,
-                                          rank, world, version=0)
-            grads = {n: p.grad.full_tensor().clone() for n, p in model.named_parameters() if p.grad is not None}
+            result = backward(
+                model,
+                lora.AdapterOff(model) if model is with_lora else ref_model,
+                make_batch(),
+                cfg,
+                rank,
+                world,
+                version=0,
+            )
+            grads = {
+                n: p.grad.full_tensor().clone()
+                for n, p in model.named_parameters()
+                if p.grad is not None
+            }
             model.zero_grad(set_to_none=True)
-            out[name] = {"loss": result.loss, "logprob_diff": result.logprob_diff, "metrics": result.metrics,
-                         "grads": {n: g.numpy() for n, g in grads.items()}}
+            out[name] = {
+                "loss": result.loss,
+                "logprob_diff": result.logprob_diff,
+                "metrics": result.metrics,
+                "grads": {n: g.numpy() for n, g in grads.items()},
+            }
         if rank == 0:
             results.put(out)
         dist.barrier()
@@ -168,8 +219,8 @@ def _parity_worker(rank, world, init_file, model_path, ref_path, adapter_dir, re
 
 
 def reference(model, ref_model, batch, cfg):
-    """The whole batch the plain way: full logits of an unsharded model, one `policy_loss` over every row,
-    normalised by the batch's completion tokens (token-mean) or non-empty sequences."""
+    """The whole batch the plain way: full logits of an unsharded model, one `policy_loss` over
+    every row, normalised by the batch's completion tokens (token-mean) or non-empty sequences."""
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
     logp = logprobs.token_logprobs(logits, batch.targets, cfg.temperature, cfg.top_k, cfg.top_p)
     mask = batch.mask & torch.isfinite(logp)
@@ -178,20 +229,35 @@ def reference(model, ref_model, batch, cfg):
         old, weights = batch.behaviour_logp, None
     else:
         old = logp.detach()
-        weights = losses.behaviour_weights(old, batch.behaviour_logp, mask, mode=cfg.is_mode, high=cfg.is_high)
+        weights = losses.behaviour_weights(
+            old, batch.behaviour_logp, mask, mode=cfg.is_mode, high=cfg.is_high
+        )
     tokens = int(batch.mask.sum())
     units = tokens if cfg.agg == "token-mean" else int((batch.mask.sum(1) > 0).sum())
-    loss, metrics = losses.policy_loss(logp, old, batch.advantages, mask, variant=cfg.loss, agg=cfg.agg,
-                                       max_len=cfg.max_new_tokens, weights=weights, units=units,
-                                       seq_lens=batch.mask.sum(-1))  # |o_i|, counted as units are
+    loss, metrics = losses.policy_loss(
+        logp,
+        old,
+        batch.advantages,
+        mask,
+        variant=cfg.loss,
+        agg=cfg.agg,
+        max_len=cfg.max_new_tokens,
+        weights=weights,
+        units=units,
+        seq_lens=batch.mask.sum(-1),
+    )  # |o_i|, counted as units are
     metrics = {name: float(value) for name, value in metrics.items()}
     if cfg.kl_coef > 0:
         with torch.no_grad():
             if ref_model is None:
                 with model.disable_adapter():
-                    ref_logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
+                    ref_logits = model(
+                        input_ids=batch.input_ids, attention_mask=batch.attention_mask
+                    ).logits[:, :-1]
             else:
-                ref_logits = ref_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
+                ref_logits = ref_model(
+                    input_ids=batch.input_ids, attention_mask=batch.attention_mask
+                ).logits[:, :-1]
         ref_logp = logprobs.token_logprobs(ref_logits, batch.targets, cfg.temperature)
         full_logp = logprobs.token_logprobs(logits, batch.targets, cfg.temperature)
         kl = torch.where(mask, losses.kl_penalty(full_logp, ref_logp, cfg.kl_kind), 0.0).sum()
@@ -199,8 +265,11 @@ def reference(model, ref_model, batch, cfg):
         metrics["kl_ref"] = float(kl) / int(mask.sum())
     if weights is not None:
         metrics["is_weight_mean"] = float(weights[mask].mean())
-    metrics["entropy"] = float(logprobs.entropy_from_logits(logprobs.sampling_logits(
-        logits.detach(), cfg.temperature, cfg.top_k, cfg.top_p))[batch.mask].mean())
+    metrics["entropy"] = float(
+        logprobs.entropy_from_logits(
+            logprobs.sampling_logits(logits.detach(), cfg.temperature, cfg.top_k, cfg.top_p)
+        )[batch.mask].mean()
+    )
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
@@ -212,16 +281,25 @@ def references(model_path, ref_path, adapter_dir):
     from transformers import AutoModelForCausalLM
 
     full = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    with_lora = lora.wrap(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32),
-                          lora.peft_config(**LORA), seed=0, adapter_dir=adapter_dir)
+    with_lora = lora.wrap(
+        AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32),
+        lora.peft_config(**LORA),
+        seed=0,
+        adapter_dir=adapter_dir,
+    )
     ref_model = AutoModelForCausalLM.from_pretrained(ref_path, dtype=torch.float32)
-    return {case: reference(with_lora, None, make_batch(), config(case)) if CASES[case].get("lora")
-            else reference(full, ref_model, make_batch(), config(case)) for case in CASES}
+    return {
+        case: reference(with_lora, None, make_batch(), config(case))
+        if CASES[case].get("lora")
+        else reference(full, ref_model, make_batch(), config(case))
+        for case in CASES
+    }
 
 
 @pytest.mark.parametrize("world", [1, 2])
-def test_gradients_and_loss_do_not_depend_on_the_split(world, model_path, ref_path, adapter_dir, references,
-                                                       tmp_path):
+def test_gradients_and_loss_do_not_depend_on_the_split(
+    world, model_path, ref_path, adapter_dir, references, tmp_path
+):
     got = spawn_ranks(_parity_worker, world, tmp_path, model_path, ref_path, adapter_dir)
     for name, run in got.items():
         case = name.split(" / ")[0] if " / " in name else CHECKPOINTED[name][0]
@@ -232,8 +310,11 @@ def test_gradients_and_loss_do_not_depend_on_the_split(world, model_path, ref_pa
         for param, ref in grads.items():
             assert float(ref.abs().max()) > 0, f"{name}: {param} has no gradient"
             err = float((torch.from_numpy(run["grads"][param]) - ref).abs().max())
-            assert err <= 1e-5 * float(ref.abs().max()) + 1e-8, f"{name}: gradient of {param} off by {err}"
-        for key, value in metrics.items():  # means over every micro-batch and rank, not one micro-batch's
+            assert err <= 1e-5 * float(ref.abs().max()) + 1e-8, (
+                f"{name}: gradient of {param} off by {err}"
+            )
+        # means over every micro-batch and rank, not one micro-batch's
+        for key, value in metrics.items():
             assert run["metrics"][key] == pytest.approx(value, rel=1e-5, abs=1e-6), f"{name}: {key}"
         assert run["logprob_diff"] is not None and run["metrics"]["micro_batches"] >= 1
         assert 0 <= run["metrics"]["pad_frac"] < 1
@@ -241,5 +322,9 @@ def test_gradients_and_loss_do_not_depend_on_the_split(world, model_path, ref_pa
     assert got["agg=token-mean / one row"]["metrics"]["pad_frac"] == 0
     assert got["agg=token-mean / whole batch"]["metrics"]["pad_frac"] > 0
     assert got["agg=token-mean / one row"]["metrics"]["micro_batches"] == (7 if world == 1 else 4)
-    assert references["agg=token-mean"][2]["clip_frac_high"] + references["agg=token-mean"][2]["clip_frac_low"] > 0
+    assert (
+        references["agg=token-mean"][2]["clip_frac_high"]
+        + references["agg=token-mean"][2]["clip_frac_low"]
+        > 0
+    )
     assert references["kl+sampling"][2]["kl_ref"] > 0 and references["lora+kl"][2]["kl_ref"] > 0

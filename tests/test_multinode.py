@@ -1,12 +1,14 @@
 """Beyond one node (remote.py), with "two nodes" on this machine over 127.0.0.1.
 
-Without vLLM: the bucketed weight transfer over a 2-member gloo group (two processes), the credit bound of the
-rollout link, and a link ending when the other side errs or goes silent.
-With vLLM (three engine starts): `train.py --role generator` and `torchrun --nproc-per-node 2 train.py --role
-trainer` train a few steps (versions, lag and queue bounds asserted as on one node); SIGKILL of the generator
-node ends the trainer non-zero with a checkpoint; SIGKILL of the trainer ends the generator node non-zero.
-Nothing is left behind in any case. Never run on real separate machines or GPUs.
+Without vLLM: the bucketed weight transfer over a 2-member gloo group (two processes), the credit
+bound of the rollout link, and a link ending when the other side errs or goes silent.
+With vLLM (three engine starts): `train.py --role generator` and `torchrun --nproc-per-node 2
+train.py --role trainer` train a few steps (versions, lag and queue bounds asserted as on one node);
+SIGKILL of the generator node ends the trainer non-zero with a checkpoint; SIGKILL of the trainer
+ends the generator node non-zero. Nothing is left behind in any case. Never run on real separate
+machines or GPUs.
 """
+
 import os
 import queue
 import socket
@@ -16,10 +18,10 @@ from types import SimpleNamespace
 
 import torch
 import torch.multiprocessing as mp
+from test_pipeline import SMALL, _is_engine_core, start_run  # noqa: F401  (start_run: a fixture)
 
 import link
 import remote
-from test_pipeline import SMALL, _is_engine_core, start_run  # noqa: F401  (start_run: a fixture)
 
 
 def free_port(pair: bool = False) -> int:
@@ -38,9 +40,9 @@ def free_port(pair: bool = False) -> int:
                 continue
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Without vLLM
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 def _weights_side(rank, port, data, results):
     from datetime import timedelta
 
@@ -53,16 +55,26 @@ def _weights_side(rank, port, data, results):
     if rank == 0:
         link.send_weights(group, data, bucket_bytes=1000)
     else:
-        shared = SharedWeights.allocate([("a", (data.numel() - 10,)), ("b", (2, 5))], dtype=data.dtype)
+        shared = SharedWeights.allocate(
+            [("a", (data.numel() - 10,)), ("b", (2, 5))], dtype=data.dtype
+        )
         link.receive_weights(group, shared, 7, bucket_bytes=1000)
-        results.put((shared.buffer.view(torch.int16).numpy().tobytes(), shared.version(), int(shared.header[0])))
+        results.put(
+            (
+                shared.buffer.view(torch.int16).numpy().tobytes(),
+                shared.version(),
+                int(shared.header[0]),
+            )
+        )
         results.close()
         results.join_thread()
-    os._exit(0)  # skip the interpreter's exit, where gloo's threads can abort a process (as in test_fsdp)
+    # skip the interpreter's exit, where gloo's threads can abort a process (as in test_fsdp)
+    os._exit(0)
 
 
 def test_weights_cross_in_buckets_over_gloo_into_the_packed_buffer():
-    data = torch.randn(3001, dtype=torch.float32).to(torch.bfloat16)  # 6002 bytes: 7 buckets, the last short
+    # 6002 bytes: 7 buckets, the last short
+    data = torch.randn(3001, dtype=torch.float32).to(torch.bfloat16)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
@@ -81,7 +93,8 @@ def test_weights_cross_in_buckets_over_gloo_into_the_packed_buffer():
 
 
 def _link_pair(queue_size, timeout_s=30.0):
-    """A trainer's link and a generator node's bridge connected over loopback, no engine, no weights."""
+    """A trainer's link and a generator node's bridge connected over loopback, no engine, no
+    weights."""
     addr = f"127.0.0.1:{free_port()}"
     cfg = SimpleNamespace(generator_addr=addr, timeout_s=timeout_s, queue_size=queue_size)
     bridge = remote.GeneratorBridge(cfg)
@@ -115,7 +128,8 @@ def test_credits_keep_at_most_queue_size_groups_between_the_generator_and_the_tr
         bridge.link.close()
     assert taken == list(range(total))  # every group, in order
     assert most_waiting <= queue_size
-    assert trainer.metrics()["remote_groups_held_max"] == queue_size - 1  # the credits, all used, never more
+    # the credits, all used, never more
+    assert trainer.metrics()["remote_groups_held_max"] == queue_size - 1
     assert not trainer.link.failed.is_set() and not bridge.link.failed.is_set()
 
 
@@ -144,14 +158,20 @@ def test_an_error_or_silence_from_the_other_side_ends_the_link(capsys):
 
 
 def test_a_message_lost_across_a_reconnect_ends_the_link_instead_of_being_skipped():
-    """ZMQ drops what was queued for a broken connection: a peer whose message 2 never arrived (a credit, a
-    group, a weights header) must end the link at message 3, and nothing from message 3 on is delivered."""
+    """ZMQ drops what was queued for a broken connection: a peer whose message 2 never arrived (a
+    credit, a group, a weights header) must end the link at message 3, and nothing from message 3 on
+    is delivered."""
     import zmq
 
     addr = f"127.0.0.1:{free_port()}"
     received, failures = [], []
-    receiver = link.Link(addr, True, 30.0, lambda kind, *args: received.append((kind, *args)),
-                         on_fail=failures.append)
+    receiver = link.Link(
+        addr,
+        True,
+        30.0,
+        lambda kind, *args: received.append((kind, *args)),
+        on_fail=failures.append,
+    )
     context = zmq.Context()
     peer = context.socket(zmq.DEALER)
     peer.linger = 0
@@ -170,16 +190,18 @@ def test_a_message_lost_across_a_reconnect_ends_the_link_instead_of_being_skippe
     assert len(failures) == 1 and "lost 1 message(s) across a reconnect" in failures[0]
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Two "nodes" on 127.0.0.1, with vLLM
-# ----------------------------------------------------------------------------------------------------
-TIMEOUT_S = 300  # --timeout-s of both sides (as on one node: vLLM is slow to start on 2 busy cores); a killed side
+# --------------------------------------------------------------------------------------------------
+# --timeout-s of both sides (as on one node: vLLM is slow to start on 2 busy cores); a killed side
+TIMEOUT_S = 300
 # is noticed sooner, from its dropped connection (link.RECONNECT_S)
 TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2")
 
 
 def wait_watching(run, other, timeout: float) -> int:
-    """`run.wait`, recording `other`'s processes meanwhile too (both "nodes" are watched for leftovers)."""
+    """`run.wait`, recording `other`'s processes meanwhile too (both "nodes" are watched for
+    leftovers)."""
     deadline = time.monotonic() + timeout
     while run.poll() is None and time.monotonic() < deadline:
         other.poll()
@@ -189,30 +211,69 @@ def wait_watching(run, other, timeout: float) -> int:
 
 def start_nodes(start_run, *trainer_args):
     addr = f"127.0.0.1:{free_port(pair=True)}"
-    generator = start_run("--role", "generator", "--generator-addr", addr, "--gen-threads", "1",
-                          "--timeout-s", str(TIMEOUT_S), name="generator_node")
-    trainer = start_run("--role", "trainer", "--generator-addr", addr, "--train-threads", "1", "--timeout-s",
-                        str(TIMEOUT_S), "--log-every", "1", *SMALL, *trainer_args, name="trainer", launcher=TORCHRUN)
+    generator = start_run(
+        "--role",
+        "generator",
+        "--generator-addr",
+        addr,
+        "--gen-threads",
+        "1",
+        "--timeout-s",
+        str(TIMEOUT_S),
+        name="generator_node",
+    )
+    trainer = start_run(
+        "--role",
+        "trainer",
+        "--generator-addr",
+        addr,
+        "--train-threads",
+        "1",
+        "--timeout-s",
+        str(TIMEOUT_S),
+        "--log-every",
+        "1",
+        *SMALL,
+        *trainer_args,
+        name="trainer",
+        launcher=TORCHRUN,
+    )
     return addr, generator, trainer
 
 
 def test_two_nodes_train_with_exact_versions_and_the_lag_and_queue_bounds(start_run):
-    """In --update-mode drain (running requests finish on the old weights): test_pipeline's single-node lag test
-    runs inflight."""
+    """In --update-mode drain (running requests finish on the old weights): test_pipeline's
+    single-node lag test runs inflight."""
     steps, queue_size = 6, 4
-    addr, generator, trainer = start_nodes(start_run, "--steps", str(steps), "--max-lag", "1", "--queue-size",
-                                           str(queue_size), "--eval-every", "3", "--eval-samples", "2",
-                                           "--update-mode", "drain")
+    addr, generator, trainer = start_nodes(
+        start_run,
+        "--steps",
+        str(steps),
+        "--max-lag",
+        "1",
+        "--queue-size",
+        str(queue_size),
+        "--eval-every",
+        "3",
+        "--eval-samples",
+        "2",
+        "--update-mode",
+        "drain",
+    )
     assert wait_watching(trainer, generator, 400) == 0, trainer.tail()
     assert generator.wait(60) == 0, generator.tail()
     assert trainer.leftovers(grace_s=10) == [] and generator.leftovers(grace_s=10) == []
     assert any(map(_is_engine_core, generator.names.values())), generator.names
-    assert len([p for p in trainer.names.values() if p.startswith("python")]) >= 2  # torchrun's two ranks
+    # torchrun's two ranks
+    assert len([p for p in trainer.names.values() if p.startswith("python")]) >= 2
 
     rows, summary = trainer.rows(), trainer.summary()
     assert [r["step"] for r in rows] == list(range(steps))
     assert [r["version"] for r in rows] == list(range(1, steps + 1))
-    assert summary["steps"] == steps and summary["tokens_trained"] == sum(r["tokens"] for r in rows) > 0
+    assert (
+        summary["steps"] == steps
+        and summary["tokens_trained"] == sum(r["tokens"] for r in rows) > 0
+    )
     assert summary["config"]["update_mode"] == "drain" and summary["max_token_lag"] <= 1
     lags = [r["lag_max"] for r in rows]
     assert all(0 <= lag <= 1 for lag in lags) and 1 in lags, lags  # asynchronous, and bounded
@@ -220,7 +281,8 @@ def test_two_nodes_train_with_exact_versions_and_the_lag_and_queue_bounds(start_
     # weights too), so fully on-policy rows agree to fp32 precision
     diffs = [r["logprob_diff_on_policy"] for r in rows if r["logprob_diff_on_policy"] is not None]
     assert diffs and max(diffs) < 1e-4, diffs
-    # the queue bound: the trainer never held more than its credits (queue_size - 1; the node's queue holds 1)
+    # the queue bound: the trainer never held more than its credits (queue_size - 1; the node's
+    # queue holds 1)
     assert all(r["remote_groups_held_max"] <= queue_size - 1 for r in rows)
     assert all(r["sync_send_ms"] is not None and r["sync_send_ms"] > 0 for r in rows)
     assert [r["eval/step"] for r in rows if "eval/step" in r] == [0, 3, 6]  # evaluations cross too
@@ -236,7 +298,8 @@ def test_generator_node_killed_ends_the_trainer_with_a_checkpoint(start_run):
     code = trainer.wait(120)
     assert code != 0 and time.monotonic() - killed_at < 60
     err = trainer.stderr()
-    assert f"error: the generator at {addr} " in err, trainer.tail()  # disconnected, or gone mid-send
+    # disconnected, or gone mid-send
+    assert f"error: the generator at {addr} " in err, trainer.tail()
     assert list((trainer.out / "checkpoints").glob("step_*/dcp/.metadata")), trainer.tail()
     assert trainer.leftovers(grace_s=10) == [] and generator.leftovers(grace_s=5) == []
 

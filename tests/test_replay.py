@@ -1,18 +1,22 @@
-"""Routing replay (issue 30): routes.py records the generator's routes, buffer.py carries them, replay.py replays
-them in the trainer's MoE routers.
+"""Routing replay (issue 30): routes.py records the generator's routes, buffer.py carries them,
+replay.py replays them in the trainer's MoE routers.
 
-- The trainer's side on a tiny random-init Qwen3-MoE (fp32, in this process): with replay off, or on without
-  routes, the forward is the plain Hugging Face one; with replay on each MoE block runs exactly the recorded
-  experts, a missing route (-1) falls back to the live router and is counted, the router gets a gradient,
-  the same under activation checkpointing (whose recompute must route as the forward did), and the same
-  whatever the micro-batches (routes follow their rows through collation, the split and the trim).
-- The worker's store (routes.RouteStore, numpy, engine steps written by hand): a request's routes by position,
-  the first record of a position wins (a re-prefill after a swap keeps them), a prefix-cache hit gets the routes
-  of the block it reuses, vLLM's request ids map back to the generator's; an episode's turns merge.
-- One real run (`python train.py`, vLLM and the trainer, fp32): the multi-turn reveal task with --router-record,
-  weights swapped in flight: every recorded route matches the trainer's own top-k at its position (a route off by
-  one position or one sample would match about 1 in 28 times), none is missing.
+- The trainer's side on a tiny random-init Qwen3-MoE (fp32, in this process): with replay off, or on
+  without routes, the forward is the plain Hugging Face one; with replay on each MoE block runs
+  exactly the recorded experts, a missing route (-1) falls back to the live router and is counted,
+  the router gets a gradient, the same under activation checkpointing (whose recompute must route as
+  the forward did), and the same whatever the micro-batches (routes follow their rows through
+  collation, the split and the trim).
+- The worker's store (routes.RouteStore, numpy, engine steps written by hand): a request's routes by
+  position, the first record of a position wins (a re-prefill after a swap keeps them), a
+  prefix-cache hit gets the routes of the block it reuses, vLLM's request ids map back to the
+  generator's; an episode's turns merge.
+- One real run (`python train.py`, vLLM and the trainer, fp32): the multi-turn reveal task
+  with --router-record, weights swapped in flight: every recorded route matches the trainer's own
+  top-k at its position (a route off by one position or one sample would match about 1 in 28 times),
+  none is missing.
 """
+
 import dataclasses
 import json
 import os
@@ -29,24 +33,39 @@ import buffer
 import models
 import replay
 import routes
-from tasks import builtin
 import update
 from config import Config
+from tasks import builtin
 
 REPO = Path(__file__).resolve().parent.parent
 LAYERS, EXPERTS, TOP_K = 2, 8, 2
 
 
 def tiny_moe_config(vocab: int = 27, hidden: int = 64) -> Qwen3MoeConfig:
-    return Qwen3MoeConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=LAYERS, num_attention_heads=2,
-                          num_key_value_heads=2, head_dim=32, intermediate_size=128, moe_intermediate_size=32,
-                          num_experts=EXPERTS, num_experts_per_tok=TOP_K, norm_topk_prob=True, decoder_sparse_step=1,
-                          max_position_embeddings=128, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
-                          pad_token_id=0)
+    return Qwen3MoeConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=32,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_experts=EXPERTS,
+        num_experts_per_tok=TOP_K,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
 
 
 def tiny_moe(seed: int = 0, replay_on: bool | None = None):
-    """A random-init Qwen3-MoE in fp32; with replay_on True/False its routers patched (replay / record only)."""
+    """A random-init Qwen3-MoE in fp32; with replay_on True/False its routers patched (replay /
+    record only)."""
     torch.manual_seed(seed)
     model = Qwen3MoeForCausalLM(tiny_moe_config()).eval()
     if replay_on is not None:
@@ -55,7 +74,8 @@ def tiny_moe(seed: int = 0, replay_on: bool | None = None):
 
 
 def random_routes(b: int, t: int, seed: int = 1) -> torch.Tensor:
-    """(b, t, layers, top_k) int16 routes: top_k distinct experts per token and layer, drawn at random."""
+    """(b, t, layers, top_k) int16 routes: top_k distinct experts per token and layer, drawn at
+    random."""
     g = torch.Generator().manual_seed(seed)
     return torch.rand(b, t, LAYERS, EXPERTS, generator=g).argsort(-1)[..., :TOP_K].to(torch.int16)
 
@@ -63,14 +83,20 @@ def random_routes(b: int, t: int, seed: int = 1) -> torch.Tensor:
 class Batch:  # what replay.routed_by reads of a micro-batch
     def __init__(self, ids, routes):
         self.input_ids, self.routes = ids, routes
-        self.attention_mask, self.mask = torch.ones_like(ids), torch.ones(ids.shape[0], ids.shape[1] - 1).bool()
+        self.attention_mask, self.mask = (
+            torch.ones_like(ids),
+            torch.ones(ids.shape[0], ids.shape[1] - 1).bool(),
+        )
 
 
 def experts_run(model):
-    """Hooks that catch the experts each MoE block runs: a list (per forward call) of (layer, top_k index)."""
+    """Hooks that catch the experts each MoE block runs: a list (per forward call) of (layer, top_k
+    index)."""
     seen = []
     for i, layer in enumerate(model.model.layers):
-        layer.mlp.experts.register_forward_pre_hook(lambda m, args, i=i: seen.append((i, args[1].clone())))
+        layer.mlp.experts.register_forward_pre_hook(
+            lambda m, args, i=i: seen.append((i, args[1].clone()))
+        )
     return seen
 
 
@@ -80,7 +106,11 @@ def test_replay_off_or_without_routes_is_the_plain_hugging_face_forward():
     own = experts_run(plain)
     with torch.no_grad():
         expected = plain(ids).logits
-    recorded = torch.stack([own[i][1] for i in range(LAYERS)], 1).reshape(3, 9, LAYERS, TOP_K).to(torch.int16)
+    recorded = (
+        torch.stack([own[i][1] for i in range(LAYERS)], 1)
+        .reshape(3, 9, LAYERS, TOP_K)
+        .to(torch.int16)
+    )
     for replay_on, batch_routes in ((False, random_routes(3, 9)), (True, None), (True, recorded)):
         model = tiny_moe(replay_on=replay_on)
         with torch.no_grad(), replay.routed_by(model, Batch(ids, batch_routes)):
@@ -98,20 +128,27 @@ def test_replay_runs_the_recorded_experts_falls_back_where_missing_and_counts():
     recorded[1, 4, 1] = -1  # missing in one layer
     model = tiny_moe(replay_on=True)
     seen, inputs = experts_run(model), {}
-    for i, layer in enumerate(model.model.layers):  # each block's input: what its live router would choose
-        layer.mlp.register_forward_pre_hook(lambda m, args, i=i: inputs.__setitem__(i, args[0].reshape(14, -1)))
+    # each block's input: what its live router would choose
+    for i, layer in enumerate(model.model.layers):
+        layer.mlp.register_forward_pre_hook(
+            lambda m, args, i=i: inputs.__setitem__(i, args[0].reshape(14, -1))
+        )
     with torch.no_grad(), replay.routed_by(model, Batch(ids, recorded)) as counts:
         model(ids)
     flat = recorded.reshape(14, LAYERS, TOP_K).long()
     for layer, used in seen:
         present = (flat[:, layer] >= 0).all(-1)
-        assert torch.equal(used[present], flat[present, layer])  # the recorded experts, in their order
+        # the recorded experts, in their order
+        assert torch.equal(used[present], flat[present, layer])
         gate = model.model.layers[layer].mlp.gate.weight
         live = torch.nn.functional.linear(inputs[layer], gate).topk(TOP_K).indices
-        assert torch.equal(used[~present].sort(-1).values, live[~present].sort(-1).values)  # the live router's
-    # the last position of each row predicts nothing: never counted; missing: (0, 2) in 2 layers, (1, 4) in 1
+        # the live router's
+        assert torch.equal(used[~present].sort(-1).values, live[~present].sort(-1).values)
+    # the last position of each row predicts nothing: never counted; missing: (0, 2) in 2 layers,
+    # (1, 4) in 1
     assert int(counts["missing"]) == 3 and int(counts["decisions"]) == 2 * 6 * LAYERS - 3
-    assert 0 <= int(counts["agree"]) < int(counts["decisions"])  # random routes: the live router disagrees
+    # random routes: the live router disagrees
+    assert 0 <= int(counts["agree"]) < int(counts["decisions"])
 
 
 def router_grads(checkpointed: bool, routes_on: bool = True) -> list[torch.Tensor]:
@@ -121,7 +158,8 @@ def router_grads(checkpointed: bool, routes_on: bool = True) -> list[torch.Tenso
         models.checkpoint_layers(model)
     with replay.routed_by(model, Batch(ids, random_routes(2, 8) if routes_on else None)):
         logp = torch.log_softmax(model(ids).logits[:, :-1], -1).gather(-1, ids[:, 1:, None])
-        logp.sum().backward()  # inside the context: a checkpointed layer's recompute routes as the forward did
+        # inside the context: a checkpointed layer's recompute routes as the forward did
+        logp.sum().backward()
     return [layer.mlp.gate.weight.grad.clone() for layer in model.model.layers]
 
 
@@ -135,24 +173,39 @@ def test_the_router_gets_a_gradient_through_replay_also_under_activation_checkpo
 
 
 def test_routes_follow_their_tokens_through_collation_and_micro_batches():
-    """The same batch trained in one micro-batch or in many (sorted by length, trimmed) gives the same gradient
-    under replay: each row's routes stay with its tokens. Random routes, so that a shifted row would not."""
+    """The same batch trained in one micro-batch or in many (sorted by length, trimmed) gives the
+    same gradient under replay: each row's routes stay with its tokens. Random routes, so that a
+    shifted row would not."""
     rng = np.random.default_rng(3)
     samples = []
     for i, (p, c) in enumerate([(3, 5), (2, 9), (4, 2), (3, 7), (5, 4)]):
         rows = rng.random((p + c, LAYERS, EXPERTS)).argsort(-1)[..., :TOP_K].astype(np.uint8)
         rows[-1] = 255  # the last token: never read by vLLM, missing
-        samples.append(buffer.Sample([1] + list(rng.integers(3, 27, p - 1)), list(rng.integers(3, 27, c)),
-                                     [-1.0] * c, [0] * c, 1.0, float(rng.normal()), routes=rows))
+        samples.append(
+            buffer.Sample(
+                [1] + list(rng.integers(3, 27, p - 1)),
+                list(rng.integers(3, 27, c)),
+                [-1.0] * c,
+                [0] * c,
+                1.0,
+                float(rng.normal()),
+                routes=rows,
+            )
+        )
     batch = buffer.collate(samples, pad_id=0)
     assert batch.routes.shape == (5, 11, LAYERS, TOP_K) and batch.routes.dtype == torch.uint8
-    assert (batch.routes[0, 7:] == 255).all() and (batch.routes[0, :8].numpy() == samples[0].routes).all()
+    assert (batch.routes[0, 7:] == 255).all() and (
+        batch.routes[0, :8].numpy() == samples[0].routes
+    ).all()
     rows = samples[0].routes.astype(np.uint16) * 300  # (uint16: 256 experts or more)
     rows[-1] = 65535
     wide = buffer.collate([dataclasses.replace(samples[0], routes=rows)], 0)
-    assert wide.routes.dtype == torch.int32 and torch.equal(wide.routes[0], torch.from_numpy(rows.astype(np.int32)))
+    assert wide.routes.dtype == torch.int32 and torch.equal(
+        wide.routes[0], torch.from_numpy(rows.astype(np.int32))
+    )
     grads = []
-    for tokens in (0, 12):  # one micro-batch; micro-batches of at most 12 padded tokens (one or two rows)
+    # one micro-batch; micro-batches of at most 12 padded tokens (one or two rows)
+    for tokens in (0, 12):
         model = tiny_moe(replay_on=True)
         cfg = Config(micro_batch_tokens=tokens, max_lag=0)
         result = update.update_on_batch(model, None, None, batch, cfg, 0, 1, 0, 0)
@@ -165,8 +218,9 @@ def test_routes_follow_their_tokens_through_collation_and_micro_batches():
 
 def test_a_model_without_replayable_routes_is_refused_in_one_line():
     assert replay.problem(tiny_moe_config()) is None
-    dense = builtin.Qwen2Config(vocab_size=27, hidden_size=32, num_hidden_layers=1,
-                                num_attention_heads=2)
+    dense = builtin.Qwen2Config(
+        vocab_size=27, hidden_size=32, num_hidden_layers=1, num_attention_heads=2
+    )
     assert "need a Mixture-of-Experts model" in replay.problem(dense)
     other = tiny_moe_config()
     other.model_type = "deepseek_v3"
@@ -175,8 +229,9 @@ def test_a_model_without_replayable_routes_is_refused_in_one_line():
 
 @pytest.mark.parametrize("family", sorted(replay.ROUTERS))
 def test_each_family_replays_its_own_choice_exactly_and_other_routes_with_a_router_gradient(family):
-    """Replaying a model's own top-k gives its plain forward (the weights rule is the family's own); replaying
-    random routes changes the output and the router gets a gradient (tests/test_moe.py's tiny configs)."""
+    """Replaying a model's own top-k gives its plain forward (the weights rule is the family's own);
+    replaying random routes changes the output and the router gets a gradient (tests/test_moe.py's
+    tiny configs)."""
     from test_moe import tiny_moe as family_moe
 
     ids = torch.randint(3, 26, (2, 6), generator=torch.Generator().manual_seed(4))
@@ -186,38 +241,58 @@ def test_each_family_replays_its_own_choice_exactly_and_other_routes_with_a_rout
     layers = model.model.layers
     state = replay.install(model, layers, model.config, replay=False)
     seen = {}
-    state.count = lambda layer, own, recorded, present: seen.__setitem__(layer, own.detach().clone())
+    state.count = lambda layer, own, recorded, present: seen.__setitem__(
+        layer, own.detach().clone()
+    )
     top_k = state.top_k
-    with torch.no_grad(), replay.routed_by(model, Batch(ids, torch.full((2, 6, len(layers), top_k), -1))):
+    with (
+        torch.no_grad(),
+        replay.routed_by(model, Batch(ids, torch.full((2, 6, len(layers), top_k), -1))),
+    ):
         model(ids)
     assert seen, family
     own = torch.full((12, len(layers), top_k), -1)
     for layer, experts in seen.items():
         own[:, layer] = experts
     state.replay = True
-    with torch.no_grad(), replay.routed_by(model, Batch(ids, own.reshape(2, 6, len(layers), top_k))):
+    with (
+        torch.no_grad(),
+        replay.routed_by(model, Batch(ids, own.reshape(2, 6, len(layers), top_k))),
+    ):
         torch.testing.assert_close(model(ids).logits, expected, rtol=1e-5, atol=1e-5)
     g = torch.Generator().manual_seed(5)
     experts = model.config.to_dict()
-    count = next(experts[k] for k in ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
-                 if experts.get(k))
+    count = next(
+        experts[k]
+        for k in ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+        if experts.get(k)
+    )
     other = torch.rand(2, 6, len(layers), count, generator=g).argsort(-1)[..., :top_k]
     other[:, :, [i for i in range(len(layers)) if i not in seen]] = -1
     with replay.routed_by(model, Batch(ids, other)):
         logits = model(ids).logits
         logits.float().logsumexp(-1).sum().backward()
     assert not torch.allclose(logits.detach(), expected, atol=1e-4)
-    routers = [p for n, p in model.named_parameters() if p.grad is not None and any(
-        key in n for key in ("gate.weight", "router.weight", "router.gate.weight", "router.layer.weight"))
-               and "gate_up" not in n and "shared_expert_gate" not in n]
+    routers = [
+        p
+        for n, p in model.named_parameters()
+        if p.grad is not None
+        and any(
+            key in n
+            for key in ("gate.weight", "router.weight", "router.gate.weight", "router.layer.weight")
+        )
+        and "gate_up" not in n
+        and "shared_expert_gate" not in n
+    ]
     assert routers and all(p.grad.abs().sum() > 0 for p in routers), family
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The worker's store and the episode merge (numpy; engine steps written by hand)
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 def step(store, rows, requests, positions):
-    """One engine step: each layer's top-k ids for the step's rows (rows: (tokens, layers, top_k)), committed."""
+    """One engine step: each layer's top-k ids for the step's rows (rows: (tokens, layers, top_k)),
+    committed."""
     store.begin_step()
     for layer in range(LAYERS):
         store.capture(layer, torch.as_tensor(rows[:, layer]))
@@ -228,43 +303,62 @@ def test_the_store_keeps_first_routes_fills_prefix_cache_hits_and_maps_request_i
     store = routes.RouteStore(LAYERS, TOP_K, EXPERTS, block_size=4, prefix="group-")
     rng = np.random.default_rng(0)
     first = rng.integers(0, EXPERTS, (6, LAYERS, TOP_K))
-    a, b = "0_group-1-abcdef12", "1_group-1-abcdef12"  # vLLM's ids of the generator's "group-1", samples 0, 1
+    # vLLM's ids of the generator's "group-1", samples 0, 1
+    a, b = "0_group-1-abcdef12", "1_group-1-abcdef12"
     step(store, first, [(a, 6, [10, 11])], range(6))  # a's prefill: positions 0-5 in blocks 10, 11
-    # b hits the prefix cache for block 10 (positions 0-3) and computes 4-5 in its own block 12; an evaluation
-    # request is not recorded, but its blocks are
+    # b hits the prefix cache for block 10 (positions 0-3) and computes 4-5 in its own block 12; an
+    # evaluation request is not recorded, but its blocks are
     mine = rng.integers(0, EXPERTS, (2, LAYERS, TOP_K))
-    step(store, np.concatenate([mine, first[:1]]), [(b, 2, [10, 12]), ("eval-0-x-abcdef12", 1, [13])], [4, 5, 0])
-    # a weight swap re-prefills a (new routes for 0-5) and it decodes position 6: its first routes stay
+    step(
+        store,
+        np.concatenate([mine, first[:1]]),
+        [(b, 2, [10, 12]), ("eval-0-x-abcdef12", 1, [13])],
+        [4, 5, 0],
+    )
+    # a weight swap re-prefills a (new routes for 0-5) and it decodes position 6: its first routes
+    # stay
     again = rng.integers(0, EXPERTS, (7, LAYERS, TOP_K))
     step(store, again, [(a, 7, [20, 21])], range(7))
-    assert store.named("group-1-abcdef12", "group-1") and not store.named("group-10-abcdef12", "group-1")
+    assert store.named("group-1-abcdef12", "group-1") and not store.named(
+        "group-10-abcdef12", "group-1"
+    )
     taken = store.take("group-1")
     assert sorted(taken) == [0, 1] and store.take("group-1") == {} and not store.records
     assert np.array_equal(taken[0][:6], first) and np.array_equal(taken[0][6], again[6])
-    assert np.array_equal(taken[1], np.concatenate([first[:4], mine]))  # the hit: the routes of block 10
-    assert store.dtype == np.uint8 and routes.route_dtype(256) == np.uint16  # 255: the missing mark of uint8
+    # the hit: the routes of block 10
+    assert np.array_equal(taken[1], np.concatenate([first[:4], mine]))
+    # 255: the missing mark of uint8
+    assert store.dtype == np.uint8 and routes.route_dtype(256) == np.uint16
 
 
 def test_an_episode_keeps_each_positions_first_routes_turn_after_turn():
     layers, k, dtype = 1, 2, np.uint8
-    turn1 = np.arange(10, dtype=dtype).reshape(5, layers, k)  # positions 0-4 (5: the turn's last token, unread)
+    # positions 0-4 (5: the turn's last token, unread)
+    turn1 = np.arange(10, dtype=dtype).reshape(5, layers, k)
     episode = routes.merged(None, turn1, 0)
     assert routes.known_prefix(episode) == 5
     turn2 = np.full((4, layers, k), 7, dtype=dtype)  # the next request from position 5: 5-8
     episode = routes.merged(episode, turn2, routes.known_prefix(episode))
-    assert episode.shape == (9, layers, k) and np.array_equal(episode[:5], turn1) and (episode[5:] == 7).all()
+    assert (
+        episode.shape == (9, layers, k)
+        and np.array_equal(episode[:5], turn1)
+        and (episode[5:] == 7).all()
+    )
     fitted = routes.fitted(episode, 11, layers, k, dtype)
     assert (fitted[9:] == 255).all() and routes.known_prefix(fitted) == 9
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # vLLM: an engine in this process, then one real run
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 def own_top_k(model, ids: list[int]) -> np.ndarray:
-    """(positions, layers, top_k) sorted: the experts the Hugging Face model's routers choose for `ids`."""
+    """(positions, layers, top_k) sorted: the experts the Hugging Face model's routers choose for
+    `ids`."""
     caught = {}
-    hooks = [layer.mlp.gate.register_forward_hook(lambda m, a, out, i=i: caught.__setitem__(i, out[2]))
-             for i, layer in enumerate(model.model.layers)]
+    hooks = [
+        layer.mlp.gate.register_forward_hook(lambda m, a, out, i=i: caught.__setitem__(i, out[2]))
+        for i, layer in enumerate(model.model.layers)
+    ]
     with torch.no_grad():
         model(torch.tensor([ids]))
     for hook in hooks:
@@ -272,41 +366,66 @@ def own_top_k(model, ids: list[int]) -> np.ndarray:
     return torch.stack([caught[i] for i in range(len(caught))], 1).sort(-1).values.numpy()
 
 
-def test_the_worker_records_each_sample_and_a_prefix_cache_hit_gets_its_blocks_routes(tmp_path, monkeypatch):
-    """vLLM (fp32, in this process): a request of 4 samples, then the same prompt again, which reuses the first
-    one's KV blocks (32-token blocks here; the CPU path's default 128 is longer than the tiny model's context):
-    every sample's routes, prompt included, are the Hugging Face model's own top-k at every position it read."""
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # (the engine in this process: a quicker start)
+def test_the_worker_records_each_sample_and_a_prefix_cache_hit_gets_its_blocks_routes(
+    tmp_path, monkeypatch
+):
+    """vLLM (fp32, in this process): a request of 4 samples, then the same prompt again, which
+    reuses the first one's KV blocks (32-token blocks here; the CPU path's default 128 is longer
+    than the tiny model's context): every sample's routes, prompt included, are the Hugging Face
+    model's own top-k at every position it read."""
+    # (the engine in this process: a quicker start)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from transformers import AutoModelForCausalLM
     from vllm import LLM, SamplingParams
 
     path = builtin.build_tiny_model(str(tmp_path / "moe"), experts=builtin.TINY_MOE_EXPERTS)
-    llm = LLM(model=path, dtype="float32", seed=0, enforce_eager=True, kv_cache_memory_bytes=32 * 2**20,
-              worker_extension_cls="vllm_worker.WeightSyncWorker", enable_prefix_caching=True, block_size=32)
+    llm = LLM(
+        model=path,
+        dtype="float32",
+        seed=0,
+        enforce_eager=True,
+        kv_cache_memory_bytes=32 * 2**20,
+        worker_extension_cls="vllm_worker.WeightSyncWorker",
+        enable_prefix_caching=True,
+        block_size=32,
+    )
     try:
-        layers, top_k, experts = llm.collective_rpc("start_routes", args=("",))[0]  # (record every request)
+        # (record every request)
+        layers, top_k, experts = llm.collective_rpc("start_routes", args=("",))[0]
         prompt = [1] + [3 + (7 * j) % 23 for j in range(39)]
-        outs = [llm.generate([{"prompt_token_ids": prompt}], SamplingParams(n=n, max_tokens=8, seed=0),
-                             use_tqdm=False)[0] for n in (4, 1)]
+        outs = [
+            llm.generate(
+                [{"prompt_token_ids": prompt}],
+                SamplingParams(n=n, max_tokens=8, seed=0),
+                use_tqdm=False,
+            )[0]
+            for n in (4, 1)
+        ]
         taken = [dict(llm.collective_rpc("take_routes", args=(o.request_id,))[0]) for o in outs]
     finally:
         llm.llm_engine.engine_core.shutdown()
     assert (layers, top_k, experts) == (2, builtin.TINY_MOE_ACTIVE, builtin.TINY_MOE_EXPERTS)
-    assert outs[1].num_cached_tokens == 32 and sorted(taken[0]) == [0, 1, 2, 3] and sorted(taken[1]) == [0]
+    assert (
+        outs[1].num_cached_tokens == 32
+        and sorted(taken[0]) == [0, 1, 2, 3]
+        and sorted(taken[1]) == [0]
+    )
     model = AutoModelForCausalLM.from_pretrained(path)
     for out, by_index in zip(outs, taken):
         for c in out.outputs:
             ids = prompt + list(c.token_ids)
             got = np.frombuffer(by_index[c.index], np.uint8).reshape(-1, layers, top_k)
-            assert len(got) == len(ids) - 1  # every position vLLM read; the last sampled token it never reads
+            # every position vLLM read; the last sampled token it never reads
+            assert len(got) == len(ids) - 1
             assert np.array_equal(np.sort(got, -1), own_top_k(model, ids)[:-1])
 
 
 @pytest.mark.parametrize("family", ["glm4_moe", "granitemoe"])
 def test_vllm_records_the_routes_other_routers_choose(family, tmp_path, monkeypatch):
-    """Two routers unlike Qwen's (tests/test_moe.py's tiny configs): GLM-4-MoE (a dense first layer, sigmoid
-    scores, grouped choice with a bias) and Granite-MoE (a softmax over the chosen logits, its outputs in another
-    order): vLLM's recorded routes are the Hugging Face model's own top-k, a dense layer's rows missing."""
+    """Two routers unlike Qwen's (tests/test_moe.py's tiny configs): GLM-4-MoE (a dense first layer,
+    sigmoid scores, grouped choice with a bias) and Granite-MoE (a softmax over the chosen logits,
+    its outputs in another order): vLLM's recorded routes are the Hugging Face model's own top-k, a
+    dense layer's rows missing."""
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from test_moe import tiny_moe as family_moe
     from vllm import LLM, SamplingParams
@@ -315,22 +434,39 @@ def test_vllm_records_the_routes_other_routers_choose(family, tmp_path, monkeypa
     path = builtin.build_tiny_model(str(tmp_path / family))
     model = family_moe(family)
     model.save_pretrained(path)
-    llm = LLM(model=path, dtype="float32", seed=0, enforce_eager=True, kv_cache_memory_bytes=32 * 2**20,
-              worker_extension_cls="vllm_worker.WeightSyncWorker", max_model_len=64)
+    llm = LLM(
+        model=path,
+        dtype="float32",
+        seed=0,
+        enforce_eager=True,
+        kv_cache_memory_bytes=32 * 2**20,
+        worker_extension_cls="vllm_worker.WeightSyncWorker",
+        max_model_len=64,
+    )
     try:
         layers, top_k, _ = llm.collective_rpc("start_routes", args=("",))[0]
-        out = llm.generate([{"prompt_token_ids": [1, 5, 9, 7, 22]}], SamplingParams(n=2, max_tokens=8, seed=0),
-                           use_tqdm=False)[0]
+        out = llm.generate(
+            [{"prompt_token_ids": [1, 5, 9, 7, 22]}],
+            SamplingParams(n=2, max_tokens=8, seed=0),
+            use_tqdm=False,
+        )[0]
         taken = dict(llm.collective_rpc("take_routes", args=(out.request_id,))[0])
     finally:
         llm.llm_engine.engine_core.shutdown()
     caught = {}
-    state = replay.install(model, model.model.layers, model.config, replay=False)  # (counts each layer's top-k)
-    state.count = lambda layer, own, recorded, present: caught.__setitem__(layer, own.sort(-1).values)
+    # (counts each layer's top-k)
+    state = replay.install(model, model.model.layers, model.config, replay=False)
+    state.count = lambda layer, own, recorded, present: caught.__setitem__(
+        layer, own.sort(-1).values
+    )
     for c in out.outputs:
         ids = [1, 5, 9, 7, 22] + list(c.token_ids)
-        with torch.no_grad(), replay.routed_by(model, Batch(torch.tensor([ids]),
-                                                            torch.full((1, len(ids), layers, top_k), -1))):
+        with (
+            torch.no_grad(),
+            replay.routed_by(
+                model, Batch(torch.tensor([ids]), torch.full((1, len(ids), layers, top_k), -1))
+            ),
+        ):
             model(torch.tensor([ids]))
         got = np.sort(np.frombuffer(taken[c.index], np.uint8).reshape(-1, layers, top_k), -1)
         assert len(got) == len(ids) - 1 and len(caught) >= 1
@@ -344,18 +480,47 @@ def test_vllm_records_the_routes_other_routers_choose(family, tmp_path, monkeypa
 
 def test_recorded_routes_match_the_trainers_own_across_turns_swaps_and_micro_batches(tmp_path):
     out = tmp_path / "run"
-    # --lr 1e-12 leaves the fp32 weights as they are while versions advance (every publish is loaded, in flight):
-    # the trainer's own top-k is then what vLLM computed, position by position, whatever the swaps did
-    args = ["--model", "TINY_MOE", "--task", "reveal", "--router-record", "--dtype", "fp32", "--steps", "3",
-            "--lr", "1e-12",
-            "--max-lag", "2", "--prompts-per-step", "4", "--group-size", "4", "--micro-batch-tokens", "64",
-            "--eval-every", "0", "--out", str(out)]
-    proc = subprocess.run([sys.executable, "train.py", *args], cwd=REPO, capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    # --lr 1e-12 leaves the fp32 weights as they are while versions advance (every publish is
+    # loaded, in flight): the trainer's own top-k is then what vLLM computed, position by position,
+    # whatever the swaps did
+    args = [
+        "--model",
+        "TINY_MOE",
+        "--task",
+        "reveal",
+        "--router-record",
+        "--dtype",
+        "fp32",
+        "--steps",
+        "3",
+        "--lr",
+        "1e-12",
+        "--max-lag",
+        "2",
+        "--prompts-per-step",
+        "4",
+        "--group-size",
+        "4",
+        "--micro-batch-tokens",
+        "64",
+        "--eval-every",
+        "0",
+        "--out",
+        str(out),
+    ]
+    proc = subprocess.run(
+        [sys.executable, "train.py", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 3 and max(r["micro_batches"] for r in rows) > 1
-    assert sum(r["gen_swap_requests"] for r in rows) > 0  # weights were swapped under running requests
+    # weights were swapped under running requests
+    assert sum(r["gen_swap_requests"] for r in rows) > 0
     assert max(r["env/turns_mean"] for r in rows) > 1  # episodes of several requests
     for r in rows:
         assert r["router/missing"] == 0 and r["router/agreement"] > 0.99, r

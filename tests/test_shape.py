@@ -1,13 +1,17 @@
-"""The repository's shape (issue 24), measured by scripts/shape.py: lines per file and their width, no import
-cycle, the calls from the training loop down to the loss, the files one sample passes through. Static (ast): a
-second. An assertion marked xfail(strict=True) does not hold yet: it fails the suite the day it starts to hold,
-so the change that makes it hold removes the mark."""
+"""The repository's shape (issue 24), measured by scripts/shape.py: lines per file and their width,
+no import cycle, the calls from the training loop down to the loss, the files one sample passes
+through. Static (ast): a second. An assertion marked xfail(strict=True) does not hold yet: it fails
+the suite the day it starts to hold, so the change that makes it hold removes the mark."""
+
 import os
+import subprocess
 import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+sys.path.insert(
+    0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
+)
 import shape  # noqa: E402
 
 MAX_CALLS_BELOW_LOOP = 3  # issue 24: the per-micro-batch loss at most three calls below the loop
@@ -70,3 +74,18 @@ def test_the_chain_finder_takes_the_shortest_chain():
     assert shape.shortest_chain(graph, "a", "d") == ["a", "b", "d"]
     assert shape.calls_below_loop(graph, "d", loop="a") == (2, ["a", "b", "d"])
     assert shape.shortest_chain(graph, "d", "a") is None
+
+
+@pytest.mark.parametrize("command", [["format", "--check"], ["check"]])
+def test_the_code_is_formatted_and_linted_by_ruff(command):
+    """One formatter and one linter for every file, as ruff.toml sets them (line length 100)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "ruff", *command, "--quiet", "."],
+        cwd=shape.REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, (
+        f"ruff {' '.join(command)}:\n{done.stdout[-4000:]}{done.stderr[-2000:]}"
+    )

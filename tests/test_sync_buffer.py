@@ -1,5 +1,6 @@
-"""shared_weights.py, sync.py and buffer.py without an engine: packing, the seqlock, handles across processes, the
-staleness rule and batch assembly."""
+"""shared_weights.py, sync.py and buffer.py without an engine: packing, the seqlock, handles across
+processes, the staleness rule and batch assembly."""
+
 import dataclasses
 import queue as queue_lib
 import threading
@@ -12,13 +13,15 @@ import buffer
 import config
 import devices
 import prepare
+import shared_weights
 import sync
 import update
-import shared_weights
 
 
 def small_shared():
-    return shared_weights.SharedWeights.allocate([("a.weight", (3, 4)), ("b.bias", (5,)), ("c.weight", (2, 2))])
+    return shared_weights.SharedWeights.allocate(
+        [("a.weight", (3, 4)), ("b.bias", (5,)), ("c.weight", (2, 2))]
+    )
 
 
 def test_layout_packs_parameters_back_to_back():
@@ -28,7 +31,11 @@ def test_layout_packs_parameters_back_to_back():
 
 def test_publish_then_snapshot_round_trips_every_parameter():
     shared = small_shared()
-    values = {"a.weight": torch.randn(3, 4), "b.bias": torch.randn(5), "c.weight": torch.randn(2, 2)}
+    values = {
+        "a.weight": torch.randn(3, 4),
+        "b.bias": torch.randn(5),
+        "c.weight": torch.randn(2, 2),
+    }
     shared.publish(values, version=7)
     out = torch.empty_like(shared.buffer)
     assert shared.read_snapshot(out) == 7
@@ -38,20 +45,28 @@ def test_publish_then_snapshot_round_trips_every_parameter():
         shared.publish({"a.weight": values["a.weight"]}, version=8)
 
 
-def test_a_bf16_buffer_holds_the_cast_weights_in_half_the_bytes_and_keeps_its_dtype_across_processes():
+def test_a_bf16_buffer_holds_the_cast_weights_in_half_the_bytes_and_its_dtype_across_processes():
     shapes = [("a.weight", (3, 4)), ("b.bias", (5,)), ("c.weight", (2, 2))]
     allocate = shared_weights.SharedWeights.allocate
     fp32, bf16 = allocate(shapes), allocate(shapes, dtype=torch.bfloat16)
-    assert fp32.nbytes == 21 * 4 and bf16.nbytes == 21 * 2 == fp32.nbytes // 2  # what summary.json's sync_mb says
-    values = {name: torch.randn(shape) for name, shape in shapes}  # the trainer's fp32 master weights
+    # what summary.json's sync_mb says
+    assert fp32.nbytes == 21 * 4 and bf16.nbytes == 21 * 2 == fp32.nbytes // 2
+    # the trainer's fp32 master weights
+    values = {name: torch.randn(shape) for name, shape in shapes}
     bf16.publish(values, version=3)  # cast on the way in
     for slot in bf16.layout:
         assert bf16.view(slot).dtype == torch.bfloat16
         assert torch.equal(bf16.view(slot), values[slot.name].bfloat16())
     back = shared_weights.SharedWeights.from_bytes(bf16.to_bytes())
-    assert back.dtype == torch.bfloat16 and back.version() == 3 and torch.equal(back.buffer, bf16.buffer)
+    assert (
+        back.dtype == torch.bfloat16
+        and back.version() == 3
+        and torch.equal(back.buffer, bf16.buffer)
+    )
     # a received CUDA buffer is not opened to learn its dtype: the dtype travels with the handle
-    handle = shared_weights.SharedWeights(None, bf16.header, bf16.layout, ipc_handle=object(), dtype=torch.bfloat16)
+    handle = shared_weights.SharedWeights(
+        None, bf16.header, bf16.layout, ipc_handle=object(), dtype=torch.bfloat16
+    )
     assert handle.dtype == torch.bfloat16 and handle._shareable()[3] == torch.bfloat16
 
 
@@ -92,8 +107,9 @@ def test_seqlock_never_returns_a_torn_snapshot():
 
 
 def test_read_in_place_repeats_a_torn_read_and_gives_up_after_its_tries():
-    """The in-place read the vLLM worker reloads from (CPU): a writer inside the read means read again;
-    a read that is always torn, or a writer that never leaves, gives None (the caller then snapshots)."""
+    """The in-place read the vLLM worker reloads from (CPU): a writer inside the read means read
+    again; a read that is always torn, or a writer that never leaves, gives None (the caller then
+    snapshots)."""
     shared = small_shared()
     shared.publish({s.name: torch.full(s.shape, 1.0) for s in shared.layout}, version=1)
     seen = []
@@ -112,22 +128,34 @@ def test_read_in_place_repeats_a_torn_read_and_gives_up_after_its_tries():
 
     assert shared.read_in_place(always_torn, max_tries=3) is None
     shared.begin_write()  # a writer that stays inside: never read
-    assert shared.read_in_place(lambda buf: seen.append("read"), max_wait_s=0.01) is None and seen[-1] != "read"
+    assert (
+        shared.read_in_place(lambda buf: seen.append("read"), max_wait_s=0.01) is None
+        and seen[-1] != "read"
+    )
     shared.end_write(9)
     assert shared.read_in_place(lambda buf: None) == 9
 
 
 def test_readers_wait_for_a_writer_as_long_as_a_publish_of_the_buffers_size_takes():
-    """A large or remote publish keeps the seqlock odd for seconds (remote.py receives the bytes from the network
-    between begin_write and end_write): the wait scales with the buffer, so such a publish is waited for."""
+    """A large or remote publish keeps the seqlock odd for seconds (remote.py receives the bytes
+    from the network between begin_write and end_write): the wait scales with the buffer, so such a
+    publish is waited for."""
     small = small_shared()
     assert small.writer_wait_s() == shared_weights.MIN_WAIT_S
-    large = shared_weights.SharedWeights.allocate([("w", (25_000_000,))])  # 100 MB: 2 s at the slowest publish rate
-    assert large.writer_wait_s() == pytest.approx(large.nbytes / shared_weights.SLOWEST_PUBLISH_BYTES_PER_S) == 2.0
-    for read in (lambda: large.read_snapshot(torch.empty_like(large.buffer)),
-                 lambda: large.read_in_place(lambda b: None)):
+    # 100 MB: 2 s at the slowest publish rate
+    large = shared_weights.SharedWeights.allocate([("w", (25_000_000,))])
+    assert (
+        large.writer_wait_s()
+        == pytest.approx(large.nbytes / shared_weights.SLOWEST_PUBLISH_BYTES_PER_S)
+        == 2.0
+    )
+    for read in (
+        lambda: large.read_snapshot(torch.empty_like(large.buffer)),
+        lambda: large.read_in_place(lambda b: None),
+    ):
         large.begin_write()
-        writer = threading.Timer(1.5, large.end_write, args=(large.version() + 1,))  # longer than the 1 s floor
+        # longer than the 1 s floor
+        writer = threading.Timer(1.5, large.end_write, args=(large.version() + 1,))
         writer.start()
         try:
             assert read() == large.version()
@@ -148,7 +176,8 @@ def test_handles_as_bytes_map_the_same_memory_in_another_process():
     shared = small_shared()
     data = shared.to_bytes()
     assert len(data) < 10_000  # handles, not the weights
-    shared.publish({s.name: torch.full(s.shape, 2.0) for s in shared.layout}, version=3)  # after pickling
+    # after pickling
+    shared.publish({s.name: torch.full(s.shape, 2.0) for s in shared.layout}, version=3)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     child = ctx.Process(target=_child_reads, args=(data, results))
@@ -160,8 +189,14 @@ def test_handles_as_bytes_map_the_same_memory_in_another_process():
 
 def group(gid, versions, rewards=None):
     n = len(versions)
-    return buffer.RolloutGroup(gid, [1, 13, 14, 15, 25], [[13 + j] * len(v) for j, v in enumerate(versions)],
-                               [[-0.5] * len(v) for v in versions], versions, rewards or [float(j) for j in range(n)])
+    return buffer.RolloutGroup(
+        gid,
+        [1, 13, 14, 15, 25],
+        [[13 + j] * len(v) for j, v in enumerate(versions)],
+        [[-0.5] * len(v) for v in versions],
+        versions,
+        rewards or [float(j) for j in range(n)],
+    )
 
 
 def test_a_group_with_a_stale_sample_is_dropped_whole_and_counted():
@@ -174,7 +209,8 @@ def test_a_group_with_a_stale_sample_is_dropped_whole_and_counted():
     assert [g.group_id for g in taken.groups] == [2, 3]
     assert (taken.samples_kept, taken.samples_dropped, taken.groups_dropped) == (4, 4, 2)
     samples = buffer.to_samples(taken.groups, torch.tensor([[0.5, -0.5], [1.0, -1.0]]))
-    assert [s.advantage for s in samples] == [0.5, -0.5, 1.0, -1.0]  # over exactly the samples trained
+    # over exactly the samples trained
+    assert [s.advantage for s in samples] == [0.5, -0.5, 1.0, -1.0]
     assert all(5 - min(s.token_versions) <= 1 for s in samples if s.token_versions)
     with pytest.raises(TimeoutError):
         buffer.take_groups(q, 1, trainer_version=5, max_lag=1, timeout_s=0.3)
@@ -193,9 +229,20 @@ def test_dynamic_sampling_never_keeps_a_group_with_equal_rewards():
     for gid, rewards in enumerate([[1.0, 1.0], [0.0, 1.0], [0.0, 0.0], [0.5, 0.5], [0.2, 0.1]]):
         q.put(group(gid, [[5], [5]], rewards))
     replaced = []
-    taken = buffer.take_groups(q, 2, trainer_version=5, max_lag=1, timeout_s=1, filter_groups=True,
-                               on_drop=lambda: replaced.append(1))
-    assert [g.group_id for g in taken.groups] == [1, 4] and taken.groups_filtered == 3 and len(replaced) == 3
+    taken = buffer.take_groups(
+        q,
+        2,
+        trainer_version=5,
+        max_lag=1,
+        timeout_s=1,
+        filter_groups=True,
+        on_drop=lambda: replaced.append(1),
+    )
+    assert (
+        [g.group_id for g in taken.groups] == [1, 4]
+        and taken.groups_filtered == 3
+        and len(replaced) == 3
+    )
     assert all(max(g.rewards) > min(g.rewards) for g in taken.groups)
     q.put(group(9, [[5], [5]], [1.0, 1.0]))
     q.put(group(10, [[5], [5]], [0.0, 1.0]))
@@ -205,7 +252,15 @@ def test_dynamic_sampling_never_keeps_a_group_with_equal_rewards():
     for gid in range(6):  # nothing but solved prompts: a clear error, not a step that never fills
         q.put(group(gid, [[5], [5]], [1.0, 1.0]))
     with pytest.raises(RuntimeError, match="equal rewards"):
-        buffer.take_groups(q, 2, trainer_version=5, max_lag=1, timeout_s=1, filter_groups=True, max_groups_per_step=5)
+        buffer.take_groups(
+            q,
+            2,
+            trainer_version=5,
+            max_lag=1,
+            timeout_s=1,
+            filter_groups=True,
+            max_groups_per_step=5,
+        )
 
 
 def test_collate_aligns_completion_targets():
@@ -228,13 +283,16 @@ def test_rows_for_rank_partition_the_batch():
             assert sum(rows, []) == list(range(n))
 
 
-@pytest.mark.parametrize("argv,needle", [
-    (["--max-lag", "-1"], "--max-lag must be >= 0"),
-    (["--group-size", "1"], "--group-size 1"),
-    (["--steps", "0"], "--steps must be >= 1"),
-    (["--sync-every", "3", "--max-lag", "1"], "--sync-every"),
-    (["--model", "./does-not-exist"], "no such directory"),
-])
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--max-lag", "-1"], "--max-lag must be >= 0"),
+        (["--group-size", "1"], "--group-size 1"),
+        (["--steps", "0"], "--steps must be >= 1"),
+        (["--sync-every", "3", "--max-lag", "1"], "--sync-every"),
+        (["--model", "./does-not-exist"], "no such directory"),
+    ],
+)
 def test_bad_flags_give_one_clear_line(argv, needle):
     with pytest.raises(SystemExit) as err:
         config.parse_args(argv)
@@ -242,38 +300,85 @@ def test_bad_flags_give_one_clear_line(argv, needle):
 
 
 def test_every_config_field_is_a_flag():
-    cfg = config.parse_args(["--steps", "7", "--max-lag", "0", "--update-mode", "drain", "--eps-high", "0.28",
-                            "--wandb", "offline", "--train-ranks", "2"])
-    assert (cfg.steps, cfg.max_lag, cfg.update_mode, cfg.eps_high, cfg.wandb, cfg.train_ranks) == \
-        (7, 0, "drain", 0.28, "offline", 2)
+    cfg = config.parse_args(
+        [
+            "--steps",
+            "7",
+            "--max-lag",
+            "0",
+            "--update-mode",
+            "drain",
+            "--eps-high",
+            "0.28",
+            "--wandb",
+            "offline",
+            "--train-ranks",
+            "2",
+        ]
+    )
+    assert (cfg.steps, cfg.max_lag, cfg.update_mode, cfg.eps_high, cfg.wandb, cfg.train_ranks) == (
+        7,
+        0,
+        "drain",
+        0.28,
+        "offline",
+        2,
+    )
     assert config.parse_args(["--eps-high", "none"]).eps_high is None
 
 
 def test_generator_settings_carry_the_config_and_the_resume_point():
-    """One builder for the generator's settings (train.run and the benchmarks both use it): the run's resolved
-    Config itself, and the resume point."""
-    cfg = prepare.resolve(config.parse_args(["--max-lag", "3", "--top-k", "5", "--prompts-per-step", "4",
-                                             "--group-size", "2", "--update-mode", "drain", "--gen-threads", "3"]))
-    s = prepare.generator_settings(cfg, prepare.Prepared("some/model", "base", devices.plan("", ""), start_step=5,
-                                                         start_version=4))
+    """One builder for the generator's settings (train.run and the benchmarks both use it): the
+    run's resolved Config itself, and the resume point."""
+    cfg = prepare.resolve(
+        config.parse_args(
+            [
+                "--max-lag",
+                "3",
+                "--top-k",
+                "5",
+                "--prompts-per-step",
+                "4",
+                "--group-size",
+                "2",
+                "--update-mode",
+                "drain",
+                "--gen-threads",
+                "3",
+            ]
+        )
+    )
+    s = prepare.generator_settings(
+        cfg,
+        prepare.Prepared("some/model", "base", devices.plan("", ""), start_step=5, start_version=4),
+    )
     assert s.cfg is cfg and (s.model, s.cfg.gen_threads, s.cfg.dtype) == ("some/model", 3, "fp32")
     assert (s.initial_version, s.first_group_id, s.device) == (4, 20, "cpu")
-    with pytest.raises(dataclasses.FrozenInstanceError):  # nothing changes the run's config after it is resolved
+    # nothing changes the run's config after it is resolved
+    with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.max_lag = 1
 
 
 def test_a_buffer_that_starts_empty_says_so_in_every_process(tmp_path):
-    """The trainer publishes at its start, and the generator waits for that publish, exactly when the run's
-    buffer starts empty: an adapter vLLM does not hold yet, or a resume's weights (prepare.run_weights); the
-    flag crosses to the processes the buffer is handed to."""
+    """The trainer publishes at its start, and the generator waits for that publish, exactly when
+    the run's buffer starts empty: an adapter vLLM does not hold yet, or a resume's weights
+    (prepare.run_weights); the flag crosses to the processes the buffer is handed to."""
     from tasks import builtin
+
     model = builtin.build_tiny_model(str(tmp_path / "m"))
     layout = devices.plan("", "")
-    cases = {"full": ([], {}, False), "lora": (["--lora-rank", "2"], {}, True),
-             "resume": ([], {"resume_dir": str(tmp_path)}, True)}
+    cases = {
+        "full": ([], {}, False),
+        "lora": (["--lora-rank", "2"], {}, True),
+        "resume": ([], {"resume_dir": str(tmp_path)}, True),
+    }
     for name, (argv, resume, expected) in cases.items():
         cfg = prepare.resolve(config.parse_args(argv + ["--out", str(tmp_path / name)]))
-        shared, adapter_dir = prepare.run_weights(cfg, prepare.Prepared(model, model, layout, **resume), "cpu")
+        shared, adapter_dir = prepare.run_weights(
+            cfg, prepare.Prepared(model, model, layout, **resume), "cpu"
+        )
         assert bool(adapter_dir) == (name == "lora")
         assert shared.starts_empty is expected, name
-        assert shared_weights.SharedWeights.from_bytes(shared.to_bytes()).starts_empty is expected, name
+        assert (
+            shared_weights.SharedWeights.from_bytes(shared.to_bytes()).starts_empty is expected
+        ), name

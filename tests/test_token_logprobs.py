@@ -1,7 +1,8 @@
-"""Tests for logprobs.py's token scoring: `token_logprobs` (temperature, top-k, top-p: vLLM's kept set, the CUDA
-rule with ties), `entropy_from_logits` and `chunked_logprobs` (the LM head a chunk at a time). Every expected
-value is computed here by hand or by brute force in plain python, or by a verbatim transcription of vLLM's
-own function, never by logprobs.py. The loss itself: tests/test_losses.py."""
+"""Tests for logprobs.py's token scoring: `token_logprobs` (temperature, top-k, top-p: vLLM's kept
+set, the CUDA rule with ties), `entropy_from_logits` and `chunked_logprobs` (the LM head a chunk at
+a time). Every expected value is computed here by hand or by brute force in plain python, or by a
+verbatim transcription of vLLM's own function, never by logprobs.py. The loss itself:
+tests/test_losses.py."""
 
 import math
 
@@ -27,7 +28,8 @@ def brute_logprob(row, token, temperature=1.0, top_k=-1, top_p=1.0):
         kept = [v for v, k in zip(x, keep) if k]
         mx = max(kept)
         z = sum(math.exp(v - mx) for v in kept)
-        order = sorted((i for i in range(V) if keep[i]), key=lambda i: (x[i], i))  # ascending, ties by index
+        # ascending, ties by index
+        order = sorted((i for i in range(V) if keep[i]), key=lambda i: (x[i], i))
         cum = 0.0
         for n, i in enumerate(order):
             cum += math.exp(x[i] - mx) / z
@@ -80,7 +82,9 @@ def test_token_logprobs_ties_by_hand():
     # top_k=2 keeps 2.0 and all four tied 0.3s: five tokens, -0.2 dropped
     got = logprobs.token_logprobs(logits.expand(6, 6), torch.arange(6), top_k=2)
     z = math.exp(2.0) + 4 * math.exp(0.3)
-    assert got.tolist() == pytest.approx([0.3 - math.log(z)] * 3 + [2.0 - math.log(z), -math.inf, 0.3 - math.log(z)])
+    assert got.tolist() == pytest.approx(
+        [0.3 - math.log(z)] * 3 + [2.0 - math.log(z), -math.inf, 0.3 - math.log(z)]
+    )
     # uniform over 4 tokens, top_p=0.5: ascending cumsum .25, .5, .75, 1 -> the
     # two masses <= 1 - p are dropped (lowest indices among the ties); exactly
     # 2 tokens (mass 0.5 = top_p) remain
@@ -91,7 +95,9 @@ def test_token_logprobs_ties_by_hand():
     # top_p=.65: cumsum .1, .3 <= .35 dropped, .6 > .35 kept -> {.3, .4}
     p = torch.tensor([[0.1, 0.2, 0.3, 0.4]]).log().expand(4, 4)
     got = logprobs.token_logprobs(p, torch.arange(4), top_p=0.65)
-    assert got.tolist() == pytest.approx([-math.inf, -math.inf, math.log(3 / 7), math.log(4 / 7)], abs=1e-6)
+    assert got.tolist() == pytest.approx(
+        [-math.inf, -math.inf, math.log(3 / 7), math.log(4 / 7)], abs=1e-6
+    )
 
 
 def test_token_logprobs_off_values_and_shapes():
@@ -116,11 +122,12 @@ def test_token_logprobs_gradient_only_through_kept_set():
 
 
 def vllm_cuda_kept(row, top_k=0, top_p=1.0):
-    """vLLM 0.32's Triton top-k/top-p kernel (topk_topp_triton.py), read as plain python on one row: the
-    k-th value's ties are kept in index order while the budget k - (tokens above it) lasts; top-p, over
-    that set, takes value groups from the top until their mass reaches p and keeps of the boundary group
-    n - floor((S - p) / m) tokens in index order (S the mass so far, m the group's probability), or all of
-    it when the boundary is the k-th value (its last pass keeps every logit above its pivot)."""
+    """vLLM 0.32's Triton top-k/top-p kernel (topk_topp_triton.py), read as plain python on one row:
+    the k-th value's ties are kept in index order while the budget k - (tokens above it) lasts;
+    top-p, over that set, takes value groups from the top until their mass reaches p and keeps of
+    the boundary group n - floor((S - p) / m) tokens in index order (S the mass so far, m the
+    group's probability), or all of it when the boundary is the k-th value (its last pass keeps
+    every logit above its pivot)."""
     V = len(row)
     keep = [True] * V
     kth = None
@@ -151,14 +158,21 @@ def vllm_cuda_kept(row, top_k=0, top_p=1.0):
     return keep
 
 
-@pytest.mark.parametrize("top_k,top_p", [(k, 1.0) for k in (1, 2, 3, 5, 9)] + [(0, p) for p in (0.3, 0.55, 0.8)]
-                         + [(k, p) for k in (2, 4, 7) for p in (0.35, 0.7, 0.97)])
+@pytest.mark.parametrize(
+    "top_k,top_p",
+    [(k, 1.0) for k in (1, 2, 3, 5, 9)]
+    + [(0, p) for p in (0.3, 0.55, 0.8)]
+    + [(k, p) for k in (2, 4, 7) for p in (0.35, 0.7, 0.97)],
+)
 def test_the_cuda_rule_keeps_the_kernels_set_with_ties(top_k, top_p):
-    """Logits of few distinct values (ties everywhere), on CPU tensors with exact_top_k=True: the kept set is
-    the kernel's (above), exactly k tokens with top-k alone; the CPU rule keeps every k-th tie instead."""
+    """Logits of few distinct values (ties everywhere), on CPU tensors with exact_top_k=True: the
+    kept set is the kernel's (above), exactly k tokens with top-k alone; the CPU rule keeps every
+    k-th tie instead."""
     g = torch.Generator().manual_seed(top_k * 100 + int(top_p * 100))
     logits = torch.randint(0, 4, (40, 10), generator=g).float() * 0.7
-    kept = torch.isfinite(logprobs.sampling_logits(logits, 1.0, top_k or -1, top_p, exact_top_k=True))
+    kept = torch.isfinite(
+        logprobs.sampling_logits(logits, 1.0, top_k or -1, top_p, exact_top_k=True)
+    )
     for r, row in enumerate(logits.tolist()):
         assert kept[r].tolist() == vllm_cuda_kept(row, top_k, top_p), (row, top_k, top_p)
     if top_p == 1.0:
@@ -170,18 +184,22 @@ def test_the_cuda_rule_keeps_the_kernels_set_with_ties(top_k, top_p):
 def test_the_cuda_rule_by_hand():
     logits = torch.tensor([[3.0, 1.0, 1.0, 1.0, 0.0]])
     cuda = logprobs.token_logprobs(logits.expand(5, 5), torch.arange(5), top_k=2, exact_top_k=True)
-    z = math.exp(3.0) + math.exp(1.0)  # the top logit and the first of the three tied at the 2nd value
+    # the top logit and the first of the three tied at the 2nd value
+    z = math.exp(3.0) + math.exp(1.0)
     assert cuda.tolist() == pytest.approx([3.0 - math.log(z), 1.0 - math.log(z)] + [-math.inf] * 3)
     cpu = logprobs.token_logprobs(logits.expand(5, 5), torch.arange(5), top_k=2, exact_top_k=False)
     assert torch.isfinite(cpu).tolist() == [True] * 4 + [False]  # every tie at the 2nd value
-    # top-p over the exact top-2, reaching its mass at the k-th value: every token equal to it comes back
+    # top-p over the exact top-2, reaching its mass at the k-th value: every token equal to it comes
+    # back
     both = logprobs.sampling_logits(logits, 1.0, 2, 0.99, exact_top_k=True)
     assert torch.isfinite(both).tolist() == [[True] * 4 + [False]]
 
 
 def test_token_logprobs_errors():
     with pytest.raises(ValueError, match="temperature must be > 0"):
-        logprobs.token_logprobs(torch.zeros(1, 3), torch.zeros(1, dtype=torch.long), temperature=0.0)
+        logprobs.token_logprobs(
+            torch.zeros(1, 3), torch.zeros(1, dtype=torch.long), temperature=0.0
+        )
     with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\]"):
         logprobs.token_logprobs(torch.zeros(1, 3), torch.zeros(1, dtype=torch.long), top_p=0.0)
 
@@ -254,17 +272,25 @@ def test_entropy_from_logits():
 # computation (token_logprobs of the whole logits), values and gradients
 # ---------------------------------------------------------------------------
 
-SAMPLING = {"plain": (1.0, -1, 1.0), "temperature": (0.7, -1, 1.0), "top-k": (1.0, 5, 1.0),
-            "top-p": (1.0, -1, 0.8), "top-k and top-p": (1.3, 7, 0.9)}
+SAMPLING = {
+    "plain": (1.0, -1, 1.0),
+    "temperature": (0.7, -1, 1.0),
+    "top-k": (1.0, 5, 1.0),
+    "top-p": (1.0, -1, 0.8),
+    "top-k and top-p": (1.3, 7, 0.9),
+}
 
 
 @pytest.mark.parametrize("sampling", SAMPLING)
-@pytest.mark.parametrize("chunk_tokens", [1, 7, 1000])  # one token, a few (uneven last chunk), all at once
+# one token, a few (uneven last chunk), all at once
+@pytest.mark.parametrize("chunk_tokens", [1, 7, 1000])
 def test_chunked_logprobs_match_the_full_computation(sampling, chunk_tokens):
     temperature, top_k, top_p = SAMPLING[sampling]
     g = torch.Generator().manual_seed(3)
     n, hidden_size, vocab = 23, 8, 40
-    hidden = torch.randn(n, hidden_size, generator=g, dtype=torch.float64).float().requires_grad_(True)
+    hidden = (
+        torch.randn(n, hidden_size, generator=g, dtype=torch.float64).float().requires_grad_(True)
+    )
     weight = (torch.randn(vocab, hidden_size, generator=g) * 0.8).requires_grad_(True)
     bias = torch.randn(vocab, generator=g).requires_grad_(True)
     tokens = torch.randint(0, vocab, (n,), generator=g)
@@ -275,12 +301,15 @@ def test_chunked_logprobs_match_the_full_computation(sampling, chunk_tokens):
     kept = torch.isfinite(full)
     torch.where(kept, full, 0.0).mul(upstream).sum().backward()
     expected = [t.grad.clone() for t in (hidden, weight, bias)]
-    entropy = logprobs.entropy_from_logits(logprobs.sampling_logits(logits.detach(), temperature, top_k, top_p))
+    entropy = logprobs.entropy_from_logits(
+        logprobs.sampling_logits(logits.detach(), temperature, top_k, top_p)
+    )
     for t in (hidden, weight, bias):
         t.grad = None
 
-    logp, ent = logprobs.chunked_logprobs(hidden, weight, bias, tokens, temperature, top_k, top_p,
-                                        chunk_elements=chunk_tokens * vocab)
+    logp, ent = logprobs.chunked_logprobs(
+        hidden, weight, bias, tokens, temperature, top_k, top_p, chunk_elements=chunk_tokens * vocab
+    )
     assert torch.equal(torch.isfinite(logp), kept)
     if sampling in ("top-k", "top-p", "top-k and top-p"):
         assert not kept.all() and kept.any()  # the truncation really drops some of these tokens
@@ -294,14 +323,19 @@ def test_chunked_logprobs_match_the_full_computation(sampling, chunk_tokens):
 def test_chunked_logprobs_without_bias_gradients_and_in_bf16():
     g = torch.Generator().manual_seed(4)
     hidden = torch.randn(9, 6, generator=g).requires_grad_(True)
-    weight = torch.randn(30, 6, generator=g)  # frozen (a LoRA base): no gradient asked for, none computed
+    # frozen (a LoRA base): no gradient asked for, none computed
+    weight = torch.randn(30, 6, generator=g)
     tokens = torch.randint(0, 30, (9,), generator=g)
     logp, _ = logprobs.chunked_logprobs(hidden, weight, None, tokens, 0.9, chunk_elements=60)
     logp.sum().backward()
     full = logprobs.token_logprobs(hidden @ weight.T, tokens, 0.9)
     assert torch.allclose(logp, full, atol=1e-6) and weight.grad is None and hidden.grad is not None
-    # bf16 model: the matmul in bf16, the log-softmax in float32 (as vLLM's sampler), gradients in bf16
-    h16, w16 = hidden.detach().bfloat16().requires_grad_(True), weight.bfloat16().requires_grad_(True)
+    # bf16 model: the matmul in bf16, the log-softmax in float32 (as vLLM's sampler), gradients in
+    # bf16
+    h16, w16 = (
+        hidden.detach().bfloat16().requires_grad_(True),
+        weight.bfloat16().requires_grad_(True),
+    )
     logp16, _ = logprobs.chunked_logprobs(h16, w16, None, tokens, chunk_elements=60)
     assert logp16.dtype == torch.float32
     assert torch.allclose(logp16, logprobs.token_logprobs(h16 @ w16.T, tokens), atol=1e-5)
@@ -314,5 +348,6 @@ def test_chunked_logprobs_of_no_tokens():
     hidden = torch.zeros(0, 6, requires_grad=True)
     logp, ent = logprobs.chunked_logprobs(hidden, weight, None, torch.zeros(0, dtype=torch.long))
     assert logp.shape == ent.shape == (0,)
-    logp.sum().backward()  # a graph to the weights (an FSDP rank with nothing to train still runs backward)
+    # a graph to the weights (an FSDP rank with nothing to train still runs backward)
+    logp.sum().backward()
     assert torch.equal(weight.grad, torch.zeros_like(weight))

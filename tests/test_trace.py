@@ -1,13 +1,15 @@
 """The run's trace (tracing.py) and timeline (plots.plot_timeline).
 
-- A real run's OUT/trace.json is valid trace-event JSON (what Perfetto and chrome://tracing load: each event's
-  required fields, every process and track named by a metadata event, times monotone on each track) and has
-  both sides, whose spans agree with metrics.jsonl; OUT/timeline.png is written. The run is the one
-  tests/conftest.py makes for tests/test_bench.py too (bench/peak_rss.py --smoke: 12 steps, on-policy).
-- Recorders in separate processes share one clock; each keeps at most two segment files; the merge keeps the
-  trainer's last --trace-steps steps and survives a line cut short; a request's phases come from the engine
-  steps; `python plots.py OUT` merges and draws a run in progress.
+- A real run's OUT/trace.json is valid trace-event JSON (what Perfetto and chrome://tracing load:
+  each event's required fields, every process and track named by a metadata event, times monotone on
+  each track) and has both sides, whose spans agree with metrics.jsonl; OUT/timeline.png is written.
+  The run is the one tests/conftest.py makes for tests/test_bench.py too (bench/peak_rss.py --smoke:
+  12 steps, on-policy).
+- Recorders in separate processes share one clock; each keeps at most two segment files; the merge
+  keeps the trainer's last --trace-steps steps and survives a line cut short; a request's phases
+  come from the engine steps; `python plots.py OUT` merges and draws a run in progress.
 """
+
 import json
 import os
 import subprocess
@@ -23,8 +25,12 @@ import trace_merge
 import tracing
 
 REPO = Path(__file__).resolve().parent.parent
-REQUIRED = {"X": ("name", "cat", "ts", "dur", "pid", "tid"), "C": ("name", "ts", "pid", "args"),
-            "i": ("name", "ts", "pid", "tid", "s"), "M": ("name", "pid", "args")}
+REQUIRED = {
+    "X": ("name", "cat", "ts", "dur", "pid", "tid"),
+    "C": ("name", "ts", "pid", "args"),
+    "i": ("name", "ts", "pid", "tid", "s"),
+    "M": ("name", "pid", "args"),
+}
 
 
 def check_trace_format(doc: dict) -> list[dict]:
@@ -55,25 +61,44 @@ def check_trace_format(doc: dict) -> list[dict]:
 def test_a_run_writes_a_valid_trace_with_both_sides_and_a_timeline(recorded_run):
     run_dir, _ = recorded_run
     events = check_trace_format(json.loads((run_dir / "trace.json").read_text()))
-    names = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    names = {
+        e["pid"]: e["args"]["name"]
+        for e in events
+        if e["ph"] == "M" and e["name"] == "process_name"
+    }
     cats = {}
     for e in events:
         cats.setdefault(names[e["pid"]], set()).add(e.get("cat"))
-    assert {"wait", "step", "forward", "backward", "optimizer", "publish", "evaluation"} <= cats["trainer 0"]
-    assert {"swap", "swap phase", "group", "request", "request phase", "evaluation", "idle"} <= cats["generator"]
-    assert "engine" in set().union(*cats.values())  # vLLM's engine steps (in the worker's process, or the core's)
+    assert {"wait", "step", "forward", "backward", "optimizer", "publish", "evaluation"} <= cats[
+        "trainer 0"
+    ]
+    assert {
+        "swap",
+        "swap phase",
+        "group",
+        "request",
+        "request phase",
+        "evaluation",
+        "idle",
+    } <= cats["generator"]
+    # vLLM's engine steps (in the worker's process, or the core's)
+    assert "engine" in set().union(*cats.values())
     # each step's spans agree with its metrics row: the wait, the tokens trained, their versions
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = sorted((e for e in events if e.get("cat") == "step"), key=lambda e: e["args"]["step"])
     waits = sorted((e for e in events if e.get("cat") == "wait"), key=lambda e: e["args"]["step"])
     assert [e["args"]["step"] for e in steps] == [r["step"] for r in rows] == list(range(12))
     for row, step, wait in zip(rows, steps, waits):
-        assert abs(wait["dur"] / 1e6 - row["trainer_wait_s"]) < 2e-3 and wait["ts"] + wait["dur"] <= step["ts"] + 1
+        assert (
+            abs(wait["dur"] / 1e6 - row["trainer_wait_s"]) < 2e-3
+            and wait["ts"] + wait["dur"] <= step["ts"] + 1
+        )
         versions = {int(v): n for v, n in step["args"]["tokens_by_version"].items()}
         assert sum(versions.values()) == row["tokens"] and step["args"]["version"] == row["version"]
         assert step["args"]["version"] - 1 - min(versions) == row["lag_max"] == 0  # (on-policy)
     swaps = [e for e in events if e.get("cat") == "swap"]
-    assert len(swaps) >= 11 and all(e["args"]["version"] >= 1 for e in swaps)  # a swap per step, on-policy
+    # a swap per step, on-policy
+    assert len(swaps) >= 11 and all(e["args"]["version"] >= 1 for e in swaps)
     assert not (run_dir / "trace").exists()  # the processes' files, merged and removed
     assert (run_dir / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -86,7 +111,8 @@ rec, t0 = tracing.start(name), tracing.clock()
 for step in range(steps):
     tracing.step(step)
     time.sleep(0.002)
-    t0 = tracing.complete("step %d" % step, t0, cat=cat, step=step, rank=0)  # (from the end of the last step)
+    # (from the end of the last step)
+    t0 = tracing.complete("step %d" % step, t0, cat=cat, step=step, rank=0)
     tracing.counter("depth", groups=step)
 wall_ns = time.time_ns()
 tracing.complete("mark", tracing.clock())
@@ -96,64 +122,111 @@ print(json.dumps({"wall_ns": wall_ns, "pid": rec.pid, "files": sorted(os.listdir
 
 
 def record_in_child(name: str, steps: int, cat: str) -> dict:
-    proc = subprocess.run([sys.executable, "-c", RECORD, name, str(steps), cat], cwd=REPO, capture_output=True,
-                          text=True, timeout=60, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    proc = subprocess.run(
+        [sys.executable, "-c", RECORD, name, str(steps), cat],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
 
 
-def test_processes_share_one_clock_keep_two_segments_and_the_merge_keeps_the_last_steps(tmp_path, monkeypatch):
+def test_processes_share_one_clock_keep_two_segments_and_the_merge_keeps_the_last_steps(
+    tmp_path, monkeypatch
+):
     for name in (tracing.DIR_ENV, tracing.STEPS_ENV, tracing.T0_ENV):
         monkeypatch.delenv(name, raising=False)
     tracing.configure(str(tmp_path), steps=3)
     try:
-        first, second = record_in_child("trainer 0", 10, "step"), record_in_child("generator", 2, "swap")
+        first, second = (
+            record_in_child("trainer 0", 10, "step"),
+            record_in_child("generator", 2, "swap"),
+        )
     finally:
         tracing.unconfigure()
     assert tracing.DIR_ENV not in os.environ
     # steps 0-9 in segments of 3: segments 2 (steps 6-8) and 3 (step 9) are left on disk
-    assert [f for f in first["files"] if f.startswith("trainer")] == [f"trainer_0-{first['pid']}.{k}.jsonl"
-                                                                      for k in (2, 3)]
+    assert [f for f in first["files"] if f.startswith("trainer")] == [
+        f"trainer_0-{first['pid']}.{k}.jsonl" for k in (2, 3)
+    ]
     with open(tmp_path / "trace" / f"trainer_0-{first['pid']}.3.jsonl", "a") as f:
         f.write('{"ph": "X", "name": "cut sh')  # a process killed in the middle of a write
     events = check_trace_format(json.loads(Path(trace_merge.merge(str(tmp_path))).read_text()))
-    steps = [e["args"]["step"] for e in events if e.get("cat") == "step" and e["pid"] == first["pid"]]
+    steps = [
+        e["args"]["step"] for e in events if e.get("cat") == "step" and e["pid"] == first["pid"]
+    ]
     assert steps == [7, 8, 9]  # the last 3 steps
-    # one time base: each "mark" lies where its process read the wall clock (µs since configure's t0)
+    # one time base: each "mark" lies where its process read the wall clock (µs since configure's
+    # t0)
     t0 = json.loads((tmp_path / "trace" / "run.json").read_text())["t0_ns"]
     marks = {e["pid"]: e["ts"] for e in events if e["name"] == "mark"}
     for child in (first, second):
         assert abs(marks[child["pid"]] - (child["wall_ns"] - t0) / 1e3) < 2000  # within 2 ms
     assert marks[second["pid"]] > marks[first["pid"]]
     # `python plots.py OUT` on a run in progress: merges the processes' files and draws the timeline
-    done = subprocess.run([sys.executable, "plots.py", str(tmp_path)], cwd=REPO, capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run(
+        [sys.executable, "plots.py", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert (tmp_path / "timeline.png").exists(), done.stderr
-    tracing.configure(str(tmp_path), steps=0)  # --trace-steps 0: nothing recorded, nothing left from before
+    # --trace-steps 0: nothing recorded, nothing left from before
+    tracing.configure(str(tmp_path), steps=0)
     assert not (tmp_path / "trace").exists() and not (tmp_path / "trace.json").exists()
     assert tracing.DIR_ENV not in os.environ and tracing.start("trainer 0") is None
 
 
 def test_request_phases_from_the_engine_steps():
     def span(cat, ts, dur, **args):
-        return {"ph": "X", "name": cat, "cat": cat, "pid": 1, "tid": 2, "ts": ts, "dur": dur, "args": args}
+        return {
+            "ph": "X",
+            "name": cat,
+            "cat": cat,
+            "pid": 1,
+            "tid": 2,
+            "ts": ts,
+            "dur": dur,
+            "args": args,
+        }
 
-    events = [span("request", 0, 100, id="group-3"),
-              span("engine", 10, 5, new={"group-3": 8}, requests=8, tokens=40),
-              span("swap", 30, 10, version=2),  # paused; then the swap's reset preempts and resumes it in one step
-              span("engine", 41, 4, preempted={"group-3": 8}, resumed={"group-3": 8}, requests=8, tokens=40),
-              span("engine", 60, 2, preempted={"group-3": 1}, requests=7, tokens=7),  # no room: preempted
-              span("engine", 70, 3, resumed={"group-3": 1}, requests=8, tokens=12),
-              span("request", 200, 10, id="eval-0-1-greedy")]  # never scheduled in the trace: no phases
+    events = [
+        span("request", 0, 100, id="group-3"),
+        span("engine", 10, 5, new={"group-3": 8}, requests=8, tokens=40),
+        # paused; then the swap's reset preempts and resumes it in one step
+        span("swap", 30, 10, version=2),
+        span(
+            "engine", 41, 4, preempted={"group-3": 8}, resumed={"group-3": 8}, requests=8, tokens=40
+        ),
+        # no room: preempted
+        span("engine", 60, 2, preempted={"group-3": 1}, requests=7, tokens=7),
+        span("engine", 70, 3, resumed={"group-3": 1}, requests=8, tokens=12),
+        # never scheduled in the trace: no phases
+        span("request", 200, 10, id="eval-0-1-greedy"),
+    ]
     phases = [(e["name"], e["ts"], e["ts"] + e["dur"]) for e in trace_merge.request_phases(events)]
-    assert sorted(phases, key=lambda p: p[1]) == [("queued", 0, 10), ("paused (weight swap)", 30, 40),
-                                                  ("re-prefill", 41, 45), ("preempted", 60, 70),
-                                                  ("re-prefill", 70, 73)]
+    assert sorted(phases, key=lambda p: p[1]) == [
+        ("queued", 0, 10),
+        ("paused (weight swap)", 30, 40),
+        ("re-prefill", 41, 45),
+        ("preempted", 60, 70),
+        ("re-prefill", 70, 73),
+    ]
 
 
 def test_engine_request_ids_are_counted_under_the_id_the_generator_sent():
-    assert tracing.sent_ids(["0_group-12-1a2b3c4d", "7_group-12-ffffffff", "eval-3-1-greedy-0badcafe",
-                             "group-4-2-t1-12345678"]) == {"group-12": 2, "eval-3-1-greedy": 1, "group-4-2-t1": 1}
+    assert tracing.sent_ids(
+        [
+            "0_group-12-1a2b3c4d",
+            "7_group-12-ffffffff",
+            "eval-3-1-greedy-0badcafe",
+            "group-4-2-t1-12345678",
+        ]
+    ) == {"group-12": 2, "eval-3-1-greedy": 1, "group-4-2-t1": 1}
 
 
 def test_trace_steps_must_not_be_negative():
@@ -164,10 +237,22 @@ def test_trace_steps_must_not_be_negative():
 
 def test_timeline_of_a_trace_without_steps_is_drawn(tmp_path):
     """A run stopped before its first step still gets a picture (the generator's side only)."""
-    events = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "generator"}},
-              {"ph": "X", "name": "engine step", "cat": "engine", "pid": 1, "tid": 1, "ts": 5.0, "dur": 3.0,
-               "args": {"requests": 1, "tokens": 4}}]
-    (tmp_path / "trace.json").write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+    events = [
+        {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "generator"}},
+        {
+            "ph": "X",
+            "name": "engine step",
+            "cat": "engine",
+            "pid": 1,
+            "tid": 1,
+            "ts": 5.0,
+            "dur": 3.0,
+            "args": {"requests": 1, "tokens": 4},
+        },
+    ]
+    (tmp_path / "trace.json").write_text(
+        json.dumps({"traceEvents": events, "displayTimeUnit": "ms"})
+    )
     t0 = time.perf_counter()
     assert plots.plot_timeline(str(tmp_path)) == str(tmp_path / "timeline.png")
     assert time.perf_counter() - t0 < 60
