@@ -26,6 +26,7 @@ import chat
 import checkpoint
 import config
 import devices
+import flag_checks
 import heads
 import lora
 import replay
@@ -41,7 +42,7 @@ def parse_args(argv=None) -> Config:
     """The command line as a checked Config: config's checks of the flags, then `check`'s, one error
     line each (SystemExit)."""
     cfg = Config(**vars(config.build_parser().parse_args(argv)))
-    config.validate(cfg, check(cfg))
+    flag_checks.validate(cfg, check(cfg))
     return cfg
 
 

@@ -35,7 +35,8 @@ import prepare
 import trace_merge
 import tracing
 from advantages import estimate_advantages
-from config import Config, inactive_flags
+from config import Config
+from flag_checks import inactive_flags
 from models import build_frozen_models, build_policy, check_layout, checkpoint_layers
 from processes import Control, exit_now, make_control, run_children, saving, wait_for
 from rollout import generator_main

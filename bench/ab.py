@@ -67,6 +67,10 @@ import torch.distributed as dist
 torch.set_num_threads(1)
 import buffer, config, lora, update
 try:
+    import flag_checks
+except ImportError:
+    flag_checks = None
+try:
     from models import build_reference_model, build_trainer_model
 except ImportError:
     from train import build_reference_model, build_trainer_model
@@ -86,7 +90,9 @@ def fixed_batch(vocab, seed=0, rows=16):
 
 result = {}
 for name, argv in cases:
-    cfg = config.parse_args(argv)
+    # (the flags-alone checks: flag_checks.parse_args; config.parse_args in revisions before it)
+    parse_args = getattr(flag_checks, "parse_args", None) or config.parse_args
+    cfg = parse_args(argv)
     torch.manual_seed(0)
     lora_config = None
     if cfg.lora_rank:

@@ -382,10 +382,11 @@ def default_config(**changes):
     """The run's config with `changes`, validated and resolved as `train.run` resolves it
     (prepare.resolve)."""
     import config
+    import flag_checks
     import prepare
 
     cfg = config.Config(**changes)
-    config.validate(cfg, prepare.check(cfg))
+    flag_checks.validate(cfg, prepare.check(cfg))
     return prepare.resolve(cfg)
 
 

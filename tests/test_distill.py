@@ -33,7 +33,8 @@ import logprobs
 import losses
 import prepare
 import update
-from config import Config, parse_args
+from config import Config
+from flag_checks import parse_args
 from tasks import builtin, datasets, prompts, rewards
 
 REPO = Path(__file__).resolve().parent.parent

@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 from test_engine import settings_for, wait_until
 
 import checkpoint
-import config
+import flag_checks
 import lora
 import models
 import train
@@ -318,7 +318,7 @@ def test_lora_flags_are_checked(tmp_path):
         ),
     ):
         with pytest.raises(SystemExit, match=f"^error: .*{message}"):  # before anything starts
-            config.parse_args(["--out", str(tmp_path / "x"), *args])
+            flag_checks.parse_args(["--out", str(tmp_path / "x"), *args])
     proc = subprocess.run(
         [
             sys.executable,

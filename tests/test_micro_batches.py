@@ -24,7 +24,8 @@ import lora
 import losses
 import models
 import update
-from config import Config, parse_args
+from config import Config
+from flag_checks import parse_args
 from tasks import builtin
 
 # --micro-batch-tokens: the test batch's rows hold 5 to 10 tokens

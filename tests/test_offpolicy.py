@@ -27,7 +27,8 @@ import advantages
 import buffer
 import losses
 import update
-from config import Config, parse_args
+from config import Config
+from flag_checks import parse_args
 from tasks import builtin
 
 

@@ -10,6 +10,7 @@ import torch
 
 import buffer
 import config
+import flag_checks
 import models
 import schedule
 import update
@@ -63,18 +64,20 @@ def test_shaped_rewards_add_the_penalty_and_mark_cut_completions():
 
 
 def test_a_warning_names_the_flags_that_cannot_act():
-    assert config.inactive_flags(config.Config()) == []
-    assert config.inactive_flags(config.Config(loss="dapo", dual_clip=3.0)) == [
+    assert flag_checks.inactive_flags(config.Config()) == []
+    assert flag_checks.inactive_flags(config.Config(loss="dapo", dual_clip=3.0)) == [
         "--loss dapo",
         "--dual-clip",
     ]
-    assert config.inactive_flags(config.Config(loss="cispo", eps_high=5.0, is_mode="off")) == []
+    assert (
+        flag_checks.inactive_flags(config.Config(loss="cispo", eps_high=5.0, is_mode="off")) == []
+    )
 
 
 def test_recipe_flags_are_validated_in_one_line():
     for argv in (["--overlong-penalty", "5"], ["--min-lr", "1"], ["--lr-warmup-steps", "-1"]):
         with pytest.raises(SystemExit, match="^error: "):
-            config.parse_args(argv)
+            flag_checks.parse_args(argv)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -10,8 +10,8 @@ import torch
 import torch.multiprocessing as mp
 
 import buffer
-import config
 import devices
+import flag_checks
 import prepare
 import shared_weights
 import sync
@@ -295,12 +295,12 @@ def test_rows_for_rank_partition_the_batch():
 )
 def test_bad_flags_give_one_clear_line(argv, needle):
     with pytest.raises(SystemExit) as err:
-        config.parse_args(argv)
+        flag_checks.parse_args(argv)
     assert needle in str(err.value)
 
 
 def test_every_config_field_is_a_flag():
-    cfg = config.parse_args(
+    cfg = flag_checks.parse_args(
         [
             "--steps",
             "7",
@@ -324,14 +324,14 @@ def test_every_config_field_is_a_flag():
         "offline",
         2,
     )
-    assert config.parse_args(["--eps-high", "none"]).eps_high is None
+    assert flag_checks.parse_args(["--eps-high", "none"]).eps_high is None
 
 
 def test_generator_settings_carry_the_config_and_the_resume_point():
     """One builder for the generator's settings (train.run and the benchmarks both use it): the
     run's resolved Config itself, and the resume point."""
     cfg = prepare.resolve(
-        config.parse_args(
+        flag_checks.parse_args(
             [
                 "--max-lag",
                 "3",
@@ -373,7 +373,7 @@ def test_a_buffer_that_starts_empty_says_so_in_every_process(tmp_path):
         "resume": ([], {"resume_dir": str(tmp_path)}, True),
     }
     for name, (argv, resume, expected) in cases.items():
-        cfg = prepare.resolve(config.parse_args(argv + ["--out", str(tmp_path / name)]))
+        cfg = prepare.resolve(flag_checks.parse_args(argv + ["--out", str(tmp_path / name)]))
         shared, adapter_dir = prepare.run_weights(
             cfg, prepare.Prepared(model, model, layout, **resume), "cpu"
         )

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-import config
+import flag_checks
 import plots
 import trace_merge
 import tracing
@@ -231,8 +231,8 @@ def test_engine_request_ids_are_counted_under_the_id_the_generator_sent():
 
 def test_trace_steps_must_not_be_negative():
     with pytest.raises(SystemExit, match="--trace-steps"):
-        config.parse_args(["--trace-steps", "-1"])
-    assert config.parse_args([]).trace_steps > 0  # on by default
+        flag_checks.parse_args(["--trace-steps", "-1"])
+    assert flag_checks.parse_args([]).trace_steps > 0  # on by default
 
 
 def test_timeline_of_a_trace_without_steps_is_drawn(tmp_path):
