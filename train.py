@@ -509,14 +509,15 @@ def write_timeline(cfg: Config) -> None:
 
 def main(argv=None) -> int:
     cfg = prepare.parse_args(argv)
-    if cfg.role != "all":
-        import remote  # (only when a remote role asks for it: it starts ZMQ)
+    # (the remote roles are imported only when asked for: they start ZMQ)
+    if cfg.role == "trainer":
+        import remote
 
-        return (
-            remote.run_trainer(cfg, trainer_main)
-            if cfg.role == "trainer"
-            else remote.run_generator(cfg)
-        )
+        return remote.run_trainer(cfg, trainer_main)
+    if cfg.role == "generator":
+        import remote_generator
+
+        return remote_generator.run_generator(cfg)
     return run(cfg)
 
 

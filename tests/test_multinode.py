@@ -22,6 +22,7 @@ from test_pipeline import SMALL, _is_engine_core, start_run  # noqa: F401  (star
 
 import link
 import remote
+import remote_generator
 
 
 def free_port(pair: bool = False) -> int:
@@ -97,7 +98,7 @@ def _link_pair(queue_size, timeout_s=30.0):
     weights."""
     addr = f"127.0.0.1:{free_port()}"
     cfg = SimpleNamespace(generator_addr=addr, timeout_s=timeout_s, queue_size=queue_size)
-    bridge = remote.GeneratorBridge(cfg)
+    bridge = remote_generator.GeneratorBridge(cfg)
     bridge.control, bridge.rollout_queue = remote.thread_control(), queue.Queue(maxsize=1)
     bridge.credits = queue_size - 1
     trainer = remote.TrainerLink(cfg)
