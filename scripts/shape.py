@@ -241,12 +241,12 @@ def ordered_calls(modules: dict[str, ast.Module]) -> dict[str, list[str]]:
     return graph
 
 
-def step_walk(calls: dict[str, list[str]], modules, start: str = LOOP, skip=WALK_SKIP) -> list[str]:
+def step_walk(calls, modules, start: str = LOOP, skip=WALK_SKIP, to_file=file_of) -> list[str]:
     """The files a reader passes through, in order, following the trainer's step from the loop:
     depth first through the calls in the order the code reads, each function read once, coming back
     to the caller's file after each call into another file (so a file appears again each time the
     walk returns to it). Calls into `skip` (the trace recorder, which every file calls) are left
-    out."""
+    out; `to_file` names a module's file."""
     walk, read = [], set()
 
     def enter(function):
@@ -264,7 +264,7 @@ def step_walk(calls: dict[str, list[str]], modules, start: str = LOOP, skip=WALK
                 walk.append(here)
 
     enter(start)
-    return [file_of(module) for module in walk]
+    return [to_file(module) for module in walk]
 
 
 def returns(walk: list[str], hub: str = "train.py") -> int:

@@ -1,6 +1,8 @@
-"""The repository's shape (issue 24), measured by scripts/shape.py: lines per file and their width,
-no import cycle, the calls from the training loop down to the loss, the files one sample passes
-through. Static (ast): a second. An assertion marked xfail(strict=True) does not hold yet: it fails
+"""The repository's shape (issues 24 and 32), measured by scripts/shape.py: lines per file and their
+width, no import cycle, the calls from the training loop down to the loss, the files one sample
+passes through, the returns to a file already left in a reading of the trainer's step, a config
+that imports nothing of the project; and ruff's format and lint (ruff.toml). Static (ast), but for
+ruff's two runs: a few seconds. An assertion marked xfail(strict=True) does not hold yet: it fails
 the suite the day it starts to hold, so the change that makes it hold removes the mark."""
 
 import os
@@ -16,6 +18,9 @@ import shape  # noqa: E402
 
 MAX_CALLS_BELOW_LOOP = 3  # issue 24: the per-micro-batch loss at most three calls below the loop
 MAX_SAMPLE_FILES = 5  # issue 24: one sample followed from sampling to loss in at most five files
+# issue 32: reading the trainer's step came back into a file it had left 39 times while the loss
+# was assembled in update.py and losses.py (losses.py 8 of them); with the loss in one place, 32
+MAX_STEP_WALK_RETURNS = 32
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +72,29 @@ def test_one_sample_from_sampling_to_loss_in_at_most_five_files(calls):
     files = shape.sample_files(calls)
     assert {"rollout.py", "buffer.py", "train.py", "losses.py"} <= set(files)
     assert len(files) <= MAX_SAMPLE_FILES, files
+
+
+def test_config_imports_nothing_of_the_project(modules):
+    assert "config" in modules and shape.config_imports(modules) == []
+
+
+def test_the_step_reads_the_loss_file_once(modules):
+    walk = shape.step_walk(shape.ordered_calls(modules), modules)
+    assert walk[0] == "train.py" and "update.py" in walk and "losses.py" in walk
+    assert shape.returns(walk) <= MAX_STEP_WALK_RETURNS, " -> ".join(walk)
+    back_to_losses = [i for i, f in enumerate(walk) if f == "losses.py" and f in walk[:i]]
+    assert len(back_to_losses) <= 1, " -> ".join(walk)
+
+
+def test_the_walk_follows_calls_in_order_and_counts_returns_to_files_left():
+    modules = {"a": None, "b": None, "c": None, "pkg.d": None}
+    calls = {"a.f": ["b.g", "a.h", "c.k"], "b.g": ["pkg.d.m"], "a.h": ["b.g", "c.k"], "c.k": []}
+    walk = shape.step_walk(calls, modules, start="a.f", skip=(), to_file=str)
+    # a.f -> b.g -> pkg.d.m, back; a.h (same file) -> b.g again (read once), c.k; a.f -> c.k again
+    assert walk == ["a", "b", "pkg.d", "b", "a", "b", "a", "c", "a", "c", "a"]
+    assert shape.returns(walk, hub="a") == 3
+    skipped = shape.step_walk(calls, modules, start="a.f", skip=("b",), to_file=str)
+    assert skipped == ["a", "c", "a", "c", "a"]
 
 
 def test_the_chain_finder_takes_the_shortest_chain():
