@@ -43,107 +43,21 @@ t_train), so the share missing is (T - T*) / T, split exactly into (each a share
   waited for; training alone evaluates nothing);
 - training took longer than alone (`train_contention`: the trainer's other work per step less
   t_train: CPU contention, and what the run adds, such as publishing to a generator that reads).
+
+This file holds the options, the figures over repeats, the tables and the plot; one repeat's runs
+are bench/overlap_modes.py, the split of the missing share bench/overlap_breakdown.py.
 """
 
 from __future__ import annotations
 
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-import traces  # noqa: E402
-
-MODES = (("sync", 0), ("lag1", 1), ("lag2", 2), ("lag4", 4))
-
-
-def measure(args, bench, model: str, rep: int) -> dict:
-    """One set of runs. Each records `foreign_cores`: the cores other processes used while it
-    ran."""
-    cfg = common.default_config(steps=args.steps, model=model, seed=args.seed)
-    work = bench.work
-    out = {}
-    t, t0 = time.perf_counter(), time.monotonic()
-    gen = common.generate_alone(cfg, model, steps=args.steps, cpu_from_step=args.warmup)
-    gen_steps = common.intervals(gen["step_end_s"], args.warmup)
-    out["gen_alone"] = {
-        "step_s_mean": statistics.fmean(gen_steps),
-        "step_s_median": statistics.median(gen_steps),
-        "step_s_typical": common.typical_mean(gen_steps),
-        "tokens_per_step": statistics.fmean(gen["tokens"][args.warmup :]),
-        "sync_ms_median": statistics.median(gen["sync_ms"]) if gen["sync_ms"] else None,
-        "engine_s_per_token": gen.get("engine_s_per_token"),
-        "engine_ready_wait_s": gen["ready_wait_s"],
-        "process_s": time.perf_counter() - t,
-        "cores_by_role": gen["cores_by_role"],
-        "foreign_cores": bench.foreign_cores(t0, time.monotonic()),
-    }
-    print(
-        f"[overlap] generation alone: {out['gen_alone']['step_s_mean'] * 1e3:.0f} ms/step (other "
-        f"processes: "
-        f"{out['gen_alone']['foreign_cores']} cores)",
-        flush=True,
-    )
-    t, t0 = time.perf_counter(), time.monotonic()
-    rows, train_cores = common.train_alone(
-        cfg, model, gen["groups"], work / f"train_alone{rep}", cpu_from_step=args.warmup
-    )
-    train_steps = common.intervals([r["wall_s"] for r in rows], args.warmup)
-    out["train_alone"] = {
-        "step_s_mean": statistics.fmean(train_steps),
-        "step_s_median": statistics.median(train_steps),
-        "step_s_typical": common.typical_mean(train_steps),
-        "train_s_mean": statistics.fmean(r["train_s"] for r in rows[args.warmup :]),
-        "tokens_per_step": statistics.fmean(r["tokens"] for r in rows[args.warmup :]),
-        "process_s": time.perf_counter() - t,
-        "cores_by_role": train_cores,
-        "foreign_cores": bench.foreign_cores(t0, time.monotonic()),
-    }
-    print(
-        f"[overlap] training alone:   {out['train_alone']['step_s_mean'] * 1e3:.0f} ms/step (other "
-        f"processes: "
-        f"{out['train_alone']['foreign_cores']} cores)",
-        flush=True,
-    )
-    for mode, lag in args.modes:
-        t0 = time.monotonic()
-        run = common.run_train_cli(
-            work / f"{mode}{rep}",
-            [
-                "--steps",
-                str(args.steps),
-                "--max-lag",
-                str(lag),
-                "--model",
-                model,
-                "--seed",
-                str(args.seed),
-            ],
-            cpu_window=(args.warmup, args.steps),
-        )
-        st = common.steady(run["rows"], args.warmup)
-        st["cores_by_role"] = run["cores_by_role"]
-        st["process_s"] = run["process_s"]
-        st["max_token_lag"] = run["summary"].get("max_token_lag")
-        st["dropped_stale"] = run["summary"].get("dropped_stale")
-        st["foreign_cores"] = bench.foreign_cores(t0, time.monotonic())
-        trace = work / f"{mode}{rep}" / "trace.json"
-        st["trace"] = (
-            traces.steady_breakdown(traces.load(trace), args.warmup) if trace.exists() else None
-        )
-        out[mode] = st
-        print(
-            f"[overlap] {mode:5s} (--max-lag {lag}): {st['steps_per_s']:.2f} steps/s, trainer "
-            f"waits "
-            f"{st['trainer_wait_frac']:.0%}, generator waits "
-            f"{st.get('generator_wait_frac') or 0:.0%} "
-            f"({run['process_s']:.0f} s with start-up; other processes: {st['foreign_cores']} "
-            f"cores)",
-            flush=True,
-        )
-    return out
+from overlap_breakdown import missing_share  # noqa: E402
+from overlap_modes import MODES, measure  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -372,46 +286,6 @@ def main(argv=None) -> int:
         )
     print(bench.closing_line(path))
     return 0
-
-
-def missing_share(
-    breakdowns: list, t_gen: float, t_train: float, engine_s_per_token: float | None
-) -> dict | None:
-    """The missing share of the bound and its parts, as shares of a step (medians over repeats); see
-    the module's docstring. None without a trace."""
-    rows = [b for b in breakdowns if b]
-    if not rows:
-        return None
-
-    def med(key):
-        return statistics.median(b[key] for b in rows)
-
-    step, bound = med("step_s"), max(t_gen, t_train)
-    generating = med("wait_while_generating_s") - max(0.0, t_gen - t_train)
-    contention = 0.0
-    # the engine's time per step in the run less the same tokens at its speed alone
-    if engine_s_per_token:
-        contention = max(
-            0.0, min(generating, med("engine_s") - engine_s_per_token * med("engine_tokens"))
-        )
-    out = {
-        "share_of_pipelined": bound / step,
-        "missing": 1 - bound / step,
-        "wait_swap": med("wait_during_swap_s") / step,
-        "wait_weights": med("wait_for_weights_s") / step,
-        "wait_idle": med("wait_engine_idle_s") / step,
-        "wait_full_queue": med("wait_during_full_queue_s") / step,
-        "gen_contention": contention / step,
-        "wait_generating": generating / step,
-        "evaluation": med("evaluation_s") / step,
-        "train_contention": (med("trainer_busy_s") - med("evaluation_s") - t_train) / step,
-        "gen_swap": med("gen_swap_s") / step,
-        "gen_weights": med("gen_for_weights_s") / step,
-        "gen_full_queue": med("gen_full_queue_s") / step,
-        "step_s": step,
-        "trace": rows[-1],
-    }
-    return out
 
 
 def plot(data: dict, path: Path) -> None:

@@ -32,6 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+import stages_alone  # noqa: E402
 
 # torch, vLLM and the project are imported in the functions that run in child processes (common.py)
 
@@ -107,7 +108,7 @@ def main(argv=None) -> int:
         base = common.build_model(work / "model_tiny", seed=args.seed)
         cfg = common.default_config(model=base, seed=args.seed, steps=args.steps)
         threads = cfg.train_threads
-        gen = common.generate_alone(cfg, base, steps=args.steps)
+        gen = stages_alone.generate_alone(cfg, base, steps=args.steps)
         groups = gen["groups"]
         print(f"[trainer] recorded {len(groups)} groups from the generator", flush=True)
         for name in args.sizes:
@@ -131,7 +132,7 @@ def main(argv=None) -> int:
                 in_session=True,
             )
             bare.append(rate(b["step_s"], b["tokens"], args.warmup))
-            metrics = common.train_alone(run_cfg, model, groups, work / f"project_{name}")
+            metrics = stages_alone.train_alone(run_cfg, model, groups, work / f"project_{name}")
             walls = [r["wall_s"] for r in metrics]
             step_s = common.intervals(walls, 1)  # per-step wall time, from the end of step 0 on
             proj = rate([walls[0]] + step_s, [r["tokens"] for r in metrics], args.warmup)

@@ -1,7 +1,8 @@
 """Every benchmark script (bench/*.py with a main) at its smoke size (`--smoke`, given in each one's
 docstring): it finishes (main returns 0), writes its result file with the fields it promises, and
-its figures are finite. The helpers (common.py, machine.py, kv_swap.py, weight_sync_cross.py) run
-inside the scripts that use them.
+its figures are finite. The helpers (common.py, machine.py, kv_swap.py, weight_sync_cross.py, and
+the parts of scripts split out by role: stages_alone.py, overlap_modes.py, overlap_breakdown.py,
+weight_sync_measure.py, generator_phases.py, moe_paired.py) run inside the scripts that use them.
 
 The benchmarks run in this process; what they start (vLLM engines, trainer processes, ranks, probes)
 is real, but shared where it is expensive:
@@ -9,7 +10,8 @@ is real, but shared where it is expensive:
   tests/conftest.py, shared with tests/test_trace.py), stands in for every train.py run a benchmark
   asks `common.run_train_cli` for: each one's flags go through train.py's own parser and checks
   (`prepare.parse_args`), and its OUT gets the recorded run's files (model/ linked);
-- one real generation-alone recording (`common.generate_alone`) serves overlap.py and trainer.py;
+- one real generation-alone recording (`stages_alone.generate_alone`) serves overlap.py and
+  trainer.py;
 - a smoke session (bench/engines.py) for the whole module: generator.py, env_latency.py and
   weight_sync.py run their measurements in this process on one vLLM engine for the tiny model (and
   one with LoRA), and models of the same seed and sizes are built once.
@@ -34,6 +36,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
 import common  # noqa: E402
 import engines  # noqa: E402
+import stages_alone  # noqa: E402
 
 # the scripts this module runs (memory.py through run_all.py); the rest of bench/ are helpers they
 # import
@@ -58,7 +61,20 @@ SCRIPTS = {
     "report",
     "trace_cost",
 }
-HELPERS = {"common", "engines", "kv_swap", "machine", "traces", "weight_sync_cross"}
+HELPERS = {
+    "common",
+    "engines",
+    "generator_phases",
+    "kv_swap",
+    "machine",
+    "moe_paired",
+    "overlap_breakdown",
+    "overlap_modes",
+    "stages_alone",
+    "traces",
+    "weight_sync_cross",
+    "weight_sync_measure",
+}
 
 
 def finite(*values):
@@ -119,7 +135,7 @@ def runs(recorded):
             "cores_by_role": None,
         }
 
-    real_generate, generated = common.generate_alone, {}
+    real_generate, generated = stages_alone.generate_alone, {}
 
     def generate_alone(cfg, model_path, steps, cpu_from_step=None):
         if not generated:  # the first caller's recording, with the CPU window overlap.py reads
@@ -134,7 +150,7 @@ def runs(recorded):
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(common, "run_train_cli", run_train_cli)
-        mp.setattr(common, "generate_alone", generate_alone)
+        mp.setattr(stages_alone, "generate_alone", generate_alone)
         yield asked
 
 
