@@ -25,6 +25,11 @@ Data contract
     stderr. Exit 0 when every check passes, 1 when one fails, 2 when no GPU is visible or a package
     is missing. `--device cpu` runs the same flow on the CPU (gloo, shared memory): what the CPU
     tests run.
+
+Files
+    This script: the flags, the environment check, the trainer's side (check_size) and the one-line
+    report. The receiver process (the generator worker's stand-in) and the exchange with it:
+    scripts/gpu_check_receiver.py.
 """
 
 from __future__ import annotations
@@ -41,6 +46,8 @@ import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+from gpu_check_receiver import receiver_main, synchronize, wait_reply  # noqa: E402
 
 # name -> (hidden, layers, heads); the vocabulary is tiny, so the parameters are all in the layers
 SIZES = {"tiny": (128, 2, 4), "large": (1024, 8, 16)}
@@ -139,130 +146,6 @@ def synthetic_batch(
 
 def to_device(batch, device):
     return batch.to(device)
-
-
-def synchronize(device) -> None:
-    import torch
-
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-# --------------------------------------------------------------------------------------------------
-# The receiver: plays the generator's worker extension (vllm_worker.WeightSyncWorker) without vLLM
-# --------------------------------------------------------------------------------------------------
-def receiver_main(handle_bytes, model_dir, device, visible, cmd_q, res_q, threads):
-    if visible is not None:  # before CUDA starts in this process
-        os.environ["CUDA_VISIBLE_DEVICES"] = visible
-    try:
-        import torch
-        from transformers import AutoModelForCausalLM
-
-        import config
-        import update
-        from shared_weights import SharedWeights
-
-        torch.set_num_threads(threads)
-        device = torch.device(device)
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        t0 = time.perf_counter()
-        shared = SharedWeights.from_bytes(handle_bytes)  # the handle crossed once, as bytes
-        # opened here: CUDA IPC (the trainer's GPU found by UUID) or shared memory
-        buf = shared.buffer
-        open_ms = (time.perf_counter() - t0) * 1e3
-        # private: a torn read never reaches the model
-        snapshot = torch.empty_like(buf, device=device)
-        model = (
-            AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
-        )
-        params = dict(model.named_parameters())
-        cfg = config.Config()
-        res_q.put(
-            (
-                "ready",
-                {
-                    "open_ms": open_ms,
-                    "buffer_device": str(buf.device),
-                    "device": str(device),
-                    "visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
-                },
-            )
-        )
-        while True:
-            cmd, arg = cmd_q.get(timeout=600)
-            if cmd == "stop":
-                break
-            # snapshot while the trainer rewrites the buffer; each version is one constant
-            if cmd == "torn":
-                deadline, n, torn, seen = time.monotonic() + arg, 0, 0, set()
-                while time.monotonic() < deadline:
-                    version = shared.read_snapshot(snapshot, max_tries=10**6)
-                    lo, hi = float(snapshot.min()), float(snapshot.max())
-                    torn += int(not (lo == hi == float(version)))
-                    seen.add(version)
-                    n += 1
-                res_q.put(("torn", {"snapshots": n, "torn": torn, "versions_seen": len(seen)}))
-            elif cmd == "load":
-                want, batch = arg
-                t0 = time.perf_counter()
-                version = shared.read_snapshot(snapshot)
-                synchronize(device)
-                done_ns = time.time_ns()
-                snapshot_ms = (time.perf_counter() - t0) * 1e3
-                t1 = time.perf_counter()
-                with torch.no_grad():
-                    for slot in shared.layout:
-                        params[slot.name].copy_(shared.view(slot, snapshot))
-                    synchronize(device)
-                    load_ms = (time.perf_counter() - t1) * 1e3
-                    b = argparse.Namespace(
-                        **{k: torch.tensor(v).to(device) for k, v in batch.items()}
-                    )
-                    logp = update.completion_logprobs(
-                        model, b, cfg.temperature, cfg.top_k, cfg.top_p
-                    ).logp
-                res_q.put(
-                    (
-                        "load",
-                        {
-                            "version": version,
-                            "wanted": want,
-                            "snapshot_ms": snapshot_ms,
-                            "load_ms": load_ms,
-                            "done_ns": done_ns,
-                            "logp": logp.cpu().tolist(),
-                        },
-                    )
-                )
-        # release the mapping before the owner frees anything
-        del model, params, snapshot, buf, shared
-        synchronize(device)
-        res_q.put(("bye", {}))
-    except BaseException:
-        res_q.put(("error", traceback.format_exc()))
-
-
-def wait_reply(res_q, proc, kind, timeout_s=300):
-    import queue as queue_lib
-
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            got, payload = res_q.get(timeout=1.0)
-        except queue_lib.Empty:
-            if not proc.is_alive():
-                raise RuntimeError(
-                    f"the receiver process died (exit code {proc.exitcode}) before '{kind}'"
-                )
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no '{kind}' from the receiver in {timeout_s} s")
-            continue
-        if got == "error":
-            raise RuntimeError(f"receiver failed:\n{payload}")
-        if got != kind:
-            raise RuntimeError(f"expected '{kind}' from the receiver, got '{got}'")
-        return payload
 
 
 # --------------------------------------------------------------------------------------------------

@@ -11,6 +11,14 @@ worker inside its EngineCore (VLLM_ENABLE_V1_MULTIPROCESSING=0, the "uni" execut
 uses too): on CPU vLLM otherwise starts a worker process of its own beside the EngineCore, 8-11 s of
 each train.py run's start on 2 cores. test_pipeline's SIGKILL test runs the CPU default (a worker
 process) to check that tree.
+
+`start_run`: starts `python train.py` runs (tests/runs.py's `Run`) and, whatever happened in the
+test, kills what is left of them after it (tests/test_pipeline.py, tests/test_multinode.py).
+
+`ascii_model`, `tokenizer`: the tiny model with a printable-ASCII tokenizer and a chat template,
+saved as a Hugging Face directory, and its tokenizer; one per test module (module scope: a module
+may change what it was given without reaching another's), for tests/test_data.py, test_eval.py,
+test_tools.py and test_reasoning_gym.py.
 """
 
 import json
@@ -19,6 +27,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from runs import Run
 
 REPO = Path(__file__).resolve().parent.parent
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # read by vLLM as each engine starts
@@ -47,3 +56,34 @@ def recorded_run(tmp_path_factory):
             == 0
         )
     return where / "run", json.loads((where / "peak_rss.json").read_text())
+
+
+@pytest.fixture
+def start_run(tmp_path):
+    runs = []
+
+    def start(*args, name="run", launcher=(), env=None):
+        run = Run(tmp_path / name, *args, launcher=launcher, env=env)
+        runs.append(run)
+        return run
+
+    yield start
+    for run in runs:  # whatever happened in the test, leave nothing of ours running
+        run.kill_all()
+
+
+@pytest.fixture(scope="module")
+def ascii_model(tmp_path_factory):
+    """The tiny model with a printable-ASCII tokenizer and a chat template, saved as a HF
+    directory."""
+    from tasks import builtin
+
+    path = tmp_path_factory.mktemp("models") / "tiny_ascii"
+    return builtin.build_tiny_model(str(path), alphabet="ascii")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(ascii_model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(ascii_model)

@@ -20,9 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-# (fixtures shared with test_data)
-from test_data import ascii_model, tokenizer, write_jsonl  # noqa: F401
+from test_data import write_jsonl
 from test_engine import drain
 from test_engine import settings_for as engine_settings
 

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 import torch
 import torch.multiprocessing as mp
-from test_pipeline import SMALL, _is_engine_core, start_run  # noqa: F401  (start_run: a fixture)
+from runs import SMALL, is_engine_core
 
 import link
 import remote
@@ -264,7 +264,7 @@ def test_two_nodes_train_with_exact_versions_and_the_lag_and_queue_bounds(start_
     assert wait_watching(trainer, generator, 400) == 0, trainer.tail()
     assert generator.wait(60) == 0, generator.tail()
     assert trainer.leftovers(grace_s=10) == [] and generator.leftovers(grace_s=10) == []
-    assert any(map(_is_engine_core, generator.names.values())), generator.names
+    assert any(map(is_engine_core, generator.names.values())), generator.names
     # torchrun's two ranks
     assert len([p for p in trainer.names.values() if p.startswith("python")]) >= 2
 

@@ -10,7 +10,6 @@ task's `score` path. Bad names and flags that do not apply are one `error:` line
 import socket
 
 import pytest
-from test_data import ascii_model, tokenizer  # noqa: F401  (fixtures shared with test_data)
 
 import prepare
 from tasks import builtin, datasets

@@ -15,7 +15,6 @@ import inspect
 import json
 
 import pytest
-from test_data import ascii_model, tokenizer  # noqa: F401  (fixtures shared with test_data)
 
 import config
 import prepare
