@@ -56,19 +56,18 @@ def estimate_advantages(rewards, estimator="grpo", scale="group", eps=1e-6, scor
     (ADV_ESTIMATORS):
       grpo          `group_advantages(rewards, scale)`
       rloo          leave-one-out mean (Kool et al. 2019; Ahmadian et al. 2024, "Back to Basics"):
-                    A_ij = R_ij - (1/(G-1)) sum_{k != j} R_ik = G/(G-1) (R_ij - mean_j R_ij); G = 1:
-                    0
+                    A_ij = R_ij - (1/(G-1)) sum_{k != j} R_ik = G/(G-1) (R_ij - mean_j R_ij);
+                    G = 1: 0
       reinforce_pp  REINFORCE++ (Hu 2025, arXiv 2501.03262) as OpenRLHF's "reinforce" estimator
-      computes it:
-                    batch whitening only, no per-prompt baseline, A = (R - mean(R)) / (std(R) + eps)
-                    over the batch
+                    computes it: batch whitening only, no per-prompt baseline, A = (R - mean(R)) /
+                    (std(R) + eps) over the batch
       reinforce_baseline  REINFORCE++-baseline (the same paper; OpenRLHF's "reinforce_baseline", in
                     openrlhf/trainer/ppo_utils/experience_maker.py,
                     `compute_advantages_and_returns`): the group mean first, R'_ij = R_ij - mean_j
                     R_ij, then R' whitened over the batch as reinforce_pp does
     Batch whitening here takes the unbiased std over samples (OpenRLHF whitens over tokens, a sample
     once per token, with the biased variance); one sample: 0. `scale` is grpo's only:
-    config.validate refuses another. scored: (num_groups, G) bool, False on a sample no reward
+    flag_checks refuses another. scored: (num_groups, G) bool, False on a sample no reward
     function scored (default: all scored): its advantage is 0 under every estimator, and it is left
     out of every statistic (group means and stds, leave-one-out means, batch whitening), as if it
     had not been sampled."""

@@ -320,13 +320,14 @@ def policy_loss(
 @torch.no_grad()
 def _clip_metrics(ratio, log_ratio, adv, m_bool, variant, eps_low, eps_high, dual_clip) -> dict:
     """policy_loss's metrics (0-d tensors, over masked tokens: a caller reads them back once per
-    step): clip_frac_high  share where the upper clip acts: r > 1 + eps_high and A > 0 (cispo: any
-    A, its cap
-                    acts on both signs);  clip_frac_low  r < 1 - eps_low and A < 0 (cispo: 0)
-    ratio_mean, ratio_max  of the ratio the variant clips (gspo: s_i, once per token of its
-    sequence) approx_kl       k3 estimate of KL(pi_old || pi_theta) from tokens sampled under
-    pi_old: exp(d) - 1 - d,
-                    d = logp - old_logp;  dual_clip_frac  (only with dual_clip) A < 0 and r > c"""
+    step):
+      clip_frac_high  share where the upper clip acts: r > 1 + eps_high and A > 0 (cispo: any A, its
+                      cap acts on both signs);  clip_frac_low  r < 1 - eps_low and A < 0 (cispo: 0)
+      ratio_mean, ratio_max  of the ratio the variant clips (gspo: s_i, once per token of its
+                             sequence)
+      approx_kl       k3 estimate of KL(pi_old || pi_theta) from tokens sampled under pi_old:
+                      exp(d) - 1 - d, d = logp - old_logp;  dual_clip_frac  (only with dual_clip)
+                          A < 0 and r > c"""
     r = ratio.detach()
     if variant == "cispo":
         high = r > 1.0 + eps_high
@@ -375,13 +376,12 @@ def behaviour_weights(
     behaviour policy mu (the generator's recorded log-probs: stale weights and/or another numerical
     engine), the loss is built around pi_old. Per token rho_t = exp(old_logp - behaviour_logp).
       level="token": rho = rho_t;  level="sequence": rho = prod over the sequence's masked tokens of
-      rho_t
+          rho_t
                         (exp of the masked sum of log-ratios), for all of its tokens
       mode="truncate":  w = min(rho, high)   (truncated IS, TIS; Yao et al. 2025, "Your efficient RL
                         framework secretly brings you off-policy RL training")
       mode="mask":      w = 1 if low <= rho <= high else 0 (masked IS, MIS; low=None means 1/high);
-      at
-                        sequence level it drops whole sequences;  mode="off": w = 1 everywhere
+                        at sequence level it drops whole sequences;  mode="off": w = 1 everywhere
     Returns detached weights (B, T), zero on unmasked positions (except "off")."""
     for name, value, allowed in (("mode", mode, IS_MODES), ("level", level, IS_LEVELS)):
         if value not in allowed:
@@ -427,8 +427,8 @@ def geometric_mean_mask(old_logp, behaviour_logp, mask, low=None, high=1.001):
     """verl's geometric rejection sampling (rollout correction, rollout_rs="geometric"; Liu, Li et
     al. 2025, "When Speed Kills Stability"; verl/trainer/ppo/rollout_corr_helper.py, preset
     decoupled_geo_rs: high 1.001, low None = 1/high). Per sequence, rho_t = pi_old_t / mu_t over its
-        masked tokens: rho_geo_i = exp( (1/|y_i|) sum_t log rho_t );   keep sequence i iff low <=
-        rho_geo_i <= high"""
+        masked tokens: rho_geo_i = exp( (1/|y_i|) sum_t log rho_t );
+        keep sequence i iff low <= rho_geo_i <= high"""
     m_bool, low = mask.bool(), 1.0 / high if low is None else low
     geo = torch.exp(_sequence_mean(_log_ratio(old_logp, behaviour_logp, m_bool), m_bool))
     return m_bool & ((geo >= low) & (geo <= high))[:, None]
@@ -437,8 +437,8 @@ def geometric_mean_mask(old_logp, behaviour_logp, mask, low=None, high=1.001):
 def dsv32_sequence_mask(logp, behaviour_logp, advantages, mask, max_kl):
     """DeepSeek-V3.2's off-policy sequence masking (DeepSeek-AI 2025, arXiv 2512.02556, eq. 9): with
     mu the sampling (inference) policy and pi_theta the current one,
-        M_it = 0 if A_it < 0 and (1/|o_i|) sum_t log(mu_t / pi_theta_t) > max_kl (their delta), else
-        1
+        M_it = 0 if A_it < 0 and (1/|o_i|) sum_t log(mu_t / pi_theta_t) > max_kl (their delta),
+               else 1
     advantages (B,) or (B, T)."""
     m_bool = mask.bool()  # kl: the mean of log(mu / pi) = -log(pi / mu)
     kl = _sequence_mean(-_log_ratio(logp, behaviour_logp, m_bool), m_bool)

@@ -236,10 +236,11 @@ def run_trainer(cfg, trainer_main) -> int:
     """One torchrun rank of `train.py --role trainer`, training with `trainer_main`
     (train.trainer_main, handed in by train.main: this module does not import train.py). Returns its
     exit code: 1 when the generator failed (after the checkpoint), 128 + the signal when rank 0 was
-    stopped by one. Ctrl-C (or SIGTERM, which torchrun forwards to every rank) is rank 0's to
-    handle: it stops after the current step and every rank writes the checkpoint together; the other
-    ranks ignore both signals meanwhile. torchrun itself then exits 1 with its own traceback, and
-    SIGKILLs ranks still alive 30 s after it forwarded the signal."""
+    stopped by one. Ctrl-C (or SIGTERM, which
+    torchrun forwards to every rank) is rank 0's to handle: it stops after the current step and
+    every rank writes the checkpoint together; the other ranks ignore both signals meanwhile.
+    torchrun itself then exits 1 with its own traceback, and SIGKILLs ranks still alive 30 s after
+    it forwarded the signal."""
     # every rank: torchrun started them, not a parent of ours
     metrics.configure_terminal(cfg.log_level)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

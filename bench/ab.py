@@ -1,9 +1,10 @@
 """bench/ab.py — did a change of the code leave the run alone? Two revisions side by side on one
 machine.
 
-    python bench/ab.py --base REV [--head REV] [--runs 3] [--args "..."] --out DIR   # DIR/ab.json,
-    DIR/ab.png python bench/ab.py --smoke --out DIR   # the suite's size (tests/test_bench.py): HEAD
-    against itself, one run each
+    # DIR/ab.json, DIR/ab.png
+    python bench/ab.py --base REV [--head REV] [--runs 3] [--args "..."] --out DIR
+    # the suite's size (tests/test_bench.py): HEAD against itself, one run each
+    python bench/ab.py --smoke --out DIR
 
 Both revisions are checked out into scratch worktrees (`git worktree add --detach`) and run with
 this interpreter. Two parts:

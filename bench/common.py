@@ -156,8 +156,9 @@ class Bench:
     load monitor and a scratch folder; afterwards its JSON (name, machine, load and wall time
     first), its plot and its closing line.
 
-        with common.Bench("overlap", args) as bench:     # bench.work: the scratch folder,
-            bench.info ...measure...
+        # bench.work: the scratch folder, bench.info
+        with common.Bench("overlap", args) as bench:
+            ...measure...
         path = bench.save(data, plot)                    # DIR/overlap.json, DIR/overlap.png
         print(bench.closing_line(path))
     """

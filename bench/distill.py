@@ -1,9 +1,10 @@
 """bench/distill.py — does a teacher's per-token signal get a random-init student to the teacher's
 reward sooner?
 
-    python bench/distill.py --out DIR        # writes DIR/distill.json and DIR/distill.png (25-35
-    min on 2 cores) python bench/distill.py --smoke --out DIR   # the suite's size
-    (tests/test_bench.py): --steps 12 --seeds 1
+    # writes DIR/distill.json and DIR/distill.png (25-35 min on 2 cores)
+    python bench/distill.py --out DIR
+    # the suite's size (tests/test_bench.py): --steps 12 --seeds 1
+    python bench/distill.py --smoke --out DIR
 
 (a) The teacher: a default run, `python train.py` (its OUT/model), or `--teacher OUT/model` to reuse
     one

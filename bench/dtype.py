@@ -1,10 +1,11 @@
 """bench/dtype.py — is bf16 faster than fp32 on this machine? Trainer step and vLLM generation, side
 by side.
 
-    python bench/dtype.py --out DIR        # writes DIR/dtype.json and DIR/dtype.png; ~5 min on 2
-    cores python bench/dtype.py --smoke --out DIR   # the suite's size (tests/test_bench.py): tiny,
-    2 x 16 tokens, 1 step,
-                                              # 4 prompts x 8 tokens, --repeats 1, runs of 12 steps
+    # writes DIR/dtype.json and DIR/dtype.png; ~5 min on 2 cores
+    python bench/dtype.py --out DIR
+    # the suite's size (tests/test_bench.py): tiny, 2 x 16 tokens, 1 step, 4 prompts x 8 tokens,
+    # --repeats 1, runs of 12 steps
+    python bench/dtype.py --smoke --out DIR
 
 What `--dtype auto` picks on the CPU path (devices.CPU_DEFAULT_DTYPE) is decided from this
 benchmark. For each model size (random-init Qwen2/Llama from `tasks/builtin.build_tiny_model`,

@@ -1,10 +1,10 @@
 """bench/env_latency.py — does a slow environment stall generation? Tokens/s against the env's step
 latency.
 
-    python bench/env_latency.py --out DIR       # writes DIR/env_latency.json and
-    DIR/env_latency.png python bench/env_latency.py --smoke --out DIR   # the suite's size
-    (tests/test_bench.py): 2 groups in flight,
-                                                    # 1 s warm-ups and 1.5 s windows
+    # writes DIR/env_latency.json and DIR/env_latency.png
+    python bench/env_latency.py --out DIR
+    # the suite's size (tests/test_bench.py): 2 groups in flight, 1 s warm-ups and 1.5 s windows
+    python bench/env_latency.py --smoke --out DIR
 
 An environment whose `step` sleeps D ms (D = 0, 20, 100; a plain `time.sleep`, so it runs in the
 generator's worker threads), 4 turns per episode, on one vLLM engine (the tiny model, 8 tokens per

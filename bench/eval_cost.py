@@ -1,8 +1,8 @@
 """bench/eval_cost.py — what held-out evaluation costs a run, and what it shows.
 
     python bench/eval_cost.py --out DIR       # writes DIR/eval_cost.json and DIR/eval_cost.png
-    python bench/eval_cost.py --smoke --out DIR   # the suite's size (tests/test_bench.py): --steps
-    12 --rounds 1
+    # the suite's size (tests/test_bench.py): --steps 12 --rounds 1
+    python bench/eval_cost.py --smoke --out DIR
 
 The default run (`python train.py`: the copy task, 300 steps, `--eval-every 50`) against the same
 run with `--eval-every 0`, same seed and model, alternated over `--rounds` rounds (the order swaps

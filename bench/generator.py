@@ -2,8 +2,8 @@
 engine.
 
     python bench/generator.py --out DIR      # writes DIR/generator.json and DIR/generator.png
-    python bench/generator.py --smoke --out DIR   # the suite's size (tests/test_bench.py): one
-    round, 4 + 3 steps
+    # the suite's size (tests/test_bench.py): one round, 4 + 3 steps
+    python bench/generator.py --smoke --out DIR
 
 One vLLM engine, built by the project's own `rollout.Generator.build_engine` (same engine arguments,
 same threads), serves these phases, interleaved for `--rounds` rounds (the order rotates from round

@@ -2,8 +2,8 @@
 steps.
 
     python bench/learning.py --out DIR       # writes DIR/learning.json and DIR/learning.png
-    python bench/learning.py --smoke --out DIR   # the suite's size (tests/test_bench.py): --steps
-    12
+    # the suite's size (tests/test_bench.py): --steps 12
+    python bench/learning.py --smoke --out DIR
 
 Two runs of `python train.py` on the default task, same seed, same model, same steps: `--max-lag 0`
 (synchronous, strictly on-policy) and `--max-lag 4` (asynchronous). Wall time is the run's own clock

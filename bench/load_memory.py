@@ -2,10 +2,10 @@
 or one.
 
     python bench/load_memory.py --out DIR [--before-repo /work/main] [--ranks 2] [--hidden
-    1024 --layers 16] python bench/load_memory.py --smoke --out DIR   # the suite's size
-    (tests/test_bench.py): this checkout alone
-                                                    # (--before-repo ''), hidden 64, 2 layers,
-                                                    vocabulary 512
+        1024 --layers 16]
+    # the suite's size (tests/test_bench.py): this checkout alone (--before-repo ''), hidden 64, 2
+    # layers, vocabulary 512
+    python bench/load_memory.py --smoke --out DIR
 
 Builds a random Qwen2-style model (~300M parameters with the defaults) once, then, for each checkout
 (`--before-repo`, e.g. main's code, none if ''; and this one), spawns `--ranks` gloo ranks that each

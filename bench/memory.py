@@ -1,11 +1,11 @@
 """bench/memory.py — does a trainer step's memory stay flat as the batch grows, at a real
 vocabulary?
 
-    python bench/memory.py --out DIR         # writes DIR/memory.json and DIR/memory.png, prints a
-    table python bench/memory.py --smoke --out DIR   # the suite's size (tests/test_bench.py): 2
-    rows of 8 tokens,
-                                               # vocabulary 512, micro-batches of 16 tokens, then
-                                               the whole batch
+    # writes DIR/memory.json and DIR/memory.png, prints a table
+    python bench/memory.py --out DIR
+    # the suite's size (tests/test_bench.py): 2 rows of 8 tokens, vocabulary 512, micro-batches of
+    # 16 tokens, then the whole batch
+    python bench/memory.py --smoke --out DIR
 
 Model: the project's `tasks/builtin.build_tiny_model` with a real vocabulary (151,936 tokens,
 Qwen2.5's size; hidden 128, 2 layers, tied embeddings): the LM head and its softmax are a real

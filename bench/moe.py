@@ -1,16 +1,19 @@
 """bench/moe.py — routing replay at bf16 on a tiny MoE: mismatch_k3 and router agreement with and
 without --router-replay, beside the dense tiny model, and what carrying routes costs.
 
-    python bench/moe.py --out DIR          # writes DIR/moe.json and DIR/moe.png; ~10 min on 2 quiet
-    cores python bench/moe.py --smoke --out DIR  # the suite's size (tests/test_bench.py): 3 steps a
-    run, small cost loops
+    # writes DIR/moe.json and DIR/moe.png; ~10 min on 2 quiet cores
+    python bench/moe.py --out DIR
+    # the suite's size (tests/test_bench.py): 3 steps a run, small cost loops
+    python bench/moe.py --smoke --out DIR
 
 Four runs of `python train.py` with the same seed, --dtype bf16 and --max-lag 0 (strictly on policy:
 every token was sampled by the weights the trainer scores it with, so mismatch_k3 is the
 generator/trainer mismatch alone, no policy change in it), on the built-in copy task:
     plain   the tiny random-init Qwen3-MoE (`--model TINY_MOE`: 8 experts, 2 per token), no routes
-    recorded record  the same with --router-record: routes recorded and compared (router/agreement),
-    not replayed replay  the same with --router-replay: the trainer runs the generator's experts
+            recorded
+    record  the same with --router-record: routes recorded and compared (router/agreement), not
+            replayed
+    replay  the same with --router-replay: the trainer runs the generator's experts
     dense   the default dense tiny model: the floor bf16 kernels alone leave
 Per run, over its steps: mismatch_k3 (mean and median), router/agreement, router/missing, the
 largest per-token |trainer - generator| log-prob on policy, the reward, the trainer's step time and

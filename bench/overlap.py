@@ -1,10 +1,12 @@
 """bench/overlap.py — does asynchrony keep both sides busy? Sync against async, side by side, in one
 run.
 
-    python bench/overlap.py --out DIR        # writes DIR/overlap.json and DIR/overlap.png, prints a
-    table python bench/overlap.py --smoke --out DIR  # the suite's size
-    (tests/test_bench.py): --steps 6 --warmup 2 python bench/overlap.py --modes lag2 --steps
-    30 --out DIR   # sync (the baseline) and --max-lag 2 only
+    # writes DIR/overlap.json and DIR/overlap.png, prints a table
+    python bench/overlap.py --out DIR
+    # the suite's size (tests/test_bench.py): --steps 6 --warmup 2
+    python bench/overlap.py --smoke --out DIR
+    # sync (the baseline) and --max-lag 2 only
+    python bench/overlap.py --modes lag2 --steps 30 --out DIR
 
 What runs, all with the default workload (the tiny model, 32 prompts x 8 completions, 5 new tokens)
 and the same thread budget per process as `python train.py` (half the cores for the generator, the

@@ -1,10 +1,9 @@
 """bench/peak_rss.py — the peak memory of a whole `train.py` run: every process it starts, added up.
 
     python bench/peak_rss.py [--out FILE.json] -- TRAIN.PY ARGS...
-    python bench/peak_rss.py --smoke [--out FILE.json] [-- ARGS...]   # the suite's size
-    (tests/test_bench.py):
-                                                    # a 12-step run of 4 prompts x 4 (SMOKE_ARGS;
-                                                    ARGS added after)
+    # the suite's size (tests/test_bench.py): a 12-step run of 4 prompts x 4 (SMOKE_ARGS; ARGS added
+    # after)
+    python bench/peak_rss.py --smoke [--out FILE.json] [-- ARGS...]
 
 Runs `python train.py ARGS` and, every `--interval` seconds, reads the memory of the run's whole
 process tree (the parent, the generator, vLLM's EngineCore and workers, the trainer ranks, helpers):

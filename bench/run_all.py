@@ -1,9 +1,8 @@
 """bench/run_all.py — every benchmark, one after the other, then the summary page.
 
     python bench/run_all.py --out bench/results     # about 16 minutes on 2 cores
-    python bench/run_all.py --smoke --only memory --out DIR   # the suite's size
-    (tests/test_bench.py): --smoke
-                                                              # passed to each benchmark
+    # the suite's size (tests/test_bench.py): --smoke passed to each benchmark
+    python bench/run_all.py --smoke --only memory --out DIR
 
 Each benchmark runs as its own `python bench/NAME.py --out DIR`; a failure is reported and the
 others go on.

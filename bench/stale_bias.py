@@ -2,8 +2,8 @@
 length.
 
     python bench/stale_bias.py --out DIR       # writes DIR/stale_bias.json and DIR/stale_bias.png
-    python bench/stale_bias.py --smoke --out DIR   # the suite's size (tests/test_bench.py): 12
-    steps, 8 new tokens
+    # the suite's size (tests/test_bench.py): 12 steps, 8 new tokens
+    python bench/stale_bias.py --smoke --out DIR
 
 Two runs of `python train.py` on the default copy task with a long tail of completion lengths: the
 random-init tiny model with --max-new-tokens 48 (it stops only when it samples <eos>, so lengths

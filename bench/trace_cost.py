@@ -1,9 +1,10 @@
 """bench/trace_cost.py — what the run's trace (OUT/trace.json, OUT/timeline.png) costs, and how big
 it gets.
 
-    python bench/trace_cost.py --out DIR          # writes DIR/trace_cost.json and
-    DIR/trace_cost.png python bench/trace_cost.py --smoke --out DIR  # the suite's size
-    (tests/test_bench.py): --steps 12 --rounds 1
+    # writes DIR/trace_cost.json and DIR/trace_cost.png
+    python bench/trace_cost.py --out DIR
+    # the suite's size (tests/test_bench.py): --steps 12 --rounds 1
+    python bench/trace_cost.py --smoke --out DIR
 
 The default run (`python train.py`: the copy task, 300 steps, the trace on) against the same run
 with `--trace-steps 0`, same seed and model, alternated over `--rounds` rounds (the order swaps

