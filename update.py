@@ -154,26 +154,13 @@ def update_on_batch(
 
 
 def loss_settings(cfg: Config) -> losses.LossSettings:
-    """The loss's settings from the run's flags (losses.LossSettings), built once per batch."""
+    """The loss's settings from the run's flags (losses.LossSettings), built once per batch: each
+    field is the flag of its name, but `variant` (--loss) and `max_len` (the episode budget)."""
+    flags = {f.name for f in dataclasses.fields(losses.LossSettings)} - {"variant", "max_len"}
     return losses.LossSettings(
         variant=cfg.loss,
-        eps_low=cfg.eps_low,
-        eps_high=cfg.eps_high,
-        dual_clip=cfg.dual_clip,
-        agg=cfg.agg,
         max_len=schedule.model_token_budget(cfg),
-        is_level=cfg.is_level,
-        is_mode=cfg.is_mode,
-        is_low=cfg.is_low,
-        is_high=cfg.is_high,
-        geo_mask_low=cfg.geo_mask_low,
-        geo_mask_high=cfg.geo_mask_high,
-        dsv32_mask_kl=cfg.dsv32_mask_kl,
-        icepop_low=cfg.icepop_low,
-        icepop_high=cfg.icepop_high,
-        kl_coef=cfg.kl_coef,
-        kl_kind=cfg.kl_kind,
-        distill_coef=cfg.distill_coef,
+        **{name: getattr(cfg, name) for name in flags},
     )
 
 
