@@ -1,7 +1,7 @@
 """bench/common.py — what the benchmarks share: the options and outputs of a benchmark (`Bench`:
 machine facts and the load of other processes from bench/machine.py, a scratch folder, its JSON,
 plot and closing line), tables, child processes, and the project's own stages run alone (generation
-without training, training without generation), started the way `train.run` starts them with the
+without training, training without generation), started the way `launch.run` starts them with the
 other side a stand-in that does no work.
 Project, torch and vLLM imports stay inside functions: spawned children re-import the benchmark
 script, and vLLM must load only in the process that runs the engine.
@@ -379,7 +379,7 @@ def typical_mean(values, outlier: float = 3.0) -> float:
 
 
 def default_config(**changes):
-    """The run's config with `changes`, validated and resolved as `train.run` resolves it
+    """The run's config with `changes`, validated and resolved as `launch.run` resolves it
     (prepare.resolve)."""
     import config
     import prepare
@@ -390,7 +390,7 @@ def default_config(**changes):
 
 
 def run_ahead_settings(cfg, model_path: str):
-    """The generator's settings as `train.run` builds them (`prepare.generator_settings`), except
+    """The generator's settings as `launch.run` builds them (`prepare.generator_settings`), except
     that the staleness gate never closes: a stand-in trainer never lags, so the generator runs as
     far ahead as the queue allows."""
     import devices
@@ -497,7 +497,7 @@ def stand_in_trainer(
 
 def generate_alone(cfg, model_path: str, steps: int, cpu_from_step: int | None = None) -> dict:
     """Generation with no training: the real generator process (`rollout.generator_main`, started
-    like `train.run` starts it) feeding `stand_in_trainer` (here, in this process). Returns the
+    like `launch.run` starts it) feeding `stand_in_trainer` (here, in this process). Returns the
     groups (the batches a run would train on), per step when its last group arrived, and from its
     trace (tracing.py) vLLM's engine time per scheduled token from the swap to version
     `cpu_from_step` on (`engine_s_per_token`)."""
@@ -563,7 +563,7 @@ def train_alone(
     cpu_from_step: int | None = None,
 ):
     """Training with no generation: the real trainer (`train.trainer_main`, rank 0 of 1, started
-    like `train.run` starts it) fed from a queue already holding every group it will take. Returns
+    like `launch.run` starts it) fed from a queue already holding every group it will take. Returns
     its metrics rows (metrics.jsonl), and with `cpu_from_step`, (rows, cores the trainer used from
     that step on)."""
     import torch.multiprocessing as mp

@@ -207,7 +207,7 @@ def measure_size(
 
         lora_config = lora.peft_config(lora_rank, 2 * lora_rank, 0.0, "all-linear")
     model = models.build_trainer_model(path, 1, lora_config=lora_config, seed=seed)
-    # as train.run and trainer_main do: a buffer for the adapter, published once at the start
+    # as launch.run and trainer_main do: a buffer for the adapter, published once at the start
     if lora_rank:
         shapes, resolved = lora.adapter_shapes(path, lora_config)
         lora_dir = lora.write_config(
