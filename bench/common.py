@@ -507,13 +507,12 @@ def generate_alone(cfg, model_path: str, steps: int, cpu_from_step: int | None =
     import prepare
     import processes
     import rollout
-    import train
 
     ctx = mp.get_context("spawn")
     shared = prepare.allocate_shared_weights(model_path)
     queue = ctx.Queue(maxsize=cfg.queue_size)
     errors = ctx.Queue()
-    control = train.make_control(ctx)
+    control = processes.make_control(ctx)
     settings = run_ahead_settings(cfg, model_path)
     proc = ctx.Process(
         target=processes.child_entry,
@@ -601,7 +600,7 @@ def train_alone(
     for g in groups:
         queue.put(g)
     errors = ctx.Queue()
-    control = train.make_control(ctx)
+    control = processes.make_control(ctx)
     control.ready.set()  # no engine to wait for
     init_file = tempfile.mktemp(prefix="asyncgrpo-bench-dist-")
     proc = ctx.Process(

@@ -176,8 +176,8 @@ def measure_size(
     import lora  # also without LoRA: lora.synced_parameters names what a full sync publishes
     import models
     import prepare
+    import processes
     import sync
-    import train
     from rollout import Generator
 
     t_build = time.perf_counter()
@@ -228,7 +228,7 @@ def measure_size(
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    control = train.make_control(ctx)
+    control = processes.make_control(ctx)
     prepared = prepare.Prepared(path, path, devices.layout_for(cfg))
     gen = Generator(prepare.generator_settings(cfg, prepared, lora_dir), shared, queue, control)
     t_engine = time.perf_counter()
