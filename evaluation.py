@@ -2,25 +2,34 @@
 it means.
 
 Role: rank 0 asks every --eval-every steps and at the end (`request`); the generator (rollout.py)
-evaluates the weights it holds on its own engine, beside training requests, and answers on a queue
-of its own, so evaluation outputs are never trained on. The trainer picks answers up between steps
-(`collect`); `summarize` turns one into the eval/... keys.
+evaluates the weights it holds on its own engine, beside training requests (`run_eval`,
+`eval_prompt`), and answers on a queue of its own, so evaluation outputs are never trained on. The
+trainer picks answers up between steps (`collect`); `summarize` turns one into the eval/... keys.
 Data contract
     - The request, `control.eval_request` = [step, version]: evaluate the weights of `version` or
       newer; only the newest request counts.
     - `EvalResult`: the step asked for, the one version evaluated, and per held-out prompt the
       reward of its greedy completion then those of S sampled ones (an env task: of its greedy and S
       sampled episodes, and their mean turns); pass@k is Chen et al.'s unbiased estimator.
-May touch: the two eval fields of `processes.Control`. No engine, no model.
+May touch: the two eval fields of `processes.Control`; in the generator, the engine's requests and
+reward threads of the rollout.Generator it is handed, its eval counters, its trace events
+(tracing.py). No model of the trainer.
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import math
 import queue as queue_lib
 import sys
 import time
 from dataclasses import dataclass, field
+
+import tracing
+from buffer import tag_versions
+from tasks import envs
+from tasks.prompts import Prompt
 
 
 @dataclass
@@ -127,3 +136,89 @@ def collect(
                     flush=True,
                 )
                 return results
+
+
+# --------------------------------------------------------------------------------------------------
+# The generator's side: rollout.Generator runs these on its event loop, on its own engine, beside
+# training requests (`gen`: the Generator; an env task's prompts run as episodes, tasks/envs.py)
+# --------------------------------------------------------------------------------------------------
+async def run_eval(gen, step: int):
+    """Evaluate the weights held now on the first `eval_prompts` held-out prompts; answer on
+    control.eval_results (never the rollout queue). The loop loads no weights while this
+    runs."""
+    t0, version = time.perf_counter(), gen.loaded_version
+    prompts = gen.task.held_out[: gen.cfg.eval_prompts]
+    evaluate = (
+        functools.partial(envs.eval_env_prompt, gen)
+        if gen.task.is_env
+        else functools.partial(eval_prompt, gen)
+    )
+    results = await asyncio.gather(*(evaluate(step, i, p, version) for i, p in enumerate(prompts)))
+    tokens = sum(r[1] for r in results)
+    gen.stats["eval_tokens"] = gen.stats.get("eval_tokens", 0) + tokens
+    gen.control.eval_results.put(
+        EvalResult(
+            step,
+            version,
+            [r[0] for r in results],
+            time.perf_counter() - t0,
+            tokens,
+            [r[2] for r in results if len(r) > 2],
+        )
+    )
+    tracing.complete(
+        f"evaluation (step {step})", t0, track="evaluation", cat="evaluation", version=version
+    )
+
+
+async def eval_prompt(
+    gen, step: int, i: int, prompt: Prompt, version: int
+) -> tuple[list[float], int]:
+    """[reward of the greedy completion, rewards of the samples] for one held-out prompt, and
+    its tokens."""
+
+    async def generate(greedy: bool):
+        final = None
+        async for out in gen.generate(
+            prompt.prompt_ids,
+            eval_params(gen, greedy),
+            f"eval-{step}-{i}-{'greedy' if greedy else 'sampled'}",
+        ):
+            final = out
+        return sorted(final.outputs, key=lambda c: c.index)
+
+    with gen.generating_request():
+        outputs = await asyncio.gather(
+            generate(True), *([generate(False)] if gen.cfg.eval_samples else [])
+        )
+    completions = [c for group in outputs for c in group]
+    ids = [list(c.token_ids) for c in completions]
+    if any(
+        v != version
+        for c, t in zip(completions, ids)
+        for v in tag_versions(c.weight_versions, len(t))
+    ):
+        raise RuntimeError(f"evaluation of version {version} sampled tokens under other weights")
+    rewards, _, _ = await asyncio.get_running_loop().run_in_executor(
+        gen.reward_threads,
+        gen.task.score,
+        prompt,
+        [c.text or "" for c in completions],
+        ids,
+        version,
+    )
+    return list(rewards), sum(map(len, ids))
+
+
+def eval_params(gen, greedy: bool):
+    """An evaluation request: one greedy completion, or S samples with the run's sampling
+    settings; no log-probs, no seed (a seeded request re-prefilled after a chunked prefill fails
+    on vLLM's CPU sampler)."""
+    if greedy:
+        return gen.request_params(n=1, temperature=0.0)
+    return gen.request_params(
+        n=gen.cfg.eval_samples,
+        temperature=gen.cfg.temperature,
+        top_k=gen.cfg.top_k,
+        top_p=gen.cfg.top_p,
+    )

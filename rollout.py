@@ -2,14 +2,14 @@
 
 Role: streams the task's prompts (tasks/builtin.py) into the engine with continuous batching; each
 finished group is scored in a worker thread and put on the rollout queue at once. New weights are
-loaded from the shared buffer (shared_weights.py, through vllm_worker.py) between engine steps,
-requests kept in flight ("inflight") or let finish ("drain"); held-out evaluations (evaluation.py)
-run beside training requests. An env task (--env, --task reveal) runs each of a group's G samples
-as an episode, a chain of requests (tasks/envs.py: `run_env_group`, `eval_env_prompt`; the episodes
-use this class only through tasks/protocols.Sampler, which it satisfies). What it serves (full
-weights or an adapter) comes through lora.Served, its devices through
-devices.enter_generator_devices; with --router-replay or --router-record, each sample's routes come
-through routes.GeneratorRoutes.
+loaded from the shared buffer (shared_weights.py, through vllm_worker.py) between engine steps
+(weight_swaps.py), requests kept in flight ("inflight") or let finish ("drain"); held-out
+evaluations (evaluation.run_eval) run beside training requests. An env task (--env, --task reveal)
+runs each of a group's G samples as an episode, a chain of requests (tasks/envs.py: `run_env_group`,
+`eval_env_prompt`; the episodes use this class only through tasks/protocols.Sampler, which it
+satisfies). What it serves (full weights or an adapter) comes through lora.Served, its devices
+through devices.enter_generator_devices; with --router-replay or --router-record, each sample's
+routes come through routes.GeneratorRoutes.
 Data contract: writes `buffer.RolloutGroup`s with vLLM's processed log-probs (the behaviour policy)
 and, per token, the version of the weights that sampled it (and, when recorded, its routes); a group
 starts only if the loaded weights are at most --max-lag versions behind the trainer version that
@@ -37,12 +37,13 @@ import tracing
 from buffer import RolloutGroup, put_group, tag_versions
 from config import Config
 from devices import enter_generator_devices, torch_dtype
-from evaluation import EvalResult, requested
+from evaluation import requested, run_eval
 from lora import Served, served_weights
 from routes import GeneratorRoutes
 from tasks import envs
 from tasks.builtin import make_task
 from tasks.prompts import Prompt, walk
+from weight_swaps import load_first_publish, swap_weights
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -69,23 +70,6 @@ class GeneratorSettings:
     # vLLM's share of each of its GPUs (bounded on a shared GPU)
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1  # = number of generator GPUs
-
-
-async def load_same_version(load, max_tries: int = 20) -> int:
-    """Call `load()` (every vLLM worker loads the buffer's newest weights and reports their version)
-    until all workers report the same version, and return it. With tensor parallelism each worker
-    reads the buffer on its own, so a publish that lands between two reads leaves them on different
-    versions; tokens sampled then would mix two models under one tag. Loading again converges as
-    soon as no publish lands during a load."""
-    versions = []
-    for _ in range(max_tries):
-        versions = list(await load())
-        if len(set(versions)) == 1:
-            return versions[0]
-    raise RuntimeError(
-        f"the generator's workers loaded different weight versions {max_tries} times in a row "
-        f"(last: {versions}): the trainer publishes faster than they load; raise --sync-every"
-    )
 
 
 class Generator:
@@ -210,19 +194,6 @@ class Generator:
         salt = {"cache_salt": f"v{self.loaded_version}"} if self.cfg.kv_on_swap == "keep" else {}
         return {"prompt_token_ids": ids, **salt}
 
-    def eval_params(self, greedy: bool):
-        """An evaluation request: one greedy completion, or S samples with the run's sampling
-        settings; no log-probs, no seed (a seeded request re-prefilled after a chunked prefill fails
-        on vLLM's CPU sampler)."""
-        if greedy:
-            return self.request_params(n=1, temperature=0.0)
-        return self.request_params(
-            n=self.cfg.eval_samples,
-            temperature=self.cfg.temperature,
-            top_k=self.cfg.top_k,
-            top_p=self.cfg.top_p,
-        )
-
     @contextlib.contextmanager
     def generating_request(self):
         """Counts one request as generating while inside: the engine is idle when none is (its idle
@@ -240,81 +211,13 @@ class Generator:
             if self.generating == 0:
                 self.idle_since = time.perf_counter()
 
-    async def run_eval(self, step: int):
-        """Evaluate the weights held now on the first `eval_prompts` held-out prompts; answer on
-        control.eval_results (never the rollout queue). The loop loads no weights while this
-        runs."""
-        t0, version = time.perf_counter(), self.loaded_version
-        prompts = self.task.held_out[: self.cfg.eval_prompts]
-        evaluate = (
-            functools.partial(envs.eval_env_prompt, self) if self.task.is_env else self.eval_prompt
-        )
-        results = await asyncio.gather(
-            *(evaluate(step, i, p, version) for i, p in enumerate(prompts))
-        )
-        tokens = sum(r[1] for r in results)
-        self.stats["eval_tokens"] = self.stats.get("eval_tokens", 0) + tokens
-        self.control.eval_results.put(
-            EvalResult(
-                step,
-                version,
-                [r[0] for r in results],
-                time.perf_counter() - t0,
-                tokens,
-                [r[2] for r in results if len(r) > 2],
-            )
-        )
-        tracing.complete(
-            f"evaluation (step {step})", t0, track="evaluation", cat="evaluation", version=version
-        )
-
-    async def eval_prompt(
-        self, step: int, i: int, prompt: Prompt, version: int
-    ) -> tuple[list[float], int]:
-        """[reward of the greedy completion, rewards of the samples] for one held-out prompt, and
-        its tokens."""
-
-        async def generate(greedy: bool):
-            final = None
-            async for out in self.generate(
-                prompt.prompt_ids,
-                self.eval_params(greedy),
-                f"eval-{step}-{i}-{'greedy' if greedy else 'sampled'}",
-            ):
-                final = out
-            return sorted(final.outputs, key=lambda c: c.index)
-
-        with self.generating_request():
-            outputs = await asyncio.gather(
-                generate(True), *([generate(False)] if self.cfg.eval_samples else [])
-            )
-        completions = [c for group in outputs for c in group]
-        ids = [list(c.token_ids) for c in completions]
-        if any(
-            v != version
-            for c, t in zip(completions, ids)
-            for v in tag_versions(c.weight_versions, len(t))
-        ):
-            raise RuntimeError(
-                f"evaluation of version {version} sampled tokens under other weights"
-            )
-        rewards, _, _ = await asyncio.get_running_loop().run_in_executor(
-            self.reward_threads,
-            self.task.score,
-            prompt,
-            [c.text or "" for c in completions],
-            ids,
-            version,
-        )
-        return list(rewards), sum(map(len, ids))
-
     def maybe_start_eval(self) -> None:
         """Start the newest requested evaluation once the weights it asks for (or newer) are
         loaded."""
         step, version = requested(self.control)
         if step > self.last_eval_step and self.loaded_version >= version:
             self.last_eval_step = step
-            self.eval_task = asyncio.create_task(self.run_eval(step))
+            self.eval_task = asyncio.create_task(run_eval(self, step))
             self.eval_task.add_done_callback(self._eval_done)
 
     def _eval_done(self, task: asyncio.Task):
@@ -408,107 +311,6 @@ class Generator:
             )
         tracing.counter("rollout queue", groups=tracing.qsize(self.queue))
 
-    async def engine_call(self, awaitable, what: str):
-        """Await an engine call, failing fast if vLLM's EngineCore dies (a dead engine never
-        answers)."""
-        task = asyncio.ensure_future(awaitable)
-        deadline = time.monotonic() + self.cfg.timeout_s
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=0.5)
-            if done:
-                return task.result()
-            if self.engine.errored:
-                task.cancel()
-                raise RuntimeError(f"vLLM's engine died during {what}") from self.engine.dead_error
-            if time.monotonic() > deadline:
-                task.cancel()
-                raise TimeoutError(f"vLLM did not finish {what} within {self.cfg.timeout_s:.0f} s")
-
-    async def swap_weights(self, version: int):
-        """Load the newest published weights between engine steps; tag later tokens with
-        `version`."""
-        t0 = time.perf_counter()
-        mode = "keep" if self.cfg.update_mode == "inflight" else "wait"
-        # The scheduler's own pause, not `AsyncLLM.pause_generation`: with clear_cache=False that
-        # method only adds a fixed 20 ms sleep (vLLM 0.32), meant to let outputs of the last step
-        # reach their callers before it returns. We do not need that ordering: EngineCore stamps
-        # each step's output with the version it was sampled under, so a token that arrives after
-        # the swap still carries its own tag.
-        await self.engine_call(
-            self.engine.engine_core.pause_scheduler_async(mode=mode, clear_cache=False), "the pause"
-        )
-        t1 = time.perf_counter()
-        # samples (n > 1 counts n), running or waiting
-        in_flight = self.engine.get_num_unfinished_requests()
-        # The buffer may already hold a newer version than we were told: the workers report what
-        # they loaded.
-        version = await load_same_version(
-            lambda: self.engine_call(self.load_rpc(version), "the weight load")
-        )
-        t2 = time.perf_counter()
-        # Cached blocks hold keys/values of the old weights. recompute: in-flight requests are
-        # re-prefilled (NeMo-RL's recompute_kv_cache_after_weight_updates=true). keep: they go on
-        # with their cache (PipelineRL's vllm1.py: pause "keep", no reset);
-        # reset_prefix_cache(reset_running_requests=False) refuses while a block is in use (vLLM
-        # 0.32), so nothing is reset and the cache salt keeps new requests off old blocks
-        # (prompt_input).
-        if self.cfg.kv_on_swap == "recompute" and not await self.engine_call(
-            self.engine.reset_prefix_cache(reset_running_requests=True), "the reset"
-        ):
-            raise RuntimeError(
-                "reset_prefix_cache failed after a weight update: stale KV cache would be reused"
-            )
-        await self.engine_call(
-            self.engine.update_weight_version(str(version)), "update_weight_version"
-        )
-        t3 = time.perf_counter()
-        await self.engine_call(self.engine.resume_generation(), "resume_generation")
-        self.loaded_version = version
-        self.control.loaded_version.value = version
-        self.stats["loads"] += 1
-        # re-prefilled (recompute) or kept on their cache (keep)
-        self.stats["swap_requests"] += in_flight
-        self.sync_ms.append((time.time_ns() - self.shared.publish_time_ns()) / 1e6)
-        self.sync_parts.append(
-            {
-                "pause_ms": (t1 - t0) * 1e3,
-                "load_ms": (t2 - t1) * 1e3,
-                "reset_ms": (t3 - t2) * 1e3,
-                "resume_ms": (time.perf_counter() - t3) * 1e3,
-                "requests": in_flight,
-            }
-        )
-        tracing.swap(t0, t1, t2, t3, version, in_flight)
-
-    def load_rpc(self, version: int):
-        """The worker call that loads the buffer's contents: the full weights, or the adapter in
-        place."""
-        method, args = self.served.load_call(version)
-        return self.engine.collective_rpc(method, args=args)
-
-    async def load_first_publish(self):
-        """A buffer that starts empty (an adapter, a resume, a remote generator): the engine serves
-        nothing until the trainer's first publish (at its start) is loaded, tagged with the version
-        it carries."""
-        deadline = time.monotonic() + self.cfg.timeout_s
-        while (
-            self.shared.publish_time_ns() == 0
-            or self.shared.version() < self.settings.initial_version
-        ):
-            if self.control.stop.is_set():
-                return
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"the trainer published no weights within {self.cfg.timeout_s:.0f} s"
-                )
-            await asyncio.sleep(0.01)
-        self.loaded_version = await load_same_version(
-            lambda: self.engine_call(self.load_rpc(self.settings.initial_version), "the first load")
-        )
-        # the tag of the tokens it samples
-        await self.engine.update_weight_version(str(self.loaded_version))
-        self.control.loaded_version.value = self.loaded_version
-
     def may_start_group(self) -> bool:
         max_running = self.cfg.max_inflight_groups or self.cfg.prompts_per_step
         if len(self.running) >= max_running:
@@ -561,12 +363,12 @@ class Generator:
         # publish, which a buffer that starts empty waits for below.
         self.control.engine_started.set()
         if self.shared.starts_empty:
-            await self.load_first_publish()
+            await load_first_publish(self)
         # alone on the engine it takes a fraction of its time beside the first steps
         if self.settings.eval_at_start:
             self.last_eval_step = 0
             self.idle_since = None  # the engine's start-up is not idle time of the run
-            await self.run_eval(0)
+            await run_eval(self, 0)
         self.control.ready.set()
         self.wake = asyncio.Event()
         start = time.perf_counter()
@@ -579,7 +381,7 @@ class Generator:
             published = self.shared.version()
             # an evaluation keeps its weights
             if published > self.loaded_version and self.eval_task is None:
-                await self.swap_weights(published)
+                await swap_weights(self, published)
             if self.eval_task is None:
                 self.maybe_start_eval()
             if self.may_start_group():
@@ -617,7 +419,7 @@ class Generator:
 
 
 def generator_main(settings: GeneratorSettings, shared, rollout_queue, control) -> None:
-    """Entry point of the generator process (spawned by train.py, or remote.py on a generator
+    """Entry point of the generator process (spawned by launch.py, or remote.py on a generator
     node)."""
     rollout_queue.cancel_join_thread()  # exiting must not wait for a full queue to drain
     control.eval_results.cancel_join_thread()  # nor for evaluation answers nobody will read

@@ -2,9 +2,9 @@
 train.py`.
 
 Role: `python train.py` prepares the run (prepare.py), spawns one vLLM generator (rollout.py) and
-the FSDP2 trainer ranks, and supervises them (processes.py). Each rank loops: take a batch of
-rollout groups (buffer.py) -> group advantages -> the GRPO update (update.py, losses.py) -> publish
-the weights (sync.py) -> log (metrics.py) and save (checkpoint.py).
+the FSDP2 trainer ranks, and supervises them (launch.py, processes.py). Each rank loops: take a
+batch of rollout groups (buffer.py) -> group advantages -> the GRPO update (update.py, losses.py)
+-> publish the weights (sync.py) -> log (metrics.py) and save (checkpoint.py).
 Data contract: trainer version = rollout batches trained on; a sample is trained on only if its
 oldest token is at most --max-lag versions old. OUT/ gets metrics.jsonl, summary.json, model/
 (Hugging Face format; with --lora-rank adapter/), checkpoints/, and from every process's trace
@@ -13,33 +13,27 @@ May touch: everything under --out; it spawns and kills its own children.
 """
 
 import functools
-import os
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from transformers import AutoTokenizer
 
 import buffer
 import checkpoint
 import devices
 import evaluation
+import launch
 import metrics
-import plots
 import prepare
-import trace_merge
 import tracing
 from advantages import estimate_advantages
 from config import Config
-from flag_checks import inactive_flags
 from models import build_frozen_models, build_policy, check_layout, checkpoint_layers
-from processes import Control, exit_now, make_control, run_children, saving, wait_for
-from rollout import generator_main
+from processes import Control, exit_now, saving, wait_for
 from schedule import learning_rate, shaped_rewards
 from sync import WeightsSink, publish_model, trainable_parameters
 from update import update_on_batch
@@ -432,81 +426,6 @@ def trainer_main(
         finish_rank(trainer, train(trainer))
 
 
-# --------------------------------------------------------------------------------------------------
-# The parent: prepare, spawn, supervise
-# --------------------------------------------------------------------------------------------------
-def run(cfg: Config) -> int:
-    """Start the generator and trainer ranks, wait for them, and return the run's exit code."""
-    metrics.configure_terminal(cfg.log_level)
-    inactive = inactive_flags(cfg)
-    if inactive:
-        print(
-            f"warning: {', '.join(inactive)} cannot act in this run: one optimizer step per batch "
-            f"keeps the ratio "
-            "to the proximal policy at 1 (the clips act with --mini-batches > 1, --ppo-epochs > 1 "
-            "or --is-mode off)",
-            file=sys.stderr,
-            flush=True,
-        )
-    cfg = prepare.resolve(cfg)
-    prepared = prepare.prepare_run(cfg)
-    layout = prepared.layout
-    print(
-        f"starting the vLLM generator and {cfg.train_ranks} FSDP2 trainer rank(s); writing to "
-        f"{cfg.out}/"
-        + (
-            ""
-            if layout.on_gpu
-            else "\n(on CPU, vLLM's start-up warnings about Triton, torch.compile and "
-            "LD_PRELOAD are expected)"
-        ),
-        flush=True,
-    )
-    # On GPUs this process owns the packed buffer (on the first trainer GPU) and outlives every
-    # reader.
-    shared, adapter_dir = prepare.run_weights(cfg, prepared, layout.buffer_device)
-    ctx = mp.get_context("spawn")
-    rollout_queue = buffer.RolloutQueue(cfg.queue_size, ctx)
-    errors = ctx.Queue()
-    control = make_control(ctx)
-    # the generator's staleness gate counts from here
-    control.groups_dropped.value = prepared.groups_dropped
-    control.steps_skipped.value = prepared.start_step - prepared.start_version  # (and from here)
-    settings = prepare.generator_settings(cfg, prepared, adapter_dir)
-    init_file = tempfile.mktemp(prefix="asyncgrpo-dist-")
-    tracing.configure(cfg.out, cfg.trace_steps)  # (the children inherit where to write)
-    children = {"generator": (generator_main, (settings, shared, rollout_queue, control), True)}
-    for rank in range(cfg.train_ranks):
-        children[f"trainer{rank}"] = (
-            trainer_main,
-            (cfg, prepared, rank, cfg.train_ranks, shared, rollout_queue, control, init_file),
-            False,
-        )
-    try:
-        return run_children(ctx, children, errors, control, save_grace_s=cfg.save_timeout_s)
-    finally:
-        if os.path.exists(init_file):
-            os.unlink(init_file)
-        write_timeline(cfg)
-
-
-def write_timeline(cfg: Config) -> None:
-    """OUT/trace.json from every process's trace events, and OUT/timeline.png from it (even after a
-    failure: it shows what happened). Never fails the run: a problem is one warning line."""
-    tracing.unconfigure()
-    if cfg.trace_steps <= 0:
-        return
-    try:
-        if trace_merge.merge(cfg.out, remove_parts=True):
-            plots.plot_timeline(cfg.out)
-    except Exception as e:
-        print(
-            f"warning: no {cfg.out}/trace.json or timeline.png ({type(e).__name__}: {e})",
-            file=sys.stderr,
-            flush=True,
-        )
-
-
 def main(argv=None) -> int:
     cfg = prepare.parse_args(argv)
     # (the remote roles are imported only when asked for: they start ZMQ)
@@ -518,7 +437,7 @@ def main(argv=None) -> int:
         import remote_generator
 
         return remote_generator.run_generator(cfg)
-    return run(cfg)
+    return launch.run(cfg, trainer_main)
 
 
 if __name__ == "__main__":

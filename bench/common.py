@@ -389,7 +389,7 @@ def intervals(ends: list[float], warmup: int) -> list[float]:
 # The project's config and models, as the benchmarks build them
 # --------------------------------------------------------------------------------------------------
 def default_config(**changes):
-    """The run's config with `changes`, validated and resolved as `train.run` resolves it
+    """The run's config with `changes`, validated and resolved as `launch.run` resolves it
     (prepare.resolve)."""
     import config
     import flag_checks
@@ -401,7 +401,7 @@ def default_config(**changes):
 
 
 def run_ahead_settings(cfg, model_path: str):
-    """The generator's settings as `train.run` builds them (`prepare.generator_settings`), except
+    """The generator's settings as `launch.run` builds them (`prepare.generator_settings`), except
     that the staleness gate never closes: a stand-in trainer never lags, so the generator runs as
     far ahead as the queue allows."""
     import devices

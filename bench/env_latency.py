@@ -62,8 +62,8 @@ def measure(model_path: str, warmup_s: float, window_s: float, groups_in_flight:
     from transformers import AutoTokenizer
 
     import prepare
+    import processes
     import rollout
-    import train
     from rollout import Generator
     from tasks import envs
     from tasks.episodes import model_turn
@@ -94,12 +94,14 @@ def measure(model_path: str, warmup_s: float, window_s: float, groups_in_flight:
     )
     ctx = mp.get_context("spawn")
     shared = prepare.allocate_shared_weights(model_path)
-    engine = engines.engine_for(Generator(settings, shared, ctx.Queue(), train.make_control(ctx)))
+    engine = engines.engine_for(
+        Generator(settings, shared, ctx.Queue(), processes.make_control(ctx))
+    )
     loop = engines.event_loop()
     results = {"pipeline": {}, "sync": {}, "sync32": {}}
 
     def pipeline(delay_ms: int) -> float:
-        gen = Generator(settings, shared, queue_lib.Queue(), train.make_control(ctx))
+        gen = Generator(settings, shared, queue_lib.Queue(), processes.make_control(ctx))
         gen.engine = engine
         done = threading.Event()
 
@@ -132,7 +134,7 @@ def measure(model_path: str, warmup_s: float, window_s: float, groups_in_flight:
             done.set()
 
     def sync(delay_ms: int, batch_size: int = GROUP * groups_in_flight) -> float:
-        gen = Generator(settings, shared, queue_lib.Queue(), train.make_control(ctx))
+        gen = Generator(settings, shared, queue_lib.Queue(), processes.make_control(ctx))
         gen.engine, gen.max_model_len = engine, 64
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         gen.task = envs.EnvTask(cfg, tokenizer, SleepEnv, rows)  # (its request settings)

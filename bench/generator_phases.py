@@ -55,7 +55,7 @@ def measure(model_path: str, plan: list[dict], rounds: int, seed: int, kv_delta:
     import torch.multiprocessing as mp
 
     import prepare
-    import train
+    import processes
     from rollout import Generator
     from tasks.builtin import make_task
     from tasks.prompts import walk
@@ -64,7 +64,7 @@ def measure(model_path: str, plan: list[dict], rounds: int, seed: int, kv_delta:
     ctx = mp.get_context("spawn")
     base = common.run_ahead_settings(cfg, model_path)  # the stand-in trainer never lags
     builder = Generator(
-        base, prepare.allocate_shared_weights(model_path), ctx.Queue(), train.make_control(ctx)
+        base, prepare.allocate_shared_weights(model_path), ctx.Queue(), processes.make_control(ctx)
     )
     t = time.perf_counter()
     # (a smoke session's: bench/engines.py)
@@ -116,7 +116,7 @@ def measure(model_path: str, plan: list[dict], rounds: int, seed: int, kv_delta:
             shared.starts_empty = True
         queue = ctx.Queue(maxsize=cfg.queue_size)
         queue.cancel_join_thread()  # leftovers in the queue must not hold this process at exit
-        control = train.make_control(ctx)
+        control = processes.make_control(ctx)
         gen = Generator(settings, shared, queue, control)
         gen.engine = engine
         results, armed = ctx.Queue(), ctx.Event()
@@ -139,7 +139,7 @@ def measure(model_path: str, plan: list[dict], rounds: int, seed: int, kv_delta:
         )
         proc.start()
         try:
-            train.wait_for(armed, control.stop, 120, "the stand-in trainer")
+            processes.wait_for(armed, control.stop, 120, "the stand-in trainer")
             loop.run_until_complete(gen.run())
             status, value = results.get(timeout=60)
             proc.join(timeout=30)

@@ -1,7 +1,7 @@
 """bench/stages_alone.py — the project's own stages run alone, for the benchmarks that set them side
 by side (overlap.py, trainer.py, generator.py): generation without training (`generate_alone`: the
 real generator process feeding `stand_in_trainer`) and training without generation (`train_alone`:
-the real trainer fed from a queue already holding every group), each started the way `train.run`
+the real trainer fed from a queue already holding every group), each started the way `launch.run`
 starts it, with the other side a stand-in that does no work.
 Data: in, a resolved config (`common.default_config`) and a model folder (`common.build_model`);
 out, plain dicts and lists (groups, per-step times, metrics rows, cores by role). It touches only
@@ -46,7 +46,7 @@ def stand_in_trainer(
     from transformers import AutoModelForCausalLM
 
     import buffer
-    import train
+    import processes
 
     weights = {
         k: v.detach().clone()
@@ -57,7 +57,7 @@ def stand_in_trainer(
     if armed is not None:
         armed.set()
     t_wait = time.perf_counter()
-    train.wait_for(control.ready, control.stop, timeout_s, "the generator's engine to start")
+    processes.wait_for(control.ready, control.stop, timeout_s, "the generator's engine to start")
     ready_s = time.perf_counter() - t_wait
     groups, step_end, tokens, sync_ms, parts = [], [], [], [], []
     start = time.perf_counter()
@@ -93,7 +93,7 @@ def stand_in_trainer(
 
 def generate_alone(cfg, model_path: str, steps: int, cpu_from_step: int | None = None) -> dict:
     """Generation with no training: the real generator process (`rollout.generator_main`, started
-    like `train.run` starts it) feeding `stand_in_trainer` (here, in this process). Returns the
+    like `launch.run` starts it) feeding `stand_in_trainer` (here, in this process). Returns the
     groups (the batches a run would train on), per step when its last group arrived, and from its
     trace (tracing.py) vLLM's engine time per scheduled token from the swap to version
     `cpu_from_step` on (`engine_s_per_token`)."""
@@ -103,13 +103,12 @@ def generate_alone(cfg, model_path: str, steps: int, cpu_from_step: int | None =
     import prepare
     import processes
     import rollout
-    import train
 
     ctx = mp.get_context("spawn")
     shared = prepare.allocate_shared_weights(model_path)
     queue = ctx.Queue(maxsize=cfg.queue_size)
     errors = ctx.Queue()
-    control = train.make_control(ctx)
+    control = processes.make_control(ctx)
     settings = common.run_ahead_settings(cfg, model_path)
     proc = ctx.Process(
         target=processes.child_entry,
@@ -159,7 +158,7 @@ def train_alone(
     cpu_from_step: int | None = None,
 ):
     """Training with no generation: the real trainer (`train.trainer_main`, rank 0 of 1, started
-    like `train.run` starts it) fed from a queue already holding every group it will take. Returns
+    like `launch.run` starts it) fed from a queue already holding every group it will take. Returns
     its metrics rows (metrics.jsonl), and with `cpu_from_step`, (rows, cores the trainer used from
     that step on)."""
     import torch.multiprocessing as mp
@@ -197,7 +196,7 @@ def train_alone(
     for g in groups:
         queue.put(g)
     errors = ctx.Queue()
-    control = train.make_control(ctx)
+    control = processes.make_control(ctx)
     control.ready.set()  # no engine to wait for
     init_file = tempfile.mktemp(prefix="asyncgrpo-bench-dist-")
     proc = ctx.Process(

@@ -135,8 +135,8 @@ def measure_size(
     import lora  # also without LoRA: lora.synced_parameters names what a full sync publishes
     import models
     import prepare
+    import processes
     import sync
-    import train
     from rollout import Generator
 
     t_build = time.perf_counter()
@@ -166,7 +166,7 @@ def measure_size(
 
         lora_config = lora.peft_config(lora_rank, 2 * lora_rank, 0.0, "all-linear")
     model = models.build_trainer_model(path, 1, lora_config=lora_config, seed=seed)
-    # as train.run and trainer_main do: a buffer for the adapter, published once at the start
+    # as launch.run and trainer_main do: a buffer for the adapter, published once at the start
     if lora_rank:
         shapes, resolved = lora.adapter_shapes(path, lora_config)
         lora_dir = lora.write_config(
@@ -187,7 +187,7 @@ def measure_size(
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    control = train.make_control(ctx)
+    control = processes.make_control(ctx)
     prepared = prepare.Prepared(path, path, devices.layout_for(cfg))
     gen = Generator(prepare.generator_settings(cfg, prepared, lora_dir), shared, queue, control)
     t_engine = time.perf_counter()

@@ -14,7 +14,7 @@ import torch
 import torch.multiprocessing as mp
 
 import prepare
-import train
+import processes
 from config import Config
 from logprobs import token_logprobs
 from rollout import Generator, GeneratorSettings
@@ -33,7 +33,7 @@ def engine_env(tmp_path_factory):
         path, group_size=4, prompts_per_step=16, max_new_tokens=40, max_lag=10**6, kv_cache_mb=128
     )
     ctx = mp.get_context("spawn")
-    builder = Generator(settings, shared, ctx.Queue(), train.make_control(ctx))
+    builder = Generator(settings, shared, ctx.Queue(), processes.make_control(ctx))
     engine = builder.build_engine()
     loop = asyncio.new_event_loop()
     yield {
@@ -77,7 +77,7 @@ def new_generator(env, queue_size=0, **changes):
         settings,
         env["shared"],
         env["ctx"].Queue(maxsize=queue_size),
-        train.make_control(env["ctx"]),
+        processes.make_control(env["ctx"]),
     )
     gen.engine = env["engine"]
     return gen

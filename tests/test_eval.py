@@ -28,8 +28,8 @@ import buffer
 import devices
 import evaluation
 import prepare
+import processes
 import rollout
-import train
 from tasks import builtin, prompts
 
 REPO = Path(__file__).resolve().parent.parent
@@ -293,7 +293,7 @@ def engine_env(ascii_model, tmp_path_factory):
     shared = prepare.allocate_shared_weights(ascii_model)
     ctx = mp.get_context("spawn")
     builder = rollout.Generator(
-        settings_for(ascii_model), shared, ctx.Queue(), train.make_control(ctx)
+        settings_for(ascii_model), shared, ctx.Queue(), processes.make_control(ctx)
     )
     engine = builder.build_engine()
     loop = asyncio.new_event_loop()
@@ -320,7 +320,7 @@ def new_generator(env, **changes):
         settings_for(env["path"], **changes),
         env["shared"],
         env["ctx"].Queue(),
-        train.make_control(env["ctx"]),
+        processes.make_control(env["ctx"]),
     )
     gen.engine = env["engine"]
     return gen

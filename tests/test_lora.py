@@ -21,7 +21,7 @@ import checkpoint
 import flag_checks
 import lora
 import models
-import train
+import processes
 from rollout import Generator
 from shared_weights import SharedWeights
 from tasks.builtin import build_tiny_model
@@ -131,7 +131,7 @@ def test_generator_serves_each_published_adapter_and_agrees_with_the_trainer(bas
         lora_dir=lora_dir,
     )
     ctx = mp.get_context("spawn")
-    gen = Generator(settings, shared, ctx.Queue(), train.make_control(ctx))
+    gen = Generator(settings, shared, ctx.Queue(), processes.make_control(ctx))
     engine = gen.build_engine()
     adapters = {1: peft_model(base_model, 0.0), 0: peft_model(base_model, 0.3)}  # by version parity
 

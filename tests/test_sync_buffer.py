@@ -328,7 +328,7 @@ def test_every_config_field_is_a_flag():
 
 
 def test_generator_settings_carry_the_config_and_the_resume_point():
-    """One builder for the generator's settings (train.run and the benchmarks both use it): the
+    """One builder for the generator's settings (launch.run and the benchmarks both use it): the
     run's resolved Config itself, and the resume point."""
     cfg = prepare.resolve(
         flag_checks.parse_args(

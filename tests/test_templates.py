@@ -415,8 +415,8 @@ def test_vllm_runs_three_turn_qwen3_episodes_token_in_token_out(models, monkeypa
     from test_env import Recording
 
     import buffer
+    import processes
     import rollout
-    import train
 
     path = models("qwen3")
     os.environ["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -442,7 +442,7 @@ def test_vllm_runs_three_turn_qwen3_episodes_token_in_token_out(models, monkeypa
     )
     ctx = mp.get_context("spawn")
     gen = rollout.Generator(
-        settings, prepare.allocate_shared_weights(path), ctx.Queue(), train.make_control(ctx)
+        settings, prepare.allocate_shared_weights(path), ctx.Queue(), processes.make_control(ctx)
     )
     engine = gen.build_engine()
     recording, loop = Recording(engine), asyncio.new_event_loop()

@@ -119,7 +119,7 @@ def test_only_the_expected_reload_warnings_are_dropped():
 
 
 def test_workers_that_report_different_versions_load_again_until_they_agree():
-    from rollout import load_same_version
+    from weight_swaps import load_same_version
 
     def workers(*reports):
         calls = []
