@@ -283,7 +283,7 @@ def torch_dtype(name: str):
 
 
 def problems(cfg) -> list[str]:
-    """For train.validate: the one-line error, if any (no GPU query when neither flag is given)."""
+    """For prepare.check: the one-line error, if any (no GPU query when neither flag is given)."""
     try:
         layout_for(cfg)
     except DeviceError as err:
