@@ -292,8 +292,7 @@ def template_problem(tokenizer, tools=None) -> str | None:
         if next_turn and not tail.endswith(next_turn):
             return (
                 f"what the chat template renders after {what} does not end with its generation "
-                f"prompt "
-                f"{next_turn!r}; {TEMPLATE_WAY_OUT}"
+                f"prompt {next_turn!r}; {TEMPLATE_WAY_OUT}"
             )
     return None
 

@@ -212,8 +212,7 @@ def plan(
                 )
                 + f", leaves the trainer {train_fraction:.0%} of it: give at most "
                 f"{budget - MIN_SHARED_TRAIN_FRACTION:.2f} there (0: {SHARED_GEN_FRACTION}), or "
-                f"give the trainer "
-                "a GPU of its own"
+                f"give the trainer a GPU of its own"
             )
     return DeviceLayout(
         "cuda",
@@ -238,8 +237,7 @@ def generator_share_beside_buffer(requested: float, buffer_fraction: float) -> f
     if room < MIN_GEN_FRACTION:
         raise DeviceError(
             f"the weight buffer takes {buffer_fraction:.0%} of the generator's GPU: too little is "
-            f"left "
-            "for vLLM (use --dtype bf16, or a GPU with more memory)"
+            f"left for vLLM (use --dtype bf16, or a GPU with more memory)"
         )
     if requested > room:
         raise DeviceError(
@@ -414,7 +412,6 @@ def engine_problems(
             problems.append(
                 f"one sequence of {context} tokens (--max-model-len, or the model's "
                 f"max_position_embeddings) needs at least {needed_mb:.0f} MB of KV cache, more "
-                f"than "
-                f"--kv-cache-mb {kv_cache_mb}: raise --kv-cache-mb or lower --max-model-len"
+                f"than --kv-cache-mb {kv_cache_mb}: raise --kv-cache-mb or lower --max-model-len"
             )
     return problems

@@ -130,8 +130,7 @@ def collect(
             if time.monotonic() > deadline:
                 print(
                     f"warning: the generator sent no evaluation for step {wait_for_step} within "
-                    f"{timeout_s:.0f} s "
-                    "(--timeout-s): the run ends without it",
+                    f"{timeout_s:.0f} s (--timeout-s): the run ends without it",
                     file=sys.stderr,
                     flush=True,
                 )

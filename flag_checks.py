@@ -86,8 +86,7 @@ def problems_of(cfg: Config) -> list[str]:
     if cfg.kv_on_swap == "keep" and cfg.update_mode == "drain":
         problems.append(
             "--kv-on-swap keep needs --update-mode inflight (drain lets running requests finish "
-            "before a "
-            "swap: no KV cache is kept across one)"
+            "before a swap: no KV cache is kept across one)"
         )
     if cfg.group_size == 1 and cfg.adv_estimator == "grpo" and cfg.adv_scale != "none":
         problems.append(
@@ -128,8 +127,7 @@ def problems_of(cfg: Config) -> list[str]:
     if cfg.distill_coef < 0 or (cfg.distill_coef > 0) != bool(cfg.teacher):
         problems.append(
             f"--distill-coef {cfg.distill_coef} and --teacher {cfg.teacher!r}: distillation needs "
-            f"both, a "
-            "teacher and a coefficient > 0 (neither: off)"
+            f"both, a teacher and a coefficient > 0 (neither: off)"
         )
     # (its tokenizer: prepare.check_teacher)
     problems += model_path_problems("--teacher", cfg.teacher)
@@ -167,8 +165,7 @@ def lora_problems(cfg: Config) -> list[str]:
             f"--lora-dropout {cfg.lora_dropout}: RL fine-tuning runs without dropout (each scoring "
             f"pass "
             "draws its own masks, so ratios, importance weights and clips measure the masks, not "
-            "the "
-            "policy); use 0"
+            "the policy); use 0"
         )
     if cfg.lora_rank and "lm_head" in cfg.lora_targets.replace(" ", "").split(","):
         out.append(
@@ -188,8 +185,7 @@ def off_policy_problems(cfg: Config) -> list[str]:
     if cfg.adv_estimator != "grpo" and cfg.adv_scale != "group":
         out.append(
             f"--adv-scale {cfg.adv_scale} applies to --adv-estimator grpo only "
-            f"({cfg.adv_estimator} "
-            "has its own baseline and scale)"
+            f"({cfg.adv_estimator} has its own baseline and scale)"
         )
     baselines = {"rloo": "leave-one-out baseline", "reinforce_baseline": "group-mean baseline"}
     if cfg.adv_estimator in baselines and cfg.group_size < 2:
@@ -240,8 +236,7 @@ def remote_problems(cfg: Config) -> list[str]:
     if cfg.queue_size < 2:
         out.append(
             f"--queue-size {cfg.queue_size} with a remote role: give >= 2 (1 group waits on the "
-            f"generator "
-            "node, the rest are the trainer's credits)"
+            f"generator node, the rest are the trainer's credits)"
         )
     return out
 

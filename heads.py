@@ -111,11 +111,9 @@ MOE_REFUSED = {
     "minimax_m2": "vLLM 0.32's CPU MoE router has no sigmoid top-k without expert groups, "
     "MiniMax-M2's routing "
     "(its engine fails at the first forward); transformers 5's config also lacks the rotary_dim "
-    "and "
-    "scoring_func vLLM reads",
+    "and scoring_func vLLM reads",
     "llama4_text": "transformers 5's Llama4ForCausalLM.get_decoder() returns the whole model, not "
-    "its decoder: the "
-    "trainer's chunked LM head cannot read the final hidden states",
+    "its decoder: the trainer's chunked LM head cannot read the final hidden states",
 }
 
 
@@ -131,8 +129,7 @@ def head_problem(config) -> str:
             "(the released checkpoints' fields), transformers 5 always by normalized sigmoid "
             "scores, ungrouped, "
             "without muP: give a config with score_func 'sigmoid', route_norm true, n_group and "
-            "topk_group 1, "
-            f"mup_enabled false (this one: {afmoe_routing(config)})"
+            f"topk_group 1, mup_enabled false (this one: {afmoe_routing(config)})"
         )
     if (
         model_type == "exaone_moe"
@@ -160,8 +157,7 @@ def head_problem(config) -> str:
         if model_type in TIED_ONLY and not getattr(config, "tie_word_embeddings", True):
             return (
                 f"model type {model_type!r} with tie_word_embeddings false: vLLM serves its LM "
-                f"head as the input "
-                "embedding, transformers as lm_head"
+                f"head as the input embedding, transformers as lm_head"
             )
         return ""
     if model_type not in PLAIN_HEADS:
@@ -179,8 +175,7 @@ def head_problem(config) -> str:
     if stray:
         return (
             f"model type {model_type!r} sets {', '.join(stray)}: vLLM would apply it to the logits "
-            f"and "
-            "transformers would not"
+            f"and transformers would not"
         )
     return ""
 

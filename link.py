@@ -174,8 +174,7 @@ class Link:
                 ):
                     self.fail(
                         f"closed the connection and did not come back within {RECONNECT_S:.0f} s: "
-                        f"its "
-                        "process ended"
+                        f"its process ended"
                     )
         finally:
             sock.disable_monitor()

@@ -289,8 +289,7 @@ def plot_timeline(out_dir: str) -> str | None:
     draw_rows(ax_all, rows)
     ax_all.set_title(
         "both sides over the run (wall time since the start; a thin orange bar over grey: the "
-        "generator "
-        "waits for newer weights)",
+        "generator waits for newer weights)",
         fontsize=10,
     )
     window = zoom_window(steps)
@@ -462,12 +461,10 @@ def busy_line(rows, steps) -> str:
     trainer, everything = rows[0][1], rows[-1][1]
     return (
         f"{len(steps)} steps; trainer 0 waits for data {share(trainer, 'wait'):.0%} of the time; "
-        f"vLLM's engine "
-        f"runs steps {share(everything, 'engine'):.0%} of it, has nothing to run "
+        f"vLLM's engine runs steps {share(everything, 'engine'):.0%} of it, has nothing to run "
         f"{share(everything, 'idle'):.0%}; "
         f"the generator may start no group (--max-lag) {share(everything, 'staleness gate'):.0%}, "
-        f"swaps weights "
-        f"{share(everything, 'swap'):.0%}"
+        f"swaps weights {share(everything, 'swap'):.0%}"
     )
 
 

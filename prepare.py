@@ -75,8 +75,7 @@ def resolve(cfg: Config) -> Config:
     if eval_every and not prompts.has_eval_set(cfg):
         print(
             "note: no held-out prompts (a dataset file has no test split): no evaluation; give "
-            "--eval-dataset "
-            "FILE or a Hugging Face dataset with a test split (or --eval-split)",
+            "--eval-dataset FILE or a Hugging Face dataset with a test split (or --eval-split)",
             file=sys.stderr,
             flush=True,
         )
@@ -131,8 +130,7 @@ def prepare_run(cfg: Config, engine_here: bool = True) -> Prepared:
         if not os.path.isdir(base_model):
             raise SystemExit(
                 f"error: the model {resume_dir} was trained from ({base_model or 'not recorded'}) "
-                f"is "
-                "gone: it holds the tokenizer (and the LoRA base / KL reference)"
+                f"is gone: it holds the tokenizer (and the LoRA base / KL reference)"
             )
         # Every process loads the original model; the trainer then loads the checkpoint's sharded
         # state into its ranks and publishes it to the generator first (run_weights: starts_empty)

@@ -196,8 +196,7 @@ def run_children(
         interrupted.append(signum)
         print(
             f"\n{signal.Signals(signum).name}: stopping after the current step and writing a "
-            f"checkpoint "
-            "(press Ctrl-C again to stop at once)",
+            f"checkpoint (press Ctrl-C again to stop at once)",
             file=sys.stderr,
             flush=True,
         )
@@ -301,8 +300,7 @@ def failure_report(name, exitcode, errors) -> str:
 # What lowers the memory of each kind of child, for the hint below.
 MEMORY_FLAGS = {
     "trainer": "--micro-batch-tokens (fewer tokens per forward/backward; or fewer "
-    "--prompts-per-step x "
-    "--group-size, or a shorter --max-new-tokens)",
+    "--prompts-per-step x --group-size, or a shorter --max-new-tokens)",
     "generator": "--kv-cache-mb on CPU, --gpu-memory-utilization on GPUs, or --max-model-len",
 }
 
@@ -314,6 +312,5 @@ def killed_by_kernel_hint(name: str) -> str:
     flags = MEMORY_FLAGS["trainer" if name.startswith("trainer") else "generator"]
     return (
         f"error: the run did not send that SIGKILL: most likely the kernel killed {name} for lack "
-        f"of memory "
-        f"(the run needed more than the machine has). Lower its memory with {flags}"
+        f"of memory (the run needed more than the machine has). Lower its memory with {flags}"
     )

@@ -165,8 +165,7 @@ def run_generator(cfg) -> int:
             if not bridge.link.heard.is_set() and time.monotonic() > deadline:
                 print(
                     f"error: no trainer connected to {cfg.generator_addr} within "
-                    f"{cfg.timeout_s:.0f} s "
-                    "(--timeout-s)",
+                    f"{cfg.timeout_s:.0f} s (--timeout-s)",
                     file=sys.stderr,
                     flush=True,
                 )

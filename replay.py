@@ -111,8 +111,7 @@ class RouterReplay:
         if tuple(routes.shape) != (b, t, self.layers, self.top_k):
             raise RuntimeError(
                 f"routes of shape {tuple(routes.shape)} for a batch of {b} x {t} tokens in a model "
-                f"of "
-                f"{self.layers} layers and top-{self.top_k} routing: they do not belong to this "
+                f"of {self.layers} layers and top-{self.top_k} routing: they do not belong to this "
                 f"batch"
             )
         # a position's routes matter when its output is scored: a real token followed by a real

@@ -399,8 +399,7 @@ def finish_rank(trainer: Rank, step: int) -> None:
         if trainer.rank == 0:
             print(
                 f"stopped at step {step} (version {trainer.version}); checkpoint in {where}; "
-                f"continue with "
-                f"--resume latest --out {trainer.cfg.out}",
+                f"continue with --resume latest --out {trainer.cfg.out}",
                 flush=True,
             )
     if trainer.log is not None:

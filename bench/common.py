@@ -206,8 +206,7 @@ class Bench:
     def closing_line(self, path: Path) -> str:
         return (
             f"machine: {machine_line(self.info)}; other processes used "
-            f"{self.load['foreign_cores_mean']} "
-            f"cores on average. Wrote {path}"
+            f"{self.load['foreign_cores_mean']} cores on average. Wrote {path}"
         )
 
 

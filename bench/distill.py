@@ -73,8 +73,7 @@ def main(argv=None) -> int:
             teacher_final = sum(r["reward"] for r in run["rows"][-LAST:]) / len(run["rows"][-LAST:])
             print(
                 f"[distill] teacher: {len(run['rows'])} steps in {run['process_s']:.0f} s, final "
-                f"reward "
-                f"{teacher_final:.3f}",
+                f"reward {teacher_final:.3f}",
                 flush=True,
             )
         else:  # a teacher trained before: its run's rows lie beside it
@@ -118,8 +117,7 @@ def main(argv=None) -> int:
                 }
                 print(
                     f"[distill] {name}: {len(rows)} steps in {run['process_s']:.0f} s, reward last "
-                    f"{LAST} "
-                    f"{runs[name]['reward_last20']:.3f}",
+                    f"{LAST} {runs[name]['reward_last20']:.3f}",
                     flush=True,
                 )
     target = args.fraction * teacher_final

@@ -75,8 +75,7 @@ def main(argv=None) -> int:
                 last = runs[mode][-1]
                 print(
                     f"[eval_cost] {mode} round {r}: {last['wall_s']:.1f} s, reward "
-                    f"{s['reward_first10']:.3f} -> "
-                    f"{s['reward_last20']:.3f}"
+                    f"{s['reward_first10']:.3f} -> {s['reward_last20']:.3f}"
                     + (
                         f", held-out greedy pass@1 {s['eval_first']:.3f} -> {s['eval_last']:.3f}"
                         if s.get("eval_last") is not None
@@ -91,8 +90,7 @@ def main(argv=None) -> int:
             "seed": args.seed,
             "rounds": args.rounds,
             "workload": "default task (copy 3 letters, 93 held-out triples), tiny model, default "
-            "flags; "
-            "eval: --eval-every 50 --eval-samples 4 (the defaults)",
+            "flags; eval: --eval-every 50 --eval-samples 4 (the defaults)",
         },
         "runs": runs,
         "median_wall_s": medians,

@@ -82,8 +82,7 @@ def main(argv=None) -> int:
             print(
                 f"[learning] {mode}: {len(rows)} steps in {rows[-1]['wall_s']:.0f} s "
                 f"({run['process_s']:.0f} s with start-up), reward {s.get('reward_first10'):.3f} "
-                f"-> "
-                f"{s.get('reward_last20'):.3f}",
+                f"-> {s.get('reward_last20'):.3f}",
                 flush=True,
             )
     sync, asyn = runs["sync"], runs[modes[1][0]]

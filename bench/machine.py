@@ -120,8 +120,7 @@ class LoadMonitor:
 def machine_line(info: dict) -> str:
     return (
         f"{info['cores']} cores ({info['cpu']}), {info['mem_gib']} GiB, no GPU; torch "
-        f"{info['torch']}, "
-        f"vLLM {info['vllm']}; {info['date_utc']} UTC"
+        f"{info['torch']}, vLLM {info['vllm']}; {info['date_utc']} UTC"
     )
 
 

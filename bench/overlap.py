@@ -264,8 +264,7 @@ def main(argv=None) -> int:
                 ],
                 miss_rows,
                 title="where the missing share of the bound goes (shares of a step, from the "
-                "traces; "
-                "'waits': the trainer waits while the generator does that):",
+                "traces; 'waits': the trainer waits while the generator does that):",
             )
         )
     roles = ["trainer", "generator", "engine_core", "vllm_worker", "parent", "helpers", "total"]

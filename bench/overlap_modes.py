@@ -46,8 +46,7 @@ def measure(args, bench, model: str, rep: int) -> dict:
     }
     print(
         f"[overlap] generation alone: {out['gen_alone']['step_s_mean'] * 1e3:.0f} ms/step (other "
-        f"processes: "
-        f"{out['gen_alone']['foreign_cores']} cores)",
+        f"processes: {out['gen_alone']['foreign_cores']} cores)",
         flush=True,
     )
     t, t0 = time.perf_counter(), time.monotonic()
@@ -67,8 +66,7 @@ def measure(args, bench, model: str, rep: int) -> dict:
     }
     print(
         f"[overlap] training alone:   {out['train_alone']['step_s_mean'] * 1e3:.0f} ms/step (other "
-        f"processes: "
-        f"{out['train_alone']['foreign_cores']} cores)",
+        f"processes: {out['train_alone']['foreign_cores']} cores)",
         flush=True,
     )
     for mode, lag in args.modes:
@@ -100,8 +98,7 @@ def measure(args, bench, model: str, rep: int) -> dict:
         out[mode] = st
         print(
             f"[overlap] {mode:5s} (--max-lag {lag}): {st['steps_per_s']:.2f} steps/s, trainer "
-            f"waits "
-            f"{st['trainer_wait_frac']:.0%}, generator waits "
+            f"waits {st['trainer_wait_frac']:.0%}, generator waits "
             f"{st.get('generator_wait_frac') or 0:.0%} "
             f"({run['process_s']:.0f} s with start-up; other processes: {st['foreign_cores']} "
             f"cores)",

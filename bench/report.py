@@ -54,8 +54,7 @@ def build(out: Path) -> str:
                 "overlap: async speedup / bound (t_gen + t_train) / max",
                 ">= 0.95",
                 f"{ov[best]['share_of_bound']:.2f} ({best}: {ov[best]['speedup']:.2f}x of "
-                f"{ov['bound']:.2f}x; "
-                f"{ov[best]['share_of_cpu_bound']:.2f} of what the CPUs allow, "
+                f"{ov['bound']:.2f}x; {ov[best]['share_of_cpu_bound']:.2f} of what the CPUs allow, "
                 f"{ov['cpu_bound']:.2f}x)",
                 yes(ov[best]["share_of_bound"] >= 0.95),
             ]
@@ -79,8 +78,7 @@ def build(out: Path) -> str:
                         f"weight sync, {r['name']}: adapter only",
                         "(report)",
                         f"{r['mb']:.1f} MB, {r['sync_ms']:.1f} ms = {r['ratio_to_full']:.2f} of "
-                        f"the full sync; "
-                        f"tmpfs file {r['tmpfs_file']['sync_ms']:.1f} ms",
+                        f"the full sync; tmpfs file {r['tmpfs_file']['sync_ms']:.1f} ms",
                         "-",
                     ]
                 )
@@ -112,8 +110,7 @@ def build(out: Path) -> str:
         r = ln["runs"]
         txt = (
             f"to reward 0.9: sync {r['sync']['reach']['0.9']['wall_s'] or float('nan'):.0f} s, "
-            f"{async_mode} "
-            f"{r[async_mode]['reach']['0.9']['wall_s'] or float('nan'):.0f} s"
+            f"{async_mode} {r[async_mode]['reach']['0.9']['wall_s'] or float('nan'):.0f} s"
             + (f" ({sp:.2f}x sooner)" if sp else "")
             + f"; reward over the last 10 steps {r['sync']['reward_final']:.3f} "
             f"vs {r[async_mode]['reward_final']:.3f}"
@@ -172,8 +169,7 @@ def build(out: Path) -> str:
     if ws:
         lines.append(
             "**Weight sync** (`weight_sync.json`, ms, engine idle when the version lands; the "
-            "trainer "
-            "copies its rows straight into the shared buffer, so there is no gather):"
+            "trainer copies its rows straight into the shared buffer, so there is no gather):"
         )
         lines.append("")
         lines.append(

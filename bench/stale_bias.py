@@ -107,8 +107,7 @@ def main(argv=None) -> int:
             }
             print(
                 f"[stale_bias] {rule}: {len(run['rows'])} steps, {s['dropped_stale']} samples "
-                f"dropped, "
-                f"max token lag {s['max_token_lag']}",
+                f"dropped, max token lag {s['max_token_lag']}",
                 flush=True,
             )
     data = {

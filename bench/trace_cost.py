@@ -157,8 +157,7 @@ def main(argv=None) -> int:
         f"traced / not, medians: run's clock x{data['cost_ratio_wall']:.3f}, whole process "
         f"x{data['cost_ratio_process']:.3f}; spread of the run's clock over each mode's runs: "
         f"{data['spread_wall']['trace']:.0%} traced, {data['spread_wall']['no_trace']:.0%} not; "
-        f"trace.json "
-        f"{data['trace_mb']:.2f} MB, {data['kb_per_step']:.1f} kB and "
+        f"trace.json {data['trace_mb']:.2f} MB, {data['kb_per_step']:.1f} kB and "
         f"{data['events_per_step']:.0f} events per "
         f"step; timeline.png drawn in {data['draw_s']:.1f} s"
     )

@@ -165,8 +165,7 @@ def main(argv=None) -> int:
             rows.append(row)
             print(
                 f"[weight_sync] {row['name']}: {row['params'] / 1e6:.2f}M params synced, total "
-                f"{row['sync_ms']:.1f} "
-                f"ms (copy {row['copy_ms']:.1f} + publish->serving "
+                f"{row['sync_ms']:.1f} ms (copy {row['copy_ms']:.1f} + publish->serving "
                 f"{row['publish_to_serving_ms']:.1f}), memcpy "
                 f"{row['memcpy_ms']:.2f} ms, ratio {row['ratio']:.1f} ({row['process_s']:.0f} s)",
                 flush=True,

@@ -183,8 +183,7 @@ def cross_table(rows: list[dict]) -> str:
             for r in rows
         ],
         title="cross-machine path (remote.py, gloo over loopback on this machine) against the "
-        "one-node publish "
-        "into shared memory and a memcpy of the same bytes:",
+        "one-node publish into shared memory and a memcpy of the same bytes:",
     )
 
 

@@ -84,8 +84,7 @@ def environment_problem(device: str) -> str | None:
         return (
             f"no CUDA GPU visible: torch {torch.__version__} (CUDA build: {torch.version.cuda}), "
             f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}; this check "
-            f"needs "
-            "one GPU (use --device cpu for a dry run of the same flow)"
+            f"needs one GPU (use --device cpu for a dry run of the same flow)"
         )
     return None
 

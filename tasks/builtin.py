@@ -244,8 +244,7 @@ class DatasetTask:
         if not self.prompts:
             raise RuntimeError(
                 f"every prompt of {spec.dataset} is longer than {limit} tokens "
-                f"(--max-prompt-tokens, "
-                "or the model's context minus --max-new-tokens)"
+                f"(--max-prompt-tokens, or the model's context minus --max-new-tokens)"
             )
         self.held_out, dropped_held = prompts.encode_rows(
             held_rows, tokenizer, spec, limit, "held-out"

@@ -226,8 +226,7 @@ def load_failure(error: Exception, offline: bool) -> str:
     if name == "DatasetNotFoundError" or "doesn't exist on the Hub" in text:
         return (
             "no such dataset on the Hugging Face hub (or it is gated or private: accept its terms "
-            "and log "
-            "in with `hf auth login`)"
+            "and log in with `hf auth login`)"
         )
     if offline:
         return (

@@ -355,8 +355,7 @@ class EnvTask:
                 self.reported.add(ep.error)
                 print(
                     f"[env] {ep.error}\n[env] (that episode ended; its reward does not apply; "
-                    f"counted in "
-                    "env/errors or env/timeouts, each message reported once)",
+                    f"counted in env/errors or env/timeouts, each message reported once)",
                     file=sys.stderr,
                     flush=True,
                 )

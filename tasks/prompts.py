@@ -140,8 +140,7 @@ def resolve(
         if dataset or eval_dataset or eval_split:
             raise DataError(
                 f"--task {task} generates its own training and held-out rows: --dataset, "
-                f"--eval-dataset "
-                "and --eval-split do not apply"
+                f"--eval-dataset and --eval-split do not apply"
             )
         dataset, prompt_column, answer_column = RG + rg_name(task), "question", "answer"
         reward = reward or "rg"
@@ -427,8 +426,7 @@ def drop_long(prompts: list[Prompt], limit: int | None, what: str) -> tuple[list
             f"[data] {dropped} of {len(prompts)} {what} prompts are longer than {limit} tokens: "
             f"dropped before "
             "training (--max-prompt-tokens, or too long to leave room for --max-new-tokens in the "
-            "model's "
-            "context)",
+            "model's context)",
             file=sys.stderr,
             flush=True,
         )

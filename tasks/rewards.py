@@ -300,8 +300,7 @@ class Scorer:
                     self.warned.add((name, kind))
                     self.log(
                         f"[reward] {name}: {message}\n[reward] (those samples get no value from "
-                        f"{name}; "
-                        f"counted in reward/{name}/errors and none_frac, reported once)"
+                        f"{name}; counted in reward/{name}/errors and none_frac, reported once)"
                     )
         rewards, unscored = combine([r[0] for r in results], weights, n)
         return rewards, stats, unscored

@@ -188,8 +188,7 @@ def parser_name(name: str, template: str | None) -> str:
             return parser
     raise ValueError(
         "--tools: cannot tell which tool-call format the chat template uses; give --tool-parser "
-        "NAME "
-        "(vLLM's --tool-call-parser names, e.g. hermes, llama3_json, qwen3_coder, mistral, "
+        "NAME (vLLM's --tool-call-parser names, e.g. hermes, llama3_json, qwen3_coder, mistral, "
         "pythonic)"
     )
 
@@ -308,8 +307,7 @@ def parser_problem(parser: ToolCallParser, tokenizer, model: str = "the model") 
             f"--tools: vLLM's {parser.name!r} tool parser does not read the tool calls the chat "
             f"template of "
             f"{model} writes ({text.strip()[:80]!r}); give the --tool-parser of its format, or a "
-            f"--chat-template "
-            "whose format a parser reads"
+            f"--chat-template whose format a parser reads"
         )
     return None
 
@@ -322,6 +320,5 @@ def tokenizer_problem(tokenizer, model: str = "the model") -> str | None:
         f"--tools: the chat template of {model} does not render tools (tool schemas, tool calls "
         f"and tool "
         "messages); give a model whose chat template supports tool calling (e.g. Qwen2.5/Qwen3 "
-        "instruct), or "
-        "--chat-template FILE with one that does"
+        "instruct), or --chat-template FILE with one that does"
     )

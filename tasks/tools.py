@@ -247,14 +247,12 @@ def check(cfg) -> list[str]:
     if copy_task:
         return [
             "--tools: the copy task has no chat prompts to offer tools in; give a dataset task "
-            "(--dataset, "
-            "--task gsm8k or --task rg:NAME)"
+            "(--dataset, --task gsm8k or --task rg:NAME)"
         ]
     if not cfg.model:
         return [
             "--tools: the default tiny model has no chat template to show tools with; give --model "
-            "(a model "
-            "whose chat template supports tool calling)"
+            "(a model whose chat template supports tool calling)"
         ]
     if os.path.isdir(os.path.expanduser(cfg.model)):
         try:

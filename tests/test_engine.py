@@ -343,8 +343,7 @@ def test_kv_on_swap_keep_continues_on_the_old_cache(engine_env):
     after_recompute, after_keep = stats["recompute"][0], stats["keep"][0]
     print(
         f"after a swap: recompute max {after_recompute.max():.2g}, keep mean "
-        f"{after_keep.mean():.3g} "
-        f"max {after_keep.max():.3g}"
+        f"{after_keep.mean():.3g} max {after_keep.max():.3g}"
     )
     assert after_recompute.max() < 1e-3, "recompute: the running requests were not re-prefilled"
     assert after_keep.mean() > 100 * after_recompute.max(), (

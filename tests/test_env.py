@@ -141,8 +141,7 @@ def test_a_bad_env_is_one_error_line(tmp_path):
         "class NoReset:\n    def step(self, a): return '', 0.0, True\n"
         "class NoStep:\n    def reset(self, **row): return None\n"
         "class Fine:\n    def reset(self, **row): return 'x'\n    def step(self, a): return 'y', "
-        "1.0, True\n"
-        "def make_fine():\n    return Fine()\n"
+        "1.0, True\ndef make_fine():\n    return Fine()\n"
     )
     for name, expected in (
         ("NoReset", "has no reset(**row) method"),

@@ -406,8 +406,7 @@ def test_evaluation_answers_never_reach_the_training_queue(engine_env):
 def test_stop_strings_end_generation_and_reach_the_reward_and_the_mask(engine_env, tokenizer):
     env = engine_env
     (env["tmp"] / "capture_rewards.py").write_text(
-        "SEEN = []\n"
-        "def capture(completions, completion_ids, **kwargs):\n"
+        "SEEN = []\ndef capture(completions, completion_ids, **kwargs):\n"
         "    SEEN.extend(zip(completions, map(tuple, completion_ids)))\n"
         "    return [0.0] * len(completions)\n"
     )

@@ -265,9 +265,7 @@ def test_skipped_steps_spread_over_a_run_keep_generation_flowing_and_are_counted
     (tmp_path / "huge.py").write_text(
         "calls = 0\n\n\n"
         "def huge(completions, **kwargs):  # one call per group, 2 groups per step, steps in order "
-        "(--max-lag 0)\n"
-        "    global calls\n"
-        "    step, calls = calls // 2, calls + 1\n"
+        "(--max-lag 0)\n    global calls\n    step, calls = calls // 2, calls + 1\n"
         "    return [(1e38 if step % 2 == 0 else 1.0) if i % 2 else 0.0 for i in "
         "range(len(completions))]\n"
     )

@@ -447,7 +447,6 @@ def test_trainer_and_vllm_agree_after_a_sync(model_type, served):
     assert got["diff_old_median"] > 1e-3, got
     print(
         f"{model_type}: on-policy |trainer - vLLM| log-prob after a sync {got['diff']:.2e} (before "
-        f"it: median "
-        f"{got['diff_old_median']:.2e}; {got['seconds']:.1f} s)"
+        f"it: median {got['diff_old_median']:.2e}; {got['seconds']:.1f} s)"
     )
     assert got["diff"] < 1e-3, got

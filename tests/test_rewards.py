@@ -20,13 +20,11 @@ REPO = Path(__file__).resolve().parent.parent
 @pytest.fixture
 def user_module(tmp_path, monkeypatch):
     (tmp_path / "my_user_rewards.py").write_text(
-        "SEEN = []\n"
-        "def capture(prompts, completions, completion_ids, **kwargs):\n"
+        "SEEN = []\ndef capture(prompts, completions, completion_ids, **kwargs):\n"
         "    SEEN.append(dict(prompts=prompts, completions=completions, "
         "completion_ids=completion_ids, **kwargs))\n"
         "    return [float(len(c if isinstance(c, str) else c[0]['content'])) for c in "
-        "completions]\n"
-        "def simple(completions, answer):\n"
+        "completions]\ndef simple(completions, answer):\n"
         "    return [1.0 if c.endswith(a) else 0.0 for c, a in zip(completions, answer)]\n"
         "NOT_CALLABLE = 3\n"
     )
@@ -79,8 +77,7 @@ def test_trl_calling_convention_with_extra_columns(user_module):
 
 def test_fault_rules_none_nan_errors_and_weights(tmp_path, monkeypatch):
     (tmp_path / "faulty_rewards.py").write_text(
-        "import math\n"
-        "def ok(completions, **kw): return [1.0, 2.0, 3.0, 4.0]\n"
+        "import math\ndef ok(completions, **kw): return [1.0, 2.0, 3.0, 4.0]\n"
         "def some_none(completions, **kw): return [None, 10.0, None, math.nan]\n"
         "def raises(completions, **kw): raise ValueError('boom')\n"
         "def wrong_count(completions, **kw): return [1.0]\n"

@@ -357,8 +357,7 @@ def test_a_template_that_cannot_be_extended_turn_by_turn_is_refused_before_the_r
     dropping = tmp_path / "dropping.jinja"
     dropping.write_text(
         "{% for m in messages %}{% if m.role != 'assistant' or loop.last %}<|im_start|>{{ m.role "
-        "}}\n"
-        "{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
+        "}}\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     )
     cfg = config.Config(
