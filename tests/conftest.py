@@ -3,8 +3,7 @@
 `recorded_run`: one real `python train.py` run of 12 steps (4 prompts x 4, on-policy, two
 evaluations), made by `bench/peak_rss.py --smoke`, which also measures its memory.
 tests/test_bench.py replays it for every benchmark's train.py run; tests/test_trace.py reads its
-trace. Made once per session, on first use; vLLM runs without a worker process beside its EngineCore
-(VLLM_ENABLE_V1_MULTIPROCESSING=0, as bench/engines.py's: half the start-up).
+trace. Made once per session, on first use.
 
 Every vLLM engine the suite starts (train.py's generator, the engines in test processes) runs its
 worker inside its EngineCore (VLLM_ENABLE_V1_MULTIPROCESSING=0, the "uni" executor a one-GPU run
@@ -40,21 +39,19 @@ def recorded_run(tmp_path_factory):
     import peak_rss
 
     where = tmp_path_factory.mktemp("recorded")
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        assert (
-            peak_rss.main(
-                [
-                    "--smoke",
-                    "--out",
-                    str(where / "peak_rss.json"),
-                    "--",
-                    "--out",
-                    str(where / "run"),
-                ]
-            )
-            == 0
+    assert (
+        peak_rss.main(
+            [
+                "--smoke",
+                "--out",
+                str(where / "peak_rss.json"),
+                "--",
+                "--out",
+                str(where / "run"),
+            ]
         )
+        == 0
+    )
     return where / "run", json.loads((where / "peak_rss.json").read_text())
 
 

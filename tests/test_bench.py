@@ -15,9 +15,9 @@ is real, but shared where it is expensive:
 - a smoke session (bench/engines.py) for the whole module: generator.py, env_latency.py and
   weight_sync.py run their measurements in this process on one vLLM engine for the tiny model (and
   one with LoRA), and models of the same seed and sizes are built once.
-The vLLM engines started here run without a worker process beside their EngineCore
-(VLLM_ENABLE_V1_MULTIPROCESSING=0, as bench/engines.py's): half the start-up. memory.py runs through
-run_all.py (as `python bench/memory.py --smoke`); report.py reads what the others wrote.
+The vLLM engines started here run without a worker process beside their EngineCore (conftest.py
+sets VLLM_ENABLE_V1_MULTIPROCESSING=0 for the suite, as bench/engines.py does). memory.py runs
+through run_all.py (as `python bench/memory.py --smoke`); report.py reads what the others wrote.
 """
 
 import importlib
@@ -139,12 +139,9 @@ def runs(recorded):
 
     def generate_alone(cfg, model_path, steps, cpu_from_step=None):
         if not generated:  # the first caller's recording, with the CPU window overlap.py reads
-            # (no vLLM worker process beside the EngineCore: engines.py)
-            with pytest.MonkeyPatch.context() as env:
-                env.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-                generated.update(
-                    real_generate(cfg, model_path, steps=steps, cpu_from_step=2), steps=steps
-                )
+            generated.update(
+                real_generate(cfg, model_path, steps=steps, cpu_from_step=2), steps=steps
+            )
         assert steps == generated["steps"], "the smokes share one recording: the same --steps"
         return dict(generated)
 
