@@ -58,7 +58,7 @@ class GeneratorSettings:
     initial_version: int = 0  # the version of the weights in `model`
     # a resumed run continues the sequence of group ids (and so the walk of prompts)
     first_group_id: int = 0
-    # evaluate the initial weights (step 0) before training starts, engine to itself
+    # evaluate the initial weights (step 0) as the engine starts, beside the first steps
     eval_at_start: bool = False
     # with --lora-rank: holds the adapter's adapter_config.json (rank, alpha, targets)
     lora_dir: str = ""
@@ -216,9 +216,13 @@ class Generator:
         loaded."""
         step, version = requested(self.control)
         if step > self.last_eval_step and self.loaded_version >= version:
-            self.last_eval_step = step
-            self.eval_task = asyncio.create_task(run_eval(self, step))
-            self.eval_task.add_done_callback(self._eval_done)
+            self.start_eval(step)
+
+    def start_eval(self, step: int) -> None:
+        """Evaluate the weights loaded now for `step`, beside training requests."""
+        self.last_eval_step = step
+        self.eval_task = asyncio.create_task(run_eval(self, step))
+        self.eval_task.add_done_callback(self._eval_done)
 
     def _eval_done(self, task: asyncio.Task):
         self.eval_task = None
@@ -364,15 +368,16 @@ class Generator:
         self.control.engine_started.set()
         if self.shared.starts_empty:
             await load_first_publish(self)
-        # alone on the engine it takes a fraction of its time beside the first steps
-        if self.settings.eval_at_start:
-            self.last_eval_step = 0
-            self.idle_since = None  # the engine's start-up is not idle time of the run
-            await run_eval(self, 0)
+        # The trainer waits for the engine, not for the held-out evaluation of the start: a long
+        # one (a real model, a real held-out set) outlasted --timeout-s and ended the run as if the
+        # engine had not started. It runs beside the first steps, on the weights loaded now (an
+        # evaluation keeps its weights), timed in the trace like every evaluation.
         self.control.ready.set()
         self.wake = asyncio.Event()
         start = time.perf_counter()
         self.idle_since = start
+        if self.settings.eval_at_start:
+            self.start_eval(0)
         while not self.control.stop.is_set():
             if self.error is not None:
                 raise self.error

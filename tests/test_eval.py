@@ -457,3 +457,39 @@ def test_stop_strings_end_generation_and_reach_the_reward_and_the_mask(engine_en
     for group in groups:  # and vLLM's log-probs and versions cover the same tokens
         assert [len(x) for x in group.behaviour_logprobs] == [len(x) for x in group.completion_ids]
         assert [len(x) for x in group.token_versions] == [len(x) for x in group.completion_ids]
+
+
+def test_the_start_evaluation_holds_up_neither_the_trainer_nor_training(engine_env, monkeypatch):
+    """The trainer waits for the engine, not for the held-out evaluation of the start (a long one
+    ended real-model runs at --timeout-s): with that evaluation held back, the generator is ready
+    and training groups flow; let go, it answers for step 0 on the start's weights."""
+    env = engine_env
+    held, gate, real_run_eval = [], [], rollout.run_eval
+
+    async def held_back(gen, step):
+        held.append(step)
+        while not gate:
+            await asyncio.sleep(0.01)
+        await real_run_eval(gen, step)
+
+    monkeypatch.setattr(rollout, "run_eval", held_back)
+    gen = new_generator(env, eval_at_start=True, eval_prompts=3, eval_samples=1)
+    answers = []
+
+    async def scenario():
+        task = asyncio.create_task(gen.run())
+        await wait_until(lambda: held == [0], "the start's evaluation to begin", task)
+        await wait_until(
+            lambda: gen.control.ready.is_set() and gen.stats["groups"] >= 2, "training groups", task
+        )
+        assert gen.eval_task is not None and not evaluation.collect(gen.control)
+        gate.append(True)
+        await wait_until(
+            lambda: len(answers.__iadd__(evaluation.collect(gen.control))) >= 1, "its answer", task
+        )
+        gen.control.stop.set()
+        await task
+
+    env["loop"].run_until_complete(scenario())
+    drain(gen.queue)
+    assert [(a.step, a.version) for a in answers] == [(0, 0)] and len(answers[0].rewards) == 3
