@@ -7,7 +7,7 @@
   version bump after it mapped the buffer; the CUDA IPC handle's lazy opening, forwarding without
   re-sharing, and the GPU found by UUID (a stand-in for torch's rebuild function); the device waits
   in the seqlock's order.
-- sync.publish_model's GPU branch (cast to the buffer's dtype, gather each parameter, rank 0 the
+- sync.publish_model's GPU branch (cast to the buffer's dtype, gather the parameters, rank 0 the
   only writer) at world size 2 on gloo.
 - --gpu-memory-utilization and --dtype auto in the layout; the vLLM worker's GPU load (in place from
   the IPC buffer under the seqlock, never a full-size snapshot), with a recording stand-in for
@@ -307,16 +307,16 @@ def _gather_rank(rank, world, init_file, shared, results):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        writes, waits = [], []
+        written, waits = {}, []
 
         # what a rank sees on the GPU path, with CPU memory underneath
         class OnGpu(shared_weights.SharedWeights):
             device_type = "cuda"
 
-            def write_param(self, slot, value, row_start=0):
-                writes.append(slot.name)
-                assert row_start == 0 and value.shape == slot.shape  # a full (gathered) parameter
-                super().write_param(slot, value)
+            def write_params(self, slots, values, row_starts):
+                for slot, value in zip(slots, values):
+                    written[slot.name] = written.get(slot.name, 0) + value.numel()
+                super().write_params(slots, values, row_starts)
 
             def _wait_for_device_writes(self):
                 waits.append(int(self.header[shared_weights.SEQ]) % 2)
@@ -331,7 +331,9 @@ def _gather_rank(rank, world, init_file, shared, results):
             fully_shard(layer, mesh=mesh)
         assert all(hasattr(p, "full_tensor") for p in model.parameters())  # sharded DTensors
         sync.publish_model(model, mine, 7, rank, world)
-        results.put((rank, len(writes), waits))
+        # what a rank writes, it writes whole: as many elements as each slot holds
+        whole = not written or all(written[slot.name] == slot.numel for slot in shared.layout)
+        results.put((rank, len(written) if whole else -1, waits))
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -358,6 +360,8 @@ def test_gpu_publish_gathers_and_rank0_alone_writes_the_full_weights(tmp_path):
     got = dict((r, (n, w)) for r, n, w in (results.get(timeout=10) for _ in range(2)))
     # rank 0 waits once, while seq is odd
     assert got[0] == (len(shared.layout), [1]) and got[1] == (0, [])
+    for slot in shared.layout:  # the uneven shards (5 rows: 3 / 2, 3 rows: 2 / 1) joined in order
+        assert torch.equal(shared.view(slot), reference[slot.name].detach().bfloat16()), slot.name
     assert shared.version() == 7 and int(shared.header[shared_weights.SEQ]) == 2
     for slot in shared.layout:
         assert torch.equal(shared.view(slot), reference[slot.name].detach().bfloat16()), slot.name
