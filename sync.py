@@ -222,7 +222,9 @@ def start_gather(bucket: RowsBucket, dtype: torch.dtype):
             [local for _, local in held],
         )
     gathered = torch.empty(bucket.world * bucket.numel, dtype=dtype, device=device)
-    work = dist.all_gather_into_tensor(gathered, part, group=bucket.mesh.get_group(), async_op=True)
+    # torch 2.13 renamed it (the old name warns); older ones have the old name alone
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    work = all_gather(gathered, part, group=bucket.mesh.get_group(), async_op=True)
     return work, part, gathered
 
 

@@ -391,13 +391,17 @@ def _publish_worker(rank, world, init_file, paths, multi_writer, results):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     gathered = []
-    all_gather = dist.all_gather_into_tensor
 
-    def counting_all_gather(output, *args, **kwargs):
-        gathered.append(output.numel())
-        return all_gather(output, *args, **kwargs)
+    def counting(all_gather):
+        def counting_all_gather(output, *args, **kwargs):
+            gathered.append(output.numel())
+            return all_gather(output, *args, **kwargs)
 
-    dist.all_gather_into_tensor = counting_all_gather  # sync's buckets (DTensor's gather: not)
+        return counting_all_gather
+
+    for name in ("all_gather_single", "all_gather_into_tensor"):  # sync's buckets (not DTensor's)
+        if hasattr(dist, name):
+            setattr(dist, name, counting(getattr(dist, name)))
 
     class SingleWriter(shared_weights.SharedWeights):
         single_writer = True  # what a GPU buffer is: rank 0 alone maps it
