@@ -23,11 +23,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-# The most one all-gather of the single-writer publish moves: its parameters' gathered bytes in the
-# buffer's dtype (a larger parameter goes alone). Few collectives for the whole model (Qwen3-0.6B in
-# bf16: about 10), and a bounded memory on every rank: two buckets in flight, each its rank's part
-# and the gathered whole.
-GATHER_BUCKET_BYTES = 128 * 2**20
+# The most one all-gather of the single-writer publish moves, by device type: its parameters'
+# gathered bytes in the buffer's dtype (a larger parameter goes alone). Memory stays bounded on
+# every rank: two buckets in flight, each its rank's part and the gathered whole. On a GPU, few
+# collectives for the whole model (Qwen3-0.6B in bf16: about 20; the caching allocator reuses the
+# memory). On a CPU, below glibc's largest mmap threshold (32 MiB): a larger tensor is mapped afresh
+# at each allocation and every page faults on first touch, which made 128 MiB buckets of a 100M
+# model 2.5x slower than gathering each parameter, and 16 MiB ones faster
+# (bench/weight_sync.py --cross-only --publish-sizes 100M).
+GATHER_BUCKET_BYTES = {"cuda": 64 * 2**20, "cpu": 16 * 2**20}
 
 
 class WeightsSink(Protocol):
@@ -167,12 +171,14 @@ class RowsBucket:
     numel: int = 0  # of a rank's part
 
 
-def plan_buckets(pairs, itemsize: int, limit_bytes: int = GATHER_BUCKET_BYTES) -> list[RowsBucket]:
-    """(slot, row-sharded parameter) pairs in buckets of at most `limit_bytes` gathered (a larger
-    parameter alone), in order; a change of mesh starts a new bucket."""
+def plan_buckets(pairs, itemsize: int, limit_bytes: int | None = None) -> list[RowsBucket]:
+    """(slot, row-sharded parameter) pairs in buckets of at most `limit_bytes` gathered (default:
+    GATHER_BUCKET_BYTES of their device; a larger parameter alone), in order; a change of mesh
+    starts a new bucket."""
     buckets: list[RowsBucket] = []
     for slot, param in pairs:
         mesh, world = param.device_mesh, param.device_mesh.size()
+        limit = limit_bytes or GATHER_BUCKET_BYTES.get(mesh.device_type, GATHER_BUCKET_BYTES["cpu"])
         rows, columns = slot.shape[0], math.prod(slot.shape[1:])
         chunk = math.ceil(rows / world)
         local = param.to_local()
@@ -184,7 +190,7 @@ def plan_buckets(pairs, itemsize: int, limit_bytes: int = GATHER_BUCKET_BYTES) -
             )
         bucket = buckets[-1] if buckets else None
         gathered_bytes = (bucket.numel + chunk * columns) * world * itemsize if bucket else 0
-        if bucket is None or bucket.mesh != mesh or (bucket.slots and gathered_bytes > limit_bytes):
+        if bucket is None or bucket.mesh != mesh or (bucket.slots and gathered_bytes > limit):
             bucket = RowsBucket(mesh, world)
             buckets.append(bucket)
         bucket.slots.append(slot)
