@@ -294,9 +294,18 @@ def test_cpu_buffers_still_cross_as_shared_memory():
 # --------------------------------------------------------------------------------------------------
 # sync.publish_model's GPU branch at world size 2 (gloo stands in for NCCL)
 # --------------------------------------------------------------------------------------------------
-def _small_model():
-    torch.manual_seed(0)  # 5 and 3 rows: uneven FSDP2 shards over 2 ranks
-    return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
+def _small_model(mesh=None):
+    """Two layers of 5 and 3 rows (uneven FSDP2 shards over 2 ranks) and a parameter of the root's
+    own that FSDP2 does not shard: with a `mesh`, replicated over it (neither whole on each rank nor
+    rows: DTensor gathers it)."""
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
+    scale = torch.arange(4.0) / 3
+    scale = scale if mesh is None else distribute_tensor(scale, mesh, [Replicate()])
+    model.register_parameter("scale", torch.nn.Parameter(scale))
+    return model
 
 
 def _gather_rank(rank, world, init_file, shared, results):
@@ -318,6 +327,10 @@ def _gather_rank(rank, world, init_file, shared, results):
                     written[slot.name] = written.get(slot.name, 0) + value.numel()
                 super().write_params(slots, values, row_starts)
 
+            def write_param(self, slot, value, row_start=0):
+                written[slot.name] = written.get(slot.name, 0) + value.numel()
+                super().write_param(slot, value, row_start)
+
             def _wait_for_device_writes(self):
                 waits.append(int(self.header[shared_weights.SEQ]) % 2)
 
@@ -325,10 +338,11 @@ def _gather_rank(rank, world, init_file, shared, results):
         mine = OnGpu(
             shared.buffer if rank == 0 else None, shared.header, shared.layout, dtype=shared.dtype
         )
-        model = _small_model()
         mesh = init_device_mesh("cpu", (world,))
-        for layer in (model[0], model[2], model):
+        model = _small_model()
+        for layer in (model[0], model[2]):
             fully_shard(layer, mesh=mesh)
+        model.scale = _small_model(mesh).scale  # replicated: DTensor's own gather
         assert all(hasattr(p, "full_tensor") for p in model.parameters())  # sharded DTensors
         sync.publish_model(model, mine, 7, rank, world)
         # what a rank writes, it writes whole: as many elements as each slot holds
@@ -360,8 +374,6 @@ def test_gpu_publish_gathers_and_rank0_alone_writes_the_full_weights(tmp_path):
     got = dict((r, (n, w)) for r, n, w in (results.get(timeout=10) for _ in range(2)))
     # rank 0 waits once, while seq is odd
     assert got[0] == (len(shared.layout), [1]) and got[1] == (0, [])
-    for slot in shared.layout:  # the uneven shards (5 rows: 3 / 2, 3 rows: 2 / 1) joined in order
-        assert torch.equal(shared.view(slot), reference[slot.name].detach().bfloat16()), slot.name
     assert shared.version() == 7 and int(shared.header[shared_weights.SEQ]) == 2
     for slot in shared.layout:
         assert torch.equal(shared.view(slot), reference[slot.name].detach().bfloat16()), slot.name
