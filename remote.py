@@ -32,7 +32,7 @@ import prepare
 import processes
 from config import split_addr
 from link import Link, send_weights, silence_limit, weight_group
-from shared_weights import packed_numel
+from shared_weights import copy_into_slots, packed_numel
 
 
 # --------------------------------------------------------------------------------------------------
@@ -79,7 +79,7 @@ def thread_control():
 
 class RemoteWeights:
     """What trainer ranks publish into with a remote role: the packed buffer's writer methods, a
-    single writer (sync.publish_model gathers each parameter on every rank, rank 0 alone writes). On
+    single writer (sync.publish_model gathers the parameters on every rank, rank 0 alone writes). On
     rank 0 a local packed buffer in the serving dtype, sent to the generator node by `end_write`; on
     other ranks only the layout."""
 
@@ -104,6 +104,11 @@ class RemoteWeights:
 
     def write_param(self, slot, value, row_start: int = 0) -> None:
         self.buffer[slot.offset : slot.offset + slot.numel].view(slot.shape).copy_(value.detach())
+
+    def write_params(self, slots, values, row_starts) -> None:
+        """sync.publish_model's batched writes (rank 0): the packed buffer's own copy
+        (shared_weights.copy_into_slots)."""
+        copy_into_slots(self.buffer, slots, values, row_starts)
 
     # every rank has gathered: nothing interleaves with the sends
     def end_write(self, version: int) -> None:

@@ -112,15 +112,16 @@ class CudaIpcHandle:
 class SharedWeights:
     """The packed buffer, its header and its layout. Picklable across `torch.multiprocessing` spawn.
 
-    Writers: `begin_write` / `write_param` / `end_write(version)` (one process, or FSDP2 ranks each
-    writing their own rows between barriers). Readers: `read_snapshot` (retries until it copies a
-    state no writer touched) or `read_in_place` (a repeatable read, the engine's reload, on the
-    buffer itself under the same check: a GPU worker never allocates a copy). On CUDA the launching
-    process owns the buffer (on the first trainer GPU) and outlives every reader; the header stays
-    in CPU shared memory; `end_write` and the readers wait for their device copies before they touch
-    `seq`. Others receive a `CudaIpcHandle` naming the GPU by UUID (indices differ under
-    CUDA_VISIBLE_DEVICES) and open it on first use of `.buffer` (one that only forwards it, like
-    vLLM's front end, never opens it: torch cannot re-share a CUDA tensor it received)."""
+    Writers: `begin_write` / `write_param` or `write_params` (many at once) / `end_write(version)`
+    (one process, or FSDP2 ranks each writing their own rows between barriers). Readers:
+    `read_snapshot` (retries until it copies a state no writer touched) or `read_in_place` (a
+    repeatable read, the engine's reload, on the buffer itself under the same check: a GPU worker
+    never allocates a copy). On CUDA the launching process owns the buffer (on the first trainer
+    GPU) and outlives every reader; the header stays in CPU shared memory; `end_write` and the
+    readers wait for their device copies before they touch `seq`. Others receive a
+    `CudaIpcHandle` naming the GPU by UUID (indices differ under CUDA_VISIBLE_DEVICES) and open it
+    on first use of `.buffer` (one that only forwards it, like vLLM's front end, never opens it:
+    torch cannot re-share a CUDA tensor it received)."""
 
     def __init__(
         self,
@@ -183,7 +184,7 @@ class SharedWeights:
     @property
     def single_writer(self) -> bool:
         """Only the owner's process writes it (a CUDA buffer, mapped by the first trainer rank
-        alone): sync.publish_model gathers each parameter on every rank and rank 0 writes it
+        alone): sync.publish_model gathers the parameters on every rank and rank 0 writes them
         whole."""
         return self.device_type == "cuda"
 
@@ -214,6 +215,11 @@ class SharedWeights:
         if row_start or value.shape != dst.shape:
             dst = dst[row_start : row_start + value.shape[0]]
         dst.copy_(value.detach(), non_blocking=False)
+
+    def write_params(self, slots: list, values: list, row_starts: list[int]) -> None:
+        """Many writes at once (sync.publish_model's): each value's elements, in row-major order,
+        into its slot from dim-0 row `row_start` on (`copy_into_slots`)."""
+        copy_into_slots(self.buffer, slots, values, row_starts)
 
     def end_write(self, version: int) -> None:
         if self.device_type == "cuda":
@@ -357,6 +363,35 @@ def _rebuild_shared(
 def _synchronize(*devices: torch.device) -> None:
     for device in dict.fromkeys(d for d in devices if d.type == "cuda"):
         torch.cuda.synchronize(device)
+
+
+def slot_rows(
+    buffer: torch.Tensor, slot: Slot, value: torch.Tensor, row_start: int
+) -> torch.Tensor:
+    """The view of `buffer` that `value` fills: its elements, in row-major order, into `slot` from
+    dim-0 row `row_start` on, viewed in `value`'s shape (a whole parameter; a rank's rows; several
+    ranks' rows gathered side by side)."""
+    start = slot.offset + row_start * math.prod(slot.shape[1:])
+    if start + value.numel() > slot.offset + slot.numel:
+        raise ValueError(
+            f"{slot.name}: {value.numel()} elements from row {row_start} overflow its slot "
+            f"{slot.shape}"
+        )
+    return buffer[start : start + value.numel()].view(value.shape)
+
+
+def copy_into_slots(buffer: torch.Tensor, slots, values, row_starts) -> None:
+    """Write each value into its `slot_rows` with one `torch._foreach_copy_` (cast to the buffer's
+    dtype: the bytes of a `copy_` each; one launch for the lot on a GPU, where per-copy host work
+    was most of a publish)."""
+    if not values:
+        return
+    destinations = [
+        slot_rows(buffer, slot, value, start)
+        for slot, value, start in zip(slots, values, row_starts, strict=True)
+    ]
+    with torch.no_grad():
+        torch._foreach_copy_(destinations, list(values))
 
 
 def packed_numel(layout) -> int:

@@ -35,9 +35,12 @@ beside the full sync of that size (`ratio_to_full`), and against the alternative
 the adapter written as a PEFT folder under /dev/shm and reloaded by vLLM's own
 `add_lora(load_inplace=True)` on the same engine (`tmpfs_file`).
 
-Cross-machine rows (`--cross-sizes`, default 10M,100M; `--cross-only`: these rows alone, no vLLM,
-written to DIR/weight_sync_cross.json): remote.py's publish over gloo, measured by
-bench/weight_sync_cross.py.
+Cross-machine rows (`--cross-sizes`, default 10M,100M): remote.py's publish over gloo, measured by
+bench/weight_sync_cross.py. Publish rows (`--publish-sizes`, default 10M,100M): the trainer's
+`sync.publish_model` at `--publish-ranks` (2) FSDP2 ranks over gloo, single writer (the gather a GPU
+buffer and remote.py take) and many writers (the CPU shared buffer), each against the
+per-parameter publish it replaced (issue 37), alternated in the same ranks, bytes compared.
+`--cross-only`: these rows alone, no vLLM, written to DIR/weight_sync_cross.json.
 
 This file holds the options, the order of the measurements, the tables and the plot; one size's
 measurement (its own process and vLLM engine) is bench/weight_sync_measure.py.
@@ -51,7 +54,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-from weight_sync_cross import cross_table, measure_cross_machine, plot_cross  # noqa: E402
+from weight_sync_cross import (  # noqa: E402
+    cross_table,
+    measure_cross_machine,
+    measure_publish,
+    plot_cross,
+    publish_table,
+)
 from weight_sync_measure import measure_size  # noqa: E402
 
 # name -> (hidden, layers, heads); vocabulary 26, MLP 4x hidden, tied embeddings (head size 32 or
@@ -69,6 +78,7 @@ def main(argv=None) -> int:
             "sizes": "tiny",
             "lora_sizes": "tiny",
             "cross_sizes": "1M",
+            "publish_sizes": "1M",
             "syncs": 2,
             "gap_s": 0.2,
         },
@@ -96,29 +106,25 @@ def main(argv=None) -> int:
         help="sizes that also get a cross-machine row (gloo over loopback, no engine); '' for none",
     )
     p.add_argument(
+        "--publish-sizes",
+        default="10M,100M",
+        help="sizes that also get a publish row (the trainer's publish at --publish-ranks gloo "
+        "ranks against the per-parameter one it replaced, no engine); '' for none",
+    )
+    p.add_argument("--publish-ranks", type=int, default=2, help="the publish rows' trainer ranks")
+    p.add_argument(
         "--cross-only",
         action="store_true",
-        help="only the cross-machine rows: DIR/weight_sync_cross.json",
+        help="only the rows without an engine (cross-machine, publish): DIR/weight_sync_cross.json",
     )
     args = common.parse_args(p, argv, sizes=ALL_SIZES)
     cross_sizes = [s.strip() for s in args.cross_sizes.split(",") if s.strip()]
-    if any(s not in SIZES for s in cross_sizes):
-        p.error(f"--cross-sizes: choose from {', '.join(SIZES)}")
+    publish_sizes = [s.strip() for s in args.publish_sizes.split(",") if s.strip()]
+    if any(s not in SIZES for s in cross_sizes + publish_sizes):
+        p.error(f"--cross-sizes, --publish-sizes: choose from {', '.join(SIZES)}")
     if args.cross_only:
         with common.Bench("weight_sync_cross", args) as bench:
-            cross = [
-                common.in_child(
-                    measure_cross_machine,
-                    n,
-                    SIZES[n],
-                    str(bench.work),
-                    args.seed,
-                    args.syncs + 1,
-                    timeout_s=600,
-                    what=f"cross-machine sync {n}",
-                )
-                for n in cross_sizes
-            ]
+            cross, publish = rows_without_engine(args, bench.work, cross_sizes, publish_sizes)
         path = bench.save(
             {
                 "settings": {
@@ -126,12 +132,17 @@ def main(argv=None) -> int:
                     "syncs": args.syncs,
                     "dtype": "float32",
                     "bucket_bytes": 64 * 2**20,
+                    "publish_sizes": publish_sizes,
+                    "publish_ranks": args.publish_ranks,
                 },
                 "cross_machine": cross,
+                "publish": publish,
             },
             plot_cross,
         )
         print(cross_table(cross))
+        print()
+        print(publish_table(publish))
         print(bench.closing_line(path))
         return 0
     lora_sizes = [s.strip() for s in args.lora_sizes.split(",") if s.strip()]
@@ -170,19 +181,7 @@ def main(argv=None) -> int:
                 f"{row['memcpy_ms']:.2f} ms, ratio {row['ratio']:.1f} ({row['process_s']:.0f} s)",
                 flush=True,
             )
-        cross = [
-            common.in_child(
-                measure_cross_machine,
-                n,
-                SIZES[n],
-                str(bench.work),
-                args.seed,
-                args.syncs + 1,
-                timeout_s=600,
-                what=f"cross-machine sync {n}",
-            )
-            for n in cross_sizes
-        ]
+        cross, publish = rows_without_engine(args, bench.work, cross_sizes, publish_sizes)
     data = {
         "settings": {
             "sizes": args.sizes,
@@ -195,9 +194,12 @@ def main(argv=None) -> int:
             "lora_rank": args.lora_rank,
             "lora_targets": "all-linear",
             "cross_sizes": cross_sizes,
+            "publish_sizes": publish_sizes,
+            "publish_ranks": args.publish_ranks,
         },
         "rows": rows,
         "cross_machine": cross,
+        "publish": publish,
     }
     path = bench.save(data, plot)
     print()
@@ -306,8 +308,43 @@ def main(argv=None) -> int:
     if cross:
         print()
         print(cross_table(cross))
+    if publish:
+        print()
+        print(publish_table(publish))
     print(bench.closing_line(path))
     return 0
+
+
+def rows_without_engine(args, work, cross_sizes, publish_sizes) -> tuple[list, list]:
+    """The cross-machine rows and the publish rows, each size in a child process of its own."""
+    cross = [
+        common.in_child(
+            measure_cross_machine,
+            n,
+            SIZES[n],
+            str(work),
+            args.seed,
+            args.syncs + 1,
+            timeout_s=600,
+            what=f"cross-machine sync {n}",
+        )
+        for n in cross_sizes
+    ]
+    publish = [
+        common.in_child(
+            measure_publish,
+            n,
+            SIZES[n],
+            str(work),
+            args.seed,
+            args.syncs + 1,
+            args.publish_ranks,
+            timeout_s=600,
+            what=f"publish {n} at {args.publish_ranks} ranks",
+        )
+        for n in publish_sizes
+    ]
+    return cross, publish
 
 
 def plot(data: dict, path: Path) -> None:

@@ -1,5 +1,5 @@
-"""bench/weight_sync_cross.py — bench/weight_sync.py's cross-machine rows (`--cross-sizes`,
-`--cross-only`).
+"""bench/weight_sync_cross.py — bench/weight_sync.py's rows without an engine: the cross-machine
+rows (`--cross-sizes`) and the publish rows (`--publish-sizes`; `--cross-only`: these alone).
 
 The trainer side of remote.py (`--role trainer`): the publish gathered into rank
 0's own buffer (`remote.RemoteWeights`) and sent in 64 MiB buckets over the 2-member gloo group
@@ -8,6 +8,12 @@ straight into its packed buffer (`link.receive_weights`), here over loopback. Ti
 publish's start to the receiver's `end_write` (one clock: one machine), against the one-node path
 (the publish into the shared buffer) and a memcpy of the same bytes. The generator's load that
 follows (pause, reload, reset) is the same on both paths (bench/weight_sync.py's rows).
+
+The publish rows: `sync.publish_model` at several FSDP2 ranks over gloo (spawned processes), into
+a single writer's buffer (what a GPU buffer and remote.py get: the gather) and into the CPU shared
+buffer (each rank writes its own rows), each alternated with `publish_per_parameter`, the code it
+replaced (issue 37), in the same ranks; rank 0's times, medians after the first round, and whether
+the bytes are the same.
 """
 
 from __future__ import annotations
@@ -210,3 +216,177 @@ def plot_cross(data: dict, path: Path) -> None:
     ax.set_ylabel("ms (log)")
     ax.legend(fontsize=8)
     common.save_figure(fig, path, data, "cross-machine weight sync")
+
+
+# --------------------------------------------------------------------------------------------------
+# The publish rows (`--publish-sizes`): sync.publish_model at several ranks against its predecessor
+# --------------------------------------------------------------------------------------------------
+def publish_per_parameter(model, shared, version, rank, world_size):
+    """sync.publish_model as it was before issue 37 (d5365e1), the publish rows' baseline: one
+    parameter at a time, gathered (single writer) or written from each rank's rows (many)."""
+    import torch
+    import torch.distributed as dist
+
+    import sync
+
+    params = sync.trainable_parameters(model)
+    if shared.single_writer:
+        with torch.no_grad():
+            if rank == 0:
+                shared.begin_write()
+            for slot, param in zip(shared.layout, params):
+                full = param.detach().to(shared.dtype)
+                full = full.full_tensor() if hasattr(full, "full_tensor") else full
+                if rank == 0:
+                    shared.write_param(slot, full)
+                del full
+            if rank == 0:
+                shared.end_write(version)
+        return
+    if rank == 0:
+        shared.begin_write()
+    if world_size > 1:
+        dist.barrier()
+    with torch.no_grad():
+        for slot, param in zip(shared.layout, params):
+            local = param.to_local() if hasattr(param, "to_local") else param
+            start = sync.fsdp_row_start(slot.shape[0], rank, world_size) if slot.shape else 0
+            shared.write_param(slot, local, start)
+    if world_size > 1:
+        dist.barrier()
+    if rank == 0:
+        shared.end_write(version)
+
+
+PUBLISH_WAYS = ("single_old", "single_new", "multi_old", "multi_new")
+
+
+def _publish_rank(rank, world, init_file, path, shared, syncs, results) -> None:
+    """One trainer rank of a publish row: each way in turn, `syncs` rounds; rank 0 reports its
+    times and whether each way's buffer equals its predecessor's to the bit."""
+    import torch
+    import torch.distributed as dist
+
+    import models
+    import sync
+    from shared_weights import SharedWeights
+
+    class SingleWriter(SharedWeights):
+        single_writer = True  # what a GPU buffer is (only rank 0 maps it), in CPU memory
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        model = models.build_trainer_model(path, world)
+        single = SingleWriter(
+            torch.zeros_like(shared.buffer) if rank == 0 else None,
+            torch.zeros(3, dtype=torch.int64),
+            shared.layout,
+            dtype=shared.dtype,
+        )
+        ways = {
+            "single_old": (publish_per_parameter, single),
+            "single_new": (sync.publish_model, single),
+            "multi_old": (publish_per_parameter, shared),
+            "multi_new": (sync.publish_model, shared),
+        }
+        times, same, before = {way: [] for way in ways}, {}, None
+        for version in range(syncs):
+            for way, (publish, sink) in ways.items():
+                dist.barrier()
+                t = time.perf_counter()
+                publish(model, sink, version, rank, world)
+                times[way].append((time.perf_counter() - t) * 1e3)
+                if rank == 0 and way.endswith("old"):
+                    before = sink.buffer.clone()
+                elif rank == 0:
+                    same[way] = same.get(way, True) and torch.equal(sink.buffer, before)
+        if rank == 0:
+            results.put({"times": times, "same_bytes": same})
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_publish(name: str, shape: tuple, work: str, seed: int, syncs: int, ranks: int):
+    """One size's publish row: sync.publish_model at `ranks` gloo ranks on CPU, single writer (what
+    a GPU buffer and remote.py use: the gather) and many writers (the CPU shared buffer: each rank
+    its rows), each against `publish_per_parameter`, alternated; medians after the first round."""
+    import os
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    import prepare
+
+    hidden, layers, heads = shape
+    path = common.build_model(
+        Path(work) / f"model_{name}", seed=seed, hidden=hidden, layers=layers, heads=heads
+    )
+    shared = prepare.allocate_shared_weights(path)
+    init_file = tempfile.mktemp(prefix="asyncgrpo-bench-dist-")
+    results = mp.get_context("spawn").Queue()
+    try:
+        mp.start_processes(
+            _publish_rank,
+            args=(ranks, init_file, path, shared, syncs, results),
+            nprocs=ranks,
+            start_method="spawn",
+        )
+        got = results.get(timeout=60)
+    finally:
+        if os.path.exists(init_file):
+            os.unlink(init_file)
+    med = {way: statistics.median(got["times"][way][1:]) for way in PUBLISH_WAYS}
+    return {
+        "name": name,
+        "ranks": ranks,
+        "params": sum(sl.numel for sl in shared.layout),
+        "tensors": len(shared.layout),
+        "mb": shared.nbytes / 2**20,
+        "memcpy_ms": statistics.median(memcpy_ms(shared.buffer)),
+        **{f"{way}_ms": ms for way, ms in med.items()},
+        "single_new_over_old": med["single_new"] / med["single_old"],
+        "multi_new_over_old": med["multi_new"] / med["multi_old"],
+        "same_bytes": got["same_bytes"],
+        "samples": syncs - 1,
+        "all_ms": got["times"],
+    }
+
+
+def publish_table(rows: list[dict]) -> str:
+    return common.table(
+        [
+            "size",
+            "ranks",
+            "tensors",
+            "MB",
+            "memcpy ms",
+            "single writer: per parameter ms",
+            "batched ms",
+            "batched / per parameter",
+            "many writers: per parameter ms",
+            "batched ms",
+            "batched / per parameter",
+            "same bytes",
+        ],
+        [
+            [
+                r["name"],
+                r["ranks"],
+                r["tensors"],
+                r["mb"],
+                r["memcpy_ms"],
+                r["single_old_ms"],
+                r["single_new_ms"],
+                r["single_new_over_old"],
+                r["multi_old_ms"],
+                r["multi_new_ms"],
+                r["multi_new_over_old"],
+                all(r["same_bytes"].values()),
+            ]
+            for r in rows
+        ],
+        title="the trainer's publish on CPU (gloo), sync.publish_model against the per-parameter "
+        "publish it replaced (issue 37), alternated in the same ranks (medians):",
+    )

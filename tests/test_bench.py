@@ -233,6 +233,12 @@ def test_weight_sync(out):
     assert cross["same_bytes"] and positive(
         cross["cross_ms"], cross["shm_publish_ms"], cross["cross_over_memcpy"]
     )
+    (publish,) = data["publish"]  # at 2 ranks, each way against the per-parameter publish
+    assert publish["ranks"] == 2 and publish["same_bytes"] == {
+        "single_new": True,
+        "multi_new": True,
+    }
+    assert positive(publish["single_new_over_old"], publish["multi_new_over_old"])
 
 
 def test_generator(out):

@@ -7,7 +7,7 @@
   version bump after it mapped the buffer; the CUDA IPC handle's lazy opening, forwarding without
   re-sharing, and the GPU found by UUID (a stand-in for torch's rebuild function); the device waits
   in the seqlock's order.
-- sync.publish_model's GPU branch (cast to the buffer's dtype, gather each parameter, rank 0 the
+- sync.publish_model's GPU branch (cast to the buffer's dtype, gather the parameters, rank 0 the
   only writer) at world size 2 on gloo.
 - --gpu-memory-utilization and --dtype auto in the layout; the vLLM worker's GPU load (in place from
   the IPC buffer under the seqlock, never a full-size snapshot), with a recording stand-in for
@@ -294,9 +294,18 @@ def test_cpu_buffers_still_cross_as_shared_memory():
 # --------------------------------------------------------------------------------------------------
 # sync.publish_model's GPU branch at world size 2 (gloo stands in for NCCL)
 # --------------------------------------------------------------------------------------------------
-def _small_model():
-    torch.manual_seed(0)  # 5 and 3 rows: uneven FSDP2 shards over 2 ranks
-    return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
+def _small_model(mesh=None):
+    """Two layers of 5 and 3 rows (uneven FSDP2 shards over 2 ranks) and a parameter of the root's
+    own that FSDP2 does not shard: with a `mesh`, replicated over it (neither whole on each rank nor
+    rows: DTensor gathers it)."""
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
+    scale = torch.arange(4.0) / 3
+    scale = scale if mesh is None else distribute_tensor(scale, mesh, [Replicate()])
+    model.register_parameter("scale", torch.nn.Parameter(scale))
+    return model
 
 
 def _gather_rank(rank, world, init_file, shared, results):
@@ -307,16 +316,11 @@ def _gather_rank(rank, world, init_file, shared, results):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        writes, waits = [], []
+        waits = []
 
         # what a rank sees on the GPU path, with CPU memory underneath
         class OnGpu(shared_weights.SharedWeights):
             device_type = "cuda"
-
-            def write_param(self, slot, value, row_start=0):
-                writes.append(slot.name)
-                assert row_start == 0 and value.shape == slot.shape  # a full (gathered) parameter
-                super().write_param(slot, value)
 
             def _wait_for_device_writes(self):
                 waits.append(int(self.header[shared_weights.SEQ]) % 2)
@@ -325,13 +329,14 @@ def _gather_rank(rank, world, init_file, shared, results):
         mine = OnGpu(
             shared.buffer if rank == 0 else None, shared.header, shared.layout, dtype=shared.dtype
         )
-        model = _small_model()
         mesh = init_device_mesh("cpu", (world,))
-        for layer in (model[0], model[2], model):
+        model = _small_model()
+        for layer in (model[0], model[2]):
             fully_shard(layer, mesh=mesh)
+        model.scale = _small_model(mesh).scale  # replicated: DTensor's own gather
         assert all(hasattr(p, "full_tensor") for p in model.parameters())  # sharded DTensors
         sync.publish_model(model, mine, 7, rank, world)
-        results.put((rank, len(writes), waits))
+        results.put((rank, waits))
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -355,9 +360,9 @@ def test_gpu_publish_gathers_and_rank0_alone_writes_the_full_weights(tmp_path):
     deadline = time.monotonic() + 120
     while not context.join(timeout=1):
         assert time.monotonic() < deadline, "the ranks did not finish"
-    got = dict((r, (n, w)) for r, n, w in (results.get(timeout=10) for _ in range(2)))
-    # rank 0 waits once, while seq is odd
-    assert got[0] == (len(shared.layout), [1]) and got[1] == (0, [])
+    got = dict(results.get(timeout=10) for _ in range(2))
+    # rank 0 waits once, while seq is odd (rank 1 has no buffer: what is below, rank 0 wrote)
+    assert got == {0: [1], 1: []}
     assert shared.version() == 7 and int(shared.header[shared_weights.SEQ]) == 2
     for slot in shared.layout:
         assert torch.equal(shared.view(slot), reference[slot.name].detach().bfloat16()), slot.name

@@ -350,3 +350,148 @@ def test_bf16_policy_keeps_fp32_masters_and_the_reference_is_the_original_model_
             atol=1e-2,
         )
         assert r["masters"] == r["grads"] == r["optimizer_state"] == ["torch.float32"]
+
+
+# --------------------------------------------------------------------------------------------------
+# The publish in batches (issue 37): the same bytes as the per-parameter publish it replaced
+# --------------------------------------------------------------------------------------------------
+LORA_RANK = 3  # lora_A's 3 rows split 2 / 1 over two ranks: a rank with a shorter chunk
+PUBLISH_CASES = ("tied", "untied", "lora")
+PUBLISH_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _lora_config():
+    import lora
+
+    return lora.peft_config(LORA_RANK, 2 * LORA_RANK, 0.0, "all-linear")
+
+
+def per_parameter_publish(model, layout, dtype, rank):
+    """The publish before issue 37, as the reference: each parameter cast to the buffer's dtype,
+    gathered (DTensor.full_tensor) and copied into its slot by rank 0. Rank 0 gets the buffer."""
+    expected = torch.zeros(shared_weights.packed_numel(layout), dtype=dtype)
+    with torch.no_grad():
+        for slot, param in zip(layout, sync.trainable_parameters(model)):
+            full = param.detach().to(dtype)
+            full = full.full_tensor() if hasattr(full, "full_tensor") else full
+            if rank == 0:
+                expected[slot.offset : slot.offset + slot.numel].view(slot.shape).copy_(full)
+    return expected
+
+
+def _publish_worker(rank, world, init_file, paths, multi_writer, results):
+    """Per model: new values on every rank's shards, then the per-parameter reference and the
+    publish into each sink (the shared CPU buffer's many writers; a single writer, as on a GPU; the
+    remote sink); rank 0 reports which buffers equal the reference, and the elements gathered."""
+    import torch.distributed as dist
+
+    import models
+    import remote
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    gathered = []
+
+    def counting(all_gather):
+        def counting_all_gather(output, *args, **kwargs):
+            gathered.append(output.numel())
+            return all_gather(output, *args, **kwargs)
+
+        return counting_all_gather
+
+    for name in ("all_gather_single", "all_gather_into_tensor"):  # sync's buckets (not DTensor's)
+        if hasattr(dist, name):
+            setattr(dist, name, counting(getattr(dist, name)))
+
+    class SingleWriter(shared_weights.SharedWeights):
+        single_writer = True  # what a GPU buffer is: rank 0 alone maps it
+
+    class Sent:
+        def send_weights(self, version, flat):
+            self.version, self.flat = version, flat.clone()
+
+    report = {}
+    try:
+        for case in PUBLISH_CASES:
+            model = models.build_trainer_model(
+                paths[case], world, lora_config=_lora_config() if case == "lora" else None
+            )
+            torch.manual_seed(rank)
+            with torch.no_grad():  # B = 0 in a fresh adapter: move every weight
+                for param in sync.trainable_parameters(model):
+                    local = sync.local_part(param)
+                    local.add_(0.01 * torch.randn(local.shape))
+            for dtype in PUBLISH_DTYPES:
+                layout = multi_writer[case, dtype].layout
+                expected = per_parameter_publish(model, layout, dtype, rank)
+                header = torch.zeros(3, dtype=torch.int64)
+                single = SingleWriter(
+                    torch.zeros_like(expected) if rank == 0 else None, header, layout, dtype=dtype
+                )
+                sent = Sent()
+                remote_sink = remote.RemoteWeights(layout, dtype, sent if rank == 0 else None)
+                del gathered[:]
+                sync.publish_model(model, single, 5, rank, world)
+                elements = sum(gathered)
+                sync.publish_model(model, remote_sink, 6, rank, world)
+                sync.publish_model(model, multi_writer[case, dtype], 7, rank, world)
+                if rank == 0:
+                    report[case, str(dtype)] = dict(
+                        single=torch.equal(single.buffer, expected) and single.version() == 5,
+                        remote=torch.equal(sent.flat, expected) and sent.version == 6,
+                        multi=torch.equal(multi_writer[case, dtype].buffer, expected),
+                        gathered=elements,
+                        trainable=expected.numel(),
+                        frozen=sum(p.numel() for p in model.parameters() if not p.requires_grad),
+                    )
+        if rank == 0:
+            results.put(report)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    results.close()
+    results.join_thread()
+    os._exit(0)
+
+
+@pytest.fixture(scope="module")
+def untied_model_path(model_path, tmp_path_factory):
+    """The tiny model with its own output head (the tiny models tie it to the embedding)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    model.config.tie_word_embeddings = False
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach() + 0.5)
+    path = str(tmp_path_factory.mktemp("untied") / "tiny")
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_the_batched_publish_writes_the_bytes_of_the_per_parameter_one(
+    world, model_path, untied_model_path, tmp_path
+):
+    """Every sink, fp32 and bf16, a tied and an untied model and a LoRA adapter: bit-equal to the
+    per-parameter publish. The single writer gathers FSDP2's row shards in buckets: what trains and
+    no more (LoRA: the adapter, not the frozen base), in few all-gathers; at world size 1 none."""
+    import lora
+    import prepare
+
+    paths = {"tied": model_path, "untied": untied_model_path, "lora": model_path}
+    shapes = {case: prepare.model_shapes(paths[case]) for case in ("tied", "untied")}
+    shapes["lora"] = lora.adapter_shapes(model_path, _lora_config())[0]
+    assert len(shapes["untied"]) == len(shapes["tied"]) + 1  # the head is a parameter of its own
+    multi_writer = {
+        (case, dtype): shared_weights.SharedWeights.allocate(shapes[case], dtype=dtype)
+        for case in PUBLISH_CASES
+        for dtype in PUBLISH_DTYPES
+    }
+    report = spawn_ranks(_publish_worker, world, tmp_path, paths, multi_writer)
+    assert len(report) == len(PUBLISH_CASES) * len(PUBLISH_DTYPES)
+    for key, got in report.items():
+        assert got["single"] and got["remote"] and got["multi"], f"{key}: {got}"
+        if world == 1:
+            assert got["gathered"] == 0, key
+        else:  # each rank's rows padded to a whole chunk: a little more than what trains
+            assert got["trainable"] <= got["gathered"] < 1.2 * got["trainable"], f"{key}: {got}"
+        assert (got["frozen"] > 10 * got["trainable"]) == (key[0] == "lora"), key
