@@ -1,7 +1,7 @@
 """bench/gpu_trainer.py — the trainer on one GPU against the plain loop a user would write:
 tokens/s, peak memory, where a step's time goes, the weight publish against a device-to-device copy.
 
-    python bench/gpu_trainer.py --out DIR        # one GPU, about 3 minutes: DIR/gpu_trainer.json
+    python bench/gpu_trainer.py --out DIR    # one GPU, ~3 min (estimated): DIR/gpu_trainer.json
     python bench/gpu_trainer.py --shapes 4b-2k --steps 5 --out DIR
     # the suite's size (tests/test_bench.py): a tiny Qwen3 on the CPU, the same code
     python bench/gpu_trainer.py --device cpu --smoke --out DIR
