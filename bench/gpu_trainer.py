@@ -5,6 +5,8 @@ tokens/s, peak memory, where a step's time goes, the weight publish against a de
     python bench/gpu_trainer.py --shapes 4b-2k --steps 5 --out DIR
     # the suite's size (tests/test_bench.py): a tiny Qwen3 on the CPU, the same code
     python bench/gpu_trainer.py --device cpu --smoke --out DIR
+Estimated on an H200 from the rates issue 37 measured (not yet run there): 0.6b-16k 30 s, 0.6b-2k
+20 s, 4b-2k 45 s, 0.6b-longtail 35 s, start-up about 20 s; each --steps more adds a fifth of that.
 
 Role: issue 37's measurement, with torch and transformers alone (no project module it imports loads
 vLLM; the JSON records `vllm_imported`), in one process, one FSDP2 rank (NCCL on a GPU, gloo on the
