@@ -17,13 +17,16 @@ is real, but shared where it is expensive:
   one with LoRA), and models of the same seed and sizes are built once.
 The vLLM engines started here run without a worker process beside their EngineCore (conftest.py
 sets VLLM_ENABLE_V1_MULTIPROCESSING=0 for the suite, as bench/engines.py does). memory.py runs
-through run_all.py (as `python bench/memory.py --smoke`); report.py reads what the others wrote.
+through run_all.py (as `python bench/memory.py --smoke`); report.py reads what the others wrote;
+gpu_trainer.py (a GPU's measurement, at its smoke size on the CPU) runs in a process of its own, as
+it runs on a GPU machine.
 """
 
 import importlib
 import json
 import math
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -60,6 +63,7 @@ SCRIPTS = {
     "memory",
     "report",
     "trace_cost",
+    "gpu_trainer",
 }
 HELPERS = {
     "common",
@@ -391,6 +395,54 @@ def test_moe(runs, out):
         data["costs"]["tiny"]["bytes_per_token"] == 4
         and data["costs"]["30B-A3B"]["bytes_per_token"] == 384
     )
+
+
+def test_gpu_trainer_runs_its_gpu_measurement_on_the_cpu(tmp_path):
+    """`python bench/gpu_trainer.py --device cpu --smoke`: each shape's promised fields, rates that
+    are its steps' rates, the ratio of the two, a phase breakdown, padding only where lengths were
+    drawn, and no vLLM imported; asked for a GPU where there is none, it stops at once (exit 2)."""
+    script = [sys.executable, str(REPO / "bench" / "gpu_trainer.py")]
+    proc = subprocess.run(
+        [*script, "--device", "cpu", "--smoke", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads((tmp_path / "gpu_trainer.json").read_text())
+    assert list(data["shapes"]) == ["tiny", "tiny-longtail"] and data["errors"] == {}
+    assert data["vllm_imported"] is False
+    for shape in data["shapes"].values():
+        assert positive(
+            shape["project_tokens_per_s"],
+            shape["plain_tokens_per_s"],
+            shape["project_peak_gib"],
+            shape["plain_peak_gib"],
+            shape["publish_over_copy"],
+        )
+        assert shape["project_over_plain"] == pytest.approx(
+            shape["project_tokens_per_s"] / shape["plain_tokens_per_s"]
+        )
+        for mode in ("project", "plain"):
+            run = shape[mode]
+            assert len(run["step_s"]) == 2 and shape[f"{mode}_tokens_per_s"] == pytest.approx(
+                shape["tokens_per_step"] / run["median_s"]
+            )
+            phases = run["phases_ms"]
+            assert positive(*(phases[p] for p in ("forward", "head", "backward", "optimizer")))
+            # the phases are the step's time, split (the marks start and end with it)
+            assert sum(phases.values()) <= 1e3 * max(run["step_s"]) * 1.01
+    fixed, tail = data["shapes"]["tiny"], data["shapes"]["tiny-longtail"]
+    budget = tail["rows"] * (tail["seq"] - tail["prompt"])
+    assert fixed["completion_tokens_per_step"] == fixed["rows"] * (fixed["seq"] - fixed["prompt"])
+    assert 0 < tail["completion_tokens_per_step"] < budget
+    assert fixed["project_pad_frac"] == fixed["plain_pad_frac"] == 0
+    assert 0 < tail["plain_pad_frac"] < 1 and 0 <= tail["project_pad_frac"] < 1
+    import torch
+
+    if not torch.cuda.is_available():
+        proc = subprocess.run([*script, "--out", str(tmp_path / "none")], capture_output=True)
+        assert proc.returncode == 2 and b"no CUDA GPU visible" in proc.stderr
 
 
 def test_run_all_runs_memory_at_its_smoke_size(tmp_path):
