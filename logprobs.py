@@ -269,12 +269,13 @@ class _ChunkedLogprobs(torch.autograd.Function):
             top = x.max(dim=-1, keepdim=True).values
             shifted = x.sub_(top)  # <= 0, -inf outside the kept set
             e = shifted.exp()
-            log_total = e.sum(dim=-1, keepdim=True).log_()
+            total = e.sum(dim=-1, keepdim=True)
+            log_total = total.log()
             logp.append((shifted.gather(-1, t[:, None]) - log_total).squeeze(-1))
             # entropy = log_total - sum_v p_v shifted_v over the kept set, p = e / total: an
             # elementwise product in place of e (0 * the clamped -inf outside it)
             shifted.clamp_(min=torch.finfo(x.dtype).min)
-            mean_shifted = e.mul_(shifted).sum(dim=-1, keepdim=True).div_(log_total.exp())
+            mean_shifted = e.mul_(shifted).sum(dim=-1, keepdim=True).div_(total)
             entropy.append((log_total - mean_shifted).squeeze(-1))
             lse.append((top + log_total).squeeze(-1))
         empty = hidden.new_zeros(0, dtype=torch.float32)
