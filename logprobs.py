@@ -103,11 +103,27 @@ def _cuda_kept_set(flat, top_k, top_p):
 
 # ---------- Log-probs straight from hidden states, a chunk of tokens at a time --------------------
 
-# Logits held at once by `chunked_logprobs`: 2**24 float32 values, 64 MiB (110 tokens of a
-# 151,936-token vocabulary); its forward and backward hold two or three such arrays. This bound, not
-# the batch, sets the LM head's memory. Chunks of 2**23 to 2**25 logits cost the same per token on a
-# CPU; smaller ones cost more.
-LOGIT_CHUNK_ELEMENTS = 2**24
+# Logits `chunked_logprobs` makes at once, by device. The head's weight gradient is a GEMM over a
+# chunk's tokens that writes the whole (V, H) gradient, so a chunk must hold enough tokens: on a CPU
+# 2**25 float32 values (128 MiB; 220 tokens of a 151,936-token vocabulary) cost the same per token
+# as 2**24 and 2**26 with V = 32,768 and 0.71x 2**24's with V = 151,936 (110 tokens); on an H200,
+# 2**28 (1 GiB; 1,766 tokens) took the step from 0.68 to 0.81 of a plain loop's speed, 0.95 with the
+# GEMM in bf16 (notes/gpu-h200.md). This bound, not the batch, sets the head's memory.
+LOGIT_CHUNK_ELEMENTS = 2**25
+LOGIT_CHUNK_ELEMENTS_BY_DEVICE = {"cpu": LOGIT_CHUNK_ELEMENTS, "cuda": 2**28}
+# torch's matmul of bf16/fp16 operands into a float32 result (CUDA kernels only)
+_MM_INTO_FLOAT32 = "dtype" in torch.ops.aten.mm.overloads()
+
+
+def logit_chunk_elements(device):
+    """How many logits `chunked_logprobs` makes at once on `device` (a torch.device or its name):
+    LOGIT_CHUNK_ELEMENTS_BY_DEVICE's value for its type, the CPU's for a type not listed. Its
+    forward and backward hold up to three float32 arrays of that many values (the logits; their
+    exponentials or the tanh slope; a copy / temperature) and the matmul's output in the weight's
+    dtype: 3.5 GiB on a GPU with a bf16 head. Top-k/top-p add their sort's (values, int64 indices,
+    softmax, cumulative sums: up to 5 more), a bf16 weight's gradient a (V, H) float32 product."""
+    kind = torch.device(device).type
+    return LOGIT_CHUNK_ELEMENTS_BY_DEVICE.get(kind, LOGIT_CHUNK_ELEMENTS)
 
 
 def chunked_logprobs(
@@ -121,18 +137,24 @@ def chunked_logprobs(
     hidden_scale=1.0,
     logit_scale=1.0,
     softcap=0.0,
-    chunk_elements=LOGIT_CHUNK_ELEMENTS,
+    chunk_elements=None,
 ):
     """`token_logprobs(head(hidden), tokens, ...)` and the entropy of the same distribution, never
-    holding more than ~`chunk_elements` logits. The family's head (heads.HeadTransform,
-    `_head_logits`), then / temperature and top-k/top-p as vLLM does: head(h) = logit_scale *
-    softcap * tanh(((hidden_scale * h) @ weight.T + bias) / softcap) (softcap 0: no tanh). hidden
-    (N, H) at the positions to score, weight (V, H), bias (V,) or None, tokens (N,) long -> logp
-    (N,) float32 (a gradient to hidden, weight, bias) and the detached entropy (N,) of the sampling
-    distribution. Chunks of max(1, chunk_elements // V) tokens; the backward recomputes each chunk's
-    logits and applies the gradient in closed form, d logp_t / d x = (onehot(t) - p) / temperature
-    (p: the kept-set softmax), through d x / d z = logit_scale * (1 - tanh^2(z / softcap)): no
-    chunk's logits outlive it."""
+    holding more than ~`chunk_elements` logits (None: `logit_chunk_elements` of hidden's device).
+    The family's head (heads.HeadTransform, `_head_logits`), then / temperature and top-k/top-p as
+    vLLM does: head(h) = logit_scale * softcap * tanh(((hidden_scale * h) @ weight.T + bias) /
+    softcap) (softcap 0: no tanh). hidden (N, H) at the positions to score, weight (V, H), bias (V,)
+    or None, tokens (N,) long -> logp (N,) float32 (a gradient to hidden, weight, bias) and the
+    detached entropy (N,) of the sampling distribution. Chunks of max(1, chunk_elements // V)
+    tokens; the backward recomputes each chunk's logits and applies the gradient in closed form, d
+    logp_t / d x = (onehot(t) - p) / temperature (p: the kept-set softmax), through d x / d z =
+    logit_scale * (1 - tanh^2(z / softcap)): no chunk's logits outlive it. Gradients come in the
+    weight's dtype: in float32, float32 GEMMs throughout; in bf16/fp16 (a mixed-precision model),
+    d logp / d z is rounded to that dtype for both GEMMs, as autograd through the model's own bf16
+    logits would, and the weight's is accumulated over chunks in float32
+    (`_add_weight_gradient`)."""
+    if chunk_elements is None:
+        chunk_elements = logit_chunk_elements(hidden.device)
     chunk = max(1, chunk_elements // weight.shape[0])
     return _ChunkedLogprobs.apply(
         hidden,
@@ -214,11 +236,25 @@ def _head_logits(h, weight, bias, head, slope=False):
     dx_dz = None
     if softcap:
         x = x.div_(softcap).tanh_()
-        dx_dz = (1 - x.float().square()).mul_(logit_scale) if slope else None
+        if slope:  # 1 - tanh^2 in one new float32 array (a copy: float32 `x.float()` is x)
+            dx_dz = x.to(torch.float32, copy=True).square_().neg_().add_(1).mul_(logit_scale)
         x.mul_(softcap)
     if logit_scale != 1:
         x.mul_(logit_scale)
     return (x.float(), dx_dz) if slope else x.float()
+
+
+def _add_weight_gradient(grad_weight, grad_z, h, scale):
+    """grad_weight (V, H) float32 += scale * grad_z.T @ h, grad_z (n, V) and h (n, H) in the
+    weight's dtype. float32: a float32 GEMM. bf16/fp16: on CUDA a GEMM in that dtype into a float32
+    result (tensor cores; the float32 GEMM was a fifth of a step on an H200), on a CPU (no such
+    kernel) a float32 GEMM of the same operands: the same exact products, summed in float32."""
+    if grad_z.dtype == torch.float32:
+        grad_weight.addmm_(grad_z.T, h, alpha=scale)
+    elif grad_z.is_cuda and _MM_INTO_FLOAT32:
+        grad_weight.add_(torch.mm(grad_z.T, h, out_dtype=torch.float32), alpha=scale)
+    else:
+        grad_weight.addmm_(grad_z.T.float(), h.float(), alpha=scale)
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
@@ -231,17 +267,17 @@ class _ChunkedLogprobs(torch.autograd.Function):
         for h, t in zip(hidden.split(chunk), tokens.split(chunk)):
             x = sampling_logits(_head_logits(h, weight, bias, head), *sampling)
             top = x.max(dim=-1, keepdim=True).values
-            e = (x - top).exp_()
+            shifted = x.sub_(top)  # <= 0, -inf outside the kept set
+            e = shifted.exp()
             total = e.sum(dim=-1, keepdim=True)
-            norm = top + total.log()  # logsumexp
-            logp.append((x.gather(-1, t[:, None]) - norm).squeeze(-1))
-            # H = norm - sum_v p_v x_v over the kept set (p = e / total; -inf outside it, where p =
-            # 0)
-            x.clamp_(min=torch.finfo(x.dtype).min)
-            entropy.append(
-                (norm - torch.bmm(e[:, None, :], x[:, :, None]).squeeze(-1) / total).squeeze(-1)
-            )
-            lse.append(norm.squeeze(-1))
+            log_total = total.log()
+            logp.append((shifted.gather(-1, t[:, None]) - log_total).squeeze(-1))
+            # entropy = log_total - sum_v p_v shifted_v over the kept set, p = e / total: an
+            # elementwise product in place of e (0 * the clamped -inf outside it)
+            shifted.clamp_(min=torch.finfo(x.dtype).min)
+            mean_shifted = e.mul_(shifted).sum(dim=-1, keepdim=True).div_(total)
+            entropy.append((log_total - mean_shifted).squeeze(-1))
+            lse.append((top + log_total).squeeze(-1))
         empty = hidden.new_zeros(0, dtype=torch.float32)
         lse = torch.cat(lse) if lse else empty
         ctx.save_for_backward(hidden, weight, bias, tokens, lse)
@@ -254,7 +290,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
     def backward(ctx, grad_logp, _grad_entropy):
         hidden, weight, bias, tokens, lse = ctx.saved_tensors
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
-        grad_hidden = torch.zeros_like(hidden) if need_hidden else None
+        grad_hidden = hidden.new_zeros(hidden.shape) if need_hidden else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if need_weight else None
         grad_bias = torch.zeros_like(bias, dtype=torch.float32) if need_bias else None
         temperature, (hidden_scale, logit_scale, _) = ctx.sampling[0], ctx.head
@@ -274,14 +310,17 @@ class _ChunkedLogprobs(torch.autograd.Function):
             # through the transform: d logp / d z, z = (hidden_scale * h) @ weight.T + bias
             if dx_dz is not None or logit_scale != 1:
                 grad_x.mul_(dx_dz if dx_dz is not None else logit_scale)
-            if need_hidden:
-                grad_hidden[start : start + len(h)] = (
-                    grad_x.to(weight.dtype) @ weight
-                ) * hidden_scale
-            if need_weight:
-                grad_weight.addmm_(grad_x.T, h.float(), alpha=hidden_scale)
             if need_bias:
                 grad_bias += grad_x.sum(0)
+            grad_z = grad_x.to(weight.dtype)  # the matmuls' dtype (no copy in float32)
+            del x, dx_dz, grad_x
+            if need_hidden:
+                rows = grad_hidden[start : start + len(h)]
+                torch.mm(grad_z, weight, out=rows)
+                if hidden_scale != 1:
+                    rows.mul_(hidden_scale)
+            if need_weight:
+                _add_weight_gradient(grad_weight, grad_z, h, hidden_scale)
             start += len(h)
         if need_weight:
             grad_weight = grad_weight.to(weight.dtype)

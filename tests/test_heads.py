@@ -9,8 +9,8 @@ update.completion_logprobs).
 - Gradients through the chunked head equal autograd's through the model's logits, once per
   transform.
 - On bf16 hidden states and weight, the head's cap and scale are vLLM's LogitsProcessor's to the bit
-  (bf16, then float32), and the closed-form backward matches autograd through the same bf16
-  operations.
+  (bf16, then float32). The chunked head's own forward and backward, transform by transform, in
+  float32 and bf16: tests/test_token_logprobs.py.
 - A head the code does not know (or a stray transform attribute) is refused in one line before
   anything starts.
 - Every transformed family vLLM's CPU engine serves, on a real engine (one child process, an engine
@@ -219,31 +219,6 @@ def test_gradients_through_the_head_equal_autograd_through_the_logits(model_type
         assert float((got[name] - want[name]).abs().max()) <= 2e-5 * scale + 1e-7, name
 
 
-def test_the_transform_of_a_chunked_head_in_forward_and_backward():
-    """Every parameter of the transform (the hidden-state scale too, which no family in the table
-    uses), against autograd through the same formula on full logits, across chunks."""
-    g = torch.Generator().manual_seed(0)
-    hidden = torch.randn(7, 8, generator=g, requires_grad=True)
-    weight = (3 * torch.randn(11, 8, generator=g)).requires_grad_()
-    bias = torch.randn(11, generator=g, requires_grad=True)
-    tokens = torch.randint(0, 11, (7,), generator=g)
-    head = dict(hidden_scale=0.5, logit_scale=1.5, softcap=3.0)
-    logp, entropy = logprobs.chunked_logprobs(
-        hidden, weight, bias, tokens, 0.8, 6, 0.95, **head, chunk_elements=30
-    )
-    logits = 1.5 * 3.0 * torch.tanh((0.5 * hidden @ weight.T + bias) / 3.0)
-    full = logprobs.token_logprobs(logits, tokens, 0.8, 6, 0.95)
-    torch.testing.assert_close(logp, full)
-    torch.testing.assert_close(
-        entropy, logprobs.entropy_from_logits(logprobs.sampling_logits(logits, 0.8, 6, 0.95))
-    )
-    finite = torch.isfinite(full)
-    got = torch.autograd.grad(logp[finite].sum(), (hidden, weight, bias))
-    want = torch.autograd.grad(full[finite].sum(), (hidden, weight, bias))
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b)
-
-
 def vllm_head(logits, softcap, logit_scale):
     """vLLM 0.32's own LogitsProcessor.forward on the head's matmul outputs (logits_as_input: its
     soft cap, then its scale, in the dtype it is handed), then float32 as its sampler takes them."""
@@ -287,28 +262,6 @@ def test_a_bf16_head_is_capped_and_scaled_as_vllm_does(head):
         logprobs._head_logits(h32, w32, None, tuple(full.values())),
         vllm_head(torch.nn.functional.linear(h32, w32), full["softcap"], full["logit_scale"]),
     )
-
-
-def test_the_bf16_heads_gradients_equal_autograd_through_the_same_bf16_operations():
-    """The closed-form backward of a bf16 capped, scaled head against plain autograd through vLLM's
-    operations in bf16 (its only difference: autograd rounds each step's gradient to bf16)."""
-    g = torch.Generator().manual_seed(1)
-    hidden = torch.randn(48, 32, generator=g).bfloat16().requires_grad_()
-    weight = (3.0 * torch.randn(200, 32, generator=g)).bfloat16().requires_grad_()
-    bias = torch.randn(200, generator=g).bfloat16().requires_grad_()
-    tokens = torch.randint(0, 200, (48,), generator=g)
-    upstream = torch.randn(48, generator=g)
-    logp, _ = logprobs.chunked_logprobs(
-        hidden, weight, bias, tokens, 0.7, logit_scale=1.5, softcap=10.0, chunk_elements=2_000
-    )
-    got = torch.autograd.grad((logp * upstream).sum(), (hidden, weight, bias))
-    logits = torch.tanh(torch.nn.functional.linear(hidden, weight, bias) / 10.0) * 10.0 * 1.5
-    reference = torch.log_softmax(logits.float() / 0.7, -1).gather(-1, tokens[:, None]).squeeze(-1)
-    torch.testing.assert_close(logp, reference, rtol=0, atol=1e-5)
-    want = torch.autograd.grad((reference * upstream).sum(), (hidden, weight, bias))
-    for a, b in zip(got, want):
-        assert a.dtype == b.dtype == torch.bfloat16
-        assert float((a.float() - b.float()).abs().max()) <= 2e-2 * float(b.float().abs().max())
 
 
 def test_a_head_the_code_does_not_know_is_refused_in_one_line(tmp_path):

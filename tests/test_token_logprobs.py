@@ -1,8 +1,9 @@
 """Tests for logprobs.py's token scoring: `token_logprobs` (temperature, top-k, top-p: vLLM's kept
 set, the CUDA rule with ties), `entropy_from_logits` and `chunked_logprobs` (the LM head a chunk at
-a time). Every expected value is computed here by hand or by brute force in plain python, or by a
-verbatim transcription of vLLM's own function, never by logprobs.py. The loss itself:
-tests/test_losses.py."""
+a time: chunk sizes by device, each head transform of heads.py, float32 and bf16 gradients against
+autograd on full logits). Every expected value is computed here by hand or by brute force in plain
+python, or by a verbatim transcription of vLLM's own function, or by autograd, never by
+logprobs.py. The loss itself: tests/test_losses.py."""
 
 import math
 
@@ -320,6 +321,47 @@ def test_chunked_logprobs_match_the_full_computation(sampling, chunk_tokens):
         assert torch.allclose(t.grad, exp, atol=1e-6, rtol=1e-5), name
 
 
+def test_the_chunk_size_depends_on_the_device_and_the_results_do_not(monkeypatch):
+    """A GPU's chunks are larger than a CPU's (its weight-gradient GEMM is over a chunk's tokens);
+    a device type not listed gets the CPU's; `chunked_logprobs` takes hidden's device's unless
+    given, and its log-probs, entropies and gradients do not depend on the chunk."""
+    cpu = logprobs.logit_chunk_elements("cpu")
+    assert logprobs.logit_chunk_elements(torch.device("cpu")) == cpu
+    assert logprobs.logit_chunk_elements(torch.device("cuda")) >= 8 * cpu
+    assert logprobs.logit_chunk_elements(torch.device("cuda", 3)) >= 8 * cpu
+    assert logprobs.logit_chunk_elements("meta") == cpu
+    g = torch.Generator().manual_seed(5)
+    n, hidden_size, vocab = 23, 8, 40
+    hidden = torch.randn(n, hidden_size, generator=g).requires_grad_(True)
+    weight = torch.randn(vocab, hidden_size, generator=g).requires_grad_(True)
+    bias = torch.randn(vocab, generator=g).requires_grad_(True)
+    tokens = torch.randint(0, vocab, (n,), generator=g)
+    chunk_rows = []
+    head_logits = logprobs._head_logits
+    monkeypatch.setattr(
+        logprobs,
+        "_head_logits",
+        lambda h, *a, **k: chunk_rows.append(len(h)) or head_logits(h, *a, **k),
+    )
+
+    def run(**chunking):
+        chunk_rows.clear()
+        logp, ent = logprobs.chunked_logprobs(hidden, weight, bias, tokens, 1.3, 7, 0.9, **chunking)
+        grads = torch.autograd.grad(
+            torch.where(torch.isfinite(logp), logp, 0.0).sum(), (hidden, weight, bias)
+        )
+        return [logp, ent, *grads], list(chunk_rows)
+
+    monkeypatch.setitem(logprobs.LOGIT_CHUNK_ELEMENTS_BY_DEVICE, "cpu", 5 * vocab)
+    by_device, rows = run()
+    assert rows == [5, 5, 5, 5, 3] * 2  # the forward's chunks, then the backward's
+    for chunk_elements in (vocab, 7 * vocab, 1000 * vocab):
+        results, rows = run(chunk_elements=chunk_elements)
+        assert max(rows) == min(n, chunk_elements // vocab)
+        for got, want in zip(results, by_device):
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
 def test_chunked_logprobs_without_bias_gradients_and_in_bf16():
     g = torch.Generator().manual_seed(4)
     hidden = torch.randn(9, 6, generator=g).requires_grad_(True)
@@ -351,3 +393,107 @@ def test_chunked_logprobs_of_no_tokens():
     # a graph to the weights (an FSDP rank with nothing to train still runs backward)
     logp.sum().backward()
     assert torch.equal(weight.grad, torch.zeros_like(weight))
+
+
+# the head's transforms (heads.HeadTransform) the chunked head is checked with: each family's, and
+# all of them at once with a bias and a hidden-state scale (which no family in the table uses)
+HEAD_SAMPLINGS = {"plain": (1.0, -1, 1.0), "T, top-k, top-p": (0.7, 40, 0.9)}
+HEAD_CASES = {
+    "plain": ({}, False),
+    "logit scale (Granite, Cohere)": (dict(logit_scale=4.0), False),
+    "soft cap (Gemma-2/3)": (dict(softcap=2.0), False),
+    "all, with a bias": (dict(hidden_scale=0.5, logit_scale=1.5, softcap=3.0), True),
+}
+
+
+def head_inputs(seed, n, hidden_size, vocab, weight_std, with_bias, dtype):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, hidden_size, generator=g).to(dtype)
+    weight = (weight_std * torch.randn(vocab, hidden_size, generator=g)).to(dtype)
+    bias = torch.randn(vocab, generator=g).to(dtype) if with_bias else None
+    return hidden, weight, bias, g
+
+
+def relative_error(a, b):
+    return float((a.float() - b).norm() / b.norm())
+
+
+def head_formula(hidden, weight, bias, head):
+    """The transform as heads.HeadTransform states it, by plain autograd operations, in the inputs'
+    dtype, then float32."""
+    full = {**dict(hidden_scale=1.0, logit_scale=1.0, softcap=0.0), **head}
+    z = torch.nn.functional.linear(hidden * full["hidden_scale"], weight, bias)
+    if full["softcap"]:
+        z = torch.tanh(z / full["softcap"]) * full["softcap"]
+    return (z * full["logit_scale"]).float()
+
+
+@pytest.mark.parametrize("sampling", HEAD_SAMPLINGS)
+@pytest.mark.parametrize("case", HEAD_CASES)
+def test_the_transform_of_a_chunked_head_in_forward_and_backward(case, sampling):
+    """Every parameter of the transform, against autograd through the same formula on full logits,
+    across chunks of 2 tokens, in float32."""
+    head, with_bias = HEAD_CASES[case]
+    temperature, top_k, top_p = (0.8, 6, 0.95) if sampling != "plain" else HEAD_SAMPLINGS[sampling]
+    hidden, weight, bias, g = head_inputs(0, 7, 8, 11, 3.0, with_bias, torch.float32)
+    params = [t.requires_grad_() for t in (hidden, weight, bias) if t is not None]
+    logits = head_formula(hidden, weight, bias, head)
+    tokens = torch.randint(0, 11, (7,), generator=g)
+    tokens[:3] = logits[:3].argmax(-1)  # kept by any top-k/top-p; the random ones mostly not
+    logp, entropy = logprobs.chunked_logprobs(
+        hidden, weight, bias, tokens, temperature, top_k, top_p, **head, chunk_elements=30
+    )
+    full = logprobs.token_logprobs(logits, tokens, temperature, top_k, top_p)
+    torch.testing.assert_close(logp, full)
+    sampled = logprobs.sampling_logits(logits, temperature, top_k, top_p)
+    torch.testing.assert_close(entropy, logprobs.entropy_from_logits(sampled))
+    finite = torch.isfinite(full)
+    assert finite.any() and (sampling == "plain" or not finite.all())
+    got = torch.autograd.grad(logp[finite].sum(), params)
+    want = torch.autograd.grad(full[finite].sum(), params)
+    for a, b in zip(got, want):  # float32 rounding, relative to the largest entry
+        torch.testing.assert_close(a, b, rtol=1.3e-6, atol=1e-5 * float(b.abs().max()))
+
+
+# The relative L2 error of the bf16 head's gradients against float32 autograd given the same
+# logits: a bf16 gradient's own rounding is ~1.7e-3; the bf16 slope of a soft cap adds up to ~8e-3.
+BF16_GRADIENT_ERROR = 1e-2
+# how much larger than the plain bf16 loop's error it may be (the chunked head rounds d logp / d z
+# to bf16 for the weight's GEMM, as autograd does; d5365e1's float32 GEMM was up to 8e-4 below it)
+BF16_GRADIENT_MARGIN = 1e-3
+
+
+@pytest.mark.parametrize("sampling", HEAD_SAMPLINGS)
+@pytest.mark.parametrize("case", HEAD_CASES)
+def test_the_bf16_heads_gradients_against_float32_autograd(case, sampling):
+    """On bf16 hidden states, weight and bias (a mixed-precision model: FSDP2 gathers the head in
+    bf16), chunks of 7 tokens: gradients in bf16, within BF16_GRADIENT_ERROR (relative L2) of
+    float32 autograd through float32 operands with the bf16 head's logits (so both keep the same
+    top-k/top-p set and differ only in the backward's arithmetic), and within BF16_GRADIENT_MARGIN
+    of what the plain loop's autograd through the model's bf16 operations gets."""
+    head, with_bias = HEAD_CASES[case]
+    sampling = HEAD_SAMPLINGS[sampling]
+    hidden, weight, bias, g = head_inputs(1, 64, 32, 200, 0.3, with_bias, torch.bfloat16)
+    logits16 = head_formula(hidden, weight, bias, head)
+    probs = torch.softmax(logprobs.sampling_logits(logits16, *sampling), -1)
+    tokens, upstream = torch.multinomial(probs, 1, generator=g)[:, 0], torch.randn(64, generator=g)
+
+    def gradients(dtype, chunked=False):
+        params = [t.to(dtype).requires_grad_() for t in (hidden, weight, bias) if t is not None]
+        h, w, b = params if with_bias else (*params, None)
+        if chunked:  # chunks of 7 tokens
+            logp, _ = logprobs.chunked_logprobs(
+                h, w, b, tokens, *sampling, **head, chunk_elements=1400
+            )
+        else:  # float32: the bf16 head's logits as values, float32 operations for the gradient
+            logits = head_formula(h, w, b, head)
+            logits = logits + (logits16 - logits).detach() if dtype == torch.float32 else logits
+            logp = logprobs.token_logprobs(logits, tokens, *sampling)
+        return logp, torch.autograd.grad((logp * upstream).sum(), params)
+
+    (logp, got), (reference, want) = gradients(torch.bfloat16, True), gradients(torch.float32)
+    torch.testing.assert_close(logp, reference, rtol=0, atol=1e-5)
+    for name, a, plain, b in zip("hwb", got, gradients(torch.bfloat16)[1], want):
+        assert a.dtype == plain.dtype == torch.bfloat16, name
+        assert relative_error(a, b) <= BF16_GRADIENT_ERROR, name
+        assert relative_error(a, b) <= relative_error(plain, b) + BF16_GRADIENT_MARGIN, name
