@@ -1,0 +1,128 @@
+"""packing.py — sequence packing (--packing): micro-batches that run no padding.
+
+Role: with packing, a micro-batch's rows run through the model as one row of their real tokens,
+position ids restarting at each row and no attention mask (logprobs.final_hidden_states): from these
+transformers 5 builds a causal mask that keeps each row to itself (flash-attention's varlen kernels
+where the model uses them). Nothing else changes: the loss side keeps its (B, T) tensors, routing
+replay takes the routes of the packed tokens (replay.py). Here: whether a run packs (`decide`: every
+model that scores tokens must keep packed rows apart, `problem` finds out once per model with a real
+forward), and the micro-batches of packed rows (`plan`: at most --micro-batch-tokens real tokens
+each). update.py calls both; train.py's start decides first, so that `--packing on` with a model
+that cannot pack stops the run before its first step.
+Data contract: `decide` takes the run's Config and its models (the policy, the reference, the
+teacher; None where the run has none) and returns whether to pack; a model's verdict is kept on it
+(ATTRIBUTE: "" where it packs, else the reason). `plan` takes row lengths, returns row indices.
+May touch: collectives of the default process group (`problem`: every rank runs the same forwards
+and takes the largest difference, so the verdict is the same on every rank); stderr (one note).
+"""
+
+import sys
+
+import torch
+import torch.distributed as dist
+from transformers import masking_utils
+
+from config import Config
+from logprobs import final_hidden_states
+
+ATTRIBUTE = "packing_problem"  # where `decide` leaves a model's verdict
+# The probe's two rows: a long one, then a short one that would see it were the mask to leak; a
+# leak moves the short row's last hidden states by about their own size.
+PROBE_LENGTHS = (24, 6)
+# The largest relative L2 difference of the short row's hidden states, packed against alone, that
+# still counts as equal: float32 differs in the last bits (~1e-7), 16-bit kernels by up to ~1e-2.
+TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-8}
+HALF_TOLERANCE = 5e-2
+
+
+def decide(cfg: Config, models, rank: int = 0, world_size: int = 1) -> bool:
+    """Whether the run's micro-batches are packed: never with --packing off; otherwise only if every
+    model of `models` that scores tokens (None: the run has none) keeps packed rows apart
+    (`problem`, found once per model, on every rank alike). --packing on with one that cannot: an
+    error line; auto: padded micro-batches, and rank 0 says why when the model is first probed."""
+    if cfg.packing not in ("auto", "on"):
+        if cfg.packing != "off":
+            raise ValueError(f"--packing must be auto, on or off (got {cfg.packing!r})")
+        return False
+    for model in models:
+        if model is None:
+            continue
+        known = hasattr(model, ATTRIBUTE)
+        if not known:
+            setattr(model, ATTRIBUTE, problem(model, world_size) or "")
+        reason = getattr(model, ATTRIBUTE)
+        if not reason:
+            continue
+        line = f"--packing {cfg.packing}: the {model.config.model_type} model {reason}"
+        if cfg.packing == "on":
+            raise SystemExit(f"error: {line}; run with --packing auto or off")
+        if rank == 0 and not known:
+            print(f"note: {line}: micro-batches are padded", file=sys.stderr, flush=True)
+        return False
+    return True
+
+
+def static_problem() -> str | None:
+    """Why no model can pack here, read without a model (prepare.prepare_run refuses --packing on
+    with it before anything starts); None if models may."""
+    if not hasattr(masking_utils, "find_packed_sequence_indices"):
+        return "cannot pack: this transformers builds no masks of packed rows (transformers 5 does)"
+    return None
+
+
+def problem(model, world_size: int = 1) -> str | None:
+    """Why `model` cannot keep packed rows apart, in a few words; None if it can. A real probe: two
+    rows (PROBE_LENGTHS) run packed and each alone, a forward each without gradients; the short
+    row's last hidden states must agree (TOLERANCE, by the dtype the model computes in). Under
+    FSDP2 every rank runs it (the forwards gather shards) and the largest difference decides."""
+    found = static_problem()
+    if found:
+        return found
+    weight = model.get_output_embeddings().weight
+    generator = torch.Generator().manual_seed(0)
+    rows = [
+        torch.randint(0, model.config.vocab_size, (n,), generator=generator) for n in PROBE_LENGTHS
+    ]
+    ids = torch.zeros(len(rows), max(PROBE_LENGTHS), dtype=torch.long)
+    attention = torch.zeros_like(ids)
+    for i, row in enumerate(rows):
+        ids[i, : len(row)], attention[i, : len(row)] = row, 1
+    ids, attention, short = ids.to(weight.device), attention.to(weight.device), rows[-1]
+    decoder = model.get_decoder()
+    with torch.no_grad():
+        packed = final_hidden_states(model, decoder, ids, attention, packed=True)[0, -len(short) :]
+        alone = final_hidden_states(
+            model, decoder, ids[-1:, : len(short)], attention[-1:, : len(short)]
+        )
+    alone = alone[0].float()
+    difference = ((packed.float() - alone).norm() / alone.norm().clamp(min=1e-30)).reshape(1)
+    if world_size > 1:
+        dist.all_reduce(difference, op=dist.ReduceOp.MAX)
+    tolerance = TOLERANCE.get(packed.dtype, HALF_TOLERANCE)
+    if not float(difference) <= tolerance:
+        return (
+            f"does not keep packed rows apart (a row packed after another differs from it alone "
+            f"by {float(difference):.2g} relative, more than {tolerance:g}: its attention mask "
+            f"ignores the position ids)"
+        )
+    return None
+
+
+def plan(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Rows (indices into `lengths`, each row's prompt + completion length) grouped into packed
+    micro-batches of at most `max_tokens` real tokens: longest first, each into the first
+    micro-batch with room for it (first-fit decreasing: few micro-batches, nearly full). A row
+    longer than `max_tokens` gets a micro-batch of its own. `max_tokens` 0: one micro-batch."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    if not max_tokens:
+        return [order] if order else []
+    micro, loads = [], []
+    for i in order:
+        room = next((k for k, load in enumerate(loads) if load + lengths[i] <= max_tokens), None)
+        if room is None:
+            micro.append([i])
+            loads.append(lengths[i])
+        else:
+            micro[room].append(i)
+            loads[room] += lengths[i]
+    return micro
