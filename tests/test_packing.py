@@ -1,0 +1,235 @@
+"""Sequence packing (--packing, packing.py): a micro-batch's rows run as one row of their real
+tokens, and nothing the trainer computes changes.
+
+- For a tiny random model of every family heads.py scores (tests/test_heads.py's table, dense and
+  MoE), `completion_logprobs` packed equals it padded in fp32 (log-probs, untruncated log-probs,
+  entropies within 1e-5), and the probe (`packing.problem`) passes; sliding windows that bite
+  (Exaone-MoE's, a Mistral's and a Qwen2's window of 4) keep packed rows apart too. The one family
+  whose mask ignores the position ids (AFMoE, transformers 5.19) fails the probe: `--packing on`
+  is refused in one line, `auto` falls back to padding with one note.
+- Every MoE family of tests/test_moe.py with routing replay on recorded routes (some missing): the
+  same log-probs and the same router counts packed and padded; gradients too (one family).
+- `update.update_on_batch` with a KL reference and a distillation teacher: the same loss, gradients
+  and metrics packed and padded, and `pad_frac` 0 packed.
+- The flag: its choices, and prepare.check's line where transformers cannot pack at all.
+"""
+
+import dataclasses
+
+import pytest
+import test_heads
+import test_moe
+import torch
+import transformers
+from test_fsdp import make_batch
+
+import packing
+import prepare
+import replay
+import update
+from config import Config
+from flag_checks import parse_args
+
+# the family whose attention mask ignores packed position ids (its model builds the mask without
+# them)
+IGNORES_PACKING = "afmoe"
+SAMPLING = test_heads.SAMPLINGS["T, top-k, top-p"]
+# windows of 4 tokens bite in the test batch's rows of up to 9
+SLIDING = {
+    "mistral": dict(sliding_window=4),
+    "qwen2": dict(sliding_window=4, use_sliding_window=True, max_window_layers=0),
+}
+
+
+def largest_difference(a: update.TokenScores, b: update.TokenScores, mask) -> float:
+    """The largest |a - b| over the scored tokens of log-probs, untruncated log-probs and entropies
+    (-inf on both sides: equal)."""
+    return max(
+        float(torch.where(x[mask] == y[mask], 0.0, x[mask] - y[mask]).abs().max())
+        for x, y in zip(
+            (a.logp, a.logp_untruncated, a.entropy), (b.logp, b.logp_untruncated, b.entropy)
+        )
+    )
+
+
+def packed_and_padded(model, batch, sampling=SAMPLING):
+    with torch.no_grad():
+        return [
+            update.completion_logprobs(model, batch, *sampling, untruncated=True, packed=packed)
+            for packed in (True, False)
+        ]
+
+
+@pytest.mark.parametrize("model_type", sorted(set(test_heads.FAMILIES) - {IGNORES_PACKING}))
+def test_packed_log_probs_equal_padded_in_every_family(model_type):
+    # the head at its own scale (test_heads sharpens it to make its transforms show)
+    model = test_heads.tiny_model(model_type, gain=1.0)
+    batch = test_heads.tiny_batch(model)
+    assert packing.problem(model) is None
+    packed, padded = packed_and_padded(model, batch)
+    assert torch.isfinite(packed.logp[batch.mask]).sum() >= 10
+    assert largest_difference(packed, padded, batch.mask) <= 1e-5
+
+
+@pytest.mark.parametrize("model_type", SLIDING)
+def test_a_sliding_window_that_bites_keeps_packed_rows_apart(model_type):
+    config = transformers.AutoConfig.for_model(
+        model_type, vocab_size=test_heads.VOCAB, **{**test_heads.SHAPE, **SLIDING[model_type]}
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    batch = test_heads.tiny_batch(model)
+    # the window acts: with it widened, the rows' later tokens score otherwise
+    widened = transformers.AutoModelForCausalLM.from_config(
+        dataclasses.replace(config, sliding_window=64), dtype=torch.float32
+    ).eval()
+    widened.load_state_dict(model.state_dict())
+    narrow, wide = (packed_and_padded(m, batch)[1] for m in (model, widened))
+    assert largest_difference(narrow, wide, batch.mask) > 1e-3
+    assert packing.problem(model) is None
+    assert largest_difference(*packed_and_padded(model, batch), batch.mask) <= 1e-5
+
+
+def test_a_model_that_ignores_packed_rows_is_refused_on_and_padded_under_auto(capsys):
+    model = test_heads.tiny_model(IGNORES_PACKING, gain=1.0)
+    batch = test_heads.tiny_batch(model)
+    packed, padded = packed_and_padded(model, batch)
+    # packed, its rows see each other: the probe is right to refuse it
+    assert largest_difference(packed, padded, batch.mask) > 1e-2
+    assert "does not keep packed rows apart" in packing.problem(model)
+    with pytest.raises(SystemExit, match=f"^error: --packing on: the {IGNORES_PACKING} model"):
+        packing.decide(Config(packing="on"), [model])
+    other = test_heads.tiny_model(IGNORES_PACKING, gain=1.0)
+    capsys.readouterr()
+    assert not packing.decide(Config(packing="auto"), [other])
+    assert not packing.decide(Config(packing="auto"), [other])  # (the verdict is kept)
+    notes = capsys.readouterr().err.strip().splitlines()
+    assert len(notes) == 1 and notes[0].startswith(f"note: --packing auto: the {IGNORES_PACKING}")
+    assert notes[0].endswith("micro-batches are padded")
+    # one model that cannot pack keeps the whole run padded; off never probes
+    plain = test_heads.tiny_model("qwen3", gain=1.0)
+    assert packing.decide(Config(packing="auto"), [plain, None])
+    assert not packing.decide(Config(packing="auto"), [plain, other])
+    fresh = test_heads.tiny_model("qwen3", gain=1.0)
+    assert not packing.decide(Config(packing="off"), [fresh])
+    assert not hasattr(fresh, packing.ATTRIBUTE)
+
+
+# --------------------------------------------------------------------------------------------------
+# Routing replay: the routes follow the packed tokens
+# --------------------------------------------------------------------------------------------------
+def replayed_moe(model_type):
+    model = test_moe.tiny_moe(model_type)
+    replay.install(model, model.model.layers, model.config, True)
+    return model
+
+
+def batch_with_routes(model, seed=0):
+    """test_heads.tiny_batch's rows (of its vocabulary) with recorded routes drawn at random, some
+    missing (a whole position; one layer of another)."""
+    config = model.config
+    batch = test_heads.tiny_batch(model, vocab=test_moe.VOCAB, seed=seed)
+    b, length = batch.input_ids.shape
+    experts = next(
+        getattr(config, name)
+        for name in ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+        if hasattr(config, name)
+    )
+    top_k, layers = replay.top_k_of(config), config.num_hidden_layers
+    g = torch.Generator().manual_seed(seed)
+    routes = torch.rand(b, length, layers, experts, generator=g).argsort(-1)[..., :top_k]
+    routes = routes.to(torch.uint8)
+    routes[0, 2] = 255
+    routes[1, 3, -1] = 255
+    routes[~batch.attention_mask.bool()] = 255  # (as collate pads)
+    return dataclasses.replace(batch, routes=routes)
+
+
+def replayed_scores(model, batch, packed):
+    with replay.routed_by(model, batch, True, packed) as counts:
+        scores = update.completion_logprobs(model, batch, 1.0, untruncated=True, packed=packed)
+    return scores, {name: int(v) for name, v in counts.items()}
+
+
+@pytest.mark.parametrize("model_type", sorted(set(test_moe.MOE_FAMILIES) - {IGNORES_PACKING}))
+def test_routing_replay_scores_and_counts_the_same_packed(model_type):
+    model = replayed_moe(model_type)
+    batch = batch_with_routes(model)
+    with torch.no_grad():
+        (packed, packed_counts), (padded, padded_counts) = (
+            replayed_scores(model, batch, packed) for packed in (True, False)
+        )
+        own = update.completion_logprobs(model, batch, 1.0, untruncated=True)  # no replay
+    assert largest_difference(packed, padded, batch.mask) <= 1e-5
+    assert packed_counts == padded_counts and padded_counts["missing"] > 0
+    assert padded_counts["agree"] < padded_counts["decisions"]  # random routes: replay acted
+    assert largest_difference(packed, own, batch.mask) > 1e-3
+
+
+def test_gradients_equal_packed_and_padded_with_routing_replay():
+    model = replayed_moe("qwen3_moe").train()
+    batch = batch_with_routes(model)
+    grads = []
+    for packed in (True, False):
+        scores, _ = replayed_scores(model, batch, packed)
+        kept = batch.mask & torch.isfinite(scores.logp)
+        torch.where(kept, scores.logp, 0.0).sum().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        model.zero_grad(set_to_none=True)
+    assert grads[0].keys() == grads[1].keys() and any("gate" in n for n in grads[0])
+    for name, ref in grads[1].items():
+        assert float(ref.abs().max()) > 0, name
+        err = float((grads[0][name] - ref).abs().max())
+        assert err <= 1e-5 * float(ref.abs().max()) + 1e-8, f"{name}: off by {err}"
+
+
+# --------------------------------------------------------------------------------------------------
+# The update: the same loss, gradients and metrics
+# --------------------------------------------------------------------------------------------------
+def test_update_on_batch_is_the_same_packed_and_padded():
+    models = [test_heads.tiny_model("qwen3", seed=seed, gain=1.0) for seed in range(3)]
+    policy, reference, teacher = models
+    for frozen in (reference, teacher):
+        frozen.requires_grad_(False)
+    batch = make_batch()
+    cfg = Config(kl_coef=0.1, distill_coef=0.5, temperature=0.8, top_k=40, micro_batch_tokens=20)
+    results, grads = {}, {}
+    for mode in ("on", "off"):
+        results[mode] = update.update_on_batch(
+            policy,
+            reference,
+            None,
+            batch,
+            dataclasses.replace(cfg, packing=mode),
+            0,
+            1,
+            version=0,
+            step=0,
+            teacher=teacher,
+        )
+        grads[mode] = {n: p.grad.clone() for n, p in policy.named_parameters()}
+        policy.zero_grad(set_to_none=True)
+    on, off = results["on"], results["off"]
+    assert abs(off.loss) > 1e-3 and on.loss == pytest.approx(off.loss, rel=1e-5, abs=1e-7)
+    for name, ref in grads["off"].items():
+        err = float((grads["on"][name] - ref).abs().max())
+        assert err <= 1e-5 * float(ref.abs().max()) + 1e-8, f"{name}: off by {err}"
+    assert on.metrics["pad_frac"] == 0 and off.metrics["pad_frac"] > 0
+    assert on.metrics["micro_batches"] < off.metrics["micro_batches"]  # real tokens fill them
+    for key in ("kl_ref", "distill_reverse_kl", "entropy", "mismatch_k3"):
+        assert on.metrics[key] == pytest.approx(off.metrics[key], rel=1e-5, abs=1e-7), key
+
+
+# --------------------------------------------------------------------------------------------------
+# The flag
+# --------------------------------------------------------------------------------------------------
+def test_the_flag_and_a_transformers_that_cannot_pack(monkeypatch):
+    assert Config().packing == "auto" and parse_args(["--packing", "off"]).packing == "off"
+    with pytest.raises(SystemExit):
+        parse_args(["--packing", "sometimes"])
+    assert not any("--packing" in line for line in prepare.check(Config(packing="on")))
+    monkeypatch.delattr(packing.masking_utils, "find_packed_sequence_indices")
+    [line] = [line for line in prepare.check(Config(packing="on")) if "--packing" in line]
+    assert line.startswith("--packing on: cannot pack: this transformers builds no masks")
+    assert not [line for line in prepare.check(Config(packing="auto")) if "--packing" in line]
+    assert not packing.decide(Config(packing="auto"), [test_heads.tiny_model("qwen3")])
