@@ -4,14 +4,14 @@ Role: with packing, a micro-batch's rows run through the model as one row of the
 position ids restarting at each row and no attention mask (logprobs.final_hidden_states): from these
 transformers 5 builds a causal mask that keeps each row to itself (flash-attention's varlen kernels
 where the model uses them). Nothing else changes: the loss side keeps its (B, T) tensors, routing
-replay takes the routes of the packed tokens (replay.py). Here: whether a run packs (`decide`: every
-model that scores tokens must keep packed rows apart, `problem` finds out once per model with a real
-forward), and the micro-batches of packed rows (`plan`: at most --micro-batch-tokens real tokens
-each). update.py calls both; train.py's start decides first, so that `--packing on` with a model
-that cannot pack stops the run before its first step.
+replay takes the routes of the packed tokens (replay.py), update.py plans micro-batches by real
+tokens. Here: whether a run packs (`decide`: every model that scores tokens must keep packed rows
+apart; `problem` finds out once per model with a real forward). train.py's start decides, so that
+`--packing on` with a model that cannot pack stops the run before its first step; update.py reads
+the verdicts it left (`update.packs`).
 Data contract: `decide` takes the run's Config and its models (the policy, the reference, the
 teacher; None where the run has none) and returns whether to pack; a model's verdict is kept on it
-(ATTRIBUTE: "" where it packs, else the reason). `plan` takes row lengths, returns row indices.
+(ATTRIBUTE: "" where it packs, else the reason).
 May touch: collectives of the default process group (`problem`: every rank runs the same forwards
 and takes the largest difference, so the verdict is the same on every rank); stderr (one note).
 """
@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from transformers import masking_utils
 
-from config import Config
+from config import CHOICES, Config
 from logprobs import final_hidden_states
 
 ATTRIBUTE = "packing_problem"  # where `decide` leaves a model's verdict
@@ -40,9 +40,9 @@ def decide(cfg: Config, models, rank: int = 0, world_size: int = 1) -> bool:
     model of `models` that scores tokens (None: the run has none) keeps packed rows apart
     (`problem`, found once per model, on every rank alike). --packing on with one that cannot: an
     error line; auto: padded micro-batches, and rank 0 says why when the model is first probed."""
-    if cfg.packing not in ("auto", "on"):
-        if cfg.packing != "off":
-            raise ValueError(f"--packing must be auto, on or off (got {cfg.packing!r})")
+    if cfg.packing not in CHOICES["packing"]:
+        raise ValueError(f"--packing must be one of {CHOICES['packing']} (got {cfg.packing!r})")
+    if cfg.packing == "off":
         return False
     for model in models:
         if model is None:
@@ -106,23 +106,3 @@ def problem(model, world_size: int = 1) -> str | None:
             f"ignores the position ids)"
         )
     return None
-
-
-def plan(lengths: list[int], max_tokens: int) -> list[list[int]]:
-    """Rows (indices into `lengths`, each row's prompt + completion length) grouped into packed
-    micro-batches of at most `max_tokens` real tokens: longest first, each into the first
-    micro-batch with room for it (first-fit decreasing: few micro-batches, nearly full). A row
-    longer than `max_tokens` gets a micro-batch of its own. `max_tokens` 0: one micro-batch."""
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    if not max_tokens:
-        return [order] if order else []
-    micro, loads = [], []
-    for i in order:
-        room = next((k for k, load in enumerate(loads) if load + lengths[i] <= max_tokens), None)
-        if room is None:
-            micro.append([i])
-            loads.append(lengths[i])
-        else:
-            micro[room].append(i)
-            loads[room] += lengths[i]
-    return micro

@@ -78,7 +78,7 @@ def update_on_batch(
         )
     stats, norms, skipped, updates = StepStats(), [], 0, 0
     settings = loss_settings(cfg)
-    packed = packing.decide(cfg, (model, ref_model, teacher), rank, world_size)
+    packed = packs(cfg, (model, ref_model, teacher))
     proximal = cfg.is_mode != "off" and cfg.mini_batches * cfg.ppo_epochs > 1
     if proximal:
         logp = proximal_logprobs(model, batch, cfg, rank, world_size, device, stats, packed)
@@ -167,6 +167,15 @@ def loss_settings(cfg: Config) -> losses.LossSettings:
         max_len=schedule.model_token_budget(cfg),
         **{name: getattr(cfg, name) for name in flags},
     )
+
+
+def packs(cfg: Config, models) -> bool:
+    """Whether an update's micro-batches run packed (packing.py): with --packing on; with auto where
+    every model of `models` (None: the run has none) keeps packed rows apart, as train.py's start
+    found (packing.decide leaves its verdict on each model; a model never probed is padded)."""
+    if cfg.packing != "auto":
+        return cfg.packing == "on"
+    return all(getattr(m, packing.ATTRIBUTE, None) == "" for m in models if m is not None)
 
 
 def micro_batch_loss(model, ref_model, teacher, mb, cfg, settings, units, tokens, packed=False):
@@ -317,10 +326,10 @@ def plan_micro_batches(lengths: list[int], max_tokens: int, packed=False) -> lis
     """Rows (indices into `lengths`, each row's prompt + completion length) grouped into
     micro-batches of at most `max_tokens` padded tokens (rows x the longest row), shortest rows
     first, so that rows of similar length share a micro-batch and padding stays small; packed, of
-    at most `max_tokens` real tokens (packing.plan). A row longer than `max_tokens` gets a
+    at most `max_tokens` real tokens (`packed_micro_batches`). A row longer than `max_tokens` gets a
     micro-batch of its own. `max_tokens` 0: one micro-batch."""
-    if packed:
-        return packing.plan(lengths, max_tokens)
+    if packed and max_tokens:
+        return packed_micro_batches(lengths, max_tokens)
     plan, current = [], []
     for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
         if current and max_tokens and (len(current) + 1) * lengths[i] > max_tokens:
@@ -328,6 +337,22 @@ def plan_micro_batches(lengths: list[int], max_tokens: int, packed=False) -> lis
             current = []
         current.append(i)
     return plan + [current] if current else plan
+
+
+def packed_micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Rows (indices into `lengths`) in micro-batches of at most `max_tokens` real tokens, as packed
+    rows run: longest first, each into the first micro-batch with room for it (first-fit
+    decreasing: few micro-batches, nearly full); a longer row alone."""
+    micro, loads = [], []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        room = next((k for k, load in enumerate(loads) if load + lengths[i] <= max_tokens), None)
+        if room is None:
+            micro.append([i])
+            loads.append(lengths[i])
+        else:
+            micro[room].append(i)
+            loads[room] += lengths[i]
+    return micro
 
 
 def rank_micro_batch_rows(

@@ -10,7 +10,8 @@ tokens, and nothing the trainer computes changes.
 - Every MoE family of tests/test_moe.py with routing replay on recorded routes (some missing): the
   same log-probs and the same router counts packed and padded; gradients too (one family).
 - `update.update_on_batch` with a KL reference and a distillation teacher: the same loss, gradients
-  and metrics packed and padded, and `pad_frac` 0 packed.
+  and metrics packed and padded, and `pad_frac` 0 packed; under auto it packs where the start's
+  probe passed every model (`update.packs`).
 - The flag: its choices, and prepare.check's line where transformers cannot pack at all.
 """
 
@@ -113,6 +114,12 @@ def test_a_model_that_ignores_packed_rows_is_refused_on_and_padded_under_auto(ca
     fresh = test_heads.tiny_model("qwen3", gain=1.0)
     assert not packing.decide(Config(packing="off"), [fresh])
     assert not hasattr(fresh, packing.ATTRIBUTE)
+    # an update reads the verdicts the start left: auto packs where every model passed (never
+    # probed: padded), on always, off never
+    auto, on, off = (Config(packing=mode) for mode in ("auto", "on", "off"))
+    assert update.packs(auto, [plain, None]) and not update.packs(auto, [plain, other])
+    assert not update.packs(auto, [fresh]) and update.packs(on, [fresh])
+    assert not update.packs(off, [plain])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -181,6 +188,17 @@ def test_gradients_equal_packed_and_padded_with_routing_replay():
         assert float(ref.abs().max()) > 0, name
         err = float((grads[0][name] - ref).abs().max())
         assert err <= 1e-5 * float(ref.abs().max()) + 1e-8, f"{name}: off by {err}"
+
+
+def test_packed_micro_batches_hold_real_tokens_within_the_budget():
+    lengths = [9, 3, 7, 3, 30, 8, 2]
+    plan = update.plan_micro_batches(lengths, 16, packed=True)
+    assert sorted(i for mb in plan for i in mb) == list(range(len(lengths)))
+    # longest first, each into the first with room; 30 > 16 alone
+    assert plan == [[4], [0, 2], [5, 1, 3, 6]]
+    assert all(sum(lengths[i] for i in mb) <= 16 for mb in plan if len(mb) > 1)
+    assert len(plan) < len(update.plan_micro_batches(lengths, 16))  # padded: rows x the longest
+    assert update.plan_micro_batches(lengths, 0, packed=True) == [[6, 1, 3, 2, 5, 0, 4]]
 
 
 # --------------------------------------------------------------------------------------------------
