@@ -198,8 +198,10 @@ def final_hidden_states(model, decoder, input_ids, attention_mask, packed=False)
     logits_to_keep=[] and no cache): (B, L, H) for the (B, L) rows as they are; packed, (1, N, H)
     for their N real tokens in one row (sequence packing: no padding runs), each row's position ids
     restarting at 0 and no attention mask, from which transformers 5 builds a causal mask that keeps
-    every row to itself (masking_utils.find_packed_sequence_indices; flash-attention's varlen
-    kernels where the model uses them). `packed_index` says where each token went."""
+    every row to itself (masking_utils.find_packed_sequence_indices); the rows' bounds go along as
+    the attention kwargs flash-attention's varlen kernels read (cu_seq_lens_q, max_length_q: the
+    project's row-wise attention, packing.py, reads them too). `packed_index` says where each token
+    went."""
     caught = []
     hook = decoder.register_forward_hook(
         lambda _, __, out: caught.append(
@@ -209,10 +211,17 @@ def final_hidden_states(model, decoder, input_ids, attention_mask, packed=False)
     inputs = dict(input_ids=input_ids, attention_mask=attention_mask)
     if packed:
         keep = attention_mask.bool()
+        lengths = keep.sum(1)
+        bounds = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+        longest = int(lengths.max())
         inputs = dict(
             input_ids=input_ids[keep][None],
             position_ids=(keep.cumsum(1) - 1)[keep][None],
             attention_mask=None,
+            cu_seq_lens_q=bounds,
+            cu_seq_lens_k=bounds,
+            max_length_q=longest,
+            max_length_k=longest,
         )
     try:
         model(

@@ -2,30 +2,37 @@
 
 Role: with packing, a micro-batch's rows run through the model as one row of their real tokens,
 position ids restarting at each row and no attention mask (logprobs.final_hidden_states): from these
-transformers 5 builds a causal mask that keeps each row to itself (flash-attention's varlen kernels
-where the model uses them). Nothing else changes: the loss side keeps its (B, T) tensors, routing
-replay takes the routes of the packed tokens (replay.py), update.py plans micro-batches by real
-tokens. Here: whether a run packs (`decide`: every model that scores tokens must keep packed rows
-apart; `problem` finds out once per model with a real forward). train.py's start decides, so that
-`--packing on` with a model that cannot pack stops the run before its first step; update.py reads
-the verdicts it left (`update.packs`).
+transformers 5 builds a causal mask that keeps each row to itself, and the rows' bounds go along as
+flash-attention's varlen arguments. Nothing else changes: the loss side keeps its (B, T) tensors,
+routing replay takes the routes of the packed tokens (replay.py), update.py plans micro-batches by
+real tokens. Here: whether a run packs (`decide`: every model that scores tokens must keep packed
+rows apart; `problem` finds out once per model with a real forward), and the attention a model that
+uses PyTorch's SDPA packs with (`row_attention`, registered with transformers as ATTENTION): the
+block-diagonal mask over N packed tokens costs N^2 in attention, each row's own causal attention
+(rows laid side by side, the flash kernel where the device has one) costs what padded rows of the
+micro-batch would. train.py's start decides, so that `--packing on` with a model that cannot pack
+stops the run before its first step; update.py reads the verdicts it left (`update.packs`).
 Data contract: `decide` takes the run's Config and its models (the policy, the reference, the
 teacher; None where the run has none) and returns whether to pack; a model's verdict is kept on it
 (ATTRIBUTE: "" where it packs, else the reason).
 May touch: collectives of the default process group (`problem`: every rank runs the same forwards
-and takes the largest difference, so the verdict is the same on every rank); stderr (one note).
+and takes the largest difference, so the verdict is the same on every rank); a model's attention
+implementation (its config's, SDPA to ATTENTION where that packs); transformers' attention
+registries (ATTENTION, on import); stderr (one note).
 """
 
 import sys
 
 import torch
 import torch.distributed as dist
-from transformers import masking_utils
+from transformers import AttentionInterface, masking_utils
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from config import CHOICES, Config
 from logprobs import final_hidden_states
 
 ATTRIBUTE = "packing_problem"  # where `decide` leaves a model's verdict
+ATTENTION = "sdpa_packed_rows"  # `row_attention`'s name in transformers' registries
 # The probe's two rows: a long one, then a short one that would see it were the mask to leak; a
 # leak moves the short row's last hidden states by about their own size.
 PROBE_LENGTHS = (24, 6)
@@ -49,7 +56,7 @@ def decide(cfg: Config, models, rank: int = 0, world_size: int = 1) -> bool:
             continue
         known = hasattr(model, ATTRIBUTE)
         if not known:
-            setattr(model, ATTRIBUTE, problem(model, world_size) or "")
+            setattr(model, ATTRIBUTE, verdict(model, world_size))
         reason = getattr(model, ATTRIBUTE)
         if not reason:
             continue
@@ -60,6 +67,64 @@ def decide(cfg: Config, models, rank: int = 0, world_size: int = 1) -> bool:
             print(f"note: {line}: micro-batches are padded", file=sys.stderr, flush=True)
         return False
     return True
+
+
+def verdict(model, world_size: int = 1) -> str:
+    """Why `model` cannot keep packed rows apart (`problem`), or "" where it can. A model on SDPA
+    without sliding windows (`windowless`) is tried with `row_attention` first and keeps it where it
+    passes; otherwise it is back on SDPA, whose mask transformers builds from the packed position
+    ids (windows included), and tried again."""
+    config = model.config
+    if config._attn_implementation == "sdpa" and windowless(config):
+        config._attn_implementation = ATTENTION
+        if problem(model, world_size) is None:
+            return ""
+        config._attn_implementation = "sdpa"
+    return problem(model, world_size) or ""
+
+
+def windowless(config) -> bool:
+    """Whether no layer of the model attends through a sliding window (`row_attention` attends
+    causally over whole rows): every layer type full attention, or without layer types no window
+    or one switched off."""
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        return all(kind == "full_attention" for kind in types)
+    return not getattr(config, "sliding_window", None) or not getattr(
+        config, "use_sliding_window", True
+    )
+
+
+def row_attention(module, query, key, value, attention_mask, *args, **kwargs):
+    """Transformers' SDPA attention (integrations/sdpa_attention.py), each packed row on its own: a
+    packed forward's (1, heads, N, head_dim) query, key and value, whose rows' bounds come as
+    cu_seq_lens_q and max_length_q (logprobs.final_hidden_states), are laid out as (rows, heads,
+    longest, head_dim), right-padded, and attend causally without a mask (a real token never sees
+    the padding after it, so each row's outputs are its own); the packed outputs are taken back.
+    Anything else (a padded forward, a layer with a sliding window, a model that does not hand the
+    bounds on) goes to SDPA as it is, with the mask transformers built."""
+    bounds, longest = kwargs.pop("cu_seq_lens_q", None), kwargs.pop("max_length_q", None)
+    window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
+    if bounds is None or longest is None or query.shape[0] != 1 or window:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
+    starts, lengths = bounds[:-1].long(), bounds.diff().long()
+    offsets = torch.arange(longest, device=query.device)
+    real = offsets[None, :] < lengths[:, None]
+    # (padding takes the last token: it is never attended to, and its outputs are dropped)
+    index = torch.where(real, starts[:, None] + offsets[None, :], query.shape[2] - 1)
+
+    def by_rows(x):  # (1, heads, N, head_dim) -> (rows, heads, longest, head_dim)
+        return x[0][:, index].transpose(0, 1)
+
+    out, weights = sdpa_attention_forward(
+        module, by_rows(query), by_rows(key), by_rows(value), None, *args, **kwargs
+    )
+    return out[real][None], weights  # (1, N, heads, head_dim), as SDPA returns
+
+
+AttentionInterface.register(ATTENTION, row_attention)
+# a padded forward (and the fallback above) gets the masks SDPA gets
+masking_utils.AttentionMaskInterface.register(ATTENTION, masking_utils.sdpa_mask)
 
 
 def static_problem() -> str | None:

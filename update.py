@@ -324,35 +324,19 @@ def rows_for_rank(lengths: list[int], rank: int, world_size: int) -> list[int]:
 
 def plan_micro_batches(lengths: list[int], max_tokens: int, packed=False) -> list[list[int]]:
     """Rows (indices into `lengths`, each row's prompt + completion length) grouped into
-    micro-batches of at most `max_tokens` padded tokens (rows x the longest row), shortest rows
-    first, so that rows of similar length share a micro-batch and padding stays small; packed, of
-    at most `max_tokens` real tokens (`packed_micro_batches`). A row longer than `max_tokens` gets a
-    micro-batch of its own. `max_tokens` 0: one micro-batch."""
-    if packed and max_tokens:
-        return packed_micro_batches(lengths, max_tokens)
-    plan, current = [], []
+    micro-batches of at most `max_tokens` tokens, shortest rows first, so that rows of similar
+    length share a micro-batch: padded, `max_tokens` bounds rows x the longest row (the padding
+    stays small); packed, the rows' real tokens (and packing.row_attention pads little). A row
+    longer than `max_tokens` gets a micro-batch of its own. `max_tokens` 0: one micro-batch."""
+    plan, current, tokens = [], [], 0
     for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
-        if current and max_tokens and (len(current) + 1) * lengths[i] > max_tokens:
+        cost = tokens + lengths[i] if packed else (len(current) + 1) * lengths[i]
+        if current and max_tokens and cost > max_tokens:
             plan.append(current)
-            current = []
+            current, tokens = [], 0
         current.append(i)
+        tokens += lengths[i]
     return plan + [current] if current else plan
-
-
-def packed_micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
-    """Rows (indices into `lengths`) in micro-batches of at most `max_tokens` real tokens, as packed
-    rows run: longest first, each into the first micro-batch with room for it (first-fit
-    decreasing: few micro-batches, nearly full); a longer row alone."""
-    micro, loads = [], []
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        room = next((k for k, load in enumerate(loads) if load + lengths[i] <= max_tokens), None)
-        if room is None:
-            micro.append([i])
-            loads.append(lengths[i])
-        else:
-            micro[room].append(i)
-            loads[room] += lengths[i]
-    return micro
 
 
 def rank_micro_batch_rows(

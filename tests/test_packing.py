@@ -61,15 +61,58 @@ def packed_and_padded(model, batch, sampling=SAMPLING):
         ]
 
 
-@pytest.mark.parametrize("model_type", sorted(set(test_heads.FAMILIES) - {IGNORES_PACKING}))
-def test_packed_log_probs_equal_padded_in_every_family(model_type):
-    # the head at its own scale (test_heads sharpens it to make its transforms show)
-    model = test_heads.tiny_model(model_type, gain=1.0)
+def tiny(model_type, attention="sdpa", seed=0):
+    """test_heads' tiny model of the family, its head at its own scale (test_heads sharpens it to
+    make its transforms show), on `attention` (sdpa: transformers' packed mask; packing.ATTENTION:
+    packing.row_attention)."""
+    model = test_heads.tiny_model(model_type, seed=seed, gain=1.0)
+    assert model.config._attn_implementation == "sdpa"
+    model.config._attn_implementation = attention
+    return model
+
+
+def rows_attended(monkeypatch):
+    """The row counts SDPA saw at once while packed rows ran (1: the packed row, under the mask)."""
+    seen, sdpa = [], packing.sdpa_attention_forward
+
+    def spy(module, query, *args, **kwargs):
+        seen.append(query.shape[0])
+        return sdpa(module, query, *args, **kwargs)
+
+    monkeypatch.setattr(packing, "sdpa_attention_forward", spy)
+    return seen
+
+
+BOTH = ("sdpa", packing.ATTENTION)
+
+
+def cases(families: dict, shape: dict) -> list[tuple[str, str]]:
+    """(family, attention): transformers' packed mask on SDPA for every family whose mask reads the
+    position ids; the row-wise attention for every family without sliding windows."""
+    out = []
+    for family in sorted(families):
+        config = transformers.AutoConfig.for_model(family, **{**shape, **families[family]})
+        out += [(family, "sdpa")] if family != IGNORES_PACKING else []
+        out += [(family, packing.ATTENTION)] if packing.windowless(config) else []
+    return out
+
+
+CASES = cases(test_heads.FAMILIES, test_heads.SHAPE)
+
+
+@pytest.mark.parametrize("model_type,attention", CASES)
+def test_packed_log_probs_equal_padded_in_every_family(model_type, attention, monkeypatch):
+    model = tiny(model_type, attention)
     batch = test_heads.tiny_batch(model)
     assert packing.problem(model) is None
     packed, padded = packed_and_padded(model, batch)
     assert torch.isfinite(packed.logp[batch.mask]).sum() >= 10
     assert largest_difference(packed, padded, batch.mask) <= 1e-5
+    # the row-wise attention ran its rows side by side (SDPA itself: never through packing.py)
+    seen = rows_attended(monkeypatch)
+    with torch.no_grad():
+        update.completion_logprobs(model, batch, *SAMPLING, packed=True)
+    assert set(seen) == ({len(batch)} if attention == packing.ATTENTION else set())
 
 
 @pytest.mark.parametrize("model_type", SLIDING)
@@ -87,12 +130,27 @@ def test_a_sliding_window_that_bites_keeps_packed_rows_apart(model_type):
     widened.load_state_dict(model.state_dict())
     narrow, wide = (packed_and_padded(m, batch)[1] for m in (model, widened))
     assert largest_difference(narrow, wide, batch.mask) > 1e-3
-    assert packing.problem(model) is None
+    # on transformers' mask: the row-wise attention knows no windows, so it is not tried
+    assert packing.verdict(model) == "" and model.config._attn_implementation == "sdpa"
     assert largest_difference(*packed_and_padded(model, batch), batch.mask) <= 1e-5
 
 
+def test_sdpa_models_pack_with_the_row_wise_attention_where_it_passes():
+    model = tiny("qwen3")
+    assert packing.verdict(model) == "" and model.config._attn_implementation == packing.ATTENTION
+    # AFMoE builds its mask without the position ids: without sliding windows it packs on the
+    # row-wise attention all the same; with them (test_moe's), or on eager attention (never
+    # switched), it cannot
+    afmoe = tiny(IGNORES_PACKING)
+    assert packing.verdict(afmoe) == "" and afmoe.config._attn_implementation == packing.ATTENTION
+    for refused in (tiny(IGNORES_PACKING, "eager"), test_moe.tiny_moe(IGNORES_PACKING)):
+        before = refused.config._attn_implementation
+        assert "does not keep packed rows apart" in packing.verdict(refused)
+        assert refused.config._attn_implementation == before
+
+
 def test_a_model_that_ignores_packed_rows_is_refused_on_and_padded_under_auto(capsys):
-    model = test_heads.tiny_model(IGNORES_PACKING, gain=1.0)
+    model = tiny(IGNORES_PACKING, "eager")
     batch = test_heads.tiny_batch(model)
     packed, padded = packed_and_padded(model, batch)
     # packed, its rows see each other: the probe is right to refuse it
@@ -100,7 +158,7 @@ def test_a_model_that_ignores_packed_rows_is_refused_on_and_padded_under_auto(ca
     assert "does not keep packed rows apart" in packing.problem(model)
     with pytest.raises(SystemExit, match=f"^error: --packing on: the {IGNORES_PACKING} model"):
         packing.decide(Config(packing="on"), [model])
-    other = test_heads.tiny_model(IGNORES_PACKING, gain=1.0)
+    other = tiny(IGNORES_PACKING, "eager")
     capsys.readouterr()
     assert not packing.decide(Config(packing="auto"), [other])
     assert not packing.decide(Config(packing="auto"), [other])  # (the verdict is kept)
@@ -108,10 +166,10 @@ def test_a_model_that_ignores_packed_rows_is_refused_on_and_padded_under_auto(ca
     assert len(notes) == 1 and notes[0].startswith(f"note: --packing auto: the {IGNORES_PACKING}")
     assert notes[0].endswith("micro-batches are padded")
     # one model that cannot pack keeps the whole run padded; off never probes
-    plain = test_heads.tiny_model("qwen3", gain=1.0)
+    plain = tiny("qwen3")
     assert packing.decide(Config(packing="auto"), [plain, None])
     assert not packing.decide(Config(packing="auto"), [plain, other])
-    fresh = test_heads.tiny_model("qwen3", gain=1.0)
+    fresh = tiny("qwen3")
     assert not packing.decide(Config(packing="off"), [fresh])
     assert not hasattr(fresh, packing.ATTRIBUTE)
     # an update reads the verdicts the start left: auto packs where every model passed (never
@@ -125,8 +183,9 @@ def test_a_model_that_ignores_packed_rows_is_refused_on_and_padded_under_auto(ca
 # --------------------------------------------------------------------------------------------------
 # Routing replay: the routes follow the packed tokens
 # --------------------------------------------------------------------------------------------------
-def replayed_moe(model_type):
+def replayed_moe(model_type, attention="sdpa"):
     model = test_moe.tiny_moe(model_type)
+    model.config._attn_implementation = attention
     replay.install(model, model.model.layers, model.config, True)
     return model
 
@@ -158,9 +217,12 @@ def replayed_scores(model, batch, packed):
     return scores, {name: int(v) for name, v in counts.items()}
 
 
-@pytest.mark.parametrize("model_type", sorted(set(test_moe.MOE_FAMILIES) - {IGNORES_PACKING}))
-def test_routing_replay_scores_and_counts_the_same_packed(model_type):
-    model = replayed_moe(model_type)
+MOE_CASES = cases(test_moe.MOE_FAMILIES, test_moe.SHAPE)
+
+
+@pytest.mark.parametrize("model_type,attention", MOE_CASES)
+def test_routing_replay_scores_and_counts_the_same_packed(model_type, attention):
+    model = replayed_moe(model_type, attention)
     batch = batch_with_routes(model)
     with torch.no_grad():
         (packed, packed_counts), (padded, padded_counts) = (
@@ -173,8 +235,9 @@ def test_routing_replay_scores_and_counts_the_same_packed(model_type):
     assert largest_difference(packed, own, batch.mask) > 1e-3
 
 
-def test_gradients_equal_packed_and_padded_with_routing_replay():
-    model = replayed_moe("qwen3_moe").train()
+@pytest.mark.parametrize("attention", BOTH)
+def test_gradients_equal_packed_and_padded_with_routing_replay(attention):
+    model = replayed_moe("qwen3_moe", attention).train()
     batch = batch_with_routes(model)
     grads = []
     for packed in (True, False):
@@ -194,10 +257,13 @@ def test_packed_micro_batches_hold_real_tokens_within_the_budget():
     lengths = [9, 3, 7, 3, 30, 8, 2]
     plan = update.plan_micro_batches(lengths, 16, packed=True)
     assert sorted(i for mb in plan for i in mb) == list(range(len(lengths)))
-    # longest first, each into the first with room; 30 > 16 alone
-    assert plan == [[4], [0, 2], [5, 1, 3, 6]]
+    # shortest first, up to 16 real tokens each; 30 > 16 alone
+    assert plan == [[6, 1, 3, 2], [5], [0], [4]]
     assert all(sum(lengths[i] for i in mb) <= 16 for mb in plan if len(mb) > 1)
-    assert len(plan) < len(update.plan_micro_batches(lengths, 16))  # padded: rows x the longest
+    # padded, rows x the longest: more micro-batches for the same budget
+    assert len(update.plan_micro_batches(lengths, 15, packed=True)) < len(
+        update.plan_micro_batches(lengths, 15)
+    )
     assert update.plan_micro_batches(lengths, 0, packed=True) == [[6, 1, 3, 2, 5, 0, 4]]
 
 
@@ -205,7 +271,7 @@ def test_packed_micro_batches_hold_real_tokens_within_the_budget():
 # The update: the same loss, gradients and metrics
 # --------------------------------------------------------------------------------------------------
 def test_update_on_batch_is_the_same_packed_and_padded():
-    models = [test_heads.tiny_model("qwen3", seed=seed, gain=1.0) for seed in range(3)]
+    models = [tiny("qwen3", packing.ATTENTION, seed) for seed in range(3)]
     policy, reference, teacher = models
     for frozen in (reference, teacher):
         frozen.requires_grad_(False)
@@ -250,4 +316,4 @@ def test_the_flag_and_a_transformers_that_cannot_pack(monkeypatch):
     [line] = [line for line in prepare.check(Config(packing="on")) if "--packing" in line]
     assert line.startswith("--packing on: cannot pack: this transformers builds no masks")
     assert not [line for line in prepare.check(Config(packing="auto")) if "--packing" in line]
-    assert not packing.decide(Config(packing="auto"), [test_heads.tiny_model("qwen3")])
+    assert not packing.decide(Config(packing="auto"), [tiny("qwen3")])
