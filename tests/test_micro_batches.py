@@ -10,7 +10,8 @@
   the logged means) of the plain whole-batch computation: an unsharded model, full logits, one
   `policy_loss` over every row. Likewise with top-k/top-p, a temperature and the KL term against a
   reference model, with LoRA (the reference is the model with its adapter off), and with
-  `--grad-checkpointing`; packed (--packing, the default) and padded (`--packing off`) alike, and
+  `--grad-checkpointing`; packed (--packing, the default: after the start's probe, on the row-wise
+  attention) and padded (`--packing off`) alike, and
   `pad_frac` says which ran.
 """
 
@@ -24,6 +25,7 @@ import logprobs
 import lora
 import losses
 import models
+import packing
 import update
 from config import Config
 from flag_checks import parse_args
@@ -191,6 +193,10 @@ def _parity_worker(rank, world, init_file, model_path, ref_path, adapter_dir, re
             .eval()
             .requires_grad_(False)
         )
+        # as a run's start does: the probe on every rank, each model on the row-wise attention
+        models_here = (full, with_lora, ref_model)
+        assert packing.decide(Config(packing="on"), models_here, rank, world)
+        attention = {m.config._attn_implementation for m in models_here}
         runs = [
             (f"{case} / {split}", case, tokens)
             for case in CASES
@@ -228,7 +234,7 @@ def _parity_worker(rank, world, init_file, model_path, ref_path, adapter_dir, re
                 "grads": {n: g.numpy() for n, g in grads.items()},
             }
         if rank == 0:
-            results.put(out)
+            results.put({"attention": attention, **out})
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -317,6 +323,7 @@ def test_gradients_and_loss_do_not_depend_on_the_split(
     world, model_path, ref_path, adapter_dir, references, tmp_path
 ):
     got = spawn_ranks(_parity_worker, world, tmp_path, model_path, ref_path, adapter_dir)
+    assert got.pop("attention") == {packing.ATTENTION}
     for name, run in got.items():
         case = name.split(" / ")[0] if " / " in name else {**PADDED, **CHECKPOINTED}[name][0]
         loss, grads, metrics = references[case]
