@@ -11,8 +11,7 @@
   `policy_loss` over every row. Likewise with top-k/top-p, a temperature and the KL term against a
   reference model, with LoRA (the reference is the model with its adapter off), and with
   `--grad-checkpointing`; packed (--packing, the default: after the start's probe, on the row-wise
-  attention) and padded (`--packing off`) alike, and
-  `pad_frac` says which ran.
+  attention) and padded (`--packing off`) alike, and `pad_frac` says which ran.
 """
 
 import dataclasses
