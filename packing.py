@@ -101,10 +101,13 @@ def row_attention(module, query, key, value, attention_mask, *args, **kwargs):
     cu_seq_lens_q and max_length_q (logprobs.final_hidden_states), are laid out as (rows, heads,
     longest, head_dim), right-padded, and attend causally without a mask (a real token never sees
     the padding after it, so each row's outputs are its own); the packed outputs are taken back.
-    Anything else (a padded forward, a layer with a sliding window, a model that does not hand the
-    bounds on) goes to SDPA as it is, with the mask transformers built."""
+    Anything else (a padded forward, a model that does not hand the bounds on) goes to SDPA as it
+    is, with the mask `row_mask` built."""
     bounds, longest = kwargs.pop("cu_seq_lens_q", None), kwargs.pop("max_length_q", None)
     window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
+    if window and bounds is not None and attention_mask is None:
+        # (`verdict` puts only models without windows on this attention)
+        raise RuntimeError("row_attention: a sliding-window layer in a packed forward, unmasked")
     if bounds is None or longest is None or query.shape[0] != 1 or window:
         return sdpa_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
     starts, lengths = bounds[:-1].long(), bounds.diff().long()
@@ -122,9 +125,19 @@ def row_attention(module, query, key, value, attention_mask, *args, **kwargs):
     return out[real][None], weights  # (1, N, heads, head_dim), as SDPA returns
 
 
+def row_mask(*args, attention_mask=None, **kwargs):
+    """The mask `row_attention` gets: SDPA's (masking_utils.sdpa_mask), but none for a forward
+    without an attention mask (a packed one, or one of unpadded rows, which SDPA attends causally
+    without a mask too): row_attention keeps packed rows apart itself, so the packed tokens' N x N
+    mask is never built. (A model that did not hand it the rows' bounds would attend across rows:
+    `problem` finds that, and the model stays on SDPA.)"""
+    if attention_mask is None:
+        return None
+    return masking_utils.sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
+
+
 AttentionInterface.register(ATTENTION, row_attention)
-# a padded forward (and the fallback above) gets the masks SDPA gets
-masking_utils.AttentionMaskInterface.register(ATTENTION, masking_utils.sdpa_mask)
+masking_utils.AttentionMaskInterface.register(ATTENTION, row_mask)
 
 
 def static_problem() -> str | None:
