@@ -1,17 +1,19 @@
 """packing.py — sequence packing (--packing): micro-batches that run no padding.
 
 Role: with packing, a micro-batch's rows run through the model as one row of their real tokens,
-position ids restarting at each row and no attention mask (logprobs.final_hidden_states): from these
-transformers 5 builds a causal mask that keeps each row to itself, and the rows' bounds go along as
-flash-attention's varlen arguments. Nothing else changes: the loss side keeps its (B, T) tensors,
-routing replay takes the routes of the packed tokens (replay.py), update.py plans micro-batches by
-real tokens. Here: whether a run packs (`decide`: every model that scores tokens must keep packed
-rows apart; `problem` finds out once per model with a real forward), and the attention a model that
-uses PyTorch's SDPA packs with (`row_attention`, registered with transformers as ATTENTION): the
-block-diagonal mask over N packed tokens costs N^2 in attention, each row's own causal attention
-(rows laid side by side, the flash kernel where the device has one) costs what padded rows of the
-micro-batch would. train.py's start decides, so that `--packing on` with a model that cannot pack
-stops the run before its first step; update.py reads the verdicts it left (`update.packs`).
+position ids restarting at each row, no attention mask, the rows' bounds handed on as
+flash-attention's varlen arguments (logprobs.final_hidden_states). A model on PyTorch's SDPA without
+sliding windows then attends with `row_attention` (registered with transformers as ATTENTION): each
+row causally on its own, the rows laid side by side (the flash kernel where the device has one),
+which costs what the micro-batch's rows padded would, where the block-diagonal mask over N packed
+tokens costs N^2. Any other model keeps each row to itself through the mask transformers 5 builds
+from packed position ids (masking_utils.find_packed_sequence_indices), sliding windows included.
+Nothing else changes: the loss side keeps its (B, T) tensors, routing replay takes the routes of the
+packed tokens (replay.py), update.py plans micro-batches by real tokens. Here: whether a run packs
+(`decide`: every model that scores tokens must keep packed rows apart; `verdict` and `problem` find
+out once per model with a real forward) and the attention. train.py's start decides, so that
+`--packing on` with a model that cannot pack stops the run before its first step; update.py reads
+the verdicts it left (`update.packs`).
 Data contract: `decide` takes the run's Config and its models (the policy, the reference, the
 teacher; None where the run has none) and returns whether to pack; a model's verdict is kept on it
 (ATTRIBUTE: "" where it packs, else the reason).
