@@ -3,15 +3,19 @@ tokens, and nothing the trainer computes changes.
 
 - For a tiny random model of every family heads.py scores (tests/test_heads.py's table, dense and
   MoE), `completion_logprobs` packed equals it padded in fp32 (log-probs, untruncated log-probs,
-  entropies within 1e-5), and the probe (`packing.problem`) passes; sliding windows that bite
-  (Exaone-MoE's, a Mistral's and a Qwen2's window of 4) keep packed rows apart too. The one family
-  whose mask ignores the position ids (AFMoE, transformers 5.19) fails the probe: `--packing on`
-  is refused in one line, `auto` falls back to padding with one note.
+  entropies within 1e-5) and the probe (`packing.problem`) passes: on SDPA under transformers'
+  packed mask, and on packing.row_attention (which then really ran its rows side by side) for every
+  family without sliding windows. Sliding windows that bite (a Mistral's and a Qwen2's window of 4)
+  keep packed rows apart on transformers' mask, where `packing.verdict` leaves them.
+- AFMoE builds its mask without the position ids: it packs on the row-wise attention, and is
+  refused where it cannot use it (sliding windows, eager attention): `--packing on` in one line,
+  `auto` falls back to padding with one note; one such model keeps the whole run padded.
 - Every MoE family of tests/test_moe.py with routing replay on recorded routes (some missing): the
-  same log-probs and the same router counts packed and padded; gradients too (one family).
+  same log-probs and router counts packed and padded, on both attentions; gradients too (one
+  family).
 - `update.update_on_batch` with a KL reference and a distillation teacher: the same loss, gradients
   and metrics packed and padded, and `pad_frac` 0 packed; under auto it packs where the start's
-  probe passed every model (`update.packs`).
+  probe passed every model (`update.packs`). The packed planner holds real tokens to the budget.
 - The flag: its choices, and prepare.check's line where transformers cannot pack at all.
 """
 
