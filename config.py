@@ -56,8 +56,11 @@ class Config:
     group_size: int = 8  # G completions per prompt
     prompts_per_step: int = 32  # prompts (groups) per step
     max_new_tokens: int = 5  # longest completion, in tokens
-    micro_batch_tokens: int = 4096  # each rank's forward/backward takes at most this many padded
-    #   tokens at once (0: all its rows)
+    micro_batch_tokens: int = 4096  # each rank's forward/backward takes at most this many tokens
+    #   at once, padding included (none with --packing; 0: all its rows)
+    packing: str = "auto"  # sequence packing: a micro-batch's rows run as one row, without padding
+    #   | auto: where every model keeps packed rows apart (a probe at start), else right-padded rows
+    #   | on: an error where a model cannot | off: right-padded rows
     # data and reward (tasks/prompts.py; the defaults are the built-in copy task)
     task: str = "auto"  # auto (dataset with --dataset, else copy) | copy | dataset | gsm8k (a
     #   preset) | rg:NAME (reasoning-gym's dataset NAME, generated)
@@ -237,6 +240,7 @@ CHOICES = {
     "update_mode": ("inflight", "drain"),
     "kv_on_swap": ("recompute", "keep"),
     "stale_rule": ("tokens", "group"),
+    "packing": ("auto", "on", "off"),
     "dtype": ("auto", "bf16", "fp32"),
     "lr_schedule": ("constant", "linear", "cosine"),
     "log_level": ("debug", "info", "warning"),

@@ -7,7 +7,8 @@ time, never holding the batch's logits; `token_logprobs` and `entropy_from_logit
 logits (tests, benchmarks).
 Data contract (B sequences, T completion positions, N scored tokens, V vocabulary, H hidden size):
 logits (..., V), tokens (...) long -> log-probs (...) float32; hidden (N, H), weight (V, H);
-`score_tokens` returns (B, T) tensors, 0 off the mask. A sampled token outside the kept set gets
+`score_tokens` returns (B, T) tensors, 0 off the mask (packed: the model runs the rows' real tokens
+as one row, the results are the same). A sampled token outside the kept set gets
 -inf (callers mask or weight it).
 May touch: nothing but its arguments (no optimizer, process, I/O or state); copies out alone (torch
 only).
@@ -179,30 +180,22 @@ def score_tokens(
     top_k=-1,
     top_p=1.0,
     untruncated=False,
+    packed=False,
     **head,
 ):
     """(logp, entropy, logp_untruncated or None), each (B, T), 0 off `mask`: `chunked_logprobs` of
     `targets` at the `mask` positions, without logits. `model` (a causal LM: plain, FSDP2 or PEFT)
-    runs with logits_to_keep=[]; a hook on its `decoder` catches the final hidden states; `lm_head`
-    (a DTensor weight is gathered) and the family's transform `head` (hidden_scale, logit_scale,
-    softcap) run at the masked positions only (FSDP2's root keeps the head gathered until the
-    backward ends). untruncated: also under the temperature alone."""
-    caught = []
-    hook = decoder.register_forward_hook(
-        lambda _, __, out: caught.append(
-            out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-        )
-    )
-    try:
-        model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            use_cache=False,
-            logits_to_keep=torch.zeros(0, dtype=torch.long, device=input_ids.device),
-        )
-    finally:
-        hook.remove()
-    hidden, tokens = caught[0][:, :-1][mask], targets[mask]  # where completion tokens are predicted
+    runs with logits_to_keep=[] (`final_hidden_states`; packed: its rows without their padding, as
+    one); `lm_head` (a DTensor weight is gathered) and the family's transform `head` (hidden_scale,
+    logit_scale, softcap) run at the masked positions only (FSDP2's root keeps the head gathered
+    until the backward ends). untruncated: also under the temperature alone."""
+    hidden = final_hidden_states(model, decoder, input_ids, attention_mask, packed)
+    # where completion tokens are predicted: position t of a row predicts its target t
+    if packed:
+        hidden = hidden[0, packed_index(attention_mask)[:, :-1][mask]]
+    else:
+        hidden = hidden[:, :-1][mask]
+    tokens = targets[mask]
     weight, bias = lm_head.weight, lm_head.bias
     if hasattr(weight, "full_tensor"):
         weight, bias = weight.full_tensor(), None if bias is None else bias.full_tensor()
@@ -220,6 +213,54 @@ def score_tokens(
         None if v is None else mask.new_zeros(mask.shape, dtype=v.dtype).masked_scatter(mask, v)
         for v in (logp, entropy, full)
     )
+
+
+def final_hidden_states(model, decoder, input_ids, attention_mask, packed=False):
+    """The decoder's last hidden states, caught by a hook on `decoder` (the model runs with
+    logits_to_keep=[] and no cache): (B, L, H) for the (B, L) rows as they are; packed, (1, N, H)
+    for their N real tokens in one row (sequence packing: no padding runs), each row's position ids
+    restarting at 0 and no attention mask, from which transformers 5 builds a causal mask that keeps
+    every row to itself (masking_utils.find_packed_sequence_indices); the rows' bounds go along as
+    the attention kwargs flash-attention's varlen kernels read (cu_seq_lens_q, max_length_q: the
+    project's row-wise attention, packing.py, reads them too). `packed_index` says where each token
+    went."""
+    caught = []
+    hook = decoder.register_forward_hook(
+        lambda _, __, out: caught.append(
+            out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        )
+    )
+    inputs = dict(input_ids=input_ids, attention_mask=attention_mask)
+    if packed:
+        keep = attention_mask.bool()
+        lengths = keep.sum(1)
+        bounds = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+        longest = int(lengths.max())
+        inputs = dict(
+            input_ids=input_ids[keep][None],
+            position_ids=(keep.cumsum(1) - 1)[keep][None],
+            attention_mask=None,
+            cu_seq_lens_q=bounds,
+            cu_seq_lens_k=bounds,
+            max_length_q=longest,
+            max_length_k=longest,
+        )
+    try:
+        model(
+            **inputs,
+            use_cache=False,
+            logits_to_keep=torch.zeros(0, dtype=torch.long, device=input_ids.device),
+        )
+    finally:
+        hook.remove()
+    return caught[0]
+
+
+def packed_index(attention_mask):
+    """(B, L) long: where each real token of the rows sits among the packed tokens (rows in order,
+    each without its padding; -1 on padding)."""
+    keep = attention_mask.bool()
+    return torch.where(keep, keep.flatten().cumsum(0).reshape(keep.shape) - 1, -1)
 
 
 def _head_logits(h, weight, bias, head, slope=False):

@@ -29,6 +29,7 @@ import devices
 import flag_checks
 import heads
 import lora
+import packing
 import replay
 from config import Config
 from rollout import GeneratorSettings
@@ -49,7 +50,7 @@ def parse_args(argv=None) -> Config:
 def check(cfg: Config) -> list[str]:
     """What keeps the flags from running that only loading what they name shows, one line per
     problem: the chat template files, the data (files exist, rows complete), the reward functions,
-    --tools and --env (a factory function is called once, here), the devices."""
+    --tools and --env (a factory function is called once, here), the devices, --packing on."""
     problems = []
     for text, read in (
         (cfg.chat_template, chat.read_template),
@@ -65,6 +66,9 @@ def check(cfg: Config) -> list[str]:
     problems += tools.check(cfg)  # --tools: every function imports and has a schema
     problems += envs.check(cfg)  # --env: it loads, has reset, and step (or tools)
     problems += devices.problems(cfg)  # --gen/train-devices: parse, GPUs exist, one rank per GPU
+    # --packing on where no model can pack (a model that cannot: train.py's start finds out)
+    if cfg.packing == "on" and packing.static_problem():
+        problems.append(f"--packing on: {packing.static_problem()}")
     return problems
 
 

@@ -19,7 +19,8 @@ Role
     too (update.py), so the recompute routes as the forward did; a layer counts once per context.
 Data contract: a batch's `routes` is (B, T, decoder layers, top_k) aligned with `input_ids`
 (buffer.collate): uint8 with 255 where missing, or a wider integer type with -1 or 65535 (uint16's
-all ones) there; a layer without a MoE block ignores its rows. torch only.
+all ones) there; a layer without a MoE block ignores its rows. A packed micro-batch (--packing) runs
+its rows' real tokens as one row: its routes are taken at those tokens, in that order. torch only.
 May touch: the routers' `forward` (an instance attribute) of the model it is given, nothing else.
 """
 
@@ -98,15 +99,22 @@ class RouterReplay:
 
     def __init__(self, replay: bool, layers: int, top_k: int):
         self.replay, self.layers, self.top_k = replay, layers, top_k
-        # (N, layers, top_k) long; (N,) bool, N = B x T, as the blocks flatten
+        # (N, layers, top_k) long; (N,) bool: N = B x T as the blocks flatten a padded batch, or
+        # the real tokens of a packed one (logprobs.final_hidden_states)
         self.routes = self.needed = None
         self.measure, self.counted, self.counts = False, set(), {}
 
     def begin(
-        self, routes: torch.Tensor, attention_mask: torch.Tensor, rows: torch.Tensor, measure: bool
+        self,
+        routes: torch.Tensor,
+        attention_mask: torch.Tensor,
+        rows: torch.Tensor,
+        measure: bool,
+        packed: bool = False,
     ) -> None:
         """A micro-batch's routes; `rows` (B,) bool: the rows it trains on (a filler or a fully
-        masked row's routes are replayed too, never counted)."""
+        masked row's routes are replayed too, never counted). packed: the model runs the rows'
+        real tokens as one row, and the routes follow them."""
         b, t = attention_mask.shape
         if tuple(routes.shape) != (b, t, self.layers, self.top_k):
             raise RuntimeError(
@@ -122,8 +130,13 @@ class RouterReplay:
         )
         wide = routes.long()
         absent = (wide < 0) | (wide == (255 if routes.dtype == torch.uint8 else 65535))
-        self.routes = torch.where(absent, -1, wide).reshape(b * t, self.layers, self.top_k)
-        self.needed = needed.reshape(-1)
+        wide = torch.where(absent, -1, wide)
+        if packed:
+            keep = attention_mask.bool()
+            self.routes, self.needed = wide[keep], needed[keep]
+        else:
+            self.routes = wide.reshape(b * t, self.layers, self.top_k)
+            self.needed = needed.reshape(-1)
         self.measure, self.counted = measure, set()
         zero = torch.zeros((), dtype=torch.long, device=routes.device)
         self.counts = {"agree": zero, "decisions": zero, "missing": zero}
@@ -224,15 +237,15 @@ def install(model, layers, config, replay: bool) -> RouterReplay:
 
 
 @contextlib.contextmanager
-def routed_by(model, batch, measure: bool = True):
+def routed_by(model, batch, measure: bool = True, packed: bool = False):
     """Run a forward (and its backward) of `batch` with its recorded routes; yields the counts
     (tensors: agree, decisions, missing; filled once the forward ran), or None where nothing is
-    replayed or counted."""
+    replayed or counted. packed: the forward runs the batch packed (update.py, packing.py)."""
     state = getattr(model, ATTRIBUTE, None)
     if state is None or getattr(batch, "routes", None) is None:
         yield None
         return
-    state.begin(batch.routes, batch.attention_mask, batch.mask.any(1), measure)
+    state.begin(batch.routes, batch.attention_mask, batch.mask.any(1), measure, packed)
     counts = {}
     try:
         yield counts

@@ -20,15 +20,15 @@ from losses import LossTerms, mismatch_k3
 
 
 def diagnostics(
-    stats, loss, t: LossTerms, entropy, mb, cfg, version, measure_agreement=True
+    stats, loss, t: LossTerms, entropy, mb, cfg, version, measure_agreement=True, packed=False
 ) -> None:
     """What the step's row says of one micro-batch (its `loss`, `t` of losses.grpo_loss, the
     `entropy` of the current sampling distribution): policy_loss's diagnostics, entropy, KL terms,
     the behaviour-to-trainer mismatch (k3, overall and by lag), the share each off-policy rule
     dropped or truncated (of trained tokens; of trained sequences for the sequence masks), the
     importance weights' normalised effective sample size (sum w)^2 / (n sum w^2) (importance weight
-    x masks; at --is-level sequence each token carries its sequence's weight), and the agreement
-    with the generator."""
+    x masks; at --is-level sequence each token carries its sequence's weight), the agreement with
+    the generator, and the padding the forward ran (packed: none)."""
     n, rows, m = t.trained.sum(), t.trained.any(1), t.mask.sum()
     k3 = mismatch_k3(t.logp, mb.behaviour_logp, t.trained)
     stats.mean("mismatch_k3", k3.sum(), n)
@@ -65,8 +65,10 @@ def diagnostics(
     stats.mean("entropy", entropy[mb.mask].sum(), mb.mask.sum())
     stats.add("outside_support_tokens", t.outside.sum())
     stats.add("loss", loss.detach())
-    stats.add("positions", mb.attention_mask.numel())
-    stats.add("padding", (mb.attention_mask == 0).sum())
+    # a packed micro-batch runs its real tokens alone
+    real = mb.attention_mask.sum()
+    stats.add("positions", real if packed else mb.attention_mask.numel())
+    stats.add("padding", 0 if packed else mb.attention_mask.numel() - real)
     if measure_agreement:
         agreement(stats, t.logp, mb, version, t.trained)
 

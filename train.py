@@ -28,6 +28,7 @@ import devices
 import evaluation
 import launch
 import metrics
+import packing
 import prepare
 import tracing
 from advantages import estimate_advantages
@@ -345,6 +346,8 @@ def start_rank(
     if shared.starts_empty:  # the generator serves nothing until it has loaded these weights
         publish_model(model, shared, version, rank, world_size)
     ref_model, teacher = build_frozen_models(cfg, prepared, model, world_size, device)
+    # whether micro-batches are packed: a probe on every model, now (--packing on: an error here)
+    packing.decide(cfg, (model, ref_model, teacher), rank, world_size)
     tokenizer = AutoTokenizer.from_pretrained(prepared.base_model)
     pad_id = (
         tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

@@ -3,11 +3,12 @@
 Role: from the loop, one call: `update_on_batch` takes the batch's optimizer updates (--mini-batches
 x --ppo-epochs, against the proximal policy: AReaL's decoupled objective), each a backward a
 micro-batch at a time (--micro-batch-tokens, each term normalised by the whole update's counts, so
-the gradient is the whole batch's). `micro_batch_loss`, one call below it, scores the micro-batch's
-tokens (the policy's log-probs; the reference's and the teacher's when the run has them) and calls
-the loss once (losses.grpo_loss: importance weight, masks, clipped objective, KL, distillation; its
-settings built from the flags once per batch, `loss_settings`). What a step logs of it is gathered
-beside the loss (step_stats.py), kept as tensors, and reaches the host once per step.
+the gradient is the whole batch's; with --packing each runs its rows without padding, packing.py).
+`micro_batch_loss`, one call below it, scores the micro-batch's tokens (the policy's log-probs; the
+reference's and the teacher's when the run has them) and calls the loss once (losses.grpo_loss:
+importance weight, masks, clipped objective, KL, distillation; its settings built from the flags
+once per batch, `loss_settings`). What a step logs of it is gathered beside the loss
+(step_stats.py), kept as tensors, and reaches the host once per step.
 Data contract: takes a collated `buffer.Batch` (every rank holds all of it) and the step's version;
 returns `UpdateResult` (loss, gradient norm, log-prob agreement, metrics reduced over micro-batches
 and ranks). May touch: the model's gradients and the optimizer it is given; collectives of the
@@ -25,6 +26,7 @@ import torch.distributed as dist
 import buffer
 import heads
 import losses
+import packing
 import replay
 import schedule
 import tracing
@@ -76,12 +78,11 @@ def update_on_batch(
         )
     stats, norms, skipped, updates = StepStats(), [], 0, 0
     settings = loss_settings(cfg)
+    packed = packs(cfg, (model, ref_model, teacher))
     proximal = cfg.is_mode != "off" and cfg.mini_batches * cfg.ppo_epochs > 1
     if proximal:
-        batch = dataclasses.replace(
-            batch,
-            proximal_logp=proximal_logprobs(model, batch, cfg, rank, world_size, device, stats),
-        )
+        logp = proximal_logprobs(model, batch, cfg, rank, world_size, device, stats, packed)
+        batch = dataclasses.replace(batch, proximal_logp=logp)
         # on the weights the generator sampled with
         agreement(stats, batch.proximal_logp, batch, version)
     for epoch in range(cfg.ppo_epochs):
@@ -90,16 +91,19 @@ def update_on_batch(
             # every rank holds the whole batch: the counts need no collective
             tokens = int(part.mask.sum())
             units = tokens if cfg.agg == "token-mean" else int((part.mask.sum(1) > 0).sum())
-            micro_batches = rank_micro_batches(part, rank, world_size, cfg.micro_batch_tokens)
+            micro_batches = rank_micro_batches(
+                part, rank, world_size, cfg.micro_batch_tokens, packed
+            )
             loss = torch.zeros((), device=device)
             for mb in micro_batches:
                 mb = mb.to(device)
                 # recorded routes (--router-replay) hold through the backward: a checkpointed layer
                 # recomputes them
-                with replay.routed_by(model, mb, measure=not proximal and updates == 0) as routing:
+                measure = not proximal and updates == 0
+                with replay.routed_by(model, mb, measure, packed) as routing:
                     t_forward = tracing.clock()
                     mb_loss, terms, entropy = micro_batch_loss(
-                        model, ref_model, teacher, mb, cfg, settings, units, tokens
+                        model, ref_model, teacher, mb, cfg, settings, units, tokens, packed
                     )
                     t_backward = tracing.complete("forward", t_forward, rows=len(mb))
                     # FSDP2 averages gradients over ranks: their sum
@@ -114,7 +118,8 @@ def update_on_batch(
                     mb,
                     cfg,
                     version,
-                    measure_agreement=not proximal and updates == 0,
+                    measure_agreement=measure,
+                    packed=packed,
                 )
                 loss += mb_loss.detach()
                 # (its graph and tensors: not alive through the next micro-batch)
@@ -164,11 +169,20 @@ def loss_settings(cfg: Config) -> losses.LossSettings:
     )
 
 
-def micro_batch_loss(model, ref_model, teacher, mb, cfg, settings, units, tokens):
+def packs(cfg: Config, models) -> bool:
+    """Whether an update's micro-batches run packed (packing.py): with --packing on; with auto where
+    every model of `models` (None: the run has none) keeps packed rows apart, as train.py's start
+    found (packing.decide leaves its verdict on each model; a model never probed is padded)."""
+    if cfg.packing != "auto":
+        return cfg.packing == "on"
+    return all(getattr(m, packing.ATTRIBUTE, None) == "" for m in models if m is not None)
+
+
+def micro_batch_loss(model, ref_model, teacher, mb, cfg, settings, units, tokens, packed=False):
     """One micro-batch's term of the update's loss, (loss, losses.LossTerms, entropy): the tensors
-    the loss needs, scored here, then one call to `losses.grpo_loss` (normalised by the update's
-    `units`, its KL term by the update's completion `tokens`). The entropy: of the current sampling
-    distribution."""
+    the loss needs, scored here (packed: each model runs the rows without their padding), then one
+    call to `losses.grpo_loss` (normalised by the update's `units`, its KL term by the update's
+    completion `tokens`). The entropy: of the current sampling distribution."""
     scores = completion_logprobs(
         model,
         mb,
@@ -176,13 +190,14 @@ def micro_batch_loss(model, ref_model, teacher, mb, cfg, settings, units, tokens
         cfg.top_k,
         cfg.top_p,
         untruncated=cfg.kl_coef > 0 or teacher is not None,
+        packed=packed,
     )
     teacher_logp = ref_logp = None
     if teacher is not None:  # on-policy distillation: the teacher scores the sampled tokens
         with torch.no_grad():  # (never an environment's), under the temperature alone
-            teacher_logp = completion_logprobs(teacher, mb, cfg.temperature).logp
+            teacher_logp = completion_logprobs(teacher, mb, cfg.temperature, packed=packed).logp
     if cfg.kl_coef > 0:  # between the untruncated distributions
-        ref_logp = reference_logprobs(ref_model, mb, cfg.temperature)
+        ref_logp = reference_logprobs(ref_model, mb, cfg.temperature, packed)
     inputs = losses.LossInputs(
         logp=scores.logp,
         behaviour_logp=mb.behaviour_logp,
@@ -214,13 +229,13 @@ class TokenScores:
 
 
 def completion_logprobs(
-    model, batch, temperature, top_k=-1, top_p=1.0, untruncated=False
+    model, batch, temperature, top_k=-1, top_p=1.0, untruncated=False, packed=False
 ) -> TokenScores:
     """Score a (micro-)batch's completion tokens with the generator's sampling distribution, without
     logits (`logprobs.score_tokens`: the LM head, with the family's transform of it (heads.py), a
-    chunk of tokens at a time). Works with gradients, or under `torch.no_grad()` for a reference or
-    proximal policy; `model` is a causal LM (or what models.py wraps one in), under FSDP2 or
-    plain."""
+    chunk of tokens at a time; packed: the rows run without their padding, packing.py). Works with
+    gradients, or under `torch.no_grad()` for a reference or proximal policy; `model` is a causal
+    LM (or what models.py wraps one in), under FSDP2 or plain."""
     head = dataclasses.asdict(heads.head_transform(model.config))
     return TokenScores(
         *score_tokens(
@@ -235,40 +250,42 @@ def completion_logprobs(
             top_k,
             top_p,
             untruncated,
+            packed,
             **head,
         )
     )
 
 
-def reference_logprobs(ref_model, batch, temperature):
+def reference_logprobs(ref_model, batch, temperature, packed=False):
     """Log-probs (B, T) of the reference policy (untruncated, at the sampling temperature), no
     gradient. `ref_model`: what models.build_frozen_models made (with LoRA, the policy with its
     adapter off)."""
     if ref_model is None:
         raise ValueError("--kl-coef > 0 needs a reference model (models.build_frozen_models)")
     with torch.no_grad():
-        return completion_logprobs(ref_model, batch, temperature).logp
+        return completion_logprobs(ref_model, batch, temperature, packed=packed).logp
 
 
 @tracing.timed("proximal log-probs")
 def proximal_logprobs(
-    model, batch, cfg, rank, world_size, device="cpu", stats=None
+    model, batch, cfg, rank, world_size, device="cpu", stats=None, packed=False
 ) -> torch.Tensor:
     """(B, T) log-probs of the batch's tokens under the weights before its first update (the
     proximal policy), without gradients, micro-batched and chunked as training is. Each rank scores
     its own rows; a sum over ranks gives every rank all of them. `stats`: where the routers'
     agreement is counted (recorded routes)."""
     out = torch.zeros(batch.mask.shape)
-    plan, count = rank_micro_batch_rows(batch, rank, world_size, cfg.micro_batch_tokens)
+    plan, count = rank_micro_batch_rows(batch, rank, world_size, cfg.micro_batch_tokens, packed)
     with torch.no_grad():
         # a rank with fewer micro-batches runs fillers: FSDP2 needs every rank's forward
         for i in range(count):
             rows = plan[i] if i < len(plan) else [0]
             mb = batch.select(rows).trimmed().to(device)
-            with replay.routed_by(
-                model, mb, measure=stats is not None and i < len(plan)
-            ) as routing:
-                logp = completion_logprobs(model, mb, cfg.temperature, cfg.top_k, cfg.top_p).logp
+            measure = stats is not None and i < len(plan)
+            with replay.routed_by(model, mb, measure, packed) as routing:
+                logp = completion_logprobs(
+                    model, mb, cfg.temperature, cfg.top_k, cfg.top_p, packed=packed
+                ).logp
             replay.add_counts(stats, routing)
             if i < len(plan):
                 out[rows, : logp.shape[1]] = logp.float().cpu()
@@ -291,37 +308,51 @@ def mini_batch_rows(num_rows: int, cfg: Config, step: int, epoch: int) -> list[t
     return list(order.tensor_split(cfg.mini_batches))
 
 
-def rows_for_rank(num_rows: int, rank: int, world_size: int) -> slice:
-    """Contiguous share of a batch's rows for one data-parallel rank."""
-    per = math.ceil(num_rows / world_size)
-    return slice(min(rank * per, num_rows), min((rank + 1) * per, num_rows))
+def rows_for_rank(lengths: list[int], rank: int, world_size: int) -> list[int]:
+    """One data-parallel rank's rows (indices into `lengths`, each row's prompt + completion
+    length, in order), balanced by tokens: longest first, each to the rank with the fewest tokens
+    so far (ties: the lowest rank), so the ranks' totals differ by at most the longest row. Every
+    rank computes every rank's share from the whole batch, without communicating."""
+    loads, mine = [0] * world_size, []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        least = min(range(world_size), key=lambda r: (loads[r], r))
+        loads[least] += lengths[i]
+        if least == rank:
+            mine.append(i)
+    return sorted(mine)
 
 
-def plan_micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
+def plan_micro_batches(lengths: list[int], max_tokens: int, packed=False) -> list[list[int]]:
     """Rows (indices into `lengths`, each row's prompt + completion length) grouped into
-    micro-batches of at most `max_tokens` padded tokens (rows x the longest row), shortest rows
-    first, so that rows of similar length share a micro-batch and padding stays small. A row longer
-    than `max_tokens` gets a micro-batch of its own. `max_tokens` 0: one micro-batch."""
-    plan, current = [], []
+    micro-batches of at most `max_tokens` tokens, shortest rows first, so that rows of similar
+    length share a micro-batch: padded, `max_tokens` bounds rows x the longest row (the padding
+    stays small); packed, the rows' real tokens (and packing.row_attention pads little). A row
+    longer than `max_tokens` gets a micro-batch of its own. `max_tokens` 0: one micro-batch."""
+    plan, current, tokens = [], [], 0
     for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
-        if current and max_tokens and (len(current) + 1) * lengths[i] > max_tokens:
+        cost = tokens + lengths[i] if packed else (len(current) + 1) * lengths[i]
+        if current and max_tokens and cost > max_tokens:
             plan.append(current)
-            current = []
+            current, tokens = [], 0
         current.append(i)
+        tokens += lengths[i]
     return plan + [current] if current else plan
 
 
 def rank_micro_batch_rows(
-    batch: buffer.Batch, rank: int, world_size: int, max_tokens: int
+    batch: buffer.Batch, rank: int, world_size: int, max_tokens: int, packed=False
 ) -> tuple[list[list[int]], int]:
     """This rank's micro-batches as rows of `batch`, and how many micro-batches every rank runs (the
     most any rank needs: see `rank_micro_batches`)."""
     lengths = batch.attention_mask.sum(1).tolist()
     plans = []
     for r in range(world_size):
-        rows = rows_for_rank(len(batch), r, world_size)
+        rows = rows_for_rank(lengths, r, world_size)
         plans.append(
-            [[rows.start + i for i in mb] for mb in plan_micro_batches(lengths[rows], max_tokens)]
+            [
+                [rows[i] for i in mb]
+                for mb in plan_micro_batches([lengths[i] for i in rows], max_tokens, packed)
+            ]
         )
     count = max(len(plan) for plan in plans)
     plan = plans[rank]
@@ -333,10 +364,10 @@ def rank_micro_batch_rows(
 
 
 def rank_micro_batches(
-    batch: buffer.Batch, rank: int, world_size: int, max_tokens: int
+    batch: buffer.Batch, rank: int, world_size: int, max_tokens: int, packed=False
 ) -> list[buffer.Batch]:
-    """This rank's rows of `batch` (`rows_for_rank`) in micro-batches (`plan_micro_batches`), each
-    trimmed to its longest row.
+    """This rank's rows of `batch` (`rows_for_rank`) in micro-batches (`plan_micro_batches`; packed:
+    of real tokens), each trimmed to its longest row.
 
     Every rank gets as many micro-batches as the rank that needs the most (each forward and backward
     runs FSDP2 collectives): a rank that needs fewer halves its largest ones, and one short of rows
@@ -344,7 +375,7 @@ def rank_micro_batches(
     adds no loss and no gradient). Every rank holds the whole batch, so each works out every rank's
     plan without communicating.
     """
-    plan, count = rank_micro_batch_rows(batch, rank, world_size, max_tokens)
+    plan, count = rank_micro_batch_rows(batch, rank, world_size, max_tokens, packed)
     micro = [batch.select(rows).trimmed() for rows in plan]
     if len(micro) < count:
         filler = batch.select([0]).trimmed()

@@ -31,7 +31,11 @@ from tasks import builtin
 
 PROMPT = [1, 13, 14, 15, 24]  # "<bos>abc=" in the tiny model's character tokenizer
 PAD_ID = 0
-NUM_SAMPLES = 7  # odd: world size 2 splits the rows 4 / 3, world size 3 splits them 3 / 3 / 1
+NUM_SAMPLES = 7
+COMPLETION_LENGTHS = (5, 1, 3, 0, 4, 2, 5)
+# the world-size test's: its ranks' shares (balanced by tokens: update.rows_for_rank) hold unequal
+# completion tokens and unequal non-empty rows, so the per-rank shares really matter
+UNEVEN_LENGTHS = (5, 0, 3, 0, 4, 2, 5)
 SPAWN_TIMEOUT_S = 240
 
 
@@ -45,10 +49,9 @@ def backward(
     )
 
 
-def make_batch(seed=0):
+def make_batch(seed=0, lengths=COMPLETION_LENGTHS):
     """A fixed synthetic batch: completions of different lengths (one empty), varied advantages."""
     rng = random.Random(seed)
-    lengths = [5, 1, 3, 0, 4, 2, 5]
     assert len(lengths) == NUM_SAMPLES
     samples = []
     for i, n in enumerate(lengths):
@@ -62,7 +65,7 @@ def make_batch(seed=0):
     return buffer.collate(samples, PAD_ID)
 
 
-def _worker(rank, world, init_file, model_path, agg, shared, version, results):
+def _worker(rank, world, init_file, model_path, agg, shared, version, lengths, results):
     """One trainer rank: build, one loss + backward + clip + AdamW step, optionally publish."""
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -76,7 +79,7 @@ def _worker(rank, world, init_file, model_path, agg, shared, version, results):
         # before forward
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
 
-        result = backward(model, None, make_batch(), cfg, rank, world, version=0)
+        result = backward(model, None, make_batch(lengths=lengths), cfg, rank, world, version=0)
         grads = {
             name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad)
             .detach()
@@ -116,9 +119,11 @@ def _worker(rank, world, init_file, model_path, agg, shared, version, results):
     os._exit(0)
 
 
-def run_world(world, model_path, tmp_path, agg=None, shared=None, version=0):
+def run_world(
+    world, model_path, tmp_path, agg=None, shared=None, version=0, lengths=COMPLETION_LENGTHS
+):
     """Spawn `world` ranks of `_worker`; return rank 0's results (raises if any rank fails)."""
-    got = spawn_ranks(_worker, world, tmp_path, model_path, agg, shared, version)
+    got = spawn_ranks(_worker, world, tmp_path, model_path, agg, shared, version, lengths)
     got["grads"] = {k: torch.from_numpy(v) for k, v in got["grads"].items()}
     got["state"] = {k: torch.from_numpy(v) for k, v in got["state"].items()}
     return got
@@ -181,16 +186,21 @@ def test_batch_is_what_the_test_means():
     assert len(batch) == NUM_SAMPLES
     assert batch.mask.sum(1).tolist() == [5, 1, 3, 0, 4, 2, 5]
     assert len(set(batch.advantages.tolist())) == NUM_SAMPLES and (batch.advantages != 0).all()
-    # world size 2 splits both rows and tokens unevenly, so the per-rank shares really matter
-    a, b = update.rows_for_rank(NUM_SAMPLES, 0, 2), update.rows_for_rank(NUM_SAMPLES, 1, 2)
-    assert (a.start, a.stop, b.start, b.stop) == (0, 4, 4, 7)
-    assert int(batch.mask[a].sum()) != int(batch.mask[b].sum())
+    # the world-size test's batch: its two ranks' shares hold unequal completion tokens and unequal
+    # non-empty rows, so the per-rank shares really matter (each normalised by its own count and
+    # averaged, the loss would differ)
+    uneven = make_batch(lengths=UNEVEN_LENGTHS)
+    lengths = uneven.attention_mask.sum(1).tolist()
+    a, b = update.rows_for_rank(lengths, 0, 2), update.rows_for_rank(lengths, 1, 2)
+    assert sorted(a + b) == list(range(NUM_SAMPLES))
+    assert int(uneven.mask[a].sum()) != int(uneven.mask[b].sum())
+    assert int(uneven.mask[a].any(1).sum()) != int(uneven.mask[b].any(1).sum())
 
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
 def test_world_size_1_and_2_agree(agg, model_path, initial_state, tmp_path):
-    one = run_world(1, model_path, tmp_path, agg=agg)
-    two = run_world(2, model_path, tmp_path, agg=agg)
+    one = run_world(1, model_path, tmp_path, agg=agg, lengths=UNEVEN_LENGTHS)
+    two = run_world(2, model_path, tmp_path, agg=agg, lengths=UNEVEN_LENGTHS)
 
     assert one["names"] == two["names"]
     assert abs(one["loss"]) > 1e-3  # a real loss, not a degenerate zero

@@ -2,15 +2,16 @@
 (`update.update_on_batch`).
 
 - `update.plan_micro_batches` / `rank_micro_batches`: rows grouped by length within the token
-  budget, every row exactly once, the same number of micro-batches on every rank (fillers add
-  nothing).
+  budget (padded: rows x the longest; packed: real tokens), every row exactly once, the same number
+  of micro-batches on every rank (fillers add nothing).
 - `update.completion_logprobs` keeps no vocabulary-sized tensor for the backward pass.
 - Gradient parity: for every aggregation mode, at world size 1 and 2 (FSDP2 over gloo),
   micro-batches of one row, of a few rows and the whole batch give the gradients and the loss (and
   the logged means) of the plain whole-batch computation: an unsharded model, full logits, one
   `policy_loss` over every row. Likewise with top-k/top-p, a temperature and the KL term against a
   reference model, with LoRA (the reference is the model with its adapter off), and with
-  `--grad-checkpointing`.
+  `--grad-checkpointing`; packed (--packing, the default: after the start's probe, on the row-wise
+  attention) and padded (`--packing off`) alike, and `pad_frac` says which ran.
 """
 
 import dataclasses
@@ -23,6 +24,7 @@ import logprobs
 import lora
 import losses
 import models
+import packing
 import update
 from config import Config
 from flag_checks import parse_args
@@ -43,6 +45,13 @@ CASES = {
 CHECKPOINTED = {
     "checkpointed": ("kl+sampling", FEW_ROWS),
     "lora checkpointed": ("lora+kl", FEW_ROWS),
+}
+# name -> (case, --micro-batch-tokens), with --packing off (every other run packs: the tiny model
+# keeps packed rows apart, and --packing auto is the default)
+PADDED = {
+    "padded": ("agg=token-mean", WHOLE),
+    "kl+sampling padded": ("kl+sampling", FEW_ROWS),
+    "lora padded": ("lora+kl", FEW_ROWS),
 }
 
 
@@ -66,13 +75,16 @@ def test_plan_groups_rows_by_length_within_the_budget():
     assert update.plan_micro_batches(lengths, 1) == [[i] for i in (6, 1, 3, 2, 5, 0, 4)]
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 @pytest.mark.parametrize("world,max_tokens", [(1, 20), (2, 1), (2, 20), (3, 0), (3, 1), (8, 20)])
-def test_every_rank_gets_as_many_micro_batches_and_its_own_rows(world, max_tokens):
+def test_every_rank_gets_as_many_micro_batches_and_its_own_rows(world, max_tokens, packed):
     batch = make_batch()
-    per_rank = [update.rank_micro_batches(batch, r, world, max_tokens) for r in range(world)]
+    per_rank = [
+        update.rank_micro_batches(batch, r, world, max_tokens, packed) for r in range(world)
+    ]
     assert len({len(m) for m in per_rank}) == 1
     for r, micro in enumerate(per_rank):
-        rows = batch.select(update.rows_for_rank(len(batch), r, world))
+        rows = batch.select(update.rows_for_rank(batch.attention_mask.sum(1).tolist(), r, world))
 
         # (advantage, completion tokens) of each row that trains (fillers do not)
         def trained(batches):
@@ -88,7 +100,8 @@ def test_every_rank_gets_as_many_micro_batches_and_its_own_rows(world, max_token
             assert mb.attention_mask[:, -1].any()  # trimmed: no column that is padding in every row
             assert mb.input_ids.shape[1] == mb.targets.shape[1] + 1
             if max_tokens and len(mb) > 1:
-                assert mb.attention_mask.numel() <= max_tokens
+                tokens = mb.attention_mask.sum() if packed else mb.attention_mask.numel()
+                assert tokens <= max_tokens
 
 
 def test_bad_flags_are_refused_before_anything_starts():
@@ -179,15 +192,22 @@ def _parity_worker(rank, world, init_file, model_path, ref_path, adapter_dir, re
             .eval()
             .requires_grad_(False)
         )
+        # as a run's start does: the probe on every rank, each model on the row-wise attention
+        models_here = (full, with_lora, ref_model)
+        assert packing.decide(Config(packing="on"), models_here, rank, world)
+        attention = {m.config._attn_implementation for m in models_here}
         runs = [
             (f"{case} / {split}", case, tokens)
             for case in CASES
             for split, tokens in SPLITS.items()
         ]
+        runs += [(name, case, tokens) for name, (case, tokens) in PADDED.items()]
         runs += [(name, case, tokens) for name, (case, tokens) in CHECKPOINTED.items()]
         out = {}
         for name, case, tokens in runs:
-            cfg = dataclasses.replace(config(case), micro_batch_tokens=tokens)
+            cfg = dataclasses.replace(
+                config(case), micro_batch_tokens=tokens, packing="off" if name in PADDED else "on"
+            )
             model = with_lora if CASES[case].get("lora") else full
             if name in CHECKPOINTED:
                 models.checkpoint_layers(model)  # for good: the checkpointed runs come last
@@ -213,7 +233,7 @@ def _parity_worker(rank, world, init_file, model_path, ref_path, adapter_dir, re
                 "grads": {n: g.numpy() for n, g in grads.items()},
             }
         if rank == 0:
-            results.put(out)
+            results.put({"attention": attention, **out})
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -302,8 +322,9 @@ def test_gradients_and_loss_do_not_depend_on_the_split(
     world, model_path, ref_path, adapter_dir, references, tmp_path
 ):
     got = spawn_ranks(_parity_worker, world, tmp_path, model_path, ref_path, adapter_dir)
+    assert got.pop("attention") == {packing.ATTENTION}
     for name, run in got.items():
-        case = name.split(" / ")[0] if " / " in name else CHECKPOINTED[name][0]
+        case = name.split(" / ")[0] if " / " in name else {**PADDED, **CHECKPOINTED}[name][0]
         loss, grads, metrics = references[case]
         assert abs(loss) > 1e-3, f"{name}: a degenerate loss"
         assert run["loss"] == pytest.approx(loss, rel=1e-5, abs=1e-7), name
@@ -319,9 +340,11 @@ def test_gradients_and_loss_do_not_depend_on_the_split(
             assert run["metrics"][key] == pytest.approx(value, rel=1e-5, abs=1e-6), f"{name}: {key}"
         assert run["logprob_diff"] is not None and run["metrics"]["micro_batches"] >= 1
         assert 0 <= run["metrics"]["pad_frac"] < 1
-    # the splits really differ: one row per micro-batch has no padding, and the clipping is active
+    # the splits really differ: packed or one row per micro-batch, no padding runs; padded, some
+    # does; and the clipping is active
     assert got["agg=token-mean / one row"]["metrics"]["pad_frac"] == 0
-    assert got["agg=token-mean / whole batch"]["metrics"]["pad_frac"] > 0
+    assert got["agg=token-mean / whole batch"]["metrics"]["pad_frac"] == 0
+    assert got["padded"]["metrics"]["pad_frac"] > 0
     assert got["agg=token-mean / one row"]["metrics"]["micro_batches"] == (7 if world == 1 else 4)
     assert (
         references["agg=token-mean"][2]["clip_frac_high"]

@@ -3,6 +3,7 @@ processes, the staleness rule and batch assembly."""
 
 import dataclasses
 import queue as queue_lib
+import random
 import threading
 
 import pytest
@@ -276,11 +277,20 @@ def test_collate_aligns_completion_targets():
     assert stats["lag_max"] == 1 and stats["lag_mean"] == pytest.approx(2 / 3)
 
 
-def test_rows_for_rank_partition_the_batch():
+def test_rows_for_rank_partition_the_batch_balanced_by_tokens():
+    generator = random.Random(0)
     for n in (1, 5, 8, 33):
+        lengths = [generator.randint(1, 100) for _ in range(n)]
         for world in (1, 2, 3):
-            rows = [list(range(n))[update.rows_for_rank(n, r, world)] for r in range(world)]
-            assert sum(rows, []) == list(range(n))
+            rows = [update.rows_for_rank(lengths, r, world) for r in range(world)]
+            assert sorted(sum(rows, [])) == list(range(n))
+            loads = [sum(lengths[i] for i in share) for share in rows]
+            # tokens, not rows: no two ranks further apart than the longest row
+            assert max(loads) - min(loads) <= max(lengths)
+    # rows of one long and many short: a split by count would give one rank nearly everything
+    lengths = [1000] + [10] * 99
+    loads = [sum(lengths[i] for i in update.rows_for_rank(lengths, r, 2)) for r in range(2)]
+    assert sorted(loads) == [990, 1000]
 
 
 @pytest.mark.parametrize(
