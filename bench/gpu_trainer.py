@@ -21,7 +21,8 @@ left out, then `--steps` (the order swapped every round):
     --micro-batch-tokens holds, in batch order, each padded to its longest row (with every row at
     the budget, the project's micro-batches).
 Long-tailed shapes draw completion lengths from a log-normal cut at the budget (`LONG_TAIL`); there
-the project packs its rows once Config has `packing` (`PACKED`), and pads them until then.
+the project packs its rows (`PACKED`: --packing on); the other shapes run the default (auto),
+decided by `packing.decide` as train.py's start does.
 Data contract: `DIR/gpu_trainer.json`, rewritten after every shape (one cut short by a timeout or an
 error leaves those before it): per shape `project_tokens_per_s`, `plain_tokens_per_s` (prompt +
 completion tokens, no padding, over the median step), `project_over_plain`, `project_peak_gib`,
@@ -65,6 +66,7 @@ from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 import buffer  # noqa: E402
 import devices  # noqa: E402
 import models  # noqa: E402
+import packing  # noqa: E402
 import sync  # noqa: E402
 import tracing  # noqa: E402
 import update  # noqa: E402
@@ -114,7 +116,8 @@ SMOKE = {"shapes": "tiny,tiny-longtail", "steps": 2, "warmup": 1, "publish_reps"
 # mean is 1.6x the median), cut at the budget (about 5% of rows reach it, as truncated answers do)
 LONG_TAIL = {"median_of_budget": 0.2, "sigma": 1.0}
 # The packing switch (issue 37, item 4): the project packs the long-tailed rows once Config has it.
-PACKED = {"packing": "on"} if "packing" in {f.name for f in dataclasses.fields(Config)} else {}
+# long-tailed lengths: the project packs (refused in one line if the model cannot); else the default
+PACKED = {"packing": "on"}
 GOALS = {"project_over_plain": 0.97, "long_tail_over_plain": 1.2, "publish_over_copy": 5.0}
 LR = 1e-5  # small: random-init weights stay finite through the steps (a skipped update is counted)
 SERVING_DTYPE = torch.bfloat16
@@ -360,6 +363,7 @@ def measure_shape(shape: Shape, args, device) -> dict:
     changes = dict(micro_batch_tokens=shape.micro_batch_tokens, lr=LR, seed=args.seed)
     changes.update(dtype="bf16", grad_checkpointing=True, **(PACKED if shape.long_tail else {}))
     cfg = dataclasses.replace(Config(), **changes)
+    packing.decide(cfg, (model,))  # as train.py does at its start: the probe, the row attention
     modes = train_modes(model, batch, shape, cfg, args, device)
     publish = measure_publish(model, device, args.publish_reps)
     row = {
@@ -368,7 +372,7 @@ def measure_shape(shape: Shape, args, device) -> dict:
         "tokens_per_step": int(batch.attention_mask.sum()),
         "completion_tokens_per_step": int(batch.mask.sum()),
         "build_s": build_s,
-        "project_packing": getattr(cfg, "packing", "none (padded)"),
+        "project_packing": cfg.packing,
     }
     for mode, result in modes.items():
         for field in ("tokens_per_s", "peak_gib", "pad_frac"):
