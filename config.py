@@ -112,6 +112,10 @@ class Config:
     #   this); 0: greedy only
     eval_pass_reward: float = 1.0  # a completion passes (pass@k, greedy pass@1) when its reward is
     #   >= this
+    eval_weights: str = (
+        "inflight"  # inflight: weight loads go on during an evaluation (it names the
+    )
+    #   versions loaded at its start and end) | fixed: one version per evaluation (loads wait)
     # optimisation and loss (see losses.py)
     lr: float = 3e-4  # AdamW learning rate
     weight_decay: float = 0.0  # AdamW weight decay
@@ -239,6 +243,7 @@ CHOICES = {
     **LOSS_CHOICES,
     "update_mode": ("inflight", "drain"),
     "kv_on_swap": ("recompute", "keep"),
+    "eval_weights": ("inflight", "fixed"),
     "stale_rule": ("tokens", "group"),
     "packing": ("auto", "on", "off"),
     "dtype": ("auto", "bf16", "fp32"),

@@ -8,7 +8,9 @@ trainer picks answers up between steps (`collect`); `summarize` turns one into t
 Data contract
     - The request, `control.eval_request` = [step, version]: evaluate the weights of `version` or
       newer; only the newest request counts.
-    - `EvalResult`: the step asked for, the one version evaluated, and per held-out prompt the
+    - `EvalResult`: the step asked for, the versions loaded at its start and at its end (the same
+      under --eval-weights fixed; by default weight loads go on during an evaluation, so its tokens
+      come from those versions and the ones between), and per held-out prompt the
       reward of its greedy completion then those of S sampled ones (an env task: of its greedy and S
       sampled episodes, and their mean turns); pass@k is Chen et al.'s unbiased estimator.
 May touch: the two eval fields of `processes.Control`; in the generator, the engine's requests and
@@ -35,13 +37,14 @@ from tasks.prompts import Prompt
 @dataclass
 class EvalResult:
     step: int  # steps done when it was asked for (0: the initial weights)
-    version: int  # the version of the weights evaluated
+    version: int  # the version of the weights loaded when it started
     # per held-out prompt: [greedy completion's reward, then the S samples' rewards]
     rewards: list[list[float]]
     time_s: float = 0.0
     tokens: int = 0
     # an env task: per held-out prompt, its episodes' mean turns
     turns: list[float] = field(default_factory=list)
+    last_version: int = -1  # the version loaded when it ended (-1: not recorded)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -69,6 +72,7 @@ def summarize(result: EvalResult, pass_reward: float = 1.0) -> dict:
     out = {
         "eval/step": result.step,
         "eval/version": result.version,
+        "eval/last_version": max(result.version, result.last_version),
         "eval/prompts": n,
         "eval/greedy_pass@1": sum(r[0] >= pass_reward for r in prompts) / n if n else None,
         "eval/greedy_reward": sum(r[0] for r in prompts) / n if n else None,
@@ -143,8 +147,8 @@ def collect(
 # --------------------------------------------------------------------------------------------------
 async def run_eval(gen, step: int):
     """Evaluate the weights held now on the first `eval_prompts` held-out prompts; answer on
-    control.eval_results (never the rollout queue). The loop loads no weights while this
-    runs."""
+    control.eval_results (never the rollout queue). Under --eval-weights fixed the loop loads no
+    weights while this runs."""
     t0, version = time.perf_counter(), gen.loaded_version
     prompts = gen.task.held_out[: gen.cfg.eval_prompts]
     evaluate = (
@@ -163,6 +167,7 @@ async def run_eval(gen, step: int):
             time.perf_counter() - t0,
             tokens,
             [r[2] for r in results if len(r) > 2],
+            gen.loaded_version,
         )
     )
     tracing.complete(
@@ -192,7 +197,7 @@ async def eval_prompt(
         )
     completions = [c for group in outputs for c in group]
     ids = [list(c.token_ids) for c in completions]
-    if any(
+    if gen.cfg.eval_weights == "fixed" and any(
         v != version
         for c, t in zip(completions, ids)
         for v in tag_versions(c.weight_versions, len(t))

@@ -66,8 +66,10 @@ def evaluation_line(keys: dict) -> str:
         return "-" if value is None else f"{value:.3f}"
 
     passes = "  ".join(f"{k[5:]} {show(v)}" for k, v in keys.items() if k.startswith("eval/pass@"))
+    first, last = keys["eval/version"], keys.get("eval/last_version", keys["eval/version"])
+    versions = f"v{first}" if last == first else f"v{first}-v{last}"
     return (
-        f"eval at step {keys['eval/step']} (v{keys['eval/version']}, {keys['eval/prompts']} "
+        f"eval at step {keys['eval/step']} ({versions}, {keys['eval/prompts']} "
         f"held-out prompts): "
         f"greedy pass@1 {show(keys['eval/greedy_pass@1'])}  reward {show(keys['eval/reward'])}  "
         f"{passes}"
@@ -325,6 +327,8 @@ class RunLog:
             "eval_s": sum(e["eval/time_s"] for e in self.evals) if self.evals else None,
             "train_prompts": gen.get("train_prompts"),
             "prompts_dropped_long": gen.get("prompts_dropped_long"),
+            # sequences vLLM runs at once (rollout.engine_concurrency)
+            "max_num_seqs": gen.get("max_num_seqs"),
             "config": dataclasses.asdict(self.cfg),
         }
         with open(os.path.join(self.cfg.out, "summary.json"), "w") as f:

@@ -48,6 +48,33 @@ from weight_swaps import load_first_publish, swap_weights
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+# vLLM 0.32's cap on the sequences in one engine step when nothing sets it (SchedulerConfig's
+# default, which AsyncLLM.from_engine_args keeps).
+VLLM_DEFAULT_MAX_NUM_SEQS = 128
+# The most sequences one engine step may run: vLLM's own default for an H100/H200 in offline use
+# (each sequence holds a row of the sampler's buffers beside its KV cache). Below vLLM's default
+# of 2,048 tokens per engine step, which must leave room for one token of each sequence.
+MAX_NUM_SEQS = 1024
+
+
+def engine_concurrency(cfg) -> dict:
+    """vLLM's scheduler caps (AsyncEngineArgs keywords): room in one engine step for every sample of
+    the groups a step keeps in flight (--max-inflight-groups or --prompts-per-step, x --group-size),
+    so they generate in one wave: at vLLM's default of 128 the default run's 32 x 8 samples ran in
+    two, and a request waited 0.24-0.33 s for its first token. At most MAX_NUM_SEQS (a note says
+    so); the KV cache still bounds what runs at once."""
+    in_flight = (cfg.max_inflight_groups or cfg.prompts_per_step) * cfg.group_size
+    seqs = min(max(VLLM_DEFAULT_MAX_NUM_SEQS, in_flight), MAX_NUM_SEQS)
+    if in_flight > seqs:
+        print(
+            f"note: vLLM runs at most {seqs} sequences at once; a step keeps {in_flight} in "
+            f"flight, so they generate in {-(-in_flight // seqs)} waves",
+            file=sys.stderr,
+            flush=True,
+        )
+    return dict(max_num_seqs=seqs)
+
+
 @dataclass
 class GeneratorSettings:
     """The generator's start: the run's resolved Config (the one source of every setting) and what
@@ -122,6 +149,8 @@ class Generator:
         )
         if self.cfg.max_model_len:
             options.update(max_model_len=self.cfg.max_model_len)
+        options.update(engine_concurrency(self.cfg))
+        self.stats["max_num_seqs"] = options["max_num_seqs"]
         args = AsyncEngineArgs(
             model=self.settings.model,
             tokenizer=self.settings.model,
@@ -223,6 +252,19 @@ class Generator:
         self.last_eval_step = step
         self.eval_task = asyncio.create_task(run_eval(self, step))
         self.eval_task.add_done_callback(self._eval_done)
+
+    def eval_holds_weights(self, published: int) -> bool:
+        """Whether a weight load waits for the evaluation in flight: only under --eval-weights
+        fixed (one version per evaluation). By default it does not, since a held load left the
+        trainer without fresh groups once it ran --max-lag steps ahead (1-2.4 s per evaluation on
+        the default run, minutes for a real held-out set on a GPU); the trace shows each hold."""
+        return tracing.state(
+            "weight load",
+            "held: evaluation in flight (--eval-weights fixed)",
+            self.eval_task is not None
+            and self.cfg.eval_weights == "fixed"
+            and published > self.loaded_version,
+        )
 
     def _eval_done(self, task: asyncio.Task):
         self.eval_task = None
@@ -370,8 +412,8 @@ class Generator:
             await load_first_publish(self)
         # The trainer waits for the engine, not for the held-out evaluation of the start: a long
         # one (a real model, a real held-out set) outlasted --timeout-s and ended the run as if the
-        # engine had not started. It runs beside the first steps, on the weights loaded now (an
-        # evaluation keeps its weights), timed in the trace like every evaluation.
+        # engine had not started. It runs beside the first steps, on the weights loaded now, timed
+        # in the trace like every evaluation.
         self.control.ready.set()
         self.wake = asyncio.Event()
         start = time.perf_counter()
@@ -384,8 +426,7 @@ class Generator:
             if self.engine.errored:  # vLLM's EngineCore died (it is not our child: we must look)
                 raise RuntimeError("vLLM's engine died") from self.engine.dead_error
             published = self.shared.version()
-            # an evaluation keeps its weights
-            if published > self.loaded_version and self.eval_task is None:
+            if published > self.loaded_version and not self.eval_holds_weights(published):
                 await swap_weights(self, published)
             if self.eval_task is None:
                 self.maybe_start_eval()

@@ -266,7 +266,8 @@ async def eval_env_prompt(gen: Sampler, step: int, i: int, prompt, version: int)
     results = await asyncio.gather(*runs)
     episodes = [ep for eps, _ in results for ep in eps]
     envs_ = [env for _, es in results for env in es]
-    if any(v != version for ep in episodes for v in ep.versions if v >= 0):
+    fixed = gen.cfg.eval_weights == "fixed"
+    if fixed and any(v != version for ep in episodes for v in ep.versions if v >= 0):
         raise RuntimeError(f"evaluation of version {version} sampled tokens under other weights")
     scores, _, _ = await asyncio.get_running_loop().run_in_executor(
         gen.reward_threads, gen.task.score_episodes, prompt, episodes, envs_, version

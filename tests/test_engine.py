@@ -17,7 +17,7 @@ import prepare
 import processes
 from config import Config
 from logprobs import token_logprobs
-from rollout import Generator, GeneratorSettings
+from rollout import MAX_NUM_SEQS, Generator, GeneratorSettings, engine_concurrency
 from tasks.builtin import build_tiny_model
 
 FORCED_A, FORCED_B = 13, 14  # token ids of 'a' and 'b' in the tiny tokenizer
@@ -43,6 +43,7 @@ def engine_env(tmp_path_factory):
         "loop": loop,
         "ctx": ctx,
         "settings": settings,
+        "max_num_seqs": builder.stats["max_num_seqs"],
     }
     engine.shutdown()
     builder.engine = engine = None  # no second shutdown from AsyncLLM.__del__ at interpreter exit
@@ -52,7 +53,8 @@ def engine_env(tmp_path_factory):
     pending = asyncio.all_tasks(loop)
     for task in pending:
         task.cancel()
-    loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+    if pending:  # (gather of nothing would make a future on another loop)
+        loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
     loop.close()
 
 
@@ -117,6 +119,24 @@ def drain(q):
             groups.append(q.get(timeout=1.0))
         except queue_lib.Empty:
             return groups
+
+
+def test_a_steps_samples_in_flight_fit_in_one_engine_step(engine_env, capsys):
+    """vLLM's default (128 sequences per engine step) split the default run's 32 x 8 samples into
+    two waves; the engine is built with room for all a step keeps in flight, up to a cap."""
+    assert engine_concurrency(Config()) == {"max_num_seqs": 256}
+    assert engine_concurrency(Config(prompts_per_step=4, group_size=4)) == {"max_num_seqs": 128}
+    assert engine_concurrency(Config(prompts_per_step=8, max_inflight_groups=40)) == {
+        "max_num_seqs": 320
+    }
+    assert not capsys.readouterr().err
+    assert engine_concurrency(Config(prompts_per_step=512, group_size=16)) == {
+        "max_num_seqs": MAX_NUM_SEQS
+    }
+    assert "a step keeps 8192 in flight, so they generate in 8 waves" in capsys.readouterr().err
+    # and the engine runs with what the generator asked for
+    scheduler = engine_env["engine"].vllm_config.scheduler_config
+    assert scheduler.max_num_seqs == engine_env["max_num_seqs"] == 128
 
 
 def test_tokens_after_a_swap_carry_the_new_version(engine_env):

@@ -311,7 +311,8 @@ def engine_env(ascii_model, tmp_path_factory):
     pending = asyncio.all_tasks(loop)
     for task in pending:
         task.cancel()
-    loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+    if pending:  # (gather of nothing would make a future on another loop)
+        loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
     loop.close()
 
 
@@ -345,8 +346,21 @@ def perturbed_weights(model_path, scale=0.05):
     return {name: p.detach() + torch.randn_like(p) * scale for name, p in model.named_parameters()}
 
 
-def test_evaluation_answers_never_reach_the_training_queue(engine_env):
+@pytest.mark.parametrize("eval_weights", ["fixed", "inflight"])
+def test_evaluation_answers_never_reach_the_training_queue(engine_env, eval_weights, monkeypatch):
+    """Evaluation answers come back on their own queue; a weight load published mid-evaluation
+    waits for it under --eval-weights fixed, and lands during it by default (the answer names the
+    versions at its start and end)."""
     env = engine_env
+    gate, real_eval_prompt = [], evaluation.eval_prompt
+
+    async def held_back(*args):
+        while not gate:
+            await asyncio.sleep(0.01)
+        return await real_eval_prompt(*args)
+
+    # the first evaluation's prompts wait for the gate: a load published now finds it in flight
+    monkeypatch.setattr(evaluation, "eval_prompt", held_back)
     train_file = write_jsonl(
         env["tmp"] / "train.jsonl", [{"prompt": f"train {i}:", "answer": "1"} for i in range(10)]
     )
@@ -361,8 +375,11 @@ def test_evaluation_answers_never_reach_the_training_queue(engine_env):
         eval_prompts=6,
         eval_samples=3,
         max_new_tokens=8,
+        eval_weights=eval_weights,
     )
     new_weights = perturbed_weights(env["path"])
+    old = env["shared"].version()
+    new = old + 1
     answers = []
 
     async def scenario():
@@ -370,15 +387,24 @@ def test_evaluation_answers_never_reach_the_training_queue(engine_env):
         await wait_until(
             lambda: gen.control.ready.is_set() and gen.stats["groups"] >= 2, "training groups", task
         )
-        evaluation.request(gen.control, 0, 0)
+        # (the module's engine keeps the weights an earlier test published)
+        await wait_until(lambda: gen.loaded_version == old, "the newest weights", task)
+        evaluation.request(gen.control, 0, old)
         await wait_until(lambda: gen.eval_task is not None, "the evaluation to start", task)
-        # published mid-evaluation: loaded only once it is done
-        env["shared"].publish(new_weights, 1)
-        while gen.eval_task is not None:
-            assert gen.loaded_version == 0, "weights were loaded while an evaluation was in flight"
-            await asyncio.sleep(0.002)
-        await wait_until(lambda: gen.loaded_version == 1, "the deferred load", task)
-        evaluation.request(gen.control, 5, 1)
+        env["shared"].publish(new_weights, new)
+        if eval_weights == "fixed":  # published mid-evaluation: loaded only once it is done
+            await wait_until(lambda: gen.stats["groups"] >= 4, "more training groups", task)
+            assert gen.loaded_version == old and gen.eval_task is not None
+            gate.append(True)
+            while gen.eval_task is not None:
+                assert gen.loaded_version == old, "weights loaded while an evaluation was in flight"
+                await asyncio.sleep(0.002)
+        else:  # loaded while the evaluation waits at the gate
+            await wait_until(lambda: gen.loaded_version == new, "the load", task)
+            assert gen.eval_task is not None
+            gate.append(True)
+        await wait_until(lambda: gen.loaded_version == new, "the load", task)
+        evaluation.request(gen.control, 5, new)
         await wait_until(
             lambda: len(answers.__iadd__(evaluation.collect(gen.control))) >= 2, "two answers", task
         )
@@ -394,7 +420,11 @@ def test_evaluation_answers_never_reach_the_training_queue(engine_env):
     # only training groups, in id order
     assert sorted(g.group_id for g in groups) == list(range(len(groups)))
     first, second = answers
-    assert (first.step, first.version, second.step, second.version) == (0, 0, 5, 1)
+    assert (first.step, first.version, second.step, second.version) == (0, old, 5, new)
+    assert (first.last_version, second.last_version) == (
+        old if eval_weights == "fixed" else new,
+        new,
+    )
     for answer in answers:
         assert len(answer.rewards) == 6 and all(len(r) == 1 + 3 for r in answer.rewards)
         assert answer.tokens > 0
@@ -492,4 +522,6 @@ def test_the_start_evaluation_holds_up_neither_the_trainer_nor_training(engine_e
 
     env["loop"].run_until_complete(scenario())
     drain(gen.queue)
-    assert [(a.step, a.version) for a in answers] == [(0, 0)] and len(answers[0].rewards) == 3
+    # (on the weights loaded when it began: the module's engine may have newer ones than version 0)
+    assert [a.step for a in answers] == [0] and len(answers[0].rewards) == 3
+    assert answers[0].version == answers[0].last_version == gen.loaded_version

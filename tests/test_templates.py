@@ -465,7 +465,8 @@ def test_vllm_runs_three_turn_qwen3_episodes_token_in_token_out(models, monkeypa
         pending = asyncio.all_tasks(loop)
         for task in pending:
             task.cancel()
-        loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        if pending:  # (gather of nothing would make a future on another loop)
+            loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
         loop.close()
     tokenizer = gen.task.renderer.tokenizer
     assert len(groups) >= 2 and all(g.episode_stats["errors"] == 0 for g in groups)

@@ -163,20 +163,23 @@ def test_the_progress_line_says_where_the_run_is_how_it_learns_and_when_it_ends(
 def test_an_evaluation_gets_a_line_of_its_own():
     import metrics
 
-    line = metrics.evaluation_line(
-        {
-            "eval/step": 50,
-            "eval/version": 51,
-            "eval/prompts": 93,
-            "eval/greedy_pass@1": 0.25,
-            "eval/greedy_reward": 0.5,
-            "eval/reward": None,
-            "eval/pass@1": 0.125,
-            "eval/pass@4": 0.5,
-            "eval/time_s": 1.0,
-        }
-    )
-    assert line == (
+    keys = {
+        "eval/step": 50,
+        "eval/version": 51,
+        "eval/last_version": 51,
+        "eval/prompts": 93,
+        "eval/greedy_pass@1": 0.25,
+        "eval/greedy_reward": 0.5,
+        "eval/reward": None,
+        "eval/pass@1": 0.125,
+        "eval/pass@4": 0.5,
+        "eval/time_s": 1.0,
+    }
+    assert metrics.evaluation_line(keys) == (
         "eval at step 50 (v51, 93 held-out prompts): greedy pass@1 0.250  reward -  "
         "pass@1 0.125  pass@4 0.500"
+    )
+    # weight loads went on during it (--eval-weights inflight): the versions at its start and end
+    assert metrics.evaluation_line({**keys, "eval/last_version": 53}).startswith(
+        "eval at step 50 (v51-v53, 93 held-out prompts): "
     )
