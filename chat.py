@@ -7,9 +7,11 @@ Role
         '{"enable_thinking": false}') kept on it for every rendering (TRL's and vLLM's
         `chat_template_kwargs`);
     `render(tokenizer, messages, generation_prompt, tools)`: the template's text, with those
-    arguments; `Renderer`: initial contexts and observations as token ids, token in / token out
-    (below); `template_problem(tokenizer, tools)`: the check made once before a run with chat
-        episodes: why the template cannot be extended turn by turn, in one line, or None.
+    arguments; `uses_chat_template`, `plain_prompt`: how a prompt is rendered, for --dataset
+    prompts (tasks/prompts.py) and episodes alike; `Renderer`: initial contexts and observations
+    as token ids, token in / token out (below); `template_problem(tokenizer, tools)`: the check
+    made once before a run with chat episodes: why the template cannot be extended turn by turn,
+    in one line, or None.
 Data contract
     Messages are {"role", "content"} dicts (tool calls as `tool_calls`, tool results as role
     "tool"). An episode is never rendered again from its history: after a model turn, only the new
@@ -115,6 +117,19 @@ def render(tokenizer, messages: list, generation_prompt: bool, tools=None) -> st
     )
 
 
+def uses_chat_template(tokenizer, prompt, system_prompt: str = "") -> bool:
+    """How a prompt is rendered, for --dataset prompts and episodes alike: chat messages always
+    through the chat template; plain text only to carry a system prompt (else as it is)."""
+    return not isinstance(prompt, str) or bool(
+        system_prompt and getattr(tokenizer, "chat_template", None)
+    )
+
+
+def plain_prompt(text: str, system_prompt: str = "") -> str:
+    """A plain-text prompt: the system prompt as its prefix, a blank line between."""
+    return f"{system_prompt}\n\n{text}" if system_prompt else text
+
+
 def as_messages(value) -> list[dict]:
     return [{"role": "user", "content": value}] if isinstance(value, str) else list(value)
 
@@ -132,16 +147,18 @@ def stop_ids(tokenizer) -> set[int]:
 
 
 class Renderer:
-    """Initial contexts and observations as token ids. Text mode: plain text, tokenized. Chat mode
-    (a prompt or an observation made of messages, or tools): the chat template, rendering only what
-    is new. A fixed dummy conversation (a user turn, an assistant turn whose content is MARK) is
-    rendered with the observation and the next generation prompt after it; the text after MARK is
-    the observation's, the template's end of turn and separator included. Nothing before MARK is
-    used, so a template that rewrites earlier turns once another message follows (Qwen3 drops the
-    empty think block it writes into the last assistant turn, and strips think blocks from history)
-    cannot change an episode's tokens: they stay as sampled. When the model ended its turn itself (a
-    stop id), the template's own end-of-turn token is not repeated after it. A template that
-    alternates strictly (Gemma) gets consecutive user messages joined into one."""
+    """Initial contexts and observations as token ids. The initial context is rendered as a
+    --dataset prompt is (`initial`); text mode: plain text, tokenized. Chat mode (a prompt or an
+    observation made of messages, tools, a system prompt or reset's text after the prompt, with a
+    chat template): the chat template, rendering only what is new. A fixed dummy conversation (a
+    user turn, an assistant turn whose content is MARK) is rendered with the observation and the
+    next generation prompt after it; the text after MARK is the observation's, the template's end of
+    turn and separator included. Nothing before MARK is used, so a template that rewrites earlier
+    turns once another message follows (Qwen3 drops the empty think block it writes into the last
+    assistant turn, and strips think blocks from history) cannot change an episode's tokens: they
+    stay as sampled. When the model ended its turn itself (a stop id), the template's own
+    end-of-turn token is not repeated after it. A template that alternates strictly (Gemma) gets
+    consecutive user messages joined into one."""
 
     MARK = "#y#"  # the dummy assistant turn's content: where the model's own tokens end
     DUMMY = [{"role": "user", "content": "x"}, {"role": "assistant", "content": MARK}]
@@ -193,10 +210,21 @@ class Renderer:
         return render(self.tokenizer, messages, generation_prompt, tools)
 
     def initial(self, prompt, reset_out, tools=None) -> tuple[list[int], bool]:
-        """(ids of the prompt followed by what reset returned, chat mode?)."""
+        """(ids of the prompt followed by what reset returned, chat mode?), rendered as a --dataset
+        prompt is (tasks/prompts.encode_prompt). One text alone (the prompt, or reset's text
+        without one) is a dataset's string prompt: the chat template with the --system-prompt
+        system message where the tokenizer has a template and a system prompt is set, else plain
+        text (the system prompt as its prefix). Messages, tools, or a prompt and reset's text
+        both where the tokenizer has a template: the chat template, each text a user message
+        (without a template two texts are plain text, a blank line apart)."""
         # (checked rows: a list is messages)
-        if not (isinstance(prompt, list) or isinstance(reset_out, list) or tools):
-            return self.encode((prompt or "") + (reset_out or ""), special=True), False
+        parts = [part for part in (prompt, reset_out) if part]
+        chat_mode = bool(tools) or any(isinstance(part, list) for part in parts)
+        if not chat_mode and len(parts) > 1:
+            chat_mode = bool(getattr(self.tokenizer, "chat_template", None))
+        if not chat_mode and not uses_chat_template(self.tokenizer, "", self.system_prompt):
+            text = plain_prompt("\n\n".join(parts), self.system_prompt)
+            return self.encode(text, special=True), False
         messages = (as_messages(prompt) if prompt else []) + (
             as_messages(reset_out) if reset_out else []
         )

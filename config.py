@@ -94,6 +94,9 @@ class Config:
     tool_parser: str = ""  # vLLM's tool-call parser for the model's calls (its server's
     #   --tool-call-parser names: hermes, llama3_json, qwen3_coder, mistral, ...); "": the one the
     #   chat template's format names
+    reasoning_parser: str = ""  # vLLM's reasoning parser, run on each model turn of a tool episode
+    #   before its tool calls are read (its server's --reasoning-parser names: qwen3, deepseek_r1,
+    #   ...); "": the one the chat template's format names (Qwen3's <think> -> qwen3) | none
     # sampling (the trainer scores tokens with the same temperature/top-k/top-p)
     temperature: float = 1.0  # sampling temperature (> 0)
     top_k: int = -1  # keep the k most likely tokens; -1: off

@@ -148,6 +148,11 @@ def problems_of(cfg: Config) -> list[str]:
             f"--tool-parser {cfg.tool_parser} reads tool calls: it needs --tools or an "
             "--env with tools"
         )
+    if cfg.reasoning_parser and not (cfg.tools or cfg.env):
+        problems.append(
+            f"--reasoning-parser {cfg.reasoning_parser} separates reasoning before tool calls are "
+            "read: it needs --tools or an --env with tools"
+        )
     problems += remote_problems(cfg)
     return problems
 

@@ -221,7 +221,9 @@ def check_tokenizer(model_path, cfg=None) -> None:
     if problem is None and with_tools:
         try:
             parser = tools.ToolCallParser(
-                tools.parser_name(cfg.tool_parser, tokenizer.chat_template), tokenizer
+                tools.parser_name(cfg.tool_parser, tokenizer.chat_template),
+                tokenizer,
+                tools.reasoning_parser_name(cfg.reasoning_parser, tokenizer.chat_template),
             )
         except ValueError as err:
             problem = str(err)

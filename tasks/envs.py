@@ -298,7 +298,8 @@ class EnvTask:
         spec = prompts.spec_of(cfg)
         self.tool_parser = None
         self.factory = factory or episode_factory(
-            cfg, functools.partial(self.parser, cfg.tool_parser, tokenizer)
+            cfg,
+            functools.partial(self.parser, cfg.tool_parser, cfg.reasoning_parser, tokenizer),
         )
         self.names = ["env"] + (rewards.reward_names(spec.rewards) if spec else [])
         self.scorer = rewards.Scorer(
@@ -319,13 +320,16 @@ class EnvTask:
         if not self.prompts:
             raise RuntimeError("the env task has no training rows")
 
-    def parser(self, name: str, tokenizer):
-        """vLLM's tool parser for this run's episodes (--tool-parser, else the one the chat
-        template's format names), made once, on the first episode that has tools (prepare checked it
-        before the run)."""
+    def parser(self, name: str, reasoning: str, tokenizer):
+        """vLLM's tool and reasoning parsers for this run's episodes (--tool-parser and
+        --reasoning-parser, else the ones the chat template's format names), made once, on the
+        first episode that has tools (prepare checked them before the run)."""
         if self.tool_parser is None:
+            template = tokenizer.chat_template
             self.tool_parser = tools_lib.ToolCallParser(
-                tools_lib.parser_name(name, tokenizer.chat_template), tokenizer
+                tools_lib.parser_name(name, template),
+                tokenizer,
+                tools_lib.reasoning_parser_name(reasoning, template),
             )
         return self.tool_parser
 

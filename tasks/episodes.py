@@ -223,7 +223,7 @@ async def run_episode(gen: Sampler, env: Env, prompt, turns: Turns) -> Episode:
             ep.transcript.append(
                 text
                 if not ep.chat
-                else assistant_message(text, parser)
+                else assistant_message(text, parser, tools)
                 if tools
                 else {"role": "assistant", "content": text}
             )

@@ -26,6 +26,7 @@ import sys
 from dataclasses import dataclass, field
 
 import chat
+from chat import plain_prompt, uses_chat_template  # (the rules episodes share: chat.Renderer)
 from tasks.datasets import (  # noqa: F401 (also prompts.X)
     RG,
     DataError,
@@ -336,19 +337,11 @@ def held_out_order(n: int) -> list[int]:
 # --------------------------------------------------------------------------------------------------
 # Prompts
 # --------------------------------------------------------------------------------------------------
-def uses_chat_template(tokenizer, prompt, system_prompt: str = "") -> bool:
-    """Chat messages always go through the chat template; plain text only to carry a system
-    prompt."""
-    return not isinstance(prompt, str) or bool(
-        system_prompt and getattr(tokenizer, "chat_template", None)
-    )
-
-
 def render_prompt(tokenizer, prompt, system_prompt: str = "") -> str:
     """The text the model sees: chat template for messages, the plain text otherwise (see module
     doc)."""
     if not uses_chat_template(tokenizer, prompt, system_prompt):
-        return f"{system_prompt}\n\n{prompt}" if system_prompt else prompt
+        return plain_prompt(prompt, system_prompt)
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
     if system_prompt and messages[0].get("role") != "system":
         messages.insert(0, {"role": "system", "content": system_prompt})

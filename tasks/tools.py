@@ -38,6 +38,7 @@ from tasks.tool_calls import (  # noqa: F401 (also tools.X)
     parse_tool_calls,
     parser_name,
     parser_problem,
+    reasoning_parser_name,
     supports_tools,
     tokenizer_problem,
 )
@@ -90,8 +91,9 @@ def error_text(message: str) -> str:
 class ToolEnv:
     """An environment (reset/step) that runs tools: `step(action)` parses the turn's tool calls and
     runs each (in order; an unknown tool, bad arguments or a raise is an error text in its tool
-    message, counted), and returns (tool messages, 0.0, False); a turn without any `<tool_call>` is
-    the model's answer: (None, 0.0, True). An unparseable `<tool_call>` gets an error message too,
+    message, counted), and returns (tool messages, 0.0, False); a turn without a call or a call
+    attempt (its parser's markers in the content, the reasoning apart: tool_calls.ToolCallParser)
+    is the model's answer: (None, 0.0, True). An unparseable call gets an error message too,
     so the model sees what went wrong (TRL instead ends the episode there). Reward comes
     from --reward functions (or the class wrapped by `from_trl_environment`). `tools`: the schemas
     to render the prompt with. Counters, for the metrics: `tool_calls`, `tool_call_parse_failures`,
@@ -118,7 +120,9 @@ class ToolEnv:
 
     def parse(self, action: str) -> tuple[list[dict], list[str]]:
         calls, failures = (
-            self.parser.parse(action) if self.parser is not None else parse_tool_calls(action)
+            self.parser.parse(action, self.tools)
+            if self.parser is not None
+            else parse_tool_calls(action)
         )
         self.tool_calls += len(calls)
         self.tool_call_parse_failures += len(failures)

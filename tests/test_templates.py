@@ -7,11 +7,14 @@ packages).
   sampled, position by position, and what lies between them is the template's own end of turn,
   observation and generation prompt. On the templates that do not rewrite history, the whole
   sequence is the template's rendering of the whole conversation.
-- Tool calls in each family's own format, read by vLLM's parsers: Qwen3's Hermes `<tool_call>` JSON,
-  Llama 3.x's bare JSON with "parameters" (and `<|python_tag|>` ... `<|eom_id|>`); results in the
-  template's tool role.
+- Tool calls in each family's own format, read by vLLM's parsers: Qwen3's Hermes `<tool_call>` JSON
+  after its think block (the qwen3 reasoning parser, chosen from the template), Llama 3.x's bare
+  JSON with "parameters" (and `<|python_tag|>` ... `<|eom_id|>`); results in the template's tool
+  role. (qwen3_coder calls, reasoning first, prompts as the dataset renders them:
+  test_agent_turns.py.)
 - The checks made before a run: --tools refused in one line where the shipped template renders no
-  tools (Llama 3.1's package, Gemma 3) or no parser reads it; a bad --tool-parser, --chat-template
+  tools (Llama 3.1's package, Gemma 3), no parser reads it (the probe's integer argument typed), or
+  the parser's format has no call marker; a bad --tool-parser, --reasoning-parser, --chat-template
   or --chat-template-kwargs is one `error:` line; a template that cannot be extended turn by turn is
   refused, naming the way out.
 - --chat-template-kwargs '{"enable_thinking": false}' reaches Qwen3's prompts and episodes.
@@ -214,7 +217,7 @@ def tool_cfg(path, tmp_path, **changes):
 # family -> (the turn that calls add(2, 3), its stop ids, the observation's text after the call)
 TOOL_FORMATS = {
     "qwen3": (
-        '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>',
+        THINK + '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>',
         [151_645, 151_645],
         "\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n"
         "<|im_start|>assistant\n",
@@ -252,7 +255,7 @@ def test_a_tool_call_round_trips_in_the_familys_own_format(case, models, tmp_pat
         tokenizer,
         None,
         {"prompt": [{"role": "user", "content": "2 + 3?"}], "answer": "5"},
-        [call, "It is 5."],
+        [call, (THINK if family == "qwen3" else "") + "It is 5."],
         list(stops),
     )
     assert not ep.error and ep.turns == 2, ep.error
@@ -268,28 +271,27 @@ def test_a_tool_call_round_trips_in_the_familys_own_format(case, models, tmp_pat
         "name": "add",
         "arguments": {"a": 2, "b": 3},
     }
-    assert ep.transcript[-1]["content"] == "It is 5."
+    assert ep.transcript[-1]["content"].strip() == "It is 5."
 
 
 def test_bad_calls_in_a_familys_format_are_counted_and_shown_to_the_model(models, tmp_path):
     path = models("qwen3")
     tokenizer = chat.load_tokenizer(path)
-    parser = tools.ToolCallParser("hermes", tokenizer)
-    assert parser.parse('<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>') == (
-        [{"name": "add", "arguments": {"a": 1}}],
-        [],
-    )
+    parser, schemas = tools.ToolCallParser("hermes", tokenizer), tools.tool_schemas([add])
+    assert parser.parse(
+        '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>', schemas
+    ) == ([{"name": "add", "arguments": {"a": 1}}], [])
     calls, failures = parser.parse(
-        '<tool_call>\n{"name": "add", "arguments": {"a": 1\n</tool_call>'
+        '<tool_call>\n{"name": "add", "arguments": {"a": 1\n</tool_call>', schemas
     )
     assert calls == [] and len(failures) == 1 and "hermes" in failures[0]
-    assert parser.parse("The answer is 5.") == ([], [])
+    assert parser.parse("The answer is 5.", schemas) == ([], [])
     llama = tools.ToolCallParser("llama3_json", chat.load_tokenizer(models("llama3_2")))
-    assert llama.parse('{"name": "add", "parameters": {"a": 1, "b": 2}}') == (
+    assert llama.parse('{"name": "add", "parameters": {"a": 1, "b": 2}}', schemas) == (
         [{"name": "add", "arguments": {"a": 1, "b": 2}}],
         [],
     )
-    assert len(llama.parse('{"name": "add", "parameters": {"a": 1')[1]) == 1  # cut mid-call
+    assert len(llama.parse('{"name": "add", "parameters": {"a": 1', schemas)[1]) == 1  # cut
     cfg = tool_cfg(path, tmp_path)
     ep, _, env = episode(
         cfg,
@@ -327,9 +329,18 @@ def test_tools_are_refused_in_one_line_where_no_format_or_parser_fits(models, tm
     )
     assert "no tool parser of that name" in message and "hermes" in message
     message = error_line(
-        lambda: prepare.check_tokenizer(path, tool_cfg(path, tmp_path, tool_parser="pythonic"))
+        lambda: prepare.check_tokenizer(path, tool_cfg(path, tmp_path, tool_parser="qwen3_coder"))
     )
     assert "does not read the tool calls" in message
+    # a format without a call marker: a malformed call could not be told from an answer
+    message = error_line(
+        lambda: prepare.check_tokenizer(path, tool_cfg(path, tmp_path, tool_parser="pythonic"))
+    )
+    assert "no start marker" in message
+    message = error_line(
+        lambda: prepare.check_tokenizer(path, tool_cfg(path, tmp_path, reasoning_parser="nope"))
+    )
+    assert "--reasoning-parser 'nope'" in message and "qwen3" in message
     # the right one passes
     prepare.check_tokenizer(path, tool_cfg(path, tmp_path, tool_parser="hermes"))
 
@@ -343,6 +354,7 @@ def test_a_bad_chat_template_or_its_arguments_is_one_error_line(tmp_path):
         "--chat-template-kwargs {not json": "not JSON",
         "--chat-template-kwargs [1]": "a JSON object",
         "--tool-parser hermes": "needs --tools",
+        "--reasoning-parser qwen3": "needs --tools",
     }
     for flags, reason in cases.items():
         flag, value = flags.split(" ", 1)
