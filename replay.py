@@ -14,7 +14,9 @@ Role
     a row, a missing route) keeps the live router's choice. With replay off the patched router
     returns exactly what the original does and only counts (--router-record): the share of token x
     layer decisions where the trainer's own top-k equals the generator's (`router/agreement`), and
-    the decisions that had no route to replay (`router/missing`). Activation checkpointing
+    the decisions that had no route to replay (`router/missing`). The frozen models (the KL
+    reference, also LoRA's adapter-off policy, and a teacher) route themselves (`own_routing`).
+    Activation checkpointing
     (--grad-checkpointing) recomputes a layer in the backward pass: the context spans the backward
     too (update.py), so the recompute routes as the forward did; a layer counts once per context.
 Data contract: a batch's `routes` is (B, T, decoder layers, top_k) aligned with `input_ids`
@@ -251,6 +253,28 @@ def routed_by(model, batch, measure: bool = True, packed: bool = False):
         yield counts
     finally:
         counts.update(state.end())
+
+
+@contextlib.contextmanager
+def own_routing(model):
+    """Run a forward in which `model`'s patched routers route themselves: the micro-batch's routes
+    are set aside (nothing replayed, nothing counted) and back afterwards, for the backward's
+    recompute. The frozen models (the --kl-coef reference, a --teacher) score inside it: with LoRA
+    the reference is the policy with its adapter off, the same patched routers. They route
+    themselves because the recorded routes are the generator's, chosen by the current weights:
+    replayed in the reference they would make it follow the policy's routing, and the KL term would
+    miss the part of the drift that is routing (a separate full-fine-tuning reference has no
+    patched routers and routes itself too: one rule for both)."""
+    state = getattr(model, ATTRIBUTE, None)
+    if state is None or state.routes is None:
+        yield
+        return
+    kept = state.routes, state.needed
+    state.routes = state.needed = None
+    try:
+        yield
+    finally:
+        state.routes, state.needed = kept
 
 
 def add_counts(stats, counts) -> None:

@@ -24,6 +24,7 @@ import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 import buffer
+import lora
 import models
 import replay
 import routes
@@ -207,6 +208,52 @@ def test_routes_follow_their_tokens_through_collation_and_micro_batches():
         grads.append([p.grad.clone() for p in model.parameters()])
     for whole, split in zip(*grads):
         torch.testing.assert_close(split, whole, rtol=1e-4, atol=1e-6)
+
+
+def moe_batch(seed: int = 6) -> buffer.Batch:
+    """Three samples with random recorded routes (the last token of each: missing)."""
+    rng = np.random.default_rng(seed)
+    samples = []
+    for p, c in [(3, 5), (4, 3), (2, 6)]:
+        rows = rng.random((p + c, LAYERS, EXPERTS)).argsort(-1)[..., :TOP_K].astype(np.uint8)
+        rows[-1] = 255
+        prompt = [1] + list(rng.integers(3, 27, p - 1))
+        completion = list(rng.integers(3, 27, c))
+        samples.append(
+            buffer.Sample(prompt, completion, [-1.0] * c, [0] * c, 1.0, 1.0, routes=rows)
+        )
+    return buffer.collate(samples, pad_id=0)
+
+
+def test_the_kl_reference_routes_itself_with_lora_and_with_full_fine_tuning(monkeypatch):
+    """One rule for both paths (issue 38): the --kl-coef reference scores with its own routers'
+    choice, never the recorded routes the policy replays; with LoRA it is the policy with its
+    adapter off (the same patched routers), with full fine-tuning a separate model."""
+    batch, plain = moe_batch(), tiny_moe()
+    with torch.no_grad():
+        own = update.completion_logprobs(plain, batch, 1.0).logp
+    scored = []  # (the micro-batch, the reference's log-probs of it)
+    real = update.reference_logprobs
+    monkeypatch.setattr(
+        update,
+        "reference_logprobs",
+        lambda ref, mb, *rest: scored.append((mb, real(ref, mb, *rest))) or scored[-1][1],
+    )
+    cfg = Config(micro_batch_tokens=0, max_lag=0, kl_coef=0.1)
+    full_policy = tiny_moe(replay_on=True)
+    adapted = lora.wrap(tiny_moe(), lora.peft_config(4, 8, 0.0, "q_proj,v_proj"), seed=0)
+    replay.install(adapted, lora.base_model_of(adapted).model.layers, adapted.config, True)
+    for policy, reference in ((full_policy, tiny_moe()), (adapted, lora.AdapterOff(adapted))):
+        result = update.update_on_batch(policy, reference, None, batch, cfg, 0, 1, 0, 0)
+        # the policy replayed the routes (random: its own router disagrees with them)
+        assert result.metrics["router/agreement"] < 1
+        with torch.no_grad(), replay.routed_by(policy, batch):
+            replayed = update.completion_logprobs(policy, batch, 1.0).logp
+        assert not torch.allclose(replayed, own, atol=1e-3)
+        mb, reference_logp = scored.pop()  # (its rows sorted by length, trimmed)
+        with torch.no_grad():
+            expected = update.completion_logprobs(plain, mb, 1.0).logp
+        torch.testing.assert_close(reference_logp, expected, rtol=0, atol=1e-5)
 
 
 def test_a_model_without_replayable_routes_is_refused_in_one_line():
