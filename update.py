@@ -193,14 +193,11 @@ def micro_batch_loss(model, ref_model, teacher, mb, cfg, settings, units, tokens
         packed=packed,
     )
     teacher_logp = ref_logp = None
-    # the frozen models route themselves, never by the generator's recorded routes (with LoRA the
-    # reference is the policy's own routers: replay.own_routing says why)
-    with replay.own_routing(model):
-        if teacher is not None:  # on-policy distillation: the teacher scores the sampled tokens
-            with torch.no_grad():  # (never an environment's), under the temperature alone
-                teacher_logp = completion_logprobs(teacher, mb, cfg.temperature, packed=packed).logp
-        if cfg.kl_coef > 0:  # between the untruncated distributions
-            ref_logp = reference_logprobs(ref_model, mb, cfg.temperature, packed)
+    if teacher is not None:  # on-policy distillation: the teacher scores the sampled tokens
+        with torch.no_grad():  # (never an environment's), under the temperature alone
+            teacher_logp = completion_logprobs(teacher, mb, cfg.temperature, packed=packed).logp
+    if cfg.kl_coef > 0:  # between the untruncated distributions
+        ref_logp = reference_logprobs(ref_model, mb, cfg.temperature, packed)
     inputs = losses.LossInputs(
         logp=scores.logp,
         behaviour_logp=mb.behaviour_logp,
