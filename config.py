@@ -213,7 +213,8 @@ class Config:
     log_level: str = "warning"  # warning: progress lines, warnings, errors; info / debug: also
     #   vLLM's own log
     trace_steps: int = 300  # OUT/trace.json (Perfetto, chrome://tracing) and OUT/timeline.png hold
-    #   the last N steps of every process's timeline (0: no trace)
+    #   the last N steps of every process's timeline (0: no trace); links to this start's own
+    #   trace-START.json and timeline-START.png (a resume keeps the earlier starts')
     wandb: str = "off"  # log to Weights & Biases: online | offline | off
     wandb_project: str = "asyncgrpo"  # the wandb project
     # beyond one node (remote.py): the generator on its own machine, the trainer ranks under
