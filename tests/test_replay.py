@@ -371,6 +371,51 @@ def test_the_store_keeps_first_routes_fills_prefix_cache_hits_and_maps_request_i
     assert store.dtype == np.uint8 and routes.route_dtype(256) == np.uint16
 
 
+def test_a_group_that_ends_without_taking_its_routes_leaves_nothing_in_the_worker():
+    """(issue 38) Records of requests nothing will take (a group cancelled or failed while its
+    requests ran) are freed when the group ends: the generator's done callback names the group,
+    its next take frees what the group left in the worker; not 4,096 records later."""
+    import asyncio
+    import types
+
+    import rollout
+
+    store = routes.RouteStore(LAYERS, TOP_K, EXPERTS, block_size=4, prefix="group-")
+    names = [
+        "0_group-3-aaaaaaaa",  # group 3's two samples, cut short
+        "1_group-3-aaaaaaaa",
+        "group-5-1-t0-cccccccc",  # a turn of one of group 5's episodes
+        "group-30-bbbbbbbb",  # group 30: still running
+        "0_group-7-dddddddd",  # group 7: done, taken next
+    ]
+    rows = np.random.default_rng(1).integers(0, EXPERTS, (len(names), LAYERS, TOP_K))
+    step(store, rows, [(name, 1, [i]) for i, name in enumerate(names)], [0] * len(names))
+    recorder = routes.RouteRecorder()
+    recorder._routes = store
+
+    class Engine:  # vLLM's collective_rpc into the worker, in this process
+        async def collective_rpc(self, method, args=()):
+            return [getattr(recorder, method)(*args)]
+
+    taker = routes.GeneratorRoutes(on_gpu=False)
+    taker.layers, taker.top_k = LAYERS, TOP_K
+    generator = types.SimpleNamespace(running=set(), routes=taker, error=None, wake=None)
+
+    async def groups_end_then_one_is_taken():
+        for group_id in (3, 5):  # cancelled while their requests ran
+            task = asyncio.create_task(asyncio.sleep(60))
+            await asyncio.sleep(0)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            rollout.Generator._done(generator, group_id, task)
+        assert len(store.records) == len(names)  # (until the next take)
+        return await taker.take(Engine(), "group-7", [types.SimpleNamespace(index=0)])
+
+    taken = asyncio.run(groups_end_then_one_is_taken())
+    assert np.array_equal(taken[0], rows[4:5]) and taker.ended == []
+    assert list(store.records) == ["group-30-bbbbbbbb"] and list(store.known) == list(store.records)
+
+
 def test_an_episode_keeps_each_positions_first_routes_turn_after_turn():
     layers, k, dtype = 1, 2, np.uint8
     # positions 0-4 (5: the turn's last token, unread)
