@@ -116,7 +116,8 @@ class Config:
     lr: float = 3e-4  # AdamW learning rate
     weight_decay: float = 0.0  # AdamW weight decay
     grad_clip: float = 1.0  # clip the gradient's global norm to this
-    loss: str = "grpo"  # the policy loss: grpo | dapo | dr_grpo | gspo | cispo
+    loss: str = "grpo"  # the policy loss: grpo | dapo | dr_grpo | gspo | cispo (dr_grpo: also
+    #   --adv-scale none --agg seq-mean-token-sum-norm where no flag sets them)
     adv_scale: str = "group"  # divide advantages by the reward std of the group | batch | none (Dr.
     #   GRPO)
     agg: str = "token-mean"  # how token losses are averaged over the batch (see losses.AGGS)
