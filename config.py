@@ -66,6 +66,9 @@ class Config:
     #   preset) | rg:NAME (reasoning-gym's dataset NAME, generated)
     dataset: str = ""  # a .jsonl/.json/.parquet file, or a Hugging Face dataset NAME[:CONFIG]
     split: str = "train"  # the split of a Hugging Face dataset
+    data_dir: str = ""  # your copy of a built-in task's files: with --task gsm8k, GSM8K's (MIT,
+    #   openai/grade-school-math: grade_school_math/data): trains on DIR/train.jsonl, holds out
+    #   DIR/test.jsonl ("": the shipped 32-row sample, no held-out set)
     prompt_column: str = "prompt"  # text, or a list of chat messages (rendered with the chat
     #   template)
     answer_column: str = "answer"  # also passed to reward functions as `answer`
