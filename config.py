@@ -66,6 +66,9 @@ class Config:
     #   preset) | rg:NAME (reasoning-gym's dataset NAME, generated)
     dataset: str = ""  # a .jsonl/.json/.parquet file, or a Hugging Face dataset NAME[:CONFIG]
     split: str = "train"  # the split of a Hugging Face dataset
+    data_dir: str = ""  # your copy of a built-in task's files: with --task gsm8k, GSM8K's (MIT,
+    #   openai/grade-school-math: grade_school_math/data): trains on DIR/train.jsonl, holds out
+    #   DIR/test.jsonl ("": the shipped 32-row sample, no held-out set)
     prompt_column: str = "prompt"  # text, or a list of chat messages (rendered with the chat
     #   template)
     answer_column: str = "answer"  # also passed to reward functions as `answer`
@@ -123,7 +126,8 @@ class Config:
     lr: float = 3e-4  # AdamW learning rate
     weight_decay: float = 0.0  # AdamW weight decay
     grad_clip: float = 1.0  # clip the gradient's global norm to this
-    loss: str = "grpo"  # the policy loss: grpo | dapo | dr_grpo | gspo | cispo
+    loss: str = "grpo"  # the policy loss: grpo | dapo | dr_grpo | gspo | cispo (dr_grpo: also
+    #   --adv-scale none --agg seq-mean-token-sum-norm where no flag sets them)
     adv_scale: str = "group"  # divide advantages by the reward std of the group | batch | none (Dr.
     #   GRPO)
     agg: str = "token-mean"  # how token losses are averaged over the batch (see losses.AGGS)
@@ -220,7 +224,8 @@ class Config:
     log_level: str = "warning"  # warning: progress lines, warnings, errors; info / debug: also
     #   vLLM's own log
     trace_steps: int = 300  # OUT/trace.json (Perfetto, chrome://tracing) and OUT/timeline.png hold
-    #   the last N steps of every process's timeline (0: no trace)
+    #   the last N steps of every process's timeline (0: no trace); links to this start's own
+    #   trace-START.json and timeline-START.png (a resume keeps the earlier starts')
     wandb: str = "off"  # log to Weights & Biases: online | offline | off
     wandb_project: str = "asyncgrpo"  # the wandb project
     # beyond one node (remote.py): the generator on its own machine, the trainer ranks under

@@ -1,7 +1,8 @@
 """flag_checks.py — the checks of the run's flags that read the flags alone: one line per bad value.
 
-Role: `parse_args(argv)` reads the command line into a `config.Config` and refuses it, in one
-`error:` line per problem, before anything starts (`validate`); `problems_of` and the groups beside
+Role: `parse_args(argv)` reads the command line into a `config.Config` (`config_of`: with the
+settings `--loss dr_grpo` stands for where no flag sets them) and refuses it, in one `error:` line
+per problem, before anything starts (`validate`); `problems_of` and the groups beside
 it (LoRA, the off-policy corrections, the remote roles) say what is wrong; `inactive_flags` names
 the flags that cannot act in this run (train.py warns). The checks that load what the flags name
 are prepare.check's; prepare.parse_args runs both (train.py's command line).
@@ -9,17 +10,48 @@ Data contract: a problem is one line that names the flag, the value and the way 
 May touch: nothing (reads the paths --model and --teacher name, to check they exist).
 """
 
+import argparse
+import dataclasses
 import os
 
 from config import Config, build_parser, split_addr
+
+# What makes --loss dr_grpo Dr. GRPO (Liu et al. 2025): its surrogate is grpo's; the advantages are
+# not divided by the group's std (--adv-estimator grpo's scale) and token losses are summed over a
+# constant. Given where the command line leaves them (`config_of`), refused where it sets others.
+DR_GRPO = {"adv_scale": "none", "agg": "seq-mean-token-sum-norm"}
 
 
 def parse_args(argv=None) -> Config:
     """The flags as a Config, checked by `validate` (train.py's command line: prepare.parse_args,
     which adds the checks that load what the flags name)."""
-    cfg = Config(**vars(build_parser().parse_args(argv)))
+    cfg = config_of(argv)
     validate(cfg)
     return cfg
+
+
+def config_of(argv=None) -> Config:
+    """The command line as a Config, not yet checked: the flags it gives, the defaults for the
+    rest, except the settings --loss dr_grpo stands for (DR_GRPO), which replace defaults only."""
+    cfg = Config(**vars(build_parser().parse_args(argv)))
+    if cfg.loss != "dr_grpo":
+        return cfg
+    given = given_flags(argv)
+    settings = dr_grpo_settings(cfg)
+    return dataclasses.replace(cfg, **{k: v for k, v in settings.items() if k not in given})
+
+
+def given_flags(argv=None) -> set[str]:
+    """The Config fields the command line sets itself (however spelt: --agg=X, an abbreviation)."""
+    parser = build_parser()
+    for action in parser._actions:  # (set_defaults would put them in the namespace all the same)
+        action.default = argparse.SUPPRESS
+    return set(vars(parser.parse_args(argv)))
+
+
+def dr_grpo_settings(cfg: Config) -> dict:
+    """DR_GRPO as it applies to this run: another --adv-estimator than grpo has its own scale."""
+    return {k: v for k, v in DR_GRPO.items() if k != "adv_scale" or cfg.adv_estimator == "grpo"}
 
 
 def validate(cfg: Config, more: list[str] = ()) -> None:
@@ -94,6 +126,8 @@ def problems_of(cfg: Config) -> list[str]:
             ">= 2 (or --adv-scale none with a baseline-free reward)"
         )
     problems += off_policy_problems(cfg)
+    if cfg.loss == "dr_grpo":
+        problems += dr_grpo_problems(cfg)
     if cfg.top_k < -1:
         problems.append(f"--top-k must be -1 or 0 (off) or >= 1 (got {cfg.top_k})")
     if cfg.temperature <= 0:
@@ -155,6 +189,22 @@ def problems_of(cfg: Config) -> list[str]:
         )
     problems += remote_problems(cfg)
     return problems
+
+
+def dr_grpo_problems(cfg: Config) -> list[str]:
+    """--loss dr_grpo with other settings than DR_GRPO's, set on the command line: that run would be
+    grpo (or a mix) under Dr. GRPO's name."""
+    settings = dr_grpo_settings(cfg)
+    flag = {k: f"--{k.replace('_', '-')}" for k in settings}
+    other = [f"{flag[k]} {getattr(cfg, k)}" for k, v in settings.items() if getattr(cfg, k) != v]
+    if not other:
+        return []
+    wanted = " ".join(f"{flag[k]} {v}" for k, v in settings.items())
+    return [
+        f"--loss dr_grpo with {' '.join(other)} is not Dr. GRPO (its loss is grpo's; {wanted} "
+        f"make it Dr. GRPO, and --loss dr_grpo sets them where no flag does): drop "
+        f"{' and '.join(other)}, or use --loss grpo with them"
+    ]
 
 
 def lora_problems(cfg: Config) -> list[str]:

@@ -4,7 +4,8 @@ Role: `run` resolves the flags and prepares the run (prepare.py: the checkpoint 
 devices, the packed weight buffer), spawns one vLLM generator (rollout.generator_main) and the FSDP2
 trainer ranks (train.trainer_main, handed in by train.main: this module does not import train.py),
 and supervises them until they end (processes.run_children); `write_timeline` then merges every
-process's trace events into trace.json and timeline.png.
+process's trace events into this start's trace and timeline (trace.json and timeline.png link them;
+a resume keeps the earlier starts': `start_trace`).
 Data contract: the children get the resolved Config, the prepared run, the shared weight buffer, the
 rollout queue and the run's `Control` (the staleness gate's counters set from a resumed run); `run`
 returns the run's exit code: 0, 1 (a child failed), or 128 + the signal that stopped it.
@@ -70,7 +71,8 @@ def run(cfg: Config, trainer_main) -> int:
     control.steps_skipped.value = prepared.start_step - prepared.start_version  # (and from here)
     settings = prepare.generator_settings(cfg, prepared, adapter_dir)
     init_file = tempfile.mktemp(prefix="asyncgrpo-dist-")
-    tracing.configure(cfg.out, cfg.trace_steps)  # (the children inherit where to write)
+    # (the children inherit where to write; a resume keeps the earlier starts' traces)
+    start_trace(cfg, resumed=prepared.start_step > 0)
     children = {"generator": (generator_main, (settings, shared, rollout_queue, control), True)}
     for rank in range(cfg.train_ranks):
         children[f"trainer{rank}"] = (
@@ -84,6 +86,18 @@ def run(cfg: Config, trainer_main) -> int:
         if os.path.exists(init_file):
             os.unlink(init_file)
         write_timeline(cfg)
+
+
+def start_trace(cfg: Config, resumed: bool) -> None:
+    """Trace this start under its own name (tracing.configure). A resume keeps what earlier starts
+    left in OUT (a crash's trace and timeline are its picture), first merging the processes' files
+    of one whose parent was killed before it could."""
+    if resumed:
+        try:
+            trace_merge.merge(cfg.out, remove_parts=True)
+        except Exception as e:  # (never stops the run: those files are then lost)
+            print(f"warning: an earlier start's trace files were not merged ({e})", file=sys.stderr)
+    tracing.configure(cfg.out, cfg.trace_steps, keep_earlier=resumed)
 
 
 def write_timeline(cfg: Config) -> None:

@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import devices
+import replay
 
 ADAPTER_NAME = "default"  # PEFT's name for a model's only adapter; it is not part of the file names
 # vLLM sizes its LoRA buffers for one of these ranks (`--max-lora-rank`); the adapter's rank may be
@@ -110,14 +111,17 @@ def served_weights(rank: int, adapter_dir: str) -> Served:
 
 class AdapterOff:
     """The policy with its adapter switched off, scored like a model: the frozen reference
-    of --kl-coef with LoRA (the base weights, so no second copy of them)."""
+    of --kl-coef with LoRA (the base weights, so no second copy of them). Like the separate
+    reference of full fine-tuning, it routes itself: with --router-replay its MoE routers (the
+    policy's) set the generator's recorded routes aside for its forward (replay.own_routing says
+    why)."""
 
     def __init__(self, policy):
         self.policy = policy
         self.config = policy.config
 
     def __call__(self, **inputs):
-        with self.policy.disable_adapter():
+        with self.policy.disable_adapter(), replay.own_routing(self.policy):
             return self.policy(**inputs)
 
     def get_decoder(self):

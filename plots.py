@@ -13,8 +13,10 @@ length, staleness, sync latency, epochs (env runs: episodes instead). The timeli
 events by their "cat" (tracing.py): each trainer rank's waits and work, the generator's engine
 steps, evaluations, idle engine, staleness gate, weight swaps and full-queue waits, the queue's
 depth, the requests in the engine (from the request spans), and each step's trained tokens by
-version (rank 0's step spans). May touch: OUT/plots.png and OUT/timeline.png (and OUT/trace.json,
-through trace_merge.merge, from the command line).
+version (rank 0's step spans). A run's start has its own timeline-START.png beside its
+trace-START.json, timeline.png and trace.json linking the newest (tracing.start_name). May touch:
+OUT/plots.png, OUT/timeline.png and OUT/timeline-START.png (and the trace, through
+trace_merge.merge, from the command line).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import os
 import sys
 
 import trace_merge
+import tracing
 
 
 def read_rows(out_dir: str) -> list[dict]:
@@ -258,13 +261,14 @@ GENERATOR_SPANS = (
 
 def plot_timeline(out_dir: str) -> str | None:
     """Write OUT/timeline.png from OUT/trace.json; returns its path (None when the trace has no
-    span)."""
+    span). Where trace.json links a start's own trace (tracing.start_name), the picture is that
+    start's too, timeline-START.png, and timeline.png links it."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    with open(os.path.join(out_dir, "trace.json")) as f:
+    with open(os.path.join(out_dir, tracing.TRACE)) as f:
         events = json.load(f)["traceEvents"]
     names = {
         e["pid"]: e["args"]["name"]
@@ -314,9 +318,14 @@ def plot_timeline(out_dir: str) -> str | None:
     )
     fig.suptitle(f"{out_dir}: {busy_line(rows, steps)}", fontsize=9, y=0.995)
     fig.tight_layout(rect=(0, 0, 1, 0.93))
-    path = os.path.join(out_dir, "timeline.png")
+    source = os.path.basename(os.path.realpath(os.path.join(out_dir, tracing.TRACE)))
+    own = tracing.STARTS.fullmatch(source) is not None
+    name = tracing.file_name(source[: -len(".json")], tracing.TIMELINE) if own else "timeline.png"
+    path = os.path.join(out_dir, name)
     fig.savefig(path, dpi=90)
     plt.close(fig)
+    if own:
+        trace_merge.point(out_dir, tracing.TIMELINE, name)
     return path
 
 

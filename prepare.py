@@ -24,7 +24,6 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import chat
 import checkpoint
-import config
 import devices
 import flag_checks
 import heads
@@ -42,7 +41,7 @@ from tasks.datasets import DataError
 def parse_args(argv=None) -> Config:
     """The command line as a checked Config: config's checks of the flags, then `check`'s, one error
     line each (SystemExit)."""
-    cfg = Config(**vars(config.build_parser().parse_args(argv)))
+    cfg = flag_checks.config_of(argv)
     flag_checks.validate(cfg, check(cfg))
     return cfg
 

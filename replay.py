@@ -14,9 +14,11 @@ Role
     a row, a missing route) keeps the live router's choice. With replay off the patched router
     returns exactly what the original does and only counts (--router-record): the share of token x
     layer decisions where the trainer's own top-k equals the generator's (`router/agreement`), and
-    the decisions that had no route to replay (`router/missing`). Activation checkpointing
-    (--grad-checkpointing) recomputes a layer in the backward pass: the context spans the backward
-    too (update.py), so the recompute routes as the forward did; a layer counts once per context.
+    the decisions that had no route to replay (`router/missing`). The frozen models (the KL
+    reference, also LoRA's adapter-off policy, and a teacher) route themselves (`own_routing`:
+    lora.AdapterOff runs in it). Activation checkpointing (--grad-checkpointing) recomputes a layer
+    in the backward pass: the context spans the backward too (update.py), so the recompute routes
+    as the forward did; a layer counts once per context.
 Data contract: a batch's `routes` is (B, T, decoder layers, top_k) aligned with `input_ids`
 (buffer.collate): uint8 with 255 where missing, or a wider integer type with -1 or 65535 (uint16's
 all ones) there; a layer without a MoE block ignores its rows. A packed micro-batch (--packing) runs
@@ -251,6 +253,28 @@ def routed_by(model, batch, measure: bool = True, packed: bool = False):
         yield counts
     finally:
         counts.update(state.end())
+
+
+@contextlib.contextmanager
+def own_routing(model):
+    """Run a forward in which `model`'s patched routers route themselves: the micro-batch's routes
+    are set aside (nothing replayed, nothing counted) and back afterwards, for the backward's
+    recompute. The --kl-coef reference of a LoRA run (lora.AdapterOff: the policy with its adapter
+    off, the same patched routers) scores inside it, so that it routes itself as the separate
+    reference of full fine-tuning (no patched routers) and a teacher do: one rule for both paths.
+    Why themselves: the recorded routes are the generator's, chosen by the current weights;
+    replayed in the reference they would make it follow the policy's routing, and the KL term
+    would miss the part of the drift that is routing."""
+    state = getattr(model, ATTRIBUTE, None)
+    if state is None or state.routes is None:
+        yield
+        return
+    kept = state.routes, state.needed
+    state.routes = state.needed = None
+    try:
+        yield
+    finally:
+        state.routes, state.needed = kept
 
 
 def add_counts(stats, counts) -> None:

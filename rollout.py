@@ -373,8 +373,10 @@ class Generator:
             self.loaded_version < landing_version - self.cfg.max_lag,
         )
 
-    def _done(self, task: asyncio.Task):
+    def _done(self, group_id: int, task: asyncio.Task):
         self.running.discard(task)
+        if self.routes is not None:  # what the worker still holds of it is freed (routes.py)
+            self.routes.end(f"group-{group_id}")
         if not task.cancelled() and task.exception() is not None and self.error is None:
             self.error = task.exception()
         if self.wake is not None:
@@ -437,7 +439,7 @@ class Generator:
                 task = asyncio.create_task(
                     tracing.on_lane(group, f"group {self.issued}", group=self.issued)
                 )
-                task.add_done_callback(self._done)
+                task.add_done_callback(functools.partial(self._done, self.issued))
                 self.running.add(task)
                 self.issued += 1
                 continue

@@ -10,7 +10,8 @@ Role
     Runner V2, which needs Triton): binds every MoE layer's router `capture_fn` hook and wraps the
     model runner's `execute_model`. Eager execution only (the CPU path's `enforce_eager=True`):
     under torch.compile the hook records zeros. `GeneratorRoutes`: the generator process's side:
-    starts the recording, takes a finished request's routes. On GPUs vLLM records them itself
+    starts the recording, takes a finished request's routes, and has the worker free those of a
+    group that ended without taking them (with its next take). On GPUs vLLM records them itself
     (`enable_return_routed_experts`, each completion's `routed_experts`); that path has never run
     here (no GPU was available): it follows vLLM 0.32's documented API only.
 Data contract
@@ -32,7 +33,8 @@ import re
 
 import numpy as np
 
-# requests whose routes wait to be taken, at most (the oldest are dropped beyond)
+# requests whose routes wait to be taken, at most (the oldest are dropped beyond: a safety net, as
+# the records of a group's requests are freed when the group ends, `RouteStore.forget`)
 MAX_RECORDS = 4096
 CHILD = re.compile(r"^\d+_")  # vLLM names the n samples of one request "{index}_{request id}"
 
@@ -193,6 +195,18 @@ class RouteStore:
             taken[index] = record[start : int(present[-1]) + 1 if len(present) else 0]
         return taken
 
+    def forget(self, groups) -> None:
+        """Free the records of every request of the ended `groups` (the generator's group ids:
+        "group-7" ends its samples' request and its episodes' turns, "group-7-2-t1"): nothing
+        will take them now (a group cancelled or failed while its requests ran)."""
+        for name in [n for n in self.records if any(self.of_group(n, g) for g in groups)]:
+            del self.records[name], self.known[name]
+
+    @staticmethod
+    def of_group(name: str, group: str) -> bool:
+        base = CHILD.sub("", name)
+        return base == group or base.startswith(group + "-")
+
     @staticmethod
     def named(name: str, request_id: str) -> bool:
         base = CHILD.sub("", name)
@@ -247,9 +261,10 @@ class RouteRecorder:
         positions = kwargs.get("positions", args[1] if len(args) > 1 else None)
         self._positions = positions.detach().to("cpu").numpy().copy()
 
-    def take_routes(self, request_id: str, start: int = 0) -> list:
+    def take_routes(self, request_id: str, start: int = 0, ended=()) -> list:
         """[[sample index, the routes' bytes], ...] (RouteStore.take; bytes cross vLLM's RPC as they
-        are)."""
+        are); first frees what the `ended` groups left (RouteStore.forget)."""
+        self._routes.forget(ended)
         return [
             [index, rows.tobytes()] for index, rows in self._routes.take(request_id, start).items()
         ]
@@ -267,6 +282,15 @@ class GeneratorRoutes:
         self.on_gpu = on_gpu
         self.layers = self.top_k = 0
         self.dtype = np.uint8
+        # groups ended since the last take: the worker frees what they left with the next one
+        self.ended: list[str] = []
+
+    def end(self, group: str) -> None:
+        """The group `group` ("group-7") ended, taken or not (cancelled, failed): whatever the
+        worker still holds of its requests is freed with the next take (no call of its own: this
+        runs in a done callback, also while the run stops)."""
+        if not self.on_gpu:
+            self.ended.append(group)
 
     @property
     def engine_options(self) -> dict:
@@ -302,10 +326,11 @@ class GeneratorRoutes:
                 )
                 for c in completions
             ]
+        ended, self.ended = self.ended, []
         taken = {
             index: np.frombuffer(data, dtype=self.dtype).reshape(-1, self.layers, self.top_k)
             for index, data in (
-                await engine.collective_rpc("take_routes", args=(request_id, start))
+                await engine.collective_rpc("take_routes", args=(request_id, start, ended))
             )[0]
         }
         return [

@@ -2,14 +2,17 @@
 OUT/trace.json.
 
 Role: `merge(out)` reads OUT/trace/'s segment files, keeps the trainer's last --trace-steps steps
-(`last_steps`), adds each request's phases (`request_phases`) and writes OUT/trace.json; train.py's
-parent calls it at the end of a run, `python plots.py OUT` on a run in progress.
+(`last_steps`), adds each request's phases (`request_phases`) and writes the start's own
+OUT/trace-START.json, OUT/trace.json its link (tracing.configure names it: a resume keeps the
+earlier starts' traces); train.py's parent calls it at the end of a run, `python plots.py OUT` on
+a run in progress.
 Data contract: tracing.py's files (one JSON event a line; metadata events "M" kept once each, the
-newest) and OUT/trace/run.json ({"steps", "t0_ns"}); the output is Chrome's trace-event format (see
+newest) and OUT/trace/run.json ({"steps", "t0_ns", "file": the start's trace, "link": the name
+that points at the newest start's}); the output is Chrome's trace-event format (see
 tracing.py). Request phases: from the engine steps' request ids (vLLM's worker records which
 requests each step scheduled new, preempted or resumed), grouped by the id the generator sent.
-May touch: OUT/trace.json (written whole, then renamed) and, when asked, OUT/trace/. Standard
-library only.
+May touch: OUT/trace-START.json (written whole, then renamed), the link OUT/trace.json and, when
+asked, OUT/trace/. Standard library only.
 """
 
 from __future__ import annotations
@@ -22,10 +25,10 @@ import shutil
 
 
 def merge(out: str, remove_parts: bool = False) -> str | None:
-    """Join OUT/trace/'s files into OUT/trace.json (written whole, then renamed: a reader never sees
-    half of it); with `remove_parts`, delete them after. Returns its path, or None when there is
-    nothing to merge. Lines cut short by a killed process, and files removed while we read them, are
-    skipped."""
+    """Join OUT/trace/'s files into the start's own trace, OUT/trace-START.json (written whole, then
+    renamed: a reader never sees half of it), and point OUT/trace.json at it; with `remove_parts`,
+    delete them after. Returns its path, or None when there is nothing to merge. Lines cut short by
+    a killed process, and files removed while we read them, are skipped."""
     folder = os.path.join(out, "trace")
     try:
         with open(os.path.join(folder, "run.json")) as f:
@@ -51,7 +54,9 @@ def merge(out: str, remove_parts: bool = False) -> str | None:
     events = last_steps(events, run["steps"])
     events += request_phases(events)
     events.sort(key=lambda e: (e["ts"], -e.get("dur", 0)))
-    path = os.path.join(out, "trace.json")
+    # the start's own file and its link (tracing.configure; an older version's run.json: neither)
+    name, link = run.get("file", "trace.json"), run.get("link")
+    path = os.path.join(out, name)
     with open(f"{path}.{os.getpid()}.tmp", "w") as f:
         json.dump(
             {
@@ -63,9 +68,22 @@ def merge(out: str, remove_parts: bool = False) -> str | None:
             separators=(",", ":"),
         )
     os.replace(f"{path}.{os.getpid()}.tmp", path)
+    if link:
+        point(out, link, name)
     if remove_parts:
         shutil.rmtree(folder, ignore_errors=True)
     return path
+
+
+def point(out: str, link: str, target: str) -> None:
+    """OUT/link (trace.json, timeline.png) -> OUT/target, the newest start's: a relative symbolic
+    link, replaced at once (a reader never finds none); a copy where the file system has none."""
+    tmp = os.path.join(out, f".{link}.{os.getpid()}.tmp")
+    try:
+        os.symlink(target, tmp)
+    except OSError:
+        shutil.copyfile(os.path.join(out, target), tmp)
+    os.replace(tmp, os.path.join(out, link))
 
 
 def last_steps(events: list[dict], steps: int) -> list[dict]:

@@ -18,8 +18,11 @@ episode's) life on one lane track, its requests nested inside (the merge adds ea
 phases). Bounded: a process writes segment files of --trace-steps steps (as it counts them: the
 trainer its step, the generator and the worker the weight version they load) and keeps the two
 newest. An event is a tuple appended to a list, written every FLUSH_S seconds or FLUSH_EVENTS events
-(a process killed loses at most that). May touch: OUT/trace/ (each process its own files) and
-OUT/trace.json; nothing else. Standard library only.
+(a process killed loses at most that). Each start of a run has its own name (`start_name`:
+trace-START.json, timeline-START.png); OUT/trace.json and OUT/timeline.png link the newest's, and a
+resume keeps the earlier starts' files (`configure`). May touch: OUT/trace/ (each process its own
+files), the starts' traces and timelines in OUT and their links; nothing else. Standard library
+only.
 """
 
 from __future__ import annotations
@@ -30,12 +33,16 @@ import functools
 import heapq
 import json
 import os
+import re
 import shutil
 import sys
 import threading
 import time
 
 DIR_ENV, STEPS_ENV, T0_ENV = "ASYNCGRPO_TRACE_DIR", "ASYNCGRPO_TRACE_STEPS", "ASYNCGRPO_TRACE_T0_NS"
+# In OUT: the newest start's trace and timeline (links to its files, named by `start_name`)
+TRACE, TIMELINE = "trace.json", "timeline.png"
+STARTS = re.compile(r"(trace-\d{8}-\d{6}(-\d+)?\.json|timeline-\d{8}-\d{6}(-\d+)?\.png)")
 FLUSH_S, FLUSH_EVENTS = 2.0, 4096
 LANE = "<lane>"  # as a track: the lane of the group or episode the calling asyncio task runs for
 _recorder = None  # this process's Recorder (None: no trace)
@@ -45,22 +52,59 @@ _lane = contextvars.ContextVar("trace_lane", default=None)
 # --------------------------------------------------------------------------------------------------
 # The run's side: configure before the children start (trace_merge.merge joins their files at the
 # end) ---------------------------------------------------------------------------------------------
-def configure(out: str, steps: int) -> None:
+def configure(out: str, steps: int, keep_earlier: bool = False) -> None:
     """Trace the processes started from now on into OUT/trace/, each keeping about `steps` steps (0:
-    no trace). Removes what an earlier run left in OUT (its segments, its trace.json)."""
+    no trace), merged at the end under this start's name (`start_name`). keep_earlier (a resume, as
+    metrics.jsonl keeps its rows): what earlier starts left in OUT stays, each under its own name
+    (a plain trace.json of an older version is renamed by its time); otherwise it is removed (their
+    traces, timelines and the links to them). The processes' files of an earlier start are removed
+    either way (launch.py merges a killed run's first)."""
     folder = os.path.join(out, "trace")
     shutil.rmtree(folder, ignore_errors=True)
-    for path in (os.path.join(out, "trace.json"), os.path.join(out, "timeline.png")):
-        if os.path.exists(path):
-            os.unlink(path)
+    plain = [os.path.join(out, n) for n in (TRACE, TIMELINE)]
+    plain = [p for p in plain if os.path.isfile(p) and not os.path.islink(p)]
+    if keep_earlier and plain:  # an older version's files, renamed by the time of its trace
+        stem = start_name(out, os.path.getmtime(plain[0]) * 1e9)
+        for path in plain:
+            os.replace(path, os.path.join(out, file_name(stem, os.path.basename(path))))
+    elif not keep_earlier:
+        for name in earlier_files(out) + [TRACE, TIMELINE]:
+            if os.path.lexists(os.path.join(out, name)):
+                os.unlink(os.path.join(out, name))
     if steps <= 0:
         unconfigure()
         return
     os.makedirs(folder)
     t0 = time.time_ns()
     with open(os.path.join(folder, "run.json"), "w") as f:
-        json.dump({"steps": steps, "t0_ns": t0}, f)
+        stem = start_name(out, t0)
+        json.dump({"steps": steps, "t0_ns": t0, "file": file_name(stem, TRACE), "link": TRACE}, f)
     os.environ.update({DIR_ENV: folder, STEPS_ENV: str(steps), T0_ENV: str(t0)})
+
+
+def start_name(out: str, t0_ns: float) -> str:
+    """A start's file stem in OUT: trace-YYYYmmdd-HHMMSS (local time of its start), with -2, -3, ...
+    where OUT already holds that name (two starts in one second). Its timeline: the same with
+    "timeline" for "trace"."""
+    stem = "trace-" + time.strftime("%Y%m%d-%H%M%S", time.localtime(t0_ns / 1e9))
+    taken, name, n = set(os.listdir(out)) if os.path.isdir(out) else set(), stem, 1
+    while {file_name(name, TRACE), file_name(name, TIMELINE)} & taken:
+        n += 1
+        name = f"{stem}-{n}"
+    return name
+
+
+def file_name(stem: str, link: str) -> str:
+    """A start's file for `link`: (trace-X, trace.json) -> trace-X.json, (trace-X, timeline.png) ->
+    timeline-X.png."""
+    kind, ext = os.path.splitext(link)
+    return kind + stem[len("trace") :] + ext
+
+
+def earlier_files(out: str) -> list[str]:
+    """The traces and timelines that starts left in OUT under their own names, oldest first."""
+    names = os.listdir(out) if os.path.isdir(out) else []
+    return sorted(n for n in names if STARTS.fullmatch(n))
 
 
 def unconfigure() -> None:

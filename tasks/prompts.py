@@ -2,9 +2,10 @@
 
 Role: from the data flags and a dataset's rows to the token ids the generator samples from, with
 no engine and no trainer in sight (importable without vLLM or torch): `spec_of` (flags ->
-DataSpec; the built-in `GSM8K` preset, `--task rg:NAME`), `check_flags` (prepare.check: the data
-flags, one line per problem), `eval_source` (where the held-out prompts come from), `walk` (the
-order prompts are used in), `encode_prompt` (chat template for message lists, `--system-prompt`).
+DataSpec; the built-in `GSM8K` preset, with --data-dir GSM8K's own files, `--task rg:NAME`),
+`check_flags` (prepare.check: the data flags, one line per problem), `eval_source` (where the
+held-out prompts come from), `walk` (the order prompts are used in), `encode_prompt` (chat template
+for message lists, `--system-prompt`).
 Rows: tasks/datasets.py. Reward functions: tasks/rewards.py.
 Data flows one way, tasks/builtin.py and tasks/envs.py -> this file: `spec_of`, `prompt_limit`,
 `dataset_rows` (training and held-out rows), `encode_rows` (rows -> Prompts, too-long ones
@@ -67,6 +68,8 @@ GSM8K_SYSTEM_PROMPT = (
     "End with the final answer on its own line, as '#### <number>'."
 )
 # The GSM8K-style task (`--task gsm8k`): a preset for the dataset task; flags given explicitly win.
+# With --data-dir, GSM8K itself from the user's copy: GSM8K_FILES' training file and held-out file.
+GSM8K_FILES = ("train.jsonl", "test.jsonl")
 GSM8K = {
     "dataset": os.path.join(HERE, "data", "gsm8k_sample.jsonl"),
     "prompt_column": "question",
@@ -115,14 +118,23 @@ def resolve(
     eval_split="",
     env="",
     teacher="",
+    data_dir="",
 ) -> DataSpec | None:
     """The flags' data settings (None for the built-in copy and reveal tasks; raises DataError).
     `env` makes the dataset (rows for reset) and rewards optional, `teacher` the rewards (none: all
-    0, it learns from the teacher)."""
+    0, it learns from the teacher); `data_dir` the user's copy of GSM8K (`gsm8k_files`)."""
     if task not in TASKS and not task.startswith(RG):
         raise DataError(f"--task must be one of {', '.join(TASKS)} or rg:NAME (got {task!r})")
     if task == "auto":
         task = "dataset" if dataset or env else "copy"
+    if data_dir and task != "gsm8k":
+        raise DataError(
+            f"--data-dir {data_dir} holds a built-in task's files: it needs --task gsm8k "
+            f"(another dataset: --dataset and --eval-dataset)"
+        )
+    if data_dir:  # the training and held-out files, where no flag names others
+        train_file, test_file = gsm8k_files(data_dir)
+        dataset, eval_dataset = dataset or train_file, eval_dataset or test_file
     if task in ("copy", "reveal"):
         if dataset or reward or eval_dataset or eval_split or env:
             raise DataError(
@@ -199,6 +211,18 @@ def resolve(
     )
 
 
+def gsm8k_files(folder: str) -> tuple[str, str]:
+    """(training file, held-out file) of a copy of GSM8K in `folder` (DataError: one is missing)."""
+    paths = tuple(os.path.join(folder, name) for name in GSM8K_FILES)
+    missing = [name for name, path in zip(GSM8K_FILES, paths) if not os.path.isfile(path)]
+    if missing:
+        raise DataError(
+            f"--data-dir {folder} has no {' or '.join(missing)}: give the folder holding GSM8K's "
+            f"{' and '.join(GSM8K_FILES)} (openai/grade-school-math, grade_school_math/data)"
+        )
+    return paths
+
+
 def spec_of(settings) -> DataSpec | None:
     """`resolve` for an object with the flags as attributes (config.Config)."""
     return resolve(
@@ -215,6 +239,7 @@ def spec_of(settings) -> DataSpec | None:
         settings.eval_split,
         getattr(settings, "env", ""),
         getattr(settings, "teacher", ""),
+        getattr(settings, "data_dir", ""),
     )
 
 

@@ -179,6 +179,60 @@ def test_task_resolution():
     assert cfg.task == "gsm8k"
 
 
+# GSM8K itself (MIT, openai/grade-school-math): CI keeps a copy beside the checkout
+GSM8K_DIR = REPO.parent / "shared" / "data" / "gsm8k"
+
+
+@pytest.mark.skipif(
+    not all((GSM8K_DIR / name).is_file() for name in prompts.GSM8K_FILES),
+    reason=f"no copy of GSM8K at {GSM8K_DIR} (train.jsonl, test.jsonl)",
+)
+def test_gsm8k_from_a_users_copy_trains_on_its_train_file_and_holds_out_its_test_file(
+    ascii_model, tokenizer
+):
+    """--task gsm8k --data-dir DIR: DIR/train.jsonl's rows to train on, DIR/test.jsonl's held out,
+    each scored by the math reward against the number after '#### ' in its `answer`."""
+    train, test = (str(GSM8K_DIR / name) for name in prompts.GSM8K_FILES)
+    argv = ["--model", ascii_model, "--task", "gsm8k", "--data-dir", str(GSM8K_DIR)]
+    cfg = prepare.parse_args(argv + ["--max-new-tokens", "8"])
+    spec = prompts.spec_of(cfg)
+    assert (spec.dataset, prompts.eval_source(spec), spec.prompt_column) == (
+        train,
+        (test, ""),
+        "question",
+    )
+    assert spec.system_prompt == prompts.GSM8K_SYSTEM_PROMPT
+    rows = {name: datasets.load_rows(path) for name, path in (("train", train), ("test", test))}
+    task = builtin.make_task(cfg, tokenizer, max_len=2048)
+    assert len(task.prompts) + len(task.held_out) + task.dropped_long == sum(
+        map(len, rows.values())
+    )
+    assert len(task.held_out) > 0.9 * len(rows["test"])
+    questions = {row["question"] for _, row in rows["test"]}
+    assert all(p.prompt in questions for p in task.held_out[:50])
+    prompt = task.held_out[0]
+    final = prompt.answer.rsplit("#### ", 1)[1].strip()
+    rewards, _, _ = task.score(
+        prompt, [f"The answer is below.\n#### {final}", f"#### {final}1"], [[5], [6]]
+    )
+    assert rewards == [1.0, 0.0]
+    # a flag given explicitly still wins: the held-out set from another file
+    other = prompts.resolve("gsm8k", eval_dataset=train, data_dir=str(GSM8K_DIR))
+    assert (other.dataset, prompts.eval_source(other)) == (train, (train, ""))
+
+
+def test_data_dir_needs_gsm8k_and_its_two_files_in_one_line(tmp_path):
+    (tmp_path / "train.jsonl").write_text(json.dumps(ROWS[0]) + "\n")
+    for argv, needle in (
+        (["--data-dir", str(tmp_path)], "it needs --task gsm8k"),
+        (["--task", "gsm8k", "--data-dir", str(tmp_path)], "has no test.jsonl"),
+        (["--task", "gsm8k", "--data-dir", str(tmp_path / "none")], "no train.jsonl or test"),
+    ):
+        with pytest.raises(SystemExit) as err:
+            prepare.parse_args(argv)
+        assert needle in str(err.value) and str(err.value).count("\n") == 0, str(err.value)
+
+
 # ---- prompts, the chat template, a saved model ---------------------------------------------------
 def test_chat_template_and_plain_text_prompts(tokenizer, tmp_path):
     from transformers import AutoTokenizer

@@ -80,6 +80,32 @@ def test_recipe_flags_are_validated_in_one_line():
             flag_checks.parse_args(argv)
 
 
+def test_dr_grpo_gets_its_settings_unless_flags_set_others_which_are_refused_in_one_line():
+    """--loss dr_grpo alone used to be exactly grpo: its surrogate is grpo's, and what makes it Dr.
+    GRPO (no std scale, token sums over a constant) were two more flags nothing asked for."""
+    import prepare
+
+    dr = dict(adv_scale="none", agg="seq-mean-token-sum-norm")
+    for parse in (flag_checks.parse_args, prepare.parse_args):  # (train.py's: prepare's)
+        cfg = parse(["--loss", "dr_grpo"])
+        assert (cfg.adv_scale, cfg.agg) == (dr["adv_scale"], dr["agg"])
+    # given as they are, however spelt: accepted; rloo has its own scale: the aggregation alone
+    assert (
+        flag_checks.parse_args(["--loss", "dr_grpo", "--ag=seq-mean-token-sum-norm"]).agg
+        == (dr["agg"])
+    )
+    rloo = flag_checks.parse_args(["--loss", "dr_grpo", "--adv-estimator", "rloo"])
+    assert (rloo.adv_scale, rloo.agg) == ("group", dr["agg"])
+    # other losses keep the defaults
+    assert flag_checks.parse_args(["--loss", "grpo"]).agg == config.Config.agg
+    for other in (["--adv-scale", "group"], ["--agg", "token-mean"]):
+        with pytest.raises(SystemExit) as refused:
+            flag_checks.parse_args(["--loss", "dr_grpo", *other])
+        line = str(refused.value)
+        assert line.startswith(f"error: --loss dr_grpo with {' '.join(other)} is not Dr. GRPO")
+        assert "\n" not in line and "--loss grpo" in line
+
+
 # --------------------------------------------------------------------------------------------------
 # PPO mini-batches: the decoupled objective, by hand
 # --------------------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 import buffer
+import lora
 import models
 import replay
 import routes
@@ -209,6 +210,52 @@ def test_routes_follow_their_tokens_through_collation_and_micro_batches():
         torch.testing.assert_close(split, whole, rtol=1e-4, atol=1e-6)
 
 
+def moe_batch(seed: int = 6) -> buffer.Batch:
+    """Three samples with random recorded routes (the last token of each: missing)."""
+    rng = np.random.default_rng(seed)
+    samples = []
+    for p, c in [(3, 5), (4, 3), (2, 6)]:
+        rows = rng.random((p + c, LAYERS, EXPERTS)).argsort(-1)[..., :TOP_K].astype(np.uint8)
+        rows[-1] = 255
+        prompt = [1] + list(rng.integers(3, 27, p - 1))
+        completion = list(rng.integers(3, 27, c))
+        samples.append(
+            buffer.Sample(prompt, completion, [-1.0] * c, [0] * c, 1.0, 1.0, routes=rows)
+        )
+    return buffer.collate(samples, pad_id=0)
+
+
+def test_the_kl_reference_routes_itself_with_lora_and_with_full_fine_tuning(monkeypatch):
+    """One rule for both paths (issue 38): the --kl-coef reference scores with its own routers'
+    choice, never the recorded routes the policy replays; with LoRA it is the policy with its
+    adapter off (the same patched routers), with full fine-tuning a separate model."""
+    batch, plain = moe_batch(), tiny_moe()
+    with torch.no_grad():
+        own = update.completion_logprobs(plain, batch, 1.0).logp
+    scored = []  # (the micro-batch, the reference's log-probs of it)
+    real = update.reference_logprobs
+    monkeypatch.setattr(
+        update,
+        "reference_logprobs",
+        lambda ref, mb, *rest: scored.append((mb, real(ref, mb, *rest))) or scored[-1][1],
+    )
+    cfg = Config(micro_batch_tokens=0, max_lag=0, kl_coef=0.1)
+    full_policy = tiny_moe(replay_on=True)
+    adapted = lora.wrap(tiny_moe(), lora.peft_config(4, 8, 0.0, "q_proj,v_proj"), seed=0)
+    replay.install(adapted, lora.base_model_of(adapted).model.layers, adapted.config, True)
+    for policy, reference in ((full_policy, tiny_moe()), (adapted, lora.AdapterOff(adapted))):
+        result = update.update_on_batch(policy, reference, None, batch, cfg, 0, 1, 0, 0)
+        # the policy replayed the routes (random: its own router disagrees with them)
+        assert result.metrics["router/agreement"] < 1
+        with torch.no_grad(), replay.routed_by(policy, batch):
+            replayed = update.completion_logprobs(policy, batch, 1.0).logp
+        assert not torch.allclose(replayed, own, atol=1e-3)
+        mb, reference_logp = scored.pop()  # (its rows sorted by length, trimmed)
+        with torch.no_grad():
+            expected = update.completion_logprobs(plain, mb, 1.0).logp
+        torch.testing.assert_close(reference_logp, expected, rtol=0, atol=1e-5)
+
+
 def test_a_model_without_replayable_routes_is_refused_in_one_line():
     assert replay.problem(tiny_moe_config()) is None
     dense = builtin.Qwen2Config(
@@ -322,6 +369,51 @@ def test_the_store_keeps_first_routes_fills_prefix_cache_hits_and_maps_request_i
     assert np.array_equal(taken[1], np.concatenate([first[:4], mine]))
     # 255: the missing mark of uint8
     assert store.dtype == np.uint8 and routes.route_dtype(256) == np.uint16
+
+
+def test_a_group_that_ends_without_taking_its_routes_leaves_nothing_in_the_worker():
+    """(issue 38) Records of requests nothing will take (a group cancelled or failed while its
+    requests ran) are freed when the group ends: the generator's done callback names the group,
+    its next take frees what the group left in the worker; not 4,096 records later."""
+    import asyncio
+    import types
+
+    import rollout
+
+    store = routes.RouteStore(LAYERS, TOP_K, EXPERTS, block_size=4, prefix="group-")
+    names = [
+        "0_group-3-aaaaaaaa",  # group 3's two samples, cut short
+        "1_group-3-aaaaaaaa",
+        "group-5-1-t0-cccccccc",  # a turn of one of group 5's episodes
+        "group-30-bbbbbbbb",  # group 30: still running
+        "0_group-7-dddddddd",  # group 7: done, taken next
+    ]
+    rows = np.random.default_rng(1).integers(0, EXPERTS, (len(names), LAYERS, TOP_K))
+    step(store, rows, [(name, 1, [i]) for i, name in enumerate(names)], [0] * len(names))
+    recorder = routes.RouteRecorder()
+    recorder._routes = store
+
+    class Engine:  # vLLM's collective_rpc into the worker, in this process
+        async def collective_rpc(self, method, args=()):
+            return [getattr(recorder, method)(*args)]
+
+    taker = routes.GeneratorRoutes(on_gpu=False)
+    taker.layers, taker.top_k = LAYERS, TOP_K
+    generator = types.SimpleNamespace(running=set(), routes=taker, error=None, wake=None)
+
+    async def groups_end_then_one_is_taken():
+        for group_id in (3, 5):  # cancelled while their requests ran
+            task = asyncio.create_task(asyncio.sleep(60))
+            await asyncio.sleep(0)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            rollout.Generator._done(generator, group_id, task)
+        assert len(store.records) == len(names)  # (until the next take)
+        return await taker.take(Engine(), "group-7", [types.SimpleNamespace(index=0)])
+
+    taken = asyncio.run(groups_end_then_one_is_taken())
+    assert np.array_equal(taken[0], rows[4:5]) and taker.ended == []
+    assert list(store.records) == ["group-30-bbbbbbbb"] and list(store.known) == list(store.records)
 
 
 def test_an_episode_keeps_each_positions_first_routes_turn_after_turn():

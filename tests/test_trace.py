@@ -256,3 +256,77 @@ def test_timeline_of_a_trace_without_steps_is_drawn(tmp_path):
     t0 = time.perf_counter()
     assert plots.plot_timeline(str(tmp_path)) == str(tmp_path / "timeline.png")
     assert time.perf_counter() - t0 < 60
+
+
+def record_by_hand(out: Path, name: str, step: int) -> None:
+    """What a process of the configured start writes: one trainer step in its segment file."""
+    events = [
+        {"ph": "M", "name": "process_name", "pid": 7, "args": {"name": name}},
+        {"ph": "M", "name": "thread_name", "pid": 7, "tid": 1, "args": {"name": "main"}},
+        {
+            "ph": "X",
+            "name": f"step {step}",
+            "cat": "step",
+            "pid": 7,
+            "tid": 1,
+            "ts": 10.0,
+            "dur": 5.0,
+            "args": {"step": step, "rank": 0, "version": step + 1, "tokens_by_version": {}},
+        },
+    ]
+    (out / "trace" / "trainer_0-7.0.jsonl").write_text(
+        "".join(json.dumps(e) + "\n" for e in events)
+    )
+
+
+def test_a_resume_keeps_the_earlier_starts_trace_and_timeline_under_their_own_names(
+    tmp_path, monkeypatch
+):
+    """Each start's trace and timeline have their own names, trace.json and timeline.png link the
+    newest's: a resume into the same OUT keeps the earlier start's (a crash's picture), even one
+    whose parent was killed before it merged; a fresh start, like metrics.jsonl, begins anew."""
+    import launch  # (vLLM: imported already where the suite ran test_engine.py)
+
+    for name in (tracing.DIR_ENV, tracing.STEPS_ENV, tracing.T0_ENV):
+        monkeypatch.delenv(name, raising=False)
+    out, starts = str(tmp_path), []
+    cfg = flag_checks.parse_args(["--out", out, "--trace-steps", "3"])
+    for resumed in (False, True):
+        launch.start_trace(cfg, resumed)
+        record_by_hand(tmp_path, "trainer 0", len(starts))
+        launch.write_timeline(cfg)  # merges, draws, unconfigures
+        trace = os.path.realpath(tmp_path / "trace.json")
+        timeline = os.path.realpath(tmp_path / "timeline.png")
+        assert os.path.dirname(trace) == os.path.dirname(timeline) == os.path.realpath(tmp_path)
+        starts.append((os.path.basename(trace), os.path.basename(timeline)))
+    (first_trace, first_png), (second_trace, second_png) = starts
+    assert first_trace != second_trace and first_png != second_png
+    assert first_png == first_trace.replace("trace", "timeline").replace(".json", ".png")
+    for (trace, png), step in zip(starts, (0, 1)):
+        steps = [
+            e["args"]["step"]
+            for e in json.loads((tmp_path / trace).read_text())["traceEvents"]
+            if e.get("cat") == "step"
+        ]
+        assert steps == [step] and (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
+    # a start whose parent was killed: its processes' files, merged under its name by the resume
+    launch.start_trace(cfg, resumed=True)
+    record_by_hand(tmp_path, "trainer 0", 2)
+    tracing.unconfigure()
+    launch.start_trace(cfg, resumed=True)
+    tracing.unconfigure()
+    killed = os.path.basename(os.path.realpath(tmp_path / "trace.json"))
+    assert killed not in (first_trace, second_trace) and (tmp_path / killed).exists()
+    assert len(tracing.earlier_files(out)) == 5  # three traces, two timelines
+    # an older version's plain trace.json: renamed by its time on a resume
+    os.unlink(tmp_path / "trace.json")
+    (tmp_path / "trace.json").write_text("{}")
+    tracing.configure(out, 3, keep_earlier=True)
+    tracing.unconfigure()
+    assert not (tmp_path / "trace.json").exists() and len(tracing.earlier_files(out)) == 6
+    # a fresh start: nothing of the earlier ones
+    tracing.configure(out, 3)
+    tracing.unconfigure()
+    assert tracing.earlier_files(out) == []
+    assert not os.path.lexists(tmp_path / "trace.json")
+    assert not os.path.lexists(tmp_path / "timeline.png")
