@@ -118,10 +118,8 @@ class Config:
     #   this); 0: greedy only
     eval_pass_reward: float = 1.0  # a completion passes (pass@k, greedy pass@1) when its reward is
     #   >= this
-    eval_weights: str = (
-        "inflight"  # inflight: weight loads go on during an evaluation (it names the
-    )
-    #   versions loaded at its start and end) | fixed: one version per evaluation (loads wait)
+    eval_weights: str = "inflight"  # inflight: loads go on during an evaluation | fixed: loads
+    #   wait for it (one version per evaluation; eval/last_version names the versions it ran on)
     # optimisation and loss (see losses.py)
     lr: float = 3e-4  # AdamW learning rate
     weight_decay: float = 0.0  # AdamW weight decay

@@ -17,14 +17,15 @@ CUDA IPC. Data contract
     - `--dtype auto` resolves here: bf16 on GPUs, CPU_DEFAULT_DTYPE on the CPU. Errors:
       `DeviceError`.
 Also what vLLM cannot serve on them (`engine_problems`, found from config.json before anything
-starts). May touch: nothing (reads the CUDA device count and the environment), except where a
-process enters its placement: the generator's CUDA_VISIBLE_DEVICES, a trainer rank's current GPU and
-its memory cap.
+starts), and how many sequences its scheduler runs at once (`engine_concurrency`). May touch:
+nothing (reads the CUDA device count and the environment), except where a process enters its
+placement: the generator's CUDA_VISIBLE_DEVICES, a trainer rank's current GPU and its memory cap.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -305,6 +306,33 @@ def enter_generator_devices(settings, kv_cache_mb: int) -> dict:
         tensor_parallel_size=settings.tensor_parallel_size,
         enforce_eager=False,
     )
+
+
+# vLLM 0.32's cap on the sequences in one engine step when nothing sets it (SchedulerConfig's
+# default, which AsyncLLM.from_engine_args keeps).
+VLLM_DEFAULT_MAX_NUM_SEQS = 128
+# The most sequences one engine step may run: vLLM's own default for an H100/H200 in offline use
+# (each sequence holds a row of the sampler's buffers beside its KV cache). Below vLLM's default
+# of 2,048 tokens per engine step, which must leave room for one token of each sequence.
+MAX_NUM_SEQS = 1024
+
+
+def engine_concurrency(cfg) -> dict:
+    """vLLM's scheduler caps (AsyncEngineArgs keywords): room in one engine step for every sample of
+    the groups a step keeps in flight (--max-inflight-groups or --prompts-per-step, x --group-size),
+    so they generate in one wave: at vLLM's default of 128 the default run's 32 x 8 samples ran in
+    two, and a request waited 0.24-0.33 s for its first token. At most MAX_NUM_SEQS (a note says
+    so); the KV cache still bounds what runs at once."""
+    in_flight = (cfg.max_inflight_groups or cfg.prompts_per_step) * cfg.group_size
+    seqs = min(max(VLLM_DEFAULT_MAX_NUM_SEQS, in_flight), MAX_NUM_SEQS)
+    if in_flight > seqs:
+        print(
+            f"note: vLLM runs at most {seqs} sequences at once; a step keeps {in_flight} in "
+            f"flight, so they generate in {-(-in_flight // seqs)} waves",
+            file=sys.stderr,
+            flush=True,
+        )
+    return dict(max_num_seqs=seqs)
 
 
 def rank_device(layout: DeviceLayout, rank: int, torchrun: bool = False) -> torch.device:

@@ -16,8 +16,9 @@ import torch.multiprocessing as mp
 import prepare
 import processes
 from config import Config
+from devices import MAX_NUM_SEQS, engine_concurrency
 from logprobs import token_logprobs
-from rollout import MAX_NUM_SEQS, Generator, GeneratorSettings, engine_concurrency
+from rollout import Generator, GeneratorSettings
 from tasks.builtin import build_tiny_model
 
 FORCED_A, FORCED_B = 13, 14  # token ids of 'a' and 'b' in the tiny tokenizer
