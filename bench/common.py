@@ -276,11 +276,17 @@ def _kill_group(proc):
 
 
 def run_train_cli(
-    out_dir: Path, args: list[str], timeout_s: float = 900.0, cpu_window=None, repo=REPO
+    out_dir: Path,
+    args: list[str],
+    timeout_s: float = 900.0,
+    cpu_window=None,
+    repo=REPO,
+    stop_on_timeout: bool = False,
 ) -> dict:
     """`python train.py --out OUT ARGS` exactly as a user runs it (from `repo`: another checkout may
     be given); returns its summary and per-step rows. With `cpu_window=(from_step, to_step)`, also
-    the cores each process used over those steps."""
+    the cores each process used over those steps. Past `timeout_s` the run is stopped as Ctrl-C
+    stops it: an error, or with `stop_on_timeout` the steps it finished."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "metrics.jsonl").unlink(missing_ok=True)
@@ -302,8 +308,8 @@ def run_train_cli(
             rc = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGINT)
-            try:
-                proc.wait(timeout=40)
+            try:  # (a stopped run saves its checkpoint first)
+                proc.wait(timeout=180 if stop_on_timeout else 40)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
@@ -312,6 +318,9 @@ def run_train_cli(
             if cpu:
                 cpu.stop()
     total_s = time.perf_counter() - start
+    stopped = rc == "timeout" or rc == 128 + signal.SIGINT
+    if stop_on_timeout and stopped and (out_dir / "summary.json").exists():
+        rc = 0
     if rc != 0:
         tail = (out_dir / "stderr.txt").read_text()[-3000:]
         raise RuntimeError(f"{' '.join(cmd)} ended with {rc}:\n{tail}")

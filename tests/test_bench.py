@@ -64,6 +64,7 @@ SCRIPTS = {
     "report",
     "trace_cost",
     "gpu_trainer",
+    "real_model",
 }
 HELPERS = {
     "common",
@@ -123,7 +124,9 @@ def runs(recorded):
     run_dir, peak = recorded
     asked = []
 
-    def run_train_cli(out_dir, args, timeout_s=900.0, cpu_window=None, repo=common.REPO):
+    def run_train_cli(
+        out_dir, args, timeout_s=900.0, cpu_window=None, repo=common.REPO, stop_on_timeout=False
+    ):
         out_dir = Path(out_dir)
         # train.py's parser and checks
         asked.append(prepare.parse_args(["--out", str(out_dir), *args]))
@@ -322,6 +325,16 @@ def test_learning(runs, out):
     data = smoke("learning", out)
     assert [c.max_lag for c in runs] == [0, 4] and all(c.steps == 12 for c in runs)
     assert positive(data["wall_speedup"]) and data["runs"]["sync"]["steps"] == 12
+
+
+def test_real_model(runs, out):
+    runs.clear()
+    data = smoke("real_model", out)
+    (cfg,) = runs  # one run: the addition task's files, the math reward, held-out evaluation
+    assert (cfg.reward, cfg.steps, cfg.eval_prompts) == ("math", 2, 20)
+    assert Path(cfg.dataset).name == "train.jsonl" and Path(cfg.eval_dataset).name == "test.jsonl"
+    assert data["prompt_tokens_mean"] > 0 and data["steps"]
+    assert all(0 < s["prompt_share"] < 1 for s in data["steps"] if s["completion_tokens"])
 
 
 def test_eval_cost(runs, out):
