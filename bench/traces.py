@@ -9,7 +9,8 @@ a group blocked on a full queue; generating), and its work (forward and backward
 publish, evaluation); the generator's swaps, its waits for weights with nothing to run, its
 full-queue waits, its idle engine; vLLM's engine steps (time, tokens). `engine_seconds_per_token` is
 the engine's time per scheduled token after a given weight version (a generation-alone run has no
-trainer steps). `Recording` traces the processes a benchmark starts inside it (as launch.run does a
+trainer steps). `waves_and_holds`: the most sequences an engine step ran, requests' queueing, and the
+weight loads held by evaluations. `Recording` traces the processes a benchmark starts inside it (as launch.run does a
 run's). Data contract: reads the events' "cat" and args as tracing.py writes them; times in seconds.
 """
 
@@ -192,3 +193,45 @@ def engine_seconds_per_token(events: list[dict], from_version: int) -> float | N
     engine = [e for e in events if e["ph"] == "X" and e.get("cat") == "engine" and e["ts"] >= start]
     tokens = sum(e["args"]["tokens"] for e in engine)
     return sum(e["dur"] for e in engine) / 1e6 / tokens if tokens else None
+
+
+def waves_and_holds(events: list[dict]) -> dict:
+    """What a run's generator waited on (issue 38): the most sequences one vLLM engine step ran and
+    how many engine steps ran that many (a cap that bites splits a step's samples into waves); how
+    long requests were queued before their first engine step (median, 90th percentile, ms); and,
+    for each held-out evaluation after the start's, the trainer's publishes that landed during it
+    and the ms from the first of them to the generator's next swap (a held load waits for the
+    evaluation's end)."""
+    steps = [e["args"].get("requests", 0) for e in events if e.get("name") == "engine step"]
+    most = max(steps, default=0)
+    queued = sorted(e["dur"] / 1e3 for e in events if e.get("name") == "queued")
+
+    def pick(q):
+        return queued[min(len(queued) - 1, int(q * len(queued)))] if queued else None
+
+    publishes = sorted(e["ts"] + e["dur"] for e in events if e.get("name") == "publish")
+    swaps = sorted(e["ts"] for e in events if e.get("name") == "pause")
+    holds = []
+    for e in events:
+        if e.get("cat") != "evaluation" or not e["name"].startswith("evaluation (step "):
+            continue
+        start, end = e["ts"], e["ts"] + e["dur"]
+        during = [p for p in publishes if start <= p < end]
+        if e["name"] != "evaluation (step 0)" and during:
+            later = [s for s in swaps if s >= during[0]]
+            holds.append(
+                {
+                    "evaluation": e["name"],
+                    "eval_ms": e["dur"] / 1e3,
+                    "publishes_during": len(during),
+                    "publish_to_swap_ms": (later[0] - during[0]) / 1e3 if later else None,
+                }
+            )
+    return {
+        "max_seqs_per_engine_step": most,
+        "engine_steps": len(steps),
+        "engine_steps_at_max": sum(s == most for s in steps),
+        "queued_ms_p50": pick(0.5),
+        "queued_ms_p90": pick(0.9),
+        "eval_holds": holds,
+    }

@@ -40,6 +40,7 @@ sys.path.insert(0, str(REPO / "bench"))
 import common  # noqa: E402
 import engines  # noqa: E402
 import stages_alone  # noqa: E402
+import traces  # noqa: E402
 
 # the scripts this module runs (memory.py through run_all.py); the rest of bench/ are helpers they
 # import
@@ -325,6 +326,16 @@ def test_learning(runs, out):
     data = smoke("learning", out)
     assert [c.max_lag for c in runs] == [0, 4] and all(c.steps == 12 for c in runs)
     assert positive(data["wall_speedup"]) and data["runs"]["sync"]["steps"] == 12
+
+
+def test_waves_and_holds_read_from_the_recorded_trace(recorded):
+    run_dir, _ = recorded
+    summary = json.loads((run_dir / "summary.json").read_text())
+    got = traces.waves_and_holds(traces.load(run_dir / "trace.json"))
+    assert 0 < got["max_seqs_per_engine_step"] <= summary["max_num_seqs"]
+    assert got["engine_steps"] >= got["engine_steps_at_max"] > 0
+    assert 0 <= got["queued_ms_p50"] <= got["queued_ms_p90"]
+    assert all(h["publishes_during"] > 0 for h in got["eval_holds"])
 
 
 def test_real_model(runs, out):
