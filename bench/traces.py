@@ -11,7 +11,8 @@ full-queue waits, its idle engine; vLLM's engine steps (time, tokens). `engine_s
 the engine's time per scheduled token after a given weight version (a generation-alone run has no
 trainer steps). `waves_and_holds`: the most sequences an engine step ran, requests' queueing and
 the weight loads held by evaluations. `Recording` traces the processes a benchmark starts inside it
-(as launch.run does a run's). Data contract: reads the events' "cat" and args as tracing.py writes them; times in seconds.
+(as launch.run does a run's). Data contract: reads the events' "cat" and args as tracing.py
+writes them; times in seconds.
 """
 
 from __future__ import annotations
