@@ -5,9 +5,10 @@ Role: the trainer scores tokens with its own chunked LM head (logprobs.chunked_l
 must apply the family's transform exactly as vLLM 0.32 and transformers do: `head_transform(config)`
 reads it from a Hugging Face config, `head_problem(config)` says in one line why a model's head is
 not known, or why a family (or config) vLLM serves would be scored otherwise than it samples: the
-Mixture-of-Experts families measured not to agree (MOE_REFUSED) and two routing or attention
-settings (prepare.py refuses the run before anything starts). The math itself lives in logprobs.py,
-as plain numbers.
+Mixture-of-Experts families measured not to agree (MOE_REFUSED) and the routing or attention
+settings vLLM applies otherwise (`routing_problem`, AFMoE's routing, EXAONE-MoE's window):
+prepare.py refuses the run before anything starts. The math itself lives in logprobs.py, as
+plain numbers.
 Data contract: a `transformers.PretrainedConfig` in, a frozen `HeadTransform` out. Touches nothing.
 
 The table below was read from vLLM 0.32 (model_executor/models/*.py: `LogitsProcessor(scale=...,
@@ -131,6 +132,9 @@ def head_problem(config) -> str:
             "without muP: give a config with score_func 'sigmoid', route_norm true, n_group and "
             f"topk_group 1, mup_enabled false (this one: {afmoe_routing(config)})"
         )
+    routing = routing_problem(config)
+    if routing:
+        return routing
     if (
         model_type == "exaone_moe"
         and getattr(config, "sliding_window", None)
@@ -176,6 +180,28 @@ def head_problem(config) -> str:
         return (
             f"model type {model_type!r} sets {', '.join(stray)}: vLLM would apply it to the logits "
             f"and transformers would not"
+        )
+    return ""
+
+
+def routing_problem(config) -> str:
+    """Why vLLM 0.32 would weigh the routed experts otherwise than transformers 5 for this config
+    ("" when it would not), measured on tiny models (tests/test_moe.py)."""
+    model_type = getattr(config, "model_type", None)
+    if model_type == "olmoe" and getattr(config, "norm_topk_prob", False):
+        return (
+            "model type 'olmoe' with norm_topk_prob true: vLLM 0.32's OLMoE never renormalizes the "
+            "top-k routing weights, transformers does (measured 0.013-0.025 apart in log-prob)"
+        )
+    if (
+        model_type == "cohere2_moe"
+        and getattr(config, "expert_selection_fn", "softmax") == "softmax"
+        and not getattr(config, "norm_topk_prob", True)
+    ):
+        return (
+            "model type 'cohere2_moe' with expert_selection_fn 'softmax' and norm_topk_prob false: "
+            "transformers takes the softmax of the top-k logits alone, vLLM 0.32 of all of them "
+            "without renormalizing (measured 9.8e-3 apart in log-prob)"
         )
     return ""
 

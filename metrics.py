@@ -12,11 +12,14 @@ OUT/plots.png. Data contract
     - The summary: steps, wall_s, reward_first10 / reward_last20, token, wait, sync and eval
       figures, config.
     - On a resume, the rows of the steps already done are kept and the totals continue from them.
+    - `first_batch_check`: the verdict on a run's first on-policy agreement, a line to stop the run
+      with or to warn (train.check_first_agreement acts on it).
 May touch: files under `--out` only.
 """
 
 import dataclasses
 import json
+import math
 import os
 import statistics
 import sys
@@ -118,6 +121,44 @@ def all_faults_warning(row: dict, episodes: int) -> str | None:
         f"({row.get('env/error')}): "
         "the run learns nothing from such steps (counted in env/errors, env/timeouts)"
     )
+
+
+# The most the trainer's and the generator's log-probs may differ on a run's first on-policy batch
+# in fp32 (max over its tokens) before the run stops. Every family the suite serves agrees within
+# 1e-4 there (the tiny models 2e-7 to 3e-6, SmolLM2-135M 6.3e-5), and every model measured to be
+# served otherwise than transformers scores it differed by 2.3e-3 or more (DeepSeek-V2's MLA on
+# CPU 2.3e-3, Cohere2-MoE's softmax routing without norm_topk_prob 9.8e-3, OLMoE with
+# norm_topk_prob 0.013-0.025, an LM head vLLM never loaded 0.8-3.4 or NaN). 1e-3 leaves ten times
+# the largest agreement and is under half the smallest disagreement.
+FIRST_BATCH_BOUND_FP32 = 1e-3
+# what bf16 rounding alone gave on the default model (bench/README.md: max 0.022 over 60 steps)
+BF16_ROUNDING_MEASURED = 0.022
+
+
+def first_batch_check(logprob_diff: float, dtype: str, family: str, step: int) -> tuple[str, str]:
+    """The verdict on a run's first on-policy batch, whose max |trainer - generator| log-prob is
+    `logprob_diff`: ("stop", the line) in fp32 above FIRST_BATCH_BOUND_FP32, or not a number in
+    any dtype; ("warn", the line) in bf16 above it, where rounding alone reaches it; ("", "")
+    otherwise. `family` names the model (its model type and architectures)."""
+    over = not logprob_diff <= FIRST_BATCH_BOUND_FP32  # (NaN included)
+    figure = (
+        f"trainer and generator log-probs differ by up to {logprob_diff:.3g} on the run's first "
+        f"on-policy batch (step {step}; {family}"
+    )
+    if over and (dtype != "bf16" or math.isnan(logprob_diff)):
+        return "stop", (
+            f"error: {figure}; {dtype}, where every family served as transformers scores it agrees "
+            f"within 1e-4 and a run stops above {FIRST_BATCH_BOUND_FP32:g}): vLLM serves this "
+            "model otherwise than the trainer scores it, and the run would train on samples from "
+            "another distribution than the one it updates"
+        )
+    if over:
+        return "warn", (
+            f"warning: {figure}; bf16, whose rounding alone gave up to {BF16_ROUNDING_MEASURED} on "
+            f"the default model): a few steps with --dtype fp32 tell rounding from a model served "
+            f"otherwise (fp32 stops above {FIRST_BATCH_BOUND_FP32:g})"
+        )
+    return "", ""
 
 
 class RunLog:

@@ -12,7 +12,8 @@ ends at once, with its group. A child that succeeds, and the parent, end without
 teardown (`exit_now`). Data contract: `Control`, the flags and counters every child shares;
 `run_children(ctx, children, errors, control)`, children by name -> (function, args,
 own_process_group) ("trainer*" ranks end the run; a generator node, remote.py, runs the generator
-alone); (name, traceback) pairs on `errors`. May touch: the processes it starts, the parent's signal
+alone); (name, traceback) pairs on `errors` (or (name, "error: ..."): a child's deliberate stop,
+printed as that one line). May touch: the processes it starts, the parent's signal
 handlers while the run lasts.
 """
 
@@ -101,8 +102,11 @@ def child_entry(name, fn, args, errors, own_process_group):
     end_with_parent(own_process_group)
     try:
         fn(*args)
-    except BaseException:
-        errors.put((name, traceback.format_exc()))
+    except BaseException as failure:
+        # a child that stops the run on purpose (SystemExit("error: ...")) sends its one line, not a
+        # traceback (train.check_first_agreement)
+        one_line = isinstance(failure, SystemExit) and is_one_line_error(failure.code)
+        errors.put((name, failure.code if one_line else traceback.format_exc()))
         errors.close()
         errors.join_thread()  # the traceback must reach the parent before this process ends
         sys.stderr.flush()
@@ -288,13 +292,22 @@ def failure_report(name, exitcode, errors) -> str:
         except Exception:
             if reports:
                 break
+    # children that stopped the run on purpose, each with its reason in one line (every rank of a
+    # check that failed on all of them: the same line)
+    if reports and all(is_one_line_error(tb) for _, tb in reports):
+        return "\n".join(dict.fromkeys(tb for _, tb in reports))
     how = f"signal {signal.Signals(-exitcode).name}" if exitcode < 0 else f"exit code {exitcode}"
     text = [f"error: {name} died ({how}); stopping the run"]
     if exitcode == -signal.SIGKILL:
         text.append(killed_by_kernel_hint(name))
     for who, tb in reports:
-        text.append(f"--- traceback from {who} ---\n{tb}")
+        text.append(tb if is_one_line_error(tb) else f"--- traceback from {who} ---\n{tb}")
     return "\n".join(text)
+
+
+def is_one_line_error(text) -> bool:
+    """A reason a child gave for stopping the run, as the user reads it: "error: ...", one line."""
+    return isinstance(text, str) and text.startswith("error: ") and "\n" not in text.strip()
 
 
 # What lowers the memory of each kind of child, for the hint below.

@@ -6,9 +6,10 @@ the FSDP2 trainer ranks, and supervises them (launch.py, processes.py). Each ran
 batch of rollout groups (buffer.py) -> group advantages -> the GRPO update (update.py, losses.py)
 -> publish the weights (sync.py) -> log (metrics.py) and save (checkpoint.py).
 Data contract: trainer version = rollout batches trained on; a sample is trained on only if its
-oldest token is at most --max-lag versions old. OUT/ gets metrics.jsonl, summary.json, model/
-(Hugging Face format; with --lora-rank adapter/), checkpoints/, and from every process's trace
-events (tracing.py) trace.json and timeline.png.
+oldest token is at most --max-lag versions old. The run's first on-policy batch is where trainer and
+generator must agree: fp32 stops the run above metrics.FIRST_BATCH_BOUND_FP32, bf16 warns.
+OUT/ gets metrics.jsonl, summary.json, model/ (Hugging Face format; with --lora-rank adapter/),
+checkpoints/, and from every process's trace events (tracing.py) trace.json and timeline.png.
 May touch: everything under --out; it spawns and kills its own children.
 """
 
@@ -20,7 +21,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from transformers import AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer
 
 import buffer
 import checkpoint
@@ -68,6 +69,8 @@ class Rank:
     # what the generator holds or will load next: what an evaluation asked for now sees
     published: int = 0
     bad_steps: int = 0
+    # the run's first on-policy agreement has been judged (check_first_agreement)
+    agreement_checked: bool = False
 
 
 def train(trainer: Rank) -> int:
@@ -158,6 +161,7 @@ def train(trainer: Rank) -> int:
                 skipped=skipped,
                 evals=evals,
             )
+        check_first_agreement(trainer, step, result.logprob_diff)
         if cfg.save_every and (step + 1) % cfg.save_every == 0:
             save_checkpoint(trainer, step + 1)
         # (the end writes it anyway)
@@ -165,6 +169,26 @@ def train(trainer: Rank) -> int:
             save_hf_model(trainer)
         tracing.complete(f"step {step}", t_step, cat="step", **step_args(trainer, step, batch))
     return cfg.steps
+
+
+def check_first_agreement(trainer: Rank, step: int, logprob_diff: float | None) -> None:
+    """Judge the run's first on-policy agreement, once (metrics.first_batch_check): every rank
+    stops the run in one line where trainer and generator disagree beyond what a model served as
+    the trainer scores it reaches; rank 0 warns in bf16. On-policy rows are those sampled entirely
+    by the weights the trainer held for the step, however stale the rest: at a run's first step,
+    every row (the generator serves the version the run starts from, and the trainer holds it until
+    its first update); later, only rows sampled after a load of what the trainer holds (None when a
+    step has none, and the first step that has some is judged)."""
+    if trainer.agreement_checked or logprob_diff is None:
+        return
+    trainer.agreement_checked = True
+    config = AutoConfig.from_pretrained(trainer.prepared.model_path)
+    family = ", ".join([f"model type {config.model_type!r}", *(config.architectures or [])])
+    verdict, line = metrics.first_batch_check(logprob_diff, trainer.cfg.dtype, family, step)
+    if verdict == "stop":
+        raise SystemExit(line)
+    if verdict == "warn" and trainer.rank == 0:
+        print(line, file=sys.stderr, flush=True)
 
 
 def step_args(trainer: Rank, step: int, batch) -> dict:

@@ -65,6 +65,24 @@ def checkpoint_skeleton(hf_config):
         return AutoModelForCausalLM.from_config(hf_config)
 
 
+def compile_off_vllm_config(vllm_config):
+    """`vllm_config` (the worker's) as the current vLLM config, with compilation off, for building a
+    transformers model inside vLLM's worker: vLLM's Transformers backend (how it serves OLMo-2)
+    decorates transformers' own decoder class in that process for its torch.compile, and the
+    decorated class then reads vLLM's current config when it is built (without one
+    `checkpoint_skeleton` failed, and every OLMo-2 run died at its start). Compilation off: the
+    skeleton is a plain model, as in the trainer; the engine's own config is left as it is."""
+    import copy
+
+    from vllm.config import set_current_vllm_config
+    from vllm.config.compilation import CompilationMode
+
+    config = copy.copy(vllm_config)
+    config.compilation_config = copy.copy(vllm_config.compilation_config)
+    config.compilation_config.mode = CompilationMode.NONE
+    return set_current_vllm_config(config)
+
+
 def checkpoint_tensors(skeleton, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     """One trainer parameter as the checkpoint's tensors vLLM's `load_weights` expects:
     transformers' reverse weight conversion (what `save_pretrained` writes). Most families' dense
@@ -124,10 +142,16 @@ class WeightSyncWorker(RouteRecorder):
 
     def attach_shared_weights(self, handles: bytes) -> int:
         self._shared = SharedWeights.from_bytes(handles)
-        self._skeleton = checkpoint_skeleton(self.model_runner.model_config.hf_config)
+        with compile_off_vllm_config(self.vllm_config):
+            self._skeleton = checkpoint_skeleton(self.model_runner.model_config.hf_config)
         tied = getattr(self.model_runner.model_config.hf_config, "tie_word_embeddings", False)
         logging.getLogger(RELOAD_LOGGER).addFilter(ExpectedReloadWarnings(tied))
         logging.getLogger(INPLACE_LOGGER).addFilter(ExpectedUnloadedWeights())
+        # vLLM 0.32's OLMoE, GLM-4-MoE and AFMoE never tie their LM head to the embedding: with tied
+        # embeddings (no lm_head.weight in the checkpoint) they sampled from an LM head vLLM never
+        # loaded (NaN, or 0.8-3.4 nats off the trainer's log-probs at start). Tie it before the
+        # first request, as every load does after a sync (a head vLLM tied itself is left as it is).
+        self._refresh_tied_lm_head(untied_only=True)
         # On a GPU worker `.buffer` opens the CUDA IPC handle here, once (on the buffer's own GPU,
         # which must be visible to this process). No snapshot on a GPU: vLLM has already sized its
         # KV cache to fill its share. On CPU a snapshot is allocated only if an in-place load ever
@@ -213,17 +237,21 @@ class WeightSyncWorker(RouteRecorder):
                 "copies them past the layer-wise reload): this MoE family cannot take weight syncs"
             )
 
-    def _refresh_tied_lm_head(self) -> None:
+    def _refresh_tied_lm_head(self, untied_only: bool = False) -> None:
         """With tied embeddings the checkpoint has no `lm_head.weight`, so the layer-wise reload
         never re-processes `lm_head`: on CPU its kernel keeps a packed copy of the *old* embedding
-        (logprobs then drift from the trainer's). Re-tie and re-pack it."""
+        (logprobs then drift from the trainer's). Re-tie and re-pack it. `untied_only`: only where
+        vLLM's model class did not tie it (at start)."""
         model = self.model_runner.get_model()
         lm_head, inner = getattr(model, "lm_head", None), getattr(model, "model", None)
         embed = getattr(inner, "embed_tokens", None)
         config = self.model_runner.model_config.hf_config
         if lm_head is None or embed is None or not getattr(config, "tie_word_embeddings", False):
             return
-        if lm_head is not embed and lm_head.weight is not embed.weight:
+        tied = lm_head is embed or lm_head.weight is embed.weight
+        if tied and untied_only:
+            return
+        if not tied:
             lm_head.weight = embed.weight
         method = getattr(lm_head, "quant_method", None)
         if method is not None and hasattr(method, "process_weights_after_loading"):
