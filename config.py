@@ -185,7 +185,8 @@ class Config:
     gen_threads: int = 0  # CPU threads of the generator; 0: half the cores
     train_threads: int = 0  # CPU threads per trainer rank; 0: the rest of the cores, split between
     #   ranks
-    kv_cache_mb: int = 256  # vLLM's KV cache on CPU, in MiB
+    kv_cache_mb: int = 256  # vLLM's KV cache on CPU, in MiB (sized up at the start where a step
+    #   needs more and memory allows; one line says so)
     dtype: str = "auto"  # bf16 | fp32 | auto (bf16 on GPUs, fp32 on CPU):
     #   trainer compute (fp32 master weights), vLLM, weight syncs
     max_model_len: int = 0  # vLLM's context, prompt + completion (longer prompts are skipped and

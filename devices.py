@@ -31,6 +31,8 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoConfig
 
+from kv_cache import kv_bytes_per_token
+
 # vLLM's share of a GPU it shares with a trainer rank (--gpu-memory-utilization 0)
 SHARED_GEN_FRACTION = 0.3
 # vLLM's share + the trainer rank's cap on a shared GPU; 0.15 left for contexts and the buffer
@@ -429,12 +431,10 @@ def engine_problems(
             f"({window} + 1 against {window}), so sequences longer than {window} tokens would be "
             f"scored on another distribution than sampled: give --max-model-len {window} or less"
         )
-    layers = getattr(text, "num_hidden_layers", None)
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    if not on_gpu and context and layers and kv_heads and head_dim:
+    per_token = kv_bytes_per_token(text, dtype)
+    if not on_gpu and context and per_token:
         # A lower bound (vLLM also rounds up to 128-token blocks and holds one back): refuse only
-        # the sure cases. keys and values
-        per_token = 2 * layers * kv_heads * head_dim * (2 if dtype == "bf16" else 4)
+        # the sure cases.
         needed_mb = context * per_token / 2**20
         if needed_mb > kv_cache_mb:
             problems.append(

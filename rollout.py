@@ -38,6 +38,7 @@ from buffer import RolloutGroup, put_group, tag_versions
 from config import Config
 from devices import engine_concurrency, enter_generator_devices, torch_dtype
 from evaluation import requested, run_eval
+from kv_cache import sized_engine_config
 from lora import Served, served_weights
 from routes import GeneratorRoutes
 from tasks import envs
@@ -106,6 +107,7 @@ class Generator:
         # the evaluation in flight: no weight load until it is done
         self.eval_task: asyncio.Task | None = None
         self.last_eval_step = -1  # the newest evaluation request started
+        self.task, self.task_max_len = None, None  # load_task, with the engine
         recorded = self.cfg.router_replay or self.cfg.router_record
         self.routes = GeneratorRoutes(settings.device == "cuda") if recorded else None
 
@@ -136,8 +138,17 @@ class Generator:
             disable_log_stats=True,
             use_tqdm_on_load=self.cfg.log_level != "warning",
         )
-        self.engine = AsyncLLM.from_engine_args(args)
+        config = sized_engine_config(args, self)  # the task first: it sizes the CPU KV cache
+        self.engine = AsyncLLM.from_vllm_config(config, disable_log_stats=True)
         return self.engine
+
+    def load_task(self, max_model_len: int | None) -> None:
+        """The task (prompts, reward), its prompts cut to fit the engine's context."""
+        cfg = self.cfg
+        tokenizer = chat.load_tokenizer(
+            self.settings.model, cfg.chat_template, cfg.chat_template_kwargs
+        )
+        self.task, self.task_max_len = make_task(self.cfg, tokenizer, max_model_len), max_model_len
 
     @functools.cached_property
     def served(self) -> Served:
@@ -359,13 +370,8 @@ class Generator:
         self.max_model_len = getattr(
             getattr(self.engine, "model_config", None), "max_model_len", None
         )
-        self.task = make_task(
-            self.cfg,
-            chat.load_tokenizer(
-                self.settings.model, self.cfg.chat_template, self.cfg.chat_template_kwargs
-            ),
-            self.max_model_len,
-        )
+        if self.task is None or self.task_max_len != self.max_model_len:  # (a test's own engine)
+            self.load_task(self.max_model_len)
         self.stats.update(
             train_prompts=len(self.task.prompts),
             held_out_prompts=len(self.task.held_out),
