@@ -264,6 +264,7 @@ def test_a_short_smollm2_run_evaluates_at_start_sizes_its_kv_cache_and_trains(st
     evals = [r for r in rows if "eval/step" in r]
     assert [r["eval/step"] for r in evals] == [0, steps], rows
     [line] = [x for x in run.stderr().splitlines() if "KV cache" in x]
+    print(line)
     # 16 MiB: 5 blocks of 128 tokens, one held back; each of the 2 x 2 samples a step keeps in
     # flight and the 2 x 2 completions of the evaluation (a greedy one and a sample per prompt)
     # takes a block (a ~40-token prompt and 8 new tokens)
