@@ -71,8 +71,13 @@ def compile_off_vllm_config(vllm_config):
     decorates transformers' own decoder class in that process for its torch.compile, and the
     decorated class then reads vLLM's current config when it is built (without one
     `checkpoint_skeleton` failed, and every OLMo-2 run died at its start). Compilation off: the
-    skeleton is a plain model, as in the trainer; the engine's own config is left as it is."""
+    skeleton is a plain model, as in the trainer; the engine's own config is left as it is. (No
+    config, as in a test's stand-in worker: nothing to set.)"""
+    import contextlib
     import copy
+
+    if vllm_config is None:
+        return contextlib.nullcontext()
 
     from vllm.config import set_current_vllm_config
     from vllm.config.compilation import CompilationMode
@@ -142,7 +147,7 @@ class WeightSyncWorker(RouteRecorder):
 
     def attach_shared_weights(self, handles: bytes) -> int:
         self._shared = SharedWeights.from_bytes(handles)
-        with compile_off_vllm_config(self.vllm_config):
+        with compile_off_vllm_config(getattr(self, "vllm_config", None)):
             self._skeleton = checkpoint_skeleton(self.model_runner.model_config.hf_config)
         tied = getattr(self.model_runner.model_config.hf_config, "tie_word_embeddings", False)
         logging.getLogger(RELOAD_LOGGER).addFilter(ExpectedReloadWarnings(tied))
