@@ -1,10 +1,10 @@
 """tests/spawned.py — run a test's engine work in one spawned child and take its one result.
 
-Role: the engine checks of test_heads.py and test_moe.py start several vLLM engines in one child
-process (each engine in-process there), so a crash or hang in vLLM fails the test instead of the
-pytest process. Data contract: `target(*args)` returns one picklable value; its exception fails the
-test with its traceback. May touch: PYTHONPATH (the repository, so the child finds vllm_worker by
-name).
+Role: the engine checks of test_heads.py, test_moe.py, test_agreement.py and test_real_models.py
+start vLLM engines in one child process (each engine in-process there, built by `served_llm` as the
+generator serves a model), so a crash or hang in vLLM fails the test instead of the pytest
+process. Data contract: `target(*args)` returns one picklable value; its exception fails the test
+with its traceback. May touch: PYTHONPATH (the repository, so the child finds vllm_worker by name).
 """
 
 import gc
@@ -13,6 +13,27 @@ import queue as queue_lib
 import traceback
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def served_llm(path: str, kv_cache_mb: int = 32, max_model_len: int = 64, **options):
+    """In the child: an offline vLLM engine on the model at `path` as the generator serves it (fp32,
+    eager, log-probs after temperature/top-k/top-p, the project's worker extension for weight
+    loads from the shared buffer); `options`: further LLM keywords."""
+    import torch
+    from vllm import LLM
+
+    return LLM(
+        model=path,
+        tokenizer=path,
+        dtype=torch.float32,
+        seed=0,
+        enforce_eager=True,
+        logprobs_mode="processed_logprobs",
+        worker_extension_cls="vllm_worker.WeightSyncWorker",
+        kv_cache_memory_bytes=kv_cache_mb * 2**20,
+        max_model_len=max_model_len,
+        **options,
+    )
 
 
 def run_and_report(target, args: tuple, results) -> None:

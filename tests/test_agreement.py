@@ -28,7 +28,7 @@ import test_heads
 import test_moe
 import torch
 import transformers
-from spawned import end_in_process_engine, result_of_child
+from spawned import end_in_process_engine, result_of_child, served_llm
 
 import buffer
 import heads
@@ -123,7 +123,7 @@ def sample_at_start(models: dict) -> dict:
     (prompt, tokens, vLLM's log-probs) and the seconds it took. The trainer scores them in the
     test's process: vLLM's Transformers backend changes transformers' own classes where it runs."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     import prepare
 
@@ -131,17 +131,7 @@ def sample_at_start(models: dict) -> dict:
     for name, path in models.items():
         start = time.perf_counter()
         shared = prepare.allocate_shared_weights(path)  # (before the engine changes any class)
-        llm = LLM(
-            model=path,
-            tokenizer=path,
-            dtype=torch.float32,
-            seed=0,
-            enforce_eager=True,
-            logprobs_mode="processed_logprobs",
-            worker_extension_cls="vllm_worker.WeightSyncWorker",
-            kv_cache_memory_bytes=32 * 2**20,
-            max_model_len=64,
-        )
+        llm = served_llm(path)
         llm.collective_rpc("attach_shared_weights", args=(shared.to_bytes(),))
         g = torch.Generator().manual_seed(1)
         prompts = [torch.randint(3, test_moe.VOCAB, (4,), generator=g).tolist() for _ in range(8)]

@@ -26,7 +26,7 @@ import time
 import pytest
 import torch
 import transformers
-from spawned import end_in_process_engine, result_of_child
+from spawned import end_in_process_engine, result_of_child, served_llm
 
 import buffer
 import heads
@@ -180,7 +180,7 @@ def serve_publish_and_score(models: dict) -> dict:
     worker's load. Per family: the largest |vLLM - trainer| log-prob at start and after, and the
     median under the old weights after."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     import prepare
     import sync
@@ -188,18 +188,7 @@ def serve_publish_and_score(models: dict) -> dict:
     out = {}
     for family, path in models.items():
         start = time.perf_counter()
-        llm = LLM(
-            model=path,
-            tokenizer=path,
-            dtype=torch.float32,
-            seed=0,
-            enforce_eager=True,
-            logprobs_mode="processed_logprobs",
-            worker_extension_cls="vllm_worker.WeightSyncWorker",
-            kv_cache_memory_bytes=32 * 2**20,
-            max_model_len=64,
-            enable_prefix_caching=True,
-        )
+        llm = served_llm(path, enable_prefix_caching=True)
         shared = prepare.allocate_shared_weights(path)
         llm.collective_rpc("attach_shared_weights", args=(shared.to_bytes(),))
         model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

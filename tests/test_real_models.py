@@ -23,7 +23,7 @@ import time
 import pytest
 import torch
 from runs import RUN_TIMEOUT_S, finish_ok
-from spawned import end_in_process_engine, result_of_child
+from spawned import end_in_process_engine, result_of_child, served_llm
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "scripts"))
@@ -77,25 +77,13 @@ def serve_sync_and_score(name: str, path: str) -> dict:
     with a chat template, a greedy answer to the first question."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process: a quick start
     import transformers
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     import prepare
     import sync
 
     start = time.perf_counter()
-    llm = LLM(
-        model=path,
-        tokenizer=path,
-        dtype=torch.float32,
-        seed=0,
-        enforce_eager=True,
-        logprobs_mode="processed_logprobs",
-        worker_extension_cls="vllm_worker.WeightSyncWorker",
-        kv_cache_memory_bytes=64 * 2**20,
-        max_model_len=128,
-        max_num_seqs=16,
-        enable_prefix_caching=True,
-    )
+    llm = served_llm(path, 64, 128, max_num_seqs=16, enable_prefix_caching=True)
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     shared = prepare.allocate_shared_weights(path)
     llm.collective_rpc("attach_shared_weights", args=(shared.to_bytes(),))
