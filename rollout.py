@@ -32,19 +32,18 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import chat
-import tracing
 from buffer import RolloutGroup, put_group, tag_versions
 from config import Config
-from devices import engine_concurrency, enter_generator_devices, torch_dtype
-from evaluation import requested, run_eval
-from kv_cache import sized_engine_config
-from lora import Served, served_weights
-from routes import GeneratorRoutes
-from tasks import envs
+from generator.routes import GeneratorRoutes
+from generator.weight_swaps import load_first_publish, swap_weights
+from infra import tracing
+from infra.devices import engine_concurrency, enter_generator_devices, torch_dtype
+from infra.kv_cache import sized_engine_config
+from tasks import chat, envs
 from tasks.builtin import make_task
+from tasks.evaluation import requested, run_eval
 from tasks.prompts import Prompt, walk
-from weight_swaps import load_first_publish, swap_weights
+from trainer.lora import Served, served_weights
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -132,7 +131,7 @@ class Generator:
             dtype=torch_dtype(self.cfg.dtype),
             seed=self.cfg.seed,
             logprobs_mode="processed_logprobs",
-            worker_extension_cls="vllm_worker.WeightSyncWorker",
+            worker_extension_cls="generator.vllm_worker.WeightSyncWorker",
             **options,
             enable_prefix_caching=True,
             disable_log_stats=True,

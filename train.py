@@ -21,23 +21,19 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from schedule import learning_rate, shaped_rewards
 from transformers import AutoConfig, AutoTokenizer
 
 import buffer
-import checkpoint
-import devices
-import evaluation
-import launch
-import metrics
-import packing
-import prepare
-import tracing
 from advantages import estimate_advantages
 from config import Config
-from models import build_frozen_models, build_policy, check_layout, checkpoint_layers
-from processes import Control, exit_now, saving, wait_for
-from schedule import learning_rate, shaped_rewards
+from infra import devices, tracing
+from infra.processes import Control, exit_now, saving, wait_for
+from run import launch, metrics, prepare
 from sync import WeightsSink, publish_model, trainable_parameters
+from tasks import evaluation
+from trainer import checkpoint, packing
+from trainer.models import build_frozen_models, build_policy, check_layout, checkpoint_layers
 from update import update_on_batch
 
 
@@ -456,11 +452,11 @@ def main(argv=None) -> int:
     cfg = prepare.parse_args(argv)
     # (the remote roles are imported only when asked for: they start ZMQ)
     if cfg.role == "trainer":
-        import remote
+        from run import remote
 
         return remote.run_trainer(cfg, trainer_main)
     if cfg.role == "generator":
-        import remote_generator
+        from run import remote_generator
 
         return remote_generator.run_generator(cfg)
     return launch.run(cfg, trainer_main)

@@ -20,19 +20,17 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+import schedule
 import torch
 import torch.distributed as dist
+from step_stats import StepStats, agreement, diagnostics, step_result
 
 import buffer
-import heads
 import losses
-import packing
-import replay
-import schedule
-import tracing
 from config import Config
-from logprobs import score_tokens
-from step_stats import StepStats, agreement, diagnostics, step_result
+from infra import tracing
+from trainer import heads, packing, replay
+from trainer.logprobs import score_tokens
 
 
 # --------------------------------------------------------------------------------------------------

@@ -66,13 +66,14 @@ sys.path.insert(0, checkout)
 import torch
 import torch.distributed as dist
 torch.set_num_threads(1)
-import buffer, config, lora, update
+import buffer, config, update
+from trainer import lora
 try:
-    import flag_checks
+    from run import flag_checks
 except ImportError:
     flag_checks = None
 try:
-    from models import build_reference_model, build_trainer_model
+    from trainer.models import build_reference_model, build_trainer_model
 except ImportError:
     from train import build_reference_model, build_trainer_model
 dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)

@@ -400,8 +400,7 @@ def default_config(**changes):
     """The run's config with `changes`, validated and resolved as `launch.run` resolves it
     (prepare.resolve)."""
     import config
-    import flag_checks
-    import prepare
+    from run import flag_checks, prepare
 
     cfg = config.Config(**changes)
     flag_checks.validate(cfg, prepare.check(cfg))
@@ -412,8 +411,8 @@ def run_ahead_settings(cfg, model_path: str):
     """The generator's settings as `launch.run` builds them (`prepare.generator_settings`), except
     that the staleness gate never closes: a stand-in trainer never lags, so the generator runs as
     far ahead as the queue allows."""
-    import devices
-    import prepare
+    from infra import devices
+    from run import prepare
 
     # (and no held-out evaluation: bench/eval_cost.py measures that apart)
     return prepare.generator_settings(

@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-import plots  # noqa: E402  (the project's own, on sys.path through common)
+from run import plots  # noqa: E402  (the project's own, on sys.path through common)
 
 SMOOTH = 10
 LAST = 20  # the teacher's final reward: the mean over its last LAST steps

@@ -62,8 +62,8 @@ def train_rate(
     import torch
     import torch.distributed as dist
 
-    import devices
-    import models
+    from infra import devices
+    from trainer import models
 
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
@@ -105,7 +105,7 @@ def generate_rate(
 
     from vllm import LLM, SamplingParams
 
-    import devices
+    from infra import devices
 
     llm = LLM(
         model=model_path,

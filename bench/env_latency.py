@@ -61,10 +61,10 @@ def measure(model_path: str, warmup_s: float, window_s: float, groups_in_flight:
     import torch.multiprocessing as mp
     from transformers import AutoTokenizer
 
-    import prepare
-    import processes
     import rollout
+    from infra import processes
     from rollout import Generator
+    from run import prepare
     from tasks import envs
     from tasks.episodes import model_turn
 

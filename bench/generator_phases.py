@@ -54,9 +54,9 @@ def measure(model_path: str, plan: list[dict], rounds: int, seed: int, kv_delta:
     """In a child process: one engine; for each round, each workload, each phase."""
     import torch.multiprocessing as mp
 
-    import prepare
-    import processes
+    from infra import processes
     from rollout import Generator
+    from run import prepare
     from tasks.builtin import make_task
     from tasks.prompts import walk
 

@@ -64,14 +64,12 @@ from torch.distributed.fsdp import MixedPrecisionPolicy  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 import buffer  # noqa: E402
-import devices  # noqa: E402
-import models  # noqa: E402
-import packing  # noqa: E402
 import sync  # noqa: E402
-import tracing  # noqa: E402
 import update  # noqa: E402
 from config import Config  # noqa: E402
-from shared_weights import SharedWeights, named_shapes_of  # noqa: E402
+from generator.shared_weights import SharedWeights, named_shapes_of  # noqa: E402
+from infra import devices, tracing  # noqa: E402
+from trainer import models, packing  # noqa: E402
 
 # The published configs (config.json of Qwen/Qwen3-0.6B and Qwen/Qwen3-4B): what they share, then
 # their sizes (SIZE_FIELDS); the smoke's is Qwen3's layout at a size the CPU runs in a second.

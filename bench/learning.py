@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-import plots  # noqa: E402  (the project's own, on sys.path through common)
+from run import plots  # noqa: E402  (the project's own, on sys.path through common)
 
 THRESHOLDS = (0.5, 0.8, 0.9)
 SMOOTH = 10

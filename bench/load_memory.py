@@ -34,7 +34,7 @@ import torch, torch.distributed as dist, torch.multiprocessing as mp
 def rank_main(rank, model, init, world):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
-    import models
+    from trainer import models
     model = models.build_trainer_model(model, world)
     dist.barrier()
     dist.destroy_process_group()

@@ -102,8 +102,8 @@ def measure(
     import torch.distributed as dist
 
     import config
-    import models
     import update
+    from trainer import models
 
     torch.set_num_threads(threads)
     torch.manual_seed(seed)

@@ -93,7 +93,7 @@ def groups_of(shape: dict, count: int, with_routes: bool, seed: int = 0):
     import numpy as np
 
     import buffer
-    import routes
+    from generator import routes
 
     rng = np.random.default_rng(seed)
     n = shape["prompt"] + shape["completion"]

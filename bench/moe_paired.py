@@ -28,13 +28,11 @@ def paired(model_path: str, prompts: int, lengths: list[int], threads: int, seed
     from vllm import LLM, SamplingParams
 
     import buffer
-    import chat
     import losses
-    import models
-    import replay
-    import routes
     import update
-    from tasks import builtin
+    from generator import routes
+    from tasks import builtin, chat
+    from trainer import models, replay
 
     torch.set_num_threads(threads)
     llm = LLM(

@@ -46,7 +46,7 @@ def stand_in_trainer(
     from transformers import AutoModelForCausalLM
 
     import buffer
-    import processes
+    from infra import processes
 
     weights = {
         k: v.detach().clone()
@@ -100,9 +100,9 @@ def generate_alone(cfg, model_path: str, steps: int, cpu_from_step: int | None =
     import torch.multiprocessing as mp
     import traces
 
-    import prepare
-    import processes
     import rollout
+    from infra import processes
+    from run import prepare
 
     ctx = mp.get_context("spawn")
     shared = prepare.allocate_shared_weights(model_path)
@@ -164,10 +164,9 @@ def train_alone(
     import torch.multiprocessing as mp
 
     import buffer
-    import devices
-    import prepare
-    import processes
     import train
+    from infra import devices, processes
+    from run import prepare
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -173,7 +173,7 @@ def main(argv=None) -> int:
 def recording_cost(n: int = 4000) -> float:
     """CPU microseconds per event of tracing.py as a run uses it, written to its file (median of 3
     tries)."""
-    import tracing
+    from infra import tracing
 
     scheduled = SimpleNamespace(  # (what one engine step of the default run hands vLLM's worker)
         num_scheduled_tokens={f"{k}_group-{g}-0badcafe": 1 for g in range(32) for k in range(8)},
@@ -225,7 +225,7 @@ def recording_cost(n: int = 4000) -> float:
 
 def trace_size(out: Path, steps: int) -> dict:
     """trace.json's size and events per step, and the time to draw timeline.png from it again."""
-    import plots
+    from run import plots
 
     trace = out / "trace.json"
     events = len(json.loads(trace.read_text())["traceEvents"])

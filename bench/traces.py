@@ -22,8 +22,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import trace_merge
-import tracing
+from infra import tracing
+from run import trace_merge
 
 
 class Recording:

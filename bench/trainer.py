@@ -49,8 +49,8 @@ def bare_loop(
     from transformers import AutoTokenizer
 
     import buffer
-    import models
     from advantages import group_advantages
+    from trainer import models
 
     torch.set_num_threads(threads)
     torch.manual_seed(seed)

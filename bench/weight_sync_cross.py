@@ -52,8 +52,8 @@ def _cross_receiver(port: int, shapes, dtype, versions: int, results) -> None:
     import torch
     from torch.distributed import TCPStore
 
-    import link
-    from shared_weights import SharedWeights
+    from generator.shared_weights import SharedWeights
+    from run import link
 
     torch.set_num_threads(1)
     store = TCPStore("127.0.0.1", port, 2, False, timedelta(seconds=120))
@@ -78,11 +78,9 @@ def measure_cross_machine(name: str, shape: tuple, work: str, seed: int, syncs: 
     import torch.multiprocessing as mp
     from torch.distributed import TCPStore
 
-    import link
-    import models
-    import prepare
-    import remote
     import sync
+    from run import link, prepare, remote
+    from trainer import models
 
     hidden, layers, heads = shape
     path = common.build_model(
@@ -267,9 +265,9 @@ def _publish_rank(rank, world, init_file, path, shared, syncs, results) -> None:
     import torch
     import torch.distributed as dist
 
-    import models
     import sync
-    from shared_weights import SharedWeights
+    from generator.shared_weights import SharedWeights
+    from trainer import models
 
     class SingleWriter(SharedWeights):
         single_writer = True  # what a GPU buffer is (only rank 0 maps it), in CPU memory
@@ -317,7 +315,7 @@ def measure_publish(name: str, shape: tuple, work: str, seed: int, syncs: int, r
 
     import torch.multiprocessing as mp
 
-    import prepare
+    from run import prepare
 
     hidden, layers, heads = shape
     path = common.build_model(

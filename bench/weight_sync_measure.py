@@ -76,8 +76,8 @@ async def tmpfs_route(gen, model, config, base_model: str, versions, gap_s: floa
     import torch
     from vllm.lora.request import LoRARequest
 
-    import lora
-    from lora import SERVED_ID
+    from trainer import lora
+    from trainer.lora import SERVED_ID
 
     engine, timings = gen.engine, []
     root = tempfile.mkdtemp(
@@ -131,13 +131,14 @@ def measure_size(
     import torch.distributed as dist
     import torch.multiprocessing as mp
 
-    import devices
-    import lora  # also without LoRA: lora.synced_parameters names what a full sync publishes
-    import models
-    import prepare
-    import processes
     import sync
+    from infra import devices, processes
     from rollout import Generator
+    from run import prepare
+    from trainer import (
+        lora,  # also without LoRA: lora.synced_parameters names what a full sync publishes
+        models,
+    )
 
     t_build = time.perf_counter()
     sizes = {} if shape is None else dict(zip(("hidden", "layers", "heads"), shape))
@@ -162,7 +163,7 @@ def measure_size(
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=0, world_size=1)
     lora_config, lora_dir = None, ""
     if lora_rank:
-        from shared_weights import SharedWeights
+        from generator.shared_weights import SharedWeights
 
         lora_config = lora.peft_config(lora_rank, 2 * lora_rank, 0.0, "all-linear")
     model = models.build_trainer_model(path, 1, lora_config=lora_config, seed=seed)

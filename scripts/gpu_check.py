@@ -155,10 +155,10 @@ def check_size(size, args, device, receiver_device, receiver_visible, peer_here,
     import torch.multiprocessing as mp
 
     import config
-    import models
-    import prepare
     import sync
     import update
+    from run import prepare
+    from trainer import models
 
     result = {"size": size}
     path = build_model(os.path.join(workdir, size), size)
@@ -335,7 +335,7 @@ def main(argv=None) -> int:
     import torch.distributed as dist
     import transformers
 
-    import devices
+    from infra import devices
 
     torch.set_num_threads(args.threads)
     result.update(

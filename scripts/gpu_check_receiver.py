@@ -47,7 +47,7 @@ def receiver_main(handle_bytes, model_dir, device, visible, cmd_q, res_q, thread
 
         import config
         import update
-        from shared_weights import SharedWeights
+        from generator.shared_weights import SharedWeights
 
         torch.set_num_threads(threads)
         device = torch.device(device)

@@ -2,7 +2,7 @@
 scripts/shape.py`.
 
 Role: the counts issue 24 asks to hold, each a function tests/test_shape.py asserts:
-    - `line_counts`: non-blank lines of every .py file (top level, tests/, bench/, examples/,
+    - `line_counts`: non-blank lines of every .py file (top level, tests/, bench/, tasks/examples/,
       scripts/).
     - `line_widths`: the widths of the non-blank lines of the top-level modules (the code a reader
       reads), summed up by `width_summary` (mean, 90th percentile); `long_lines`: every line over
@@ -34,9 +34,9 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-FOLDERS = ("", "tests", "bench", "examples", "scripts")
+FOLDERS = ("", "tests", "bench", "tasks/examples", "scripts")
 MAX_LINES = 450
-MAX_WIDTH = 100  # characters per line, in every file (ruff.toml's line-length)
+MAX_WIDTH = 100  # characters per line, in every file (.ruff.toml's line-length)
 WALK_SKIP = ("tracing",)  # left out of the step's walk: the trace recorder, called from every file
 LOOP = "train.train"
 LOSS = "losses.grpo_loss"  # the per-micro-batch loss

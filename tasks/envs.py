@@ -31,10 +31,10 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 from buffer import RolloutGroup
-from chat import Renderer, as_messages  # noqa: F401  (Renderer: envs.Renderer, as before)
-from routes import fitted
+from generator.routes import fitted
 from tasks import prompts, rewards
 from tasks import tools as tools_lib
+from tasks.chat import Renderer, as_messages  # noqa: F401  (Renderer: envs.Renderer, as before)
 from tasks.datasets import DataError
 from tasks.episodes import Episode, first_line, run_episodes
 from tasks.prompts import Prompt

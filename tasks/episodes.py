@@ -28,10 +28,10 @@ import numbers
 import time
 from dataclasses import dataclass, field
 
-import tracing
 from buffer import tag_versions
-from chat import as_messages
-from routes import known_prefix
+from generator.routes import known_prefix
+from infra import tracing
+from tasks.chat import as_messages
 from tasks.datasets import is_conversation
 from tasks.protocols import Env, Sampler
 from tasks.tool_calls import assistant_message

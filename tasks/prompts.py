@@ -26,8 +26,8 @@ import re
 import sys
 from dataclasses import dataclass, field
 
-import chat
-from chat import plain_prompt, uses_chat_template  # (the rules episodes share: chat.Renderer)
+from tasks import chat
+from tasks.chat import plain_prompt, uses_chat_template  # (the rules episodes share: chat.Renderer)
 from tasks.datasets import (  # noqa: F401 (also prompts.X)
     RG,
     DataError,

@@ -30,7 +30,7 @@ import json
 import re
 from dataclasses import dataclass
 
-import chat
+from tasks import chat
 
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 FUNCTION_CALL = re.compile(r"<function=([^\n>]+)>(.*?)(?:</function>\s*)?$", re.DOTALL)

@@ -27,8 +27,7 @@ import inspect
 import os
 from typing import Callable, Sequence
 
-import chat
-from tasks import rewards
+from tasks import chat, rewards
 from tasks.datasets import DataError
 from tasks.prompts import spec_of, split_list
 from tasks.tool_calls import (  # noqa: F401 (also tools.X)

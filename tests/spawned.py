@@ -29,7 +29,7 @@ def served_llm(path: str, kv_cache_mb: int = 32, max_model_len: int = 64, **opti
         seed=0,
         enforce_eager=True,
         logprobs_mode="processed_logprobs",
-        worker_extension_cls="vllm_worker.WeightSyncWorker",
+        worker_extension_cls="generator.vllm_worker.WeightSyncWorker",
         kv_cache_memory_bytes=kv_cache_mb * 2**20,
         max_model_len=max_model_len,
         **options,

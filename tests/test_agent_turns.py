@@ -19,9 +19,8 @@ import pytest
 from shipped import tokenizer_dir
 from test_templates import CHAT_FAMILIES, THINK, episode, tool_cfg
 
-import chat
 import config
-from tasks import envs, prompts, tools
+from tasks import chat, envs, prompts, tools
 
 # Qwen3-Coder's and Qwen3.5's call format (vLLM's qwen3_coder parser), add(2, 3)
 CODER_CALL = (

@@ -31,10 +31,10 @@ import transformers
 from spawned import end_in_process_engine, result_of_child, served_llm
 
 import buffer
-import heads
-import metrics
 import update
+from run import metrics
 from tasks import builtin
+from trainer import heads
 
 ENGINE_TIMEOUT_S = 900
 DENSE_HEAD_GAIN = 4.0  # sharp enough that a wrong head shows, sampling still random
@@ -125,7 +125,7 @@ def sample_at_start(models: dict) -> dict:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import SamplingParams
 
-    import prepare
+    from run import prepare
 
     out = {}
     for name, path in models.items():
@@ -247,8 +247,8 @@ def test_only_the_first_on_policy_batch_is_judged(tmp_path, capsys):
 def test_a_disagreeing_first_batch_stops_the_run_in_one_line(tmp_path, capsys):
     import torch.multiprocessing as mp
 
-    import processes
     import train
+    from infra import processes
 
     tiny_variant("olmoe", dict(tie_word_embeddings=True)).save_pretrained(tmp_path)
     with pytest.raises(SystemExit) as stop:  # what each rank raises (test above)

@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 
 import config
-import prepare
+from run import prepare
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))

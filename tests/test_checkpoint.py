@@ -22,12 +22,10 @@ import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from test_fsdp import spawn_ranks
 
-import checkpoint
 import config
-import lora
-import models
-import processes
+from infra import processes
 from tasks import builtin
+from trainer import checkpoint, lora, models
 
 LORA = dict(rank=4, alpha=8, dropout=0.0, targets="all-linear")
 IDS = torch.tensor([[1, 13, 14, 15, 24, 13, 14]])

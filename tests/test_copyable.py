@@ -21,7 +21,7 @@ def use_shared_weights():
     import torch.multiprocessing as mp
 
     strategy = mp.get_sharing_strategy()
-    import shared_weights
+    from generator import shared_weights
 
     assert mp.get_sharing_strategy() == strategy, (
         "importing shared_weights changed torch's sharing strategy"
@@ -45,7 +45,7 @@ def use_shared_weights():
 def use_logprobs():
     import torch
 
-    import logprobs
+    from trainer import logprobs
 
     torch.manual_seed(0)
     vocab, width = 11, 8
@@ -141,8 +141,8 @@ def use_tracing():
     import os
     import tempfile
 
-    import trace_merge
-    import tracing
+    from infra import tracing
+    from run import trace_merge
 
     out = tempfile.mkdtemp()
     tracing.configure(out, steps=10)  # (a run's parent; its children inherit the environment)
@@ -162,7 +162,7 @@ def use_tracing():
 
 
 def use_trace_merge():
-    import trace_merge
+    from run import trace_merge
 
     steps = [
         {"ph": "X", "cat": "step", "ts": 10.0 * i, "dur": 5.0, "args": {"rank": 0}}
@@ -174,12 +174,12 @@ def use_trace_merge():
 
 
 COPYABLE = {
-    "shared_weights.py": use_shared_weights,
+    "generator/shared_weights.py": use_shared_weights,
     "losses.py": use_losses,
-    "logprobs.py": use_logprobs,
+    "trainer/logprobs.py": use_logprobs,
     "advantages.py": use_advantages,
-    "tracing.py": use_tracing,
-    "trace_merge.py": use_trace_merge,
+    "infra/tracing.py": use_tracing,
+    "run/trace_merge.py": use_trace_merge,
 }
 
 
@@ -206,8 +206,8 @@ def test_each_copyable_file_imports_only_torch_and_the_standard_library():
 
 def test_copyable_files_work_alone_in_an_empty_folder(tmp_path):
     for name in COPYABLE:
-        shutil.copy(os.path.join(REPO, name), tmp_path / name)
-    modules = [name[:-3] for name in COPYABLE]
+        shutil.copy(os.path.join(REPO, name), tmp_path / os.path.basename(name))
+    modules = [os.path.basename(name)[:-3] for name in COPYABLE]
     script = "\n".join(
         [
             "import os, sys",

@@ -18,11 +18,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import plots
+import prepare
 import pytest
 
 import config
-import plots
-import prepare
 from tasks import builtin, datasets, envs, prompts
 
 REPO = Path(__file__).resolve().parent.parent
@@ -169,10 +169,13 @@ def test_task_resolution():
     )
     spec = prompts.resolve(
         dataset="x.jsonl",
-        reward="math, examples/my_rewards.py:format_reward",
+        reward="math, tasks/examples/my_rewards.py:format_reward",
         reward_weights="1,0.25",
     )
-    assert spec.rewards == ("tasks.rewards:math_reward", "examples/my_rewards.py:format_reward")
+    assert spec.rewards == (
+        "tasks.rewards:math_reward",
+        "tasks/examples/my_rewards.py:format_reward",
+    )
     assert spec.weights == (1.0, 0.25)
     # the shipped sample passes every check
     cfg = prepare.parse_args(["--task", "gsm8k", "--steps", "3"])
@@ -293,7 +296,7 @@ def test_a_chat_dataset_with_a_solution_column(ascii_model, tokenizer):
             "--model",
             ascii_model,
             "--dataset",
-            "examples/chat_prompts.jsonl",
+            "tasks/examples/chat_prompts.jsonl",
             "--answer-column",
             "solution",
             "--reward",
@@ -368,7 +371,7 @@ def test_gsm8k_sample_with_the_math_reward_end_to_end(ascii_model, tmp_path):
         "--task",
         "gsm8k",
         "--reward",
-        "math,examples/my_rewards.py:format_reward",
+        "math,tasks/examples/my_rewards.py:format_reward",
         "--reward-weights",
         "1,0.5",
         "--reward-workers",

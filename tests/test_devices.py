@@ -23,11 +23,10 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-import devices
-import prepare
-import shared_weights
 import sync
-import vllm_worker
+from generator import shared_weights, vllm_worker
+from infra import devices
+from run import prepare
 
 
 # --------------------------------------------------------------------------------------------------

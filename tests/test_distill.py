@@ -29,13 +29,13 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import buffer
-import logprobs
 import losses
-import prepare
 import update
 from config import Config
-from flag_checks import parse_args
+from run import prepare
+from run.flag_checks import parse_args
 from tasks import builtin, datasets, prompts, rewards
+from trainer import logprobs
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPT = [1, 13, 14, 15, 24]  # "<bos>abc=" in the tiny model's character tokenizer

@@ -13,13 +13,13 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-import prepare
-import processes
 from config import Config
-from devices import MAX_NUM_SEQS, engine_concurrency
-from logprobs import token_logprobs
+from infra import processes
+from infra.devices import MAX_NUM_SEQS, engine_concurrency
 from rollout import Generator, GeneratorSettings
+from run import prepare
 from tasks.builtin import build_tiny_model
+from trainer.logprobs import token_logprobs
 
 FORCED_A, FORCED_B = 13, 14  # token ids of 'a' and 'b' in the tiny tokenizer
 

@@ -22,11 +22,11 @@ from test_engine import (
 )
 
 import buffer
-import prepare
 import rollout
 import train
 from losses import policy_loss
-from metrics import episode_metrics
+from run import prepare
+from run.metrics import episode_metrics
 from tasks import builtin, envs
 from update import completion_logprobs
 
@@ -419,7 +419,7 @@ def test_the_reveal_task_runs_end_to_end(tmp_path):
 
 
 def test_a_step_whose_every_episode_faulted_is_warned_about():
-    from metrics import all_faults_warning
+    from run.metrics import all_faults_warning
 
     row = {
         "step": 3,

@@ -17,10 +17,9 @@ import pytest
 from test_data import write_jsonl
 from test_engine import settings_for as engine_settings
 
-import devices
-import evaluation
-import prepare
-from tasks import builtin, prompts
+from infra import devices
+from run import prepare
+from tasks import builtin, evaluation, prompts
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -19,10 +19,10 @@ from test_engine import drain
 from test_eval import settings_for
 
 import buffer
-import evaluation
-import prepare
-import processes
 import rollout
+from infra import processes
+from run import prepare
+from tasks import evaluation
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import checkpoint
+from trainer import checkpoint
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = [
@@ -178,7 +178,8 @@ def test_sigterm_then_sigint_and_resumes_on_other_rank_counts_continue_an_uninte
 WRITER = r"""
 import sys, torch
 sys.path.insert(0, {repo!r})
-import checkpoint, config
+import config
+from trainer import checkpoint
 from transformers import Qwen2Config, Qwen2ForCausalLM
 model = Qwen2ForCausalLM(Qwen2Config(vocab_size=1000, hidden_size=512, num_hidden_layers=6,
                                      num_attention_heads=8, num_key_value_heads=8,
@@ -237,7 +238,7 @@ def test_sigkill_while_writing_or_replacing_leaves_complete_checkpoints_only(tmp
 
 def test_bad_model_inputs_get_one_clear_line(tmp_path):
     import config
-    import prepare
+    from run import prepare
     from tasks.builtin import build_tiny_model
 
     with pytest.raises(SystemExit, match="not a local directory"):
@@ -340,8 +341,8 @@ def test_a_model_vllms_cpu_backend_cannot_run_is_refused_before_anything_starts(
     spawned."""
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
-    import devices
     import train
+    from infra import devices
     from tasks.builtin import build_tiny_model
 
     assert tuple(CPUAttentionBackend.get_supported_head_sizes()) == devices.CPU_ATTENTION_HEAD_SIZES
@@ -395,7 +396,7 @@ def test_a_child_killed_by_the_kernel_is_reported_as_memory_with_the_flag_that_l
     gets a line naming memory and the flag; an ordinary failure does not."""
     import torch.multiprocessing as mp
 
-    import processes
+    from infra import processes
 
     ctx = mp.get_context("spawn")
     fail = _kill_myself if how == "sigkill" else _raise
@@ -418,7 +419,7 @@ def test_a_child_killed_by_the_kernel_is_reported_as_memory_with_the_flag_that_l
 ORPHAN_SCRIPT = """
 import subprocess, sys, time
 import torch.multiprocessing as mp
-import processes
+from infra import processes
 
 # its own process group, with a process of its own inside it (as vLLM's EngineCore)
 def generator():

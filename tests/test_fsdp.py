@@ -23,11 +23,11 @@ import torch.multiprocessing as mp
 
 import buffer
 import config
-import models
-import shared_weights
 import sync
 import update
+from generator import shared_weights
 from tasks import builtin
+from trainer import models
 
 PROMPT = [1, 13, 14, 15, 24]  # "<bos>abc=" in the tiny model's character tokenizer
 PAD_ID = 0
@@ -381,7 +381,7 @@ PUBLISH_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _lora_config():
-    import lora
+    from trainer import lora
 
     return lora.peft_config(LORA_RANK, 2 * LORA_RANK, 0.0, "all-linear")
 
@@ -405,8 +405,8 @@ def _publish_worker(rank, world, init_file, paths, multi_writer, results):
     remote sink); rank 0 reports which buffers equal the reference, and the elements gathered."""
     import torch.distributed as dist
 
-    import models
-    import remote
+    from run import remote
+    from trainer import models
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -494,8 +494,8 @@ def test_the_batched_publish_writes_the_bytes_of_the_per_parameter_one(
     """Every sink, fp32 and bf16, a tied and an untied model and a LoRA adapter: bit-equal to the
     per-parameter publish. The single writer gathers FSDP2's row shards in buckets: what trains and
     no more (LoRA: the adapter, not the frozen base), in few all-gathers; at world size 1 none."""
-    import lora
-    import prepare
+    from run import prepare
+    from trainer import lora
 
     paths = {"tied": model_path, "untied": untied_model_path, "lora": model_path}
     shapes = {case: prepare.model_shapes(paths[case]) for case in ("tied", "untied")}

@@ -27,9 +27,8 @@ import transformers
 from spawned import end_in_process_engine, result_of_child, served_llm
 
 import buffer
-import heads
-import logprobs
 import update
+from trainer import heads, logprobs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 300
@@ -316,8 +315,8 @@ def serve_sync_and_score(models: dict) -> dict:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process: a quick start
     from vllm import SamplingParams
 
-    import prepare
     import sync
+    from run import prepare
 
     out = {}
     for family, path in models.items():

@@ -5,8 +5,8 @@ up: tests/test_real_models.py."""
 
 from types import SimpleNamespace
 
-import kv_cache
 from config import Config
+from infra import kv_cache
 
 # SmolLM2-135M: 30 layers x 3 KV heads x 64 dims, keys and values: 45 KiB a token in fp32
 SMOLLM2 = SimpleNamespace(

@@ -17,14 +17,12 @@ import torch
 import torch.multiprocessing as mp
 from test_engine import settings_for, wait_until
 
-import checkpoint
-import flag_checks
-import lora
-import models
-import processes
+from generator.shared_weights import SharedWeights
+from infra import processes
 from rollout import Generator
-from shared_weights import SharedWeights
+from run import flag_checks
 from tasks.builtin import build_tiny_model
+from trainer import checkpoint, lora, models
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = [

@@ -20,15 +20,12 @@ import pytest
 import torch
 from test_fsdp import backward, make_batch, spawn_ranks
 
-import logprobs
-import lora
 import losses
-import models
-import packing
 import update
 from config import Config
-from flag_checks import parse_args
+from run.flag_checks import parse_args
 from tasks import builtin
+from trainer import logprobs, lora, models, packing
 
 # --micro-batch-tokens: the test batch's rows hold 5 to 10 tokens
 ONE_ROW, FEW_ROWS, WHOLE = 1, 20, 0

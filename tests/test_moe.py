@@ -29,9 +29,9 @@ import transformers
 from spawned import end_in_process_engine, result_of_child, served_llm
 
 import buffer
-import heads
 import update
 from tasks import builtin
+from trainer import heads
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the copy task's tokenizer (builtin.build_tiny_model writes it; the family's config replaces the
@@ -132,7 +132,7 @@ def tiny_moe(model_type, seed=0):
 
 
 def test_the_worker_hands_vllm_checkpoint_named_expert_tensors():
-    import vllm_worker
+    from generator import vllm_worker
 
     model = tiny_moe("mixtral")
     skeleton = vllm_worker.checkpoint_skeleton(model.config)
@@ -182,8 +182,8 @@ def serve_publish_and_score(models: dict) -> dict:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import SamplingParams
 
-    import prepare
     import sync
+    from run import prepare
 
     out = {}
     for family, path in models.items():
@@ -285,7 +285,7 @@ def test_a_moe_family_the_trainer_cannot_score_exactly_is_refused_in_one_line(mo
 
 
 def test_a_config_scored_otherwise_than_vllm_samples_it_is_refused_in_one_line(tmp_path):
-    import devices
+    from infra import devices
 
     # Cohere2's sliding layers: vLLM sees one token more than transformers (0.14 apart with a window
     # of 4)

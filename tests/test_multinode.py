@@ -20,9 +20,7 @@ import torch
 import torch.multiprocessing as mp
 from runs import SMALL, is_engine_core
 
-import link
-import remote
-import remote_generator
+from run import link, remote, remote_generator
 
 
 def free_port(pair: bool = False) -> int:
@@ -49,7 +47,7 @@ def _weights_side(rank, port, data, results):
 
     from torch.distributed import TCPStore
 
-    from shared_weights import SharedWeights
+    from generator.shared_weights import SharedWeights
 
     store = TCPStore("127.0.0.1", port, 2, rank == 1, timedelta(seconds=30))
     group = link.weight_group(store, rank, torch.device("cpu"), 30)

@@ -28,7 +28,7 @@ import buffer
 import losses
 import update
 from config import Config
-from flag_checks import parse_args
+from run.flag_checks import parse_args
 from tasks import builtin
 
 

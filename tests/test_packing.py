@@ -28,12 +28,11 @@ import torch
 import transformers
 from test_fsdp import make_batch
 
-import packing
-import prepare
-import replay
 import update
 from config import Config
-from flag_checks import parse_args
+from run import prepare
+from run.flag_checks import parse_args
+from trainer import packing, replay
 
 # the family whose attention mask ignores packed position ids (its model builds the mask without
 # them)

@@ -79,8 +79,8 @@ def serve_sync_and_score(name: str, path: str) -> dict:
     import transformers
     from vllm import SamplingParams
 
-    import prepare
     import sync
+    from run import prepare
 
     start = time.perf_counter()
     llm = served_llm(path, 64, 128, max_num_seqs=16, enable_prefix_caching=True)
@@ -139,7 +139,7 @@ def score_samples(model, tokenizer, outputs, n_prompts: int) -> dict:
     distribution vLLM samples from) of what vLLM sampled, against vLLM's; then the plain setting's
     under the weights before the sync. One forward pass for every setting's samples."""
     import buffer
-    from logprobs import token_logprobs
+    from trainer.logprobs import token_logprobs
 
     samples, rows = [], {setting: [] for setting in SAMPLINGS}
     for i, setting in enumerate(SAMPLINGS):

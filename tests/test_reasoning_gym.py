@@ -11,7 +11,7 @@ import socket
 
 import pytest
 
-import prepare
+from run import prepare
 from tasks import builtin, datasets
 
 

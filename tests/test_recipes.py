@@ -6,15 +6,15 @@ masking)."""
 import math
 
 import pytest
+import schedule
 import torch
+from schedule import learning_rate, overlong_penalty
 
 import buffer
 import config
-import flag_checks
-import models
-import schedule
 import update
-from schedule import learning_rate, overlong_penalty
+from run import flag_checks
+from trainer import models
 
 
 @pytest.mark.parametrize("schedule", ["constant", "linear", "cosine"])
@@ -83,7 +83,7 @@ def test_recipe_flags_are_validated_in_one_line():
 def test_dr_grpo_gets_its_settings_unless_flags_set_others_which_are_refused_in_one_line():
     """--loss dr_grpo alone used to be exactly grpo: its surrogate is grpo's, and what makes it Dr.
     GRPO (no std scale, token sums over a constant) were two more flags nothing asked for."""
-    import prepare
+    from run import prepare
 
     dr = dict(adv_scale="none", agg="seq-mean-token-sum-norm")
     for parse in (flag_checks.parse_args, prepare.parse_args):  # (train.py's: prepare's)
@@ -156,7 +156,7 @@ def hand_ppo(model_path, cfg):
     from test_fsdp import make_batch
     from transformers import AutoModelForCausalLM
 
-    from logprobs import token_logprobs
+    from trainer.logprobs import token_logprobs
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
@@ -243,7 +243,7 @@ def test_completion_lengths_count_the_sampled_tokens_before_stale_and_overlong_m
     """A fully stale sample is not an empty completion: completion_len (and _min, _max,
     empty_completions) counts the model's sampled tokens, trained_len what the masks left to
     train."""
-    import metrics
+    from run import metrics
 
     group = buffer.RolloutGroup(
         0,

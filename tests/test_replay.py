@@ -24,13 +24,11 @@ import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 import buffer
-import lora
-import models
-import replay
-import routes
 import update
 from config import Config
+from generator import routes
 from tasks import builtin
+from trainer import lora, models, replay
 
 LAYERS, EXPERTS, TOP_K = 2, 8, 2
 

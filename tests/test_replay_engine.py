@@ -26,8 +26,8 @@ import pytest
 import torch
 from test_replay import LAYERS, TOP_K, Batch
 
-import replay
 from tasks import builtin
+from trainer import replay
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -69,7 +69,7 @@ def test_the_worker_records_each_sample_and_a_prefix_cache_hit_gets_its_blocks_r
         seed=0,
         enforce_eager=True,
         kv_cache_memory_bytes=32 * 2**20,
-        worker_extension_cls="vllm_worker.WeightSyncWorker",
+        worker_extension_cls="generator.vllm_worker.WeightSyncWorker",
         enable_prefix_caching=True,
         block_size=32,
     )
@@ -124,7 +124,7 @@ def test_vllm_records_the_routes_other_routers_choose(family, tmp_path, monkeypa
         seed=0,
         enforce_eager=True,
         kv_cache_memory_bytes=32 * 2**20,
-        worker_extension_cls="vllm_worker.WeightSyncWorker",
+        worker_extension_cls="generator.vllm_worker.WeightSyncWorker",
         max_model_len=64,
     )
     try:

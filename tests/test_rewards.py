@@ -40,7 +40,7 @@ def test_reward_functions_load_from_a_user_module_or_file(user_module):
     assert load_reward("my_user_rewards:capture") is my_user_rewards.capture
     assert load_reward(str(user_module / "my_user_rewards.py") + ":simple").__name__ == "simple"
     assert (
-        load_reward(str(REPO / "examples" / "my_rewards.py") + ":format_reward").__name__
+        load_reward(str(REPO / "tasks" / "examples" / "my_rewards.py") + ":format_reward").__name__
         == "format_reward"
     )
     assert load_reward("math") is math_reward
@@ -118,7 +118,7 @@ def test_fault_rules_none_nan_errors_and_weights(tmp_path, monkeypatch):
 
 def test_reward_functions_in_a_process_pool(tmp_path):
     scorer = Scorer(
-        ["math", str(REPO / "examples" / "my_rewards.py") + ":format_reward"], workers=1
+        ["math", str(REPO / "tasks" / "examples" / "my_rewards.py") + ":format_reward"], workers=1
     )
     try:
         rewards, stats, _ = scorer.score(

@@ -1,7 +1,7 @@
 """The repository's shape (issues 24 and 32), measured by scripts/shape.py: lines per file and their
 width, no import cycle, the calls from the training loop down to the loss, the files one sample
 passes through, the returns to a file already left in a reading of the trainer's step, a config
-that imports nothing of the project; and ruff's format and lint (ruff.toml). Static (ast), but for
+that imports nothing of the project; and ruff's format and lint (.ruff.toml). Static (ast), but for
 ruff's two runs: a few seconds. An assertion marked xfail(strict=True) does not hold yet: it fails
 the suite the day it starts to hold, so the change that makes it hold removes the mark.
 
@@ -113,7 +113,7 @@ def test_the_chain_finder_takes_the_shortest_chain():
 
 @pytest.mark.parametrize("command", [["format", "--check"], ["check"]])
 def test_the_code_is_formatted_and_linted_by_ruff(command):
-    """One formatter and one linter for every file, as ruff.toml sets them (line length 100)."""
+    """One formatter and one linter for every file, as .ruff.toml sets them (line length 100)."""
     done = subprocess.run(
         [sys.executable, "-m", "ruff", *command, "--quiet", "--no-cache", "."],
         cwd=shape.REPO,
@@ -127,8 +127,8 @@ def test_the_code_is_formatted_and_linted_by_ruff(command):
 
 
 def test_ruff_knows_every_module_of_the_project_as_first_party():
-    """ruff.toml names the project's modules (src = [], so that no folder at the root decides)."""
-    settings = tomllib.loads((shape.REPO / "ruff.toml").read_text())
+    """.ruff.toml names the project's modules (src = [], so that no folder at the root decides)."""
+    settings = tomllib.loads((shape.REPO / ".ruff.toml").read_text())
     assert settings["src"] == []
     named = set(settings["lint"]["isort"]["known-first-party"])
     assert named == {name.split(".")[0] for name in shape.module_paths()}

@@ -11,12 +11,11 @@ import torch
 import torch.multiprocessing as mp
 
 import buffer
-import devices
-import flag_checks
-import prepare
-import shared_weights
 import sync
 import update
+from generator import shared_weights
+from infra import devices
+from run import flag_checks, prepare
 
 
 def small_shared():

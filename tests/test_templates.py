@@ -28,13 +28,13 @@ import inspect
 import json
 from types import SimpleNamespace
 
+import chat
+import prepare
 import pytest
 from shipped import build_model
 from test_tools import add  # the tool the calls below call
 
-import chat
 import config
-import prepare
 from tasks import envs, episodes, tools
 
 THINK = "<think>\nLet me see.\n</think>\n\n"
@@ -374,8 +374,8 @@ def test_a_template_that_cannot_be_extended_turn_by_turn_is_refused_before_the_r
     )
     cfg = config.Config(
         model=path,
-        env="examples/guess_env.py:GuessEnv",
-        dataset="examples/guess_rows.jsonl",
+        env="tasks/examples/guess_env.py:GuessEnv",
+        dataset="tasks/examples/guess_rows.jsonl",
         chat_template=str(dropping),
     )
     message = error_line(lambda: prepare.check_tokenizer(path, cfg))
@@ -420,13 +420,13 @@ def test_chat_template_kwargs_reach_prompts_and_episodes(models, tmp_path):
 def test_vllm_runs_three_turn_qwen3_episodes_token_in_token_out(models, monkeypatch):
     import os
 
+    import processes
     import torch
     import torch.multiprocessing as mp
     from test_engine import drain, settings_for, wait_until
     from test_env import Recording
 
     import buffer
-    import processes
     import rollout
 
     path = models("qwen3")
@@ -449,7 +449,7 @@ def test_vllm_runs_three_turn_qwen3_episodes_token_in_token_out(models, monkeypa
         max_lag=0,
         update_mode="drain",
         kv_cache_mb=64,
-        env="examples/guess_env.py:GuessEnv",
+        env="tasks/examples/guess_env.py:GuessEnv",
     )
     ctx = mp.get_context("spawn")
     gen = rollout.Generator(

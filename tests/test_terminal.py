@@ -80,7 +80,7 @@ def test_a_field_comment_with_hashes_and_strings_is_read_whole():
 
 
 def test_configure_terminal_sets_vllm_level_and_silences_progress_bars(monkeypatch):
-    import metrics
+    from run import metrics
 
     for key in ("VLLM_LOGGING_LEVEL", "HF_HUB_DISABLE_PROGRESS_BARS", "PYTHONWARNINGS"):
         monkeypatch.delenv(key, raising=False)
@@ -101,7 +101,7 @@ def test_configure_terminal_sets_vllm_level_and_silences_progress_bars(monkeypat
 
 
 def test_only_the_expected_reload_warnings_are_dropped():
-    from vllm_worker import ExpectedReloadWarnings
+    from generator.vllm_worker import ExpectedReloadWarnings
 
     def record(layer, msg="%s: Failed to load weights"):
         return logging.LogRecord("vllm", logging.WARNING, "layerwise.py", 266, msg, (layer,), None)
@@ -119,7 +119,7 @@ def test_only_the_expected_reload_warnings_are_dropped():
 
 
 def test_workers_that_report_different_versions_load_again_until_they_agree():
-    from weight_swaps import load_same_version
+    from generator.weight_swaps import load_same_version
 
     def workers(*reports):
         calls = []
@@ -142,7 +142,7 @@ def test_workers_that_report_different_versions_load_again_until_they_agree():
 
 
 def test_the_progress_line_says_where_the_run_is_how_it_learns_and_when_it_ends(tmp_path):
-    import metrics
+    from run import metrics
 
     log = metrics.RunLog(config.Config(out=str(tmp_path), steps=100, log_every=10), world_size=1)
     # rows are written by step(); fill them as it would
@@ -161,7 +161,7 @@ def test_the_progress_line_says_where_the_run_is_how_it_learns_and_when_it_ends(
 
 
 def test_an_evaluation_gets_a_line_of_its_own():
-    import metrics
+    from run import metrics
 
     keys = {
         "eval/step": 50,

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-import logprobs
+from trainer import logprobs
 
 # ---------------------------------------------------------------------------
 # token_logprobs: brute force in plain python

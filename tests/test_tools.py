@@ -14,13 +14,13 @@ import contextlib
 import inspect
 import json
 
+import prepare
 import pytest
 
 import config
-import prepare
 from tasks import builtin, tools
 
-TOOLS_FILE = "examples/my_tools.py"
+TOOLS_FILE = "tasks/examples/my_tools.py"
 
 
 def add(a: int, b: int) -> int:
@@ -228,7 +228,7 @@ def test_tools_specs_load_or_fail_in_one_line(ascii_model, tmp_path):
         "add",
         "multiply",
     ]
-    assert tools.load_functions("examples.my_tools:multiply")[0](3, 4) == 12
+    assert tools.load_functions("tasks.examples.my_tools:multiply")[0](3, 4) == 12
     (tmp_path / "undocumented.py").write_text("def f(a: int) -> int:\n    return a\n\ng = 3\n")
     bad = {
         "nocolon": "expected path/to/file.py:fn1,fn2",
@@ -246,7 +246,7 @@ def test_tools_specs_load_or_fail_in_one_line(ascii_model, tmp_path):
         tools.tool_schemas(tools.load_functions(f"{tmp_path}/undocumented.py:f"))
     chat = [
         "--dataset",
-        "examples/chat_prompts.jsonl",
+        "tasks/examples/chat_prompts.jsonl",
         "--answer-column",
         "solution",
         "--reward",
@@ -405,6 +405,7 @@ def test_tools_round_trip_through_the_episode_runner(tmp_path, ascii_model, toke
     from types import SimpleNamespace
 
     from metrics import episode_metrics
+
     from tasks import envs, episodes
 
     (tmp_path / "fns.py").write_text(inspect.getsource(add) + "\n\n" + inspect.getsource(divide))
@@ -415,7 +416,7 @@ def test_tools_round_trip_through_the_episode_runner(tmp_path, ascii_model, toke
     )
     cfg = config.Config(
         model=ascii_model,
-        dataset="examples/chat_prompts.jsonl",
+        dataset="tasks/examples/chat_prompts.jsonl",
         answer_column="solution",
         reward=f"{tmp_path / 'r.py'}:right",
         tools=f"{tmp_path / 'fns.py'}:add,divide",

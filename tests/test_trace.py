@@ -7,7 +7,7 @@
   12 steps, on-policy).
 - Recorders in separate processes share one clock; each keeps at most two segment files; the merge
   keeps the trainer's last --trace-steps steps and survives a line cut short; a request's phases
-  come from the engine steps; `python plots.py OUT` merges and draws a run in progress.
+  come from the engine steps; `python -m run.plots OUT` merges and draws a run in progress.
 """
 
 import json
@@ -17,10 +17,9 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 import flag_checks
 import plots
+import pytest
 import trace_merge
 import tracing
 
@@ -166,9 +165,10 @@ def test_processes_share_one_clock_keep_two_segments_and_the_merge_keeps_the_las
     for child in (first, second):
         assert abs(marks[child["pid"]] - (child["wall_ns"] - t0) / 1e3) < 2000  # within 2 ms
     assert marks[second["pid"]] > marks[first["pid"]]
-    # `python plots.py OUT` on a run in progress: merges the processes' files and draws the timeline
+    # `python -m run.plots OUT` on a run in progress: merges the processes' files and draws the
+    # timeline
     done = subprocess.run(
-        [sys.executable, "plots.py", str(tmp_path)],
+        [sys.executable, "-m", "run.plots", str(tmp_path)],
         cwd=REPO,
         capture_output=True,
         text=True,
