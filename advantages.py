@@ -91,3 +91,43 @@ def estimate_advantages(rewards, estimator="grpo", scale="group", eps=1e-6, scor
         )
     mean, std = _scored_stats(rewards, scored, groupwise=False)
     return torch.where(scored, (rewards - mean) / (std + eps), 0.0)
+
+
+# --------------------------------------------------------------------------------------------------
+# The rewards the advantages are computed from: the task's, and DAPO's overlong penalty
+# --------------------------------------------------------------------------------------------------
+def shaped_rewards(groups, max_len: int, overlong_cache: int = 0):
+    """(num_groups, group_size) rewards the advantages are computed from: the task's, plus DAPO's
+    soft overlong penalty with --overlong-penalty (`overlong_cache`; 0: off), L_max = `max_len`
+    (config.Config.model_token_budget); and which samples were cut at --max-new-tokens
+    (an episode: cut by --max-turns or --max-episode-tokens; its penalty counts model tokens
+    against --max-turns x --max-new-tokens)."""
+    rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)
+    lengths = torch.tensor([g.model_tokens() for g in groups], dtype=torch.float32)
+    truncated = torch.tensor(
+        [
+            [reason == "length" for reason in g.finish_reasons or ["stop"] * len(g.rewards)]
+            for g in groups
+        ]
+    )
+    if overlong_cache:
+        rewards = rewards + overlong_penalty(lengths, max_len, overlong_cache)
+    return rewards, truncated
+
+
+def overlong_penalty(lengths, max_len: int, cache: int):
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), added to each completion's reward;
+    lengths any shape, L_max = max_len, L_cache = cache: 0 if |y| <= L_max - L_cache; ((L_max -
+    L_cache) - |y|) / L_cache if L_max - L_cache < |y| <= L_max (from 0 down to -1); -1 if |y| >
+    L_max."""
+    if not 0 < cache <= max_len:
+        raise ValueError(
+            f"the overlong cache must be in (0, max_len], got {cache} (max_len {max_len})"
+        )
+    lengths = lengths.float()
+    soft = ((max_len - cache) - lengths) / cache
+    return torch.where(
+        lengths <= max_len - cache,
+        torch.zeros_like(lengths),
+        torch.where(lengths <= max_len, soft, -torch.ones_like(lengths)),
+    )

@@ -421,3 +421,96 @@ def staleness_stats(batch: Batch, trainer_version: int) -> dict:
         "lag_max": int(lags.max()),
         "fresh_token_frac": float((lags == 0).float().mean()),
     }
+
+
+# --------------------------------------------------------------------------------------------------
+# The mini-batches, and each rank's micro-batches of an update within --micro-batch-tokens
+# --------------------------------------------------------------------------------------------------
+def mini_batch_rows(
+    num_rows: int, mini_batches: int, seed: int, step: int, epoch: int
+) -> list[torch.Tensor]:
+    """The rows of each of a step's --mini-batches in one pass: a seeded shuffle (the same on every
+    rank), then M nearly equal parts."""
+    if mini_batches == 1:
+        return [torch.arange(num_rows)]
+    order = torch.randperm(
+        num_rows, generator=torch.Generator().manual_seed(seed * 1_000_003 + step * 101 + epoch)
+    )
+    return list(order.tensor_split(mini_batches))
+
+
+def rows_for_rank(lengths: list[int], rank: int, world_size: int) -> list[int]:
+    """One data-parallel rank's rows (indices into `lengths`, each row's prompt + completion
+    length, in order), balanced by tokens: longest first, each to the rank with the fewest tokens
+    so far (ties: the lowest rank), so the ranks' totals differ by at most the longest row. Every
+    rank computes every rank's share from the whole batch, without communicating."""
+    loads, mine = [0] * world_size, []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        least = min(range(world_size), key=lambda r: (loads[r], r))
+        loads[least] += lengths[i]
+        if least == rank:
+            mine.append(i)
+    return sorted(mine)
+
+
+def plan_micro_batches(lengths: list[int], max_tokens: int, packed=False) -> list[list[int]]:
+    """Rows (indices into `lengths`, each row's prompt + completion length) grouped into
+    micro-batches of at most `max_tokens` tokens, shortest rows first, so that rows of similar
+    length share a micro-batch: padded, `max_tokens` bounds rows x the longest row (the padding
+    stays small); packed, the rows' real tokens (and packing.row_attention pads little). A row
+    longer than `max_tokens` gets a micro-batch of its own. `max_tokens` 0: one micro-batch."""
+    plan, current, tokens = [], [], 0
+    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+        cost = tokens + lengths[i] if packed else (len(current) + 1) * lengths[i]
+        if current and max_tokens and cost > max_tokens:
+            plan.append(current)
+            current, tokens = [], 0
+        current.append(i)
+        tokens += lengths[i]
+    return plan + [current] if current else plan
+
+
+def rank_micro_batch_rows(
+    batch: Batch, rank: int, world_size: int, max_tokens: int, packed=False
+) -> tuple[list[list[int]], int]:
+    """This rank's micro-batches as rows of `batch`, and how many micro-batches every rank runs (the
+    most any rank needs: see `rank_micro_batches`)."""
+    lengths = batch.attention_mask.sum(1).tolist()
+    plans = []
+    for r in range(world_size):
+        rows = rows_for_rank(lengths, r, world_size)
+        plans.append(
+            [
+                [rows[i] for i in mb]
+                for mb in plan_micro_batches([lengths[i] for i in rows], max_tokens, packed)
+            ]
+        )
+    count = max(len(plan) for plan in plans)
+    plan = plans[rank]
+    while len(plan) < count and any(len(mb) > 1 for mb in plan):
+        k = max(range(len(plan)), key=lambda k: len(plan[k]))
+        half = len(plan[k]) // 2
+        plan = plan[:k] + [plan[k][:half], plan[k][half:]] + plan[k + 1 :]
+    return plan, count
+
+
+def rank_micro_batches(
+    batch: Batch, rank: int, world_size: int, max_tokens: int, packed=False
+) -> list[Batch]:
+    """This rank's rows of `batch` (`rows_for_rank`) in micro-batches (`plan_micro_batches`; packed:
+    of real tokens), each trimmed to its longest row.
+
+    Every rank gets as many micro-batches as the rank that needs the most (each forward and backward
+    runs FSDP2 collectives): a rank that needs fewer halves its largest ones, and one short of rows
+    even then gets fillers, a row of the batch with its mask cleared (it runs through the model,
+    adds no loss and no gradient). Every rank holds the whole batch, so each works out every rank's
+    plan without communicating.
+    """
+    plan, count = rank_micro_batch_rows(batch, rank, world_size, max_tokens, packed)
+    micro = [batch.select(rows).trimmed() for rows in plan]
+    if len(micro) < count:
+        filler = batch.select([0]).trimmed()
+        micro += [dataclasses.replace(filler, mask=torch.zeros_like(filler.mask))] * (
+            count - len(micro)
+        )
+    return micro

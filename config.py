@@ -234,6 +234,15 @@ class Config:
     generator_addr: str = ""  # HOST:PORT the generator listens on and the trainer connects to (PORT
     #   + 1: weights)
 
+    @property
+    def model_token_budget(self) -> int:
+        """The most model tokens one sample can hold: --max-new-tokens, or for an episode (--env,
+        --tools, --task reveal: tasks/builtin.make_task's rule) --max-turns times it: DAPO's L_max
+        (advantages.shaped_rewards) and Dr. GRPO's constant normaliser (--agg
+        seq-mean-token-sum-norm), the same for every sample and step."""
+        episodes = self.task == "reveal" or bool(self.env) or bool(self.tools)
+        return self.max_new_tokens * (self.max_turns if episodes else 1)
+
 
 # The values losses.py and advantages.py take (each holds its own tuple: those files copy out
 # alone, importing nothing of the project; tests/test_copyable.py checks the two agree).

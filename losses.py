@@ -15,6 +15,7 @@ Variants of `policy_loss`: grpo, dapo, dr_grpo, gspo, cispo (all minimise; formu
 May touch: nothing but its arguments (no optimizer, process, I/O or state); copies out alone.
 """
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -51,7 +52,7 @@ class LossInputs:
 
 @dataclass(frozen=True)
 class LossSettings:
-    """What the loss does (update.py's `loss_settings` builds it from the flags, once per batch).
+    """What the loss does (`settings_from` builds it from the run's flags, once per batch).
     variant .. max_len: `policy_loss`'s; is_*: `behaviour_weights`' (is_mode "off": no weights, the
     ratio against the generator); geo_mask_*, dsv32_mask_kl, icepop_*: the off-policy masks (None:
     off); kl_coef, kl_kind: the KL term to the reference (0: off); distill_coef: the C of
@@ -77,6 +78,15 @@ class LossSettings:
     distill_coef: float = 0.0
 
 
+def settings_from(flags, max_len: Optional[int]) -> LossSettings:
+    """The loss's settings from an object holding the run's flags (config.Config): each field is
+    the flag of its name, but `variant` (--loss) and `max_len` (the episode budget, given)."""
+    names = {f.name for f in dataclasses.fields(LossSettings)} - {"variant", "max_len"}
+    return LossSettings(
+        variant=flags.loss, max_len=max_len, **{name: getattr(flags, name) for name in names}
+    )
+
+
 @dataclass
 class LossTerms:
     """What `grpo_loss` used, detached, (B, T): for a caller's diagnostics."""
@@ -90,6 +100,8 @@ class LossTerms:
     policy: dict  # policy_loss's metrics (0-d tensors)
     kl: Optional[torch.Tensor] = None  # per-token KL to the reference (kl_coef > 0)
     reverse_kl: Optional[torch.Tensor] = None  # per-token reverse KL to the teacher
+    # k3 of KL(behaviour || current) per trained token (`mismatch_k3`): the generator-trainer gap
+    mismatch: Optional[torch.Tensor] = None
 
 
 def grpo_loss(inputs: LossInputs, settings: LossSettings) -> tuple[torch.Tensor, LossTerms]:
@@ -155,7 +167,18 @@ def grpo_loss(inputs: LossInputs, settings: LossSettings) -> tuple[torch.Tensor,
         tokens = x.mask.sum().clamp(min=1) if x.tokens is None else max(x.tokens, 1)
         loss = loss + s.kl_coef * kl.sum() / tokens
         kl = kl.detach()
-    terms = LossTerms(logp.detach(), outside, trained, mask, kept, weights, policy, kl, reverse_kl)
+    terms = LossTerms(
+        logp=logp.detach(),
+        outside=outside,
+        trained=trained,
+        mask=mask,
+        kept=kept,
+        weights=weights,
+        policy=policy,
+        kl=kl,
+        reverse_kl=reverse_kl,
+        mismatch=mismatch_k3(logp.detach(), x.behaviour_logp, trained),
+    )
     return loss, terms
 
 

@@ -14,6 +14,7 @@ May touch: everything under --out; it spawns and kills its own children.
 """
 
 import functools
+import math
 import sys
 import time
 from dataclasses import dataclass
@@ -21,11 +22,10 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from schedule import learning_rate, shaped_rewards
 from transformers import AutoConfig, AutoTokenizer
 
 import buffer
-from advantages import estimate_advantages
+from advantages import estimate_advantages, shaped_rewards
 from config import Config
 from infra import devices, tracing
 from infra.processes import Control, exit_now, saving, wait_for
@@ -84,7 +84,9 @@ def train(trainer: Rank) -> int:
         tracing.complete("wait for data", t_wait, t_step, cat="wait", step=step)
         # ---- the algorithm: rewards -> advantages -> a batch of fresh-enough tokens -> the GRPO
         # update
-        rewards, truncated = shaped_rewards(taken.groups, cfg)
+        rewards, truncated = shaped_rewards(
+            taken.groups, cfg.model_token_budget, cfg.overlong_penalty
+        )
         # an unscored sample (a reward or env fault) gets advantage 0 and stays out of every
         # statistic
         scored = buffer.scored_mask(taken.groups)
@@ -165,6 +167,20 @@ def train(trainer: Rank) -> int:
             save_hf_model(trainer)
         tracing.complete(f"step {step}", t_step, cat="step", **step_args(trainer, step, batch))
     return cfg.steps
+
+
+def learning_rate(step: int, cfg: Config) -> float:
+    """The learning rate of step `step` (0-based): linear warmup to --lr over --lr-warmup-steps,
+    then constant, or decayed to --min-lr at the last step (--lr-schedule linear | cosine)."""
+    if step < cfg.lr_warmup_steps:
+        return cfg.lr * (step + 1) / cfg.lr_warmup_steps
+    if cfg.lr_schedule == "constant":
+        return cfg.lr
+    progress = min(1.0, (step - cfg.lr_warmup_steps) / max(1, cfg.steps - 1 - cfg.lr_warmup_steps))
+    decay = (
+        1 - progress if cfg.lr_schedule == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
+    )
+    return cfg.min_lr + (cfg.lr - cfg.min_lr) * decay
 
 
 def check_first_agreement(trainer: Rank, step: int, logprob_diff: float | None) -> None:

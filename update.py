@@ -7,8 +7,8 @@ the gradient is the whole batch's; with --packing each runs its rows without pad
 `micro_batch_loss`, one call below it, scores the micro-batch's tokens (the policy's log-probs; the
 reference's and the teacher's when the run has them) and calls the loss once (losses.grpo_loss:
 importance weight, masks, clipped objective, KL, distillation; its settings built from the flags
-once per batch, `loss_settings`). What a step logs of it is gathered beside the loss
-(step_stats.py), kept as tensors, and reaches the host once per step.
+once per batch, losses.settings_from). What a step logs of it is gathered beside the loss
+(`diagnostics`, `StepStats`), kept as tensors, and reaches the host once per step.
 Data contract: takes a collated `buffer.Batch` (every rank holds all of it) and the step's version;
 returns `UpdateResult` (loss, gradient norm, log-prob agreement, metrics reduced over micro-batches
 and ranks). May touch: the model's gradients and the optimizer it is given; collectives of the
@@ -20,17 +20,15 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-import schedule
 import torch
 import torch.distributed as dist
-from step_stats import StepStats, agreement, diagnostics, step_result
 
 import buffer
 import losses
 from config import Config
 from infra import tracing
-from trainer import heads, packing, replay
-from trainer.logprobs import score_tokens
+from trainer import packing, replay
+from trainer.logprobs import head_of, score_tokens
 
 
 # --------------------------------------------------------------------------------------------------
@@ -71,100 +69,130 @@ def update_on_batch(
     left on the parameters, unclipped (tests and benchmarks)."""
     if optimizer is None and cfg.mini_batches * cfg.ppo_epochs > 1:
         raise ValueError(
-            "update_on_batch without an optimizer takes one update (--mini-batches 1, --ppo-epochs "
-            "1)"
+            "update_on_batch without an optimizer takes one update: 1 x 1 mini-batches"
         )
-    stats, norms, skipped, updates = StepStats(), [], 0, 0
-    settings = loss_settings(cfg)
-    packed = packs(cfg, (model, ref_model, teacher))
+    run = UpdatePass(
+        model=model,
+        ref_model=ref_model,
+        teacher=teacher,
+        cfg=cfg,
+        settings=losses.settings_from(cfg, cfg.model_token_budget),
+        packed=packs(cfg, (model, ref_model, teacher)),
+        rank=rank,
+        world_size=world_size,
+        version=version,
+        device=device,
+    )
     proximal = cfg.is_mode != "off" and cfg.mini_batches * cfg.ppo_epochs > 1
     if proximal:
-        logp = proximal_logprobs(model, batch, cfg, rank, world_size, device, stats, packed)
-        batch = dataclasses.replace(batch, proximal_logp=logp)
-        # on the weights the generator sampled with
-        agreement(stats, batch.proximal_logp, batch, version)
+        batch = with_proximal_logprobs(run, batch)
+    norms, skipped, updates = [], 0, 0
     for epoch in range(cfg.ppo_epochs):
-        for rows in mini_batch_rows(len(batch), cfg, step, epoch):
+        for rows in buffer.mini_batch_rows(len(batch), cfg.mini_batches, cfg.seed, step, epoch):
             part = batch.select(rows)
             # every rank holds the whole batch: the counts need no collective
             tokens = int(part.mask.sum())
             units = tokens if cfg.agg == "token-mean" else int((part.mask.sum(1) > 0).sum())
-            micro_batches = rank_micro_batches(
-                part, rank, world_size, cfg.micro_batch_tokens, packed
+            micro_batches = buffer.rank_micro_batches(
+                part, rank, world_size, cfg.micro_batch_tokens, run.packed
             )
+            # without a proximal pass, the first update's forward is where the agreement with the
+            # generator (and the routers') is measured: its weights are the ones that sampled
+            measure = not proximal and updates == 0
             loss = torch.zeros((), device=device)
             for mb in micro_batches:
                 mb = mb.to(device)
-                # recorded routes (--router-replay) hold through the backward: a checkpointed layer
-                # recomputes them
-                measure = not proximal and updates == 0
-                with replay.routed_by(model, mb, measure, packed) as routing:
+                # recorded routes (--router-replay) hold through the backward: a checkpointed
+                # layer recomputes them
+                with replay.routed_by(model, mb, measure, run.packed) as routing:
                     t_forward = tracing.clock()
-                    mb_loss, terms, entropy = micro_batch_loss(
-                        model, ref_model, teacher, mb, cfg, settings, units, tokens, packed
-                    )
+                    mb_loss, terms, entropy = micro_batch_loss(run, mb, units, tokens)
                     t_backward = tracing.complete("forward", t_forward, rows=len(mb))
-                    # FSDP2 averages gradients over ranks: their sum
-                    (mb_loss * world_size).backward()
+                    (mb_loss * world_size).backward()  # FSDP2 averages gradients over ranks
                     tracing.complete("backward", t_backward)
-                replay.add_counts(stats, routing)
-                diagnostics(
-                    stats,
-                    mb_loss,
-                    terms,
-                    entropy,
-                    mb,
-                    cfg,
-                    version,
-                    measure_agreement=measure,
-                    packed=packed,
-                )
+                replay.add_counts(run.stats, routing)
+                diagnostics(run, mb_loss, terms, entropy, mb, measure_agreement=measure)
                 loss += mb_loss.detach()
-                # (its graph and tensors: not alive through the next micro-batch)
-                del mb_loss, terms, entropy
-            # a rank's micro-batches over the step's updates (ranks run as many: FSDP2 needs every
-            # rank's forward)
-            stats.max("micro_batches", stats.maxima.get("micro_batches", 0) + len(micro_batches))
+                del mb_loss, terms, entropy  # not alive through the next micro-batch's forward
+            # the micro-batches of the step's updates (every rank runs as many: FSDP2's forwards)
+            run.stats.max(
+                "micro_batches", run.stats.maxima.get("micro_batches", 0) + len(micro_batches)
+            )
             updates += 1
             if optimizer is None:
                 break
-            t_optimizer = tracing.clock()
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            grad_norm = float(
-                grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-            )
-            # (the grad norm and this: an update's host syncs)
-            loss = loss.double().cpu().reshape(1)
-            if world_size > 1:
-                dist.all_reduce(loss)
-            if math.isfinite(grad_norm) and math.isfinite(float(loss)):
-                optimizer.step()
-                norms.append(grad_norm)
-            else:
-                skipped += 1
-            optimizer.zero_grad(set_to_none=True)
-            tracing.complete("optimizer step", t_optimizer, cat="optimizer")
+            grad_norm = optimizer_step(model, optimizer, loss, cfg.grad_clip, world_size)
+            skipped += grad_norm is None
+            norms += [] if grad_norm is None else [grad_norm]
+    return update_result(run.stats, norms, skipped, updates, world_size)
+
+
+@dataclass
+class UpdatePass:
+    """What every micro-batch of one batch's updates shares, built once by `update_on_batch`."""
+
+    model: torch.nn.Module
+    ref_model: Optional[torch.nn.Module]
+    teacher: Optional[torch.nn.Module]
+    cfg: Config
+    settings: losses.LossSettings
+    packed: bool = False  # micro-batches run without padding (packing.py)
+    rank: int = 0
+    world_size: int = 1
+    version: int = 0  # the trainer's version: the batch's lags are counted from it
+    device: object = "cpu"
+    stats: "StepStats" = dataclasses.field(default_factory=lambda: StepStats())
+
+
+def with_proximal_logprobs(run: UpdatePass, batch):
+    """The batch with the proximal policy's log-probs (the weights before its first update), and
+    their agreement with the generator counted: they are the weights that sampled."""
+    logp = proximal_logprobs(
+        run.model,
+        batch,
+        run.cfg,
+        run.rank,
+        run.world_size,
+        device=run.device,
+        stats=run.stats,
+        packed=run.packed,
+    )
+    batch = dataclasses.replace(batch, proximal_logp=logp)
+    agreement(run.stats, batch.proximal_logp, batch, run.version)
+    return batch
+
+
+def update_result(stats, norms: list, skipped: int, updates: int, world_size: int) -> UpdateResult:
+    """The batch's `UpdateResult`: its statistics reduced over the ranks (a collective)."""
     result = step_result(stats, world_size)
     result.metrics["updates"] = len(norms)
     return UpdateResult(
-        result.loss / updates,
-        sum(norms) / len(norms) if norms else math.nan,
-        result.logprob_diff,
-        result.metrics,
-        len(norms),
-        skipped,
+        loss=result.loss / updates,
+        grad_norm=sum(norms) / len(norms) if norms else math.nan,
+        logprob_diff=result.logprob_diff,
+        metrics=result.metrics,
+        applied=len(norms),
+        skipped=skipped,
     )
 
 
-def loss_settings(cfg: Config) -> losses.LossSettings:
-    """The loss's settings from the run's flags (losses.LossSettings), built once per batch: each
-    field is the flag of its name, but `variant` (--loss) and `max_len` (the episode budget)."""
-    flags = {f.name for f in dataclasses.fields(losses.LossSettings)} - {"variant", "max_len"}
-    return losses.LossSettings(
-        variant=cfg.loss,
-        max_len=schedule.model_token_budget(cfg),
-        **{name: getattr(cfg, name) for name in flags},
-    )
+def optimizer_step(model, optimizer, loss, grad_clip: float, world_size: int) -> Optional[float]:
+    """Clip and apply the gradients on the parameters; the gradient norm before clipping, or None
+    when the update was skipped (a NaN/inf loss or gradient). The gradients are cleared either
+    way."""
+    t_optimizer = tracing.clock()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+    # (the grad norm and this: an update's host syncs)
+    loss = loss.double().cpu().reshape(1)
+    if world_size > 1:
+        dist.all_reduce(loss)
+    applied = math.isfinite(grad_norm) and math.isfinite(float(loss))
+    if applied:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    tracing.complete("optimizer step", t_optimizer, cat="optimizer")
+    return grad_norm if applied else None
 
 
 def packs(cfg: Config, models) -> bool:
@@ -176,11 +204,18 @@ def packs(cfg: Config, models) -> bool:
     return all(getattr(m, packing.ATTRIBUTE, None) == "" for m in models if m is not None)
 
 
-def micro_batch_loss(model, ref_model, teacher, mb, cfg, settings, units, tokens, packed=False):
+def micro_batch_loss(run: UpdatePass, mb, units: int, tokens: int):
     """One micro-batch's term of the update's loss, (loss, losses.LossTerms, entropy): the tensors
     the loss needs, scored here (packed: each model runs the rows without their padding), then one
     call to `losses.grpo_loss` (normalised by the update's `units`, its KL term by the update's
     completion `tokens`). The entropy: of the current sampling distribution."""
+    model, ref_model, teacher, cfg, packed = (
+        run.model,
+        run.ref_model,
+        run.teacher,
+        run.cfg,
+        run.packed,
+    )
     scores = completion_logprobs(
         model,
         mb,
@@ -208,7 +243,7 @@ def micro_batch_loss(model, ref_model, teacher, mb, cfg, settings, units, tokens
         units=units,
         tokens=tokens,
     )
-    loss, terms = losses.grpo_loss(inputs, settings)
+    loss, terms = losses.grpo_loss(inputs, run.settings)
     return loss, terms, scores.entropy
 
 
@@ -230,11 +265,11 @@ def completion_logprobs(
     model, batch, temperature, top_k=-1, top_p=1.0, untruncated=False, packed=False
 ) -> TokenScores:
     """Score a (micro-)batch's completion tokens with the generator's sampling distribution, without
-    logits (`logprobs.score_tokens`: the LM head, with the family's transform of it (heads.py), a
-    chunk of tokens at a time; packed: the rows run without their padding, packing.py). Works with
-    gradients, or under `torch.no_grad()` for a reference or proximal policy; `model` is a causal
-    LM (or what models.py wraps one in), under FSDP2 or plain."""
-    head = dataclasses.asdict(heads.head_transform(model.config))
+    logits (`logprobs.score_tokens`: the LM head, with the family's transform of it
+    (logprobs.head_of), a chunk of tokens at a time; packed: the rows run without their padding,
+    packing.py). Works with gradients, or under `torch.no_grad()` for a reference or proximal
+    policy; `model` is a causal LM (or what models.py wraps one in), under FSDP2 or plain."""
+    head = dataclasses.asdict(head_of(model.config))
     return TokenScores(
         *score_tokens(
             model,
@@ -244,11 +279,11 @@ def completion_logprobs(
             batch.attention_mask,
             batch.targets,
             batch.mask,
-            temperature,
-            top_k,
-            top_p,
-            untruncated,
-            packed,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            untruncated=untruncated,
+            packed=packed,
             **head,
         )
     )
@@ -273,7 +308,9 @@ def proximal_logprobs(
     its own rows; a sum over ranks gives every rank all of them. `stats`: where the routers'
     agreement is counted (recorded routes)."""
     out = torch.zeros(batch.mask.shape)
-    plan, count = rank_micro_batch_rows(batch, rank, world_size, cfg.micro_batch_tokens, packed)
+    plan, count = buffer.rank_micro_batch_rows(
+        batch, rank, world_size, cfg.micro_batch_tokens, packed
+    )
     with torch.no_grad():
         # a rank with fewer micro-batches runs fillers: FSDP2 needs every rank's forward
         for i in range(count):
@@ -293,91 +330,163 @@ def proximal_logprobs(
 
 
 # --------------------------------------------------------------------------------------------------
-# The mini-batches, and each rank's micro-batches of an update within --micro-batch-tokens
+# What a step logs of its update: gathered beside the loss as tensors, reduced once (no host sync
+# per micro-batch)
 # --------------------------------------------------------------------------------------------------
-def mini_batch_rows(num_rows: int, cfg: Config, step: int, epoch: int) -> list[torch.Tensor]:
-    """The rows of each of a step's --mini-batches in one pass: a seeded shuffle (the same on every
-    rank), then M nearly equal parts."""
-    if cfg.mini_batches == 1:
-        return [torch.arange(num_rows)]
-    order = torch.randperm(
-        num_rows, generator=torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * 101 + epoch)
+def diagnostics(run: UpdatePass, loss, t: losses.LossTerms, entropy, mb, measure_agreement=True):
+    """What the step's row says of one micro-batch of `run` (its `loss`, `t` of losses.grpo_loss,
+    the `entropy` of the current sampling distribution): policy_loss's diagnostics, entropy, KL
+    terms, the behaviour-to-trainer mismatch (k3, overall and by lag), the share each off-policy
+    rule dropped or truncated (of trained tokens; of trained sequences for the sequence masks), the
+    importance weights' normalised effective sample size (sum w)^2 / (n sum w^2) (importance weight
+    x masks; at --is-level sequence each token carries its sequence's weight), the agreement with
+    the generator, and the padding the forward ran (packed: none)."""
+    stats, cfg, version, packed = run.stats, run.cfg, run.version, run.packed
+    n, rows, m = t.trained.sum(), t.trained.any(1), t.mask.sum()
+    k3 = t.mismatch
+    stats.mean("mismatch_k3", k3.sum(), n)
+    lag = version - mb.token_versions
+    # every trained token's lag is within --max-lag (buffer.stale_mask) and within the version
+    # (token versions are >= 0): the loop stops at both, since each lag costs a few tensor ops and
+    # two names per micro-batch, and a run that never drops (--max-lag 1000000) looped a million
+    # times per micro-batch (minutes and GBs a step)
+    for age in range(min(cfg.max_lag, version) + 1):
+        at = t.trained & (lag == age)
+        stats.mean(f"mismatch_k3/lag{age}", (k3 * at).sum(), at.sum())
+        stats.add(f"mismatch_tokens/lag{age}", at.sum())
+    if t.weights is not None:
+        dropped = t.weights >= cfg.is_high if cfg.is_mode == "truncate" else t.weights == 0
+        dropped_frac = "is_truncated_frac" if cfg.is_mode == "truncate" else "is_masked_frac"
+        stats.mean(dropped_frac, (t.trained & dropped).sum(), n)
+        stats.mean("is_weight_mean", torch.where(t.mask, t.weights, 0.0).sum(), m)
+    for name, kept in t.kept.items():
+        if name.endswith("_seq_frac"):
+            stats.mean(name, (rows & ~kept.any(1)).sum(), rows.sum())
+        else:
+            stats.mean(name, (t.trained & ~kept).sum(), n)
+    applied = torch.where(t.mask, t.weights if t.weights is not None else 1.0, 0.0)
+    stats.add("ess_w", applied.sum())
+    stats.add("ess_w2", applied.square().sum())
+    stats.add("ess_n", n)
+    if t.kl is not None:
+        stats.mean("kl_ref", t.kl.sum(), m)
+    if t.reverse_kl is not None:
+        stats.mean("distill_reverse_kl", t.reverse_kl.sum(), m)
+    # policy_loss's are means over the masked tokens, but ratio_max
+    for name, value in t.policy.items():
+        stats.max(name, value) if name == "ratio_max" else stats.mean(name, value * m, m)
+    stats.mean("entropy", entropy[mb.mask].sum(), mb.mask.sum())
+    stats.add("outside_support_tokens", t.outside.sum())
+    stats.add("loss", loss.detach())
+    # a packed micro-batch runs its real tokens alone
+    real = mb.attention_mask.sum()
+    stats.add("positions", real if packed else mb.attention_mask.numel())
+    stats.add("padding", 0 if packed else mb.attention_mask.numel() - real)
+    if measure_agreement:
+        agreement(stats, t.logp, mb, version, t.trained)
+
+
+def agreement(stats, logp, batch, version, scored=None) -> None:
+    """|trainer - generator| log-prob on completions sampled entirely by the weights `logp` comes
+    from (the tokens `scored`: by default the batch's where `logp` is finite); bf16 makes the max a
+    tail, the mean says how far the two sides typically disagree."""
+    scored = batch.mask & torch.isfinite(logp) if scored is None else scored
+    on_policy_rows = ((batch.token_versions == version) | ~scored).all(dim=1) & scored.any(dim=1)
+    both = scored & on_policy_rows[:, None]
+    diff = torch.where(both, (logp - batch.behaviour_logp).abs(), 0.0)
+    stats.max("logprob_diff_on_policy", torch.where(both, diff, -1.0).max())
+    stats.mean("logprob_diff_mean", diff.sum(), both.sum())
+    stats.add("on_policy_rows", on_policy_rows.sum())
+
+
+class StepStats:
+    """One step's metrics, added up over its micro-batches and updates as tensors where they were
+    made (no host sync), then reduced over ranks once: means (a total over a count), sums and
+    maxima. Every rank adds the same names, in any order."""
+
+    def __init__(self):
+        self.means, self.sums, self.maxima = {}, {}, {}
+
+    def mean(self, name, total, count):
+        s, n = self.means.get(name, (0.0, 0))
+        self.means[name] = (s + total, n + count)
+
+    def add(self, name, value):
+        self.sums[name] = self.sums.get(name, 0.0) + value
+
+    def max(self, name, value):
+        self.maxima[name] = (
+            value
+            if name not in self.maxima
+            else torch.maximum(torch.as_tensor(self.maxima[name]), torch.as_tensor(value))
+        )
+
+    def reduced(self, world_size) -> dict:
+        """The step's values (the same on every rank: a collective, every rank calls it)."""
+        means, sums, maxima = sorted(self.means), sorted(self.sums), sorted(self.maxima)
+        values = to_host(
+            [self.means[n][0] for n in means]
+            + [self.means[n][1] for n in means]
+            + [self.sums[n] for n in sums]
+            + [self.maxima[n] for n in maxima]
+        )
+        k, totals, highest = (
+            len(means),
+            values[: 2 * len(means) + len(sums)],
+            values[2 * len(means) + len(sums) :],
+        )
+        if world_size > 1:
+            dist.all_reduce(totals)
+            dist.all_reduce(highest, op=dist.ReduceOp.MAX)
+        out = {
+            n: float(totals[i] / totals[k + i]) if totals[k + i] > 0 else 0.0
+            for i, n in enumerate(means)
+        }
+        out.update(zip(sums, totals[2 * k :].tolist()))
+        out.update(zip(maxima, highest.tolist()))
+        return out
+
+
+def to_host(values) -> torch.Tensor:
+    """float64 CPU copies of numbers and 0-d tensors: those on an accelerator in one device-to-host
+    copy."""
+    out = torch.tensor(
+        [float(v) if not torch.is_tensor(v) or v.device.type == "cpu" else 0.0 for v in values],
+        dtype=torch.float64,
     )
-    return list(order.tensor_split(cfg.mini_batches))
+    on_device = [i for i, v in enumerate(values) if torch.is_tensor(v) and v.device.type != "cpu"]
+    if on_device:
+        out[on_device] = torch.stack([values[i].double().reshape(()) for i in on_device]).cpu()
+    return out
 
 
-def rows_for_rank(lengths: list[int], rank: int, world_size: int) -> list[int]:
-    """One data-parallel rank's rows (indices into `lengths`, each row's prompt + completion
-    length, in order), balanced by tokens: longest first, each to the rank with the fewest tokens
-    so far (ties: the lowest rank), so the ranks' totals differ by at most the longest row. Every
-    rank computes every rank's share from the whole batch, without communicating."""
-    loads, mine = [0] * world_size, []
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        least = min(range(world_size), key=lambda r: (loads[r], r))
-        loads[least] += lengths[i]
-        if least == rank:
-            mine.append(i)
-    return sorted(mine)
+@dataclass
+class StepResult:
+    loss: float  # the loss summed over micro-batches, ranks and updates
+    # max |trainer - generator| log-prob on fully on-policy rows (None: none)
+    logprob_diff: Optional[float]
+    metrics: dict  # the per-step row's loss diagnostics, entropy, pad_frac, micro_batches
 
 
-def plan_micro_batches(lengths: list[int], max_tokens: int, packed=False) -> list[list[int]]:
-    """Rows (indices into `lengths`, each row's prompt + completion length) grouped into
-    micro-batches of at most `max_tokens` tokens, shortest rows first, so that rows of similar
-    length share a micro-batch: padded, `max_tokens` bounds rows x the longest row (the padding
-    stays small); packed, the rows' real tokens (and packing.row_attention pads little). A row
-    longer than `max_tokens` gets a micro-batch of its own. `max_tokens` 0: one micro-batch."""
-    plan, current, tokens = [], [], 0
-    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
-        cost = tokens + lengths[i] if packed else (len(current) + 1) * lengths[i]
-        if current and max_tokens and cost > max_tokens:
-            plan.append(current)
-            current, tokens = [], 0
-        current.append(i)
-        tokens += lengths[i]
-    return plan + [current] if current else plan
-
-
-def rank_micro_batch_rows(
-    batch: buffer.Batch, rank: int, world_size: int, max_tokens: int, packed=False
-) -> tuple[list[list[int]], int]:
-    """This rank's micro-batches as rows of `batch`, and how many micro-batches every rank runs (the
-    most any rank needs: see `rank_micro_batches`)."""
-    lengths = batch.attention_mask.sum(1).tolist()
-    plans = []
-    for r in range(world_size):
-        rows = rows_for_rank(lengths, r, world_size)
-        plans.append(
-            [
-                [rows[i] for i in mb]
-                for mb in plan_micro_batches([lengths[i] for i in rows], max_tokens, packed)
-            ]
-        )
-    count = max(len(plan) for plan in plans)
-    plan = plans[rank]
-    while len(plan) < count and any(len(mb) > 1 for mb in plan):
-        k = max(range(len(plan)), key=lambda k: len(plan[k]))
-        half = len(plan[k]) // 2
-        plan = plan[:k] + [plan[k][:half], plan[k][half:]] + plan[k + 1 :]
-    return plan, count
-
-
-def rank_micro_batches(
-    batch: buffer.Batch, rank: int, world_size: int, max_tokens: int, packed=False
-) -> list[buffer.Batch]:
-    """This rank's rows of `batch` (`rows_for_rank`) in micro-batches (`plan_micro_batches`; packed:
-    of real tokens), each trimmed to its longest row.
-
-    Every rank gets as many micro-batches as the rank that needs the most (each forward and backward
-    runs FSDP2 collectives): a rank that needs fewer halves its largest ones, and one short of rows
-    even then gets fillers, a row of the batch with its mask cleared (it runs through the model,
-    adds no loss and no gradient). Every rank holds the whole batch, so each works out every rank's
-    plan without communicating.
-    """
-    plan, count = rank_micro_batch_rows(batch, rank, world_size, max_tokens, packed)
-    micro = [batch.select(rows).trimmed() for rows in plan]
-    if len(micro) < count:
-        filler = batch.select([0]).trimmed()
-        micro += [dataclasses.replace(filler, mask=torch.zeros_like(filler.mask))] * (
-            count - len(micro)
-        )
-    return micro
+def step_result(stats: StepStats, world_size: int) -> StepResult:
+    """The step's reduced metrics, with the derived figures (ESS, padding share) and without the
+    counts they came from; a lag no trained token has, or agreement with no on-policy row, gets no
+    figure (not a 0)."""
+    row = stats.reduced(world_size)
+    on_policy = row.pop("on_policy_rows", 0) > 0
+    diff = row.pop("logprob_diff_on_policy", -1.0)
+    if not on_policy:
+        row.pop("logprob_diff_mean", None)
+    for name in [n for n in row if n.startswith("mismatch_tokens/")]:
+        if not row.pop(name):
+            row.pop(name.replace("mismatch_tokens/", "mismatch_k3/"))
+    w, w2, n = row.pop("ess_w"), row.pop("ess_w2"), row.pop("ess_n")
+    if n:
+        row["is_ess"] = w * w / (n * w2) if w2 > 0 else 0.0
+    positions, padding = row.pop("positions"), row.pop("padding")
+    row.update(
+        outside_support_tokens=int(row["outside_support_tokens"]),
+        pad_frac=padding / positions,
+        micro_batches=int(row["micro_batches"]),
+    )
+    return StepResult(row.pop("loss"), diff if on_policy else None, row)

@@ -21,7 +21,7 @@ def use_shared_weights():
     import torch.multiprocessing as mp
 
     strategy = mp.get_sharing_strategy()
-    from generator import shared_weights
+    import shared_weights
 
     assert mp.get_sharing_strategy() == strategy, (
         "importing shared_weights changed torch's sharing strategy"
@@ -43,9 +43,8 @@ def use_shared_weights():
 
 
 def use_logprobs():
+    import logprobs
     import torch
-
-    from trainer import logprobs
 
     torch.manual_seed(0)
     vocab, width = 11, 8
@@ -141,8 +140,8 @@ def use_tracing():
     import os
     import tempfile
 
-    from infra import tracing
-    from run import trace_merge
+    import trace_merge
+    import tracing
 
     out = tempfile.mkdtemp()
     tracing.configure(out, steps=10)  # (a run's parent; its children inherit the environment)
@@ -162,7 +161,7 @@ def use_tracing():
 
 
 def use_trace_merge():
-    from run import trace_merge
+    import trace_merge
 
     steps = [
         {"ph": "X", "cat": "step", "ts": 10.0 * i, "dur": 5.0, "args": {"rank": 0}}

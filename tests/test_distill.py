@@ -233,14 +233,16 @@ def test_deepseek_v32_mask_reads_the_distillation_advantage_the_loss_uses(models
     batch = dataclasses.replace(batch, advantages=torch.full((3,), 0.05), behaviour_logp=own + 0.5)
     cfg = Config(teacher=models["teacher"], distill_coef=1.0, dsv32_mask_kl=0.1)
     tokens = int(batch.mask.sum())
-    settings = update.loss_settings(cfg)
-    _, terms, _ = update.micro_batch_loss(
-        student, None, teacher, batch, cfg, settings, tokens, tokens
+    settings = losses.settings_from(cfg, cfg.model_token_budget)
+    run = update.UpdatePass(
+        model=student, ref_model=None, teacher=teacher, cfg=cfg, settings=settings
     )
+    _, terms, _ = update.micro_batch_loss(run, batch, tokens, tokens)
     negative = batch.mask & (0.05 - (own - teacher_logp) < 0)  # A_t < 0, by hand
     assert 0 < int(negative.sum()) < tokens
     assert torch.equal(terms.kept["dsv32_masked_seq_frac"], batch.mask & ~negative)
-    _, alone, _ = update.micro_batch_loss(student, None, None, batch, cfg, settings, tokens, tokens)
+    run = dataclasses.replace(run, teacher=None)
+    _, alone, _ = update.micro_batch_loss(run, batch, tokens, tokens)
     assert torch.equal(alone.mask, batch.mask)
 
 

@@ -33,7 +33,7 @@ PROMPT = [1, 13, 14, 15, 24]  # "<bos>abc=" in the tiny model's character tokeni
 PAD_ID = 0
 NUM_SAMPLES = 7
 COMPLETION_LENGTHS = (5, 1, 3, 0, 4, 2, 5)
-# the world-size test's: its ranks' shares (balanced by tokens: update.rows_for_rank) hold unequal
+# the world-size test's: its ranks' shares (balanced by tokens: buffer.rows_for_rank) hold unequal
 # completion tokens and unequal non-empty rows, so the per-rank shares really matter
 UNEVEN_LENGTHS = (5, 0, 3, 0, 4, 2, 5)
 SPAWN_TIMEOUT_S = 240
@@ -191,7 +191,7 @@ def test_batch_is_what_the_test_means():
     # averaged, the loss would differ)
     uneven = make_batch(lengths=UNEVEN_LENGTHS)
     lengths = uneven.attention_mask.sum(1).tolist()
-    a, b = update.rows_for_rank(lengths, 0, 2), update.rows_for_rank(lengths, 1, 2)
+    a, b = buffer.rows_for_rank(lengths, 0, 2), buffer.rows_for_rank(lengths, 1, 2)
     assert sorted(a + b) == list(range(NUM_SAMPLES))
     assert int(uneven.mask[a].sum()) != int(uneven.mask[b].sum())
     assert int(uneven.mask[a].any(1).sum()) != int(uneven.mask[b].any(1).sum())

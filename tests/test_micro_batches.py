@@ -1,7 +1,7 @@
 """Micro-batches, chunked log-probs and activation checkpointing in the trainer step
 (`update.update_on_batch`).
 
-- `update.plan_micro_batches` / `rank_micro_batches`: rows grouped by length within the token
+- `buffer.plan_micro_batches` / `rank_micro_batches`: rows grouped by length within the token
   budget (padded: rows x the longest; packed: real tokens), every row exactly once, the same number
   of micro-batches on every rank (fillers add nothing).
 - `update.completion_logprobs` keeps no vocabulary-sized tensor for the backward pass.
@@ -20,6 +20,7 @@ import pytest
 import torch
 from test_fsdp import backward, make_batch, spawn_ranks
 
+import buffer
 import losses
 import update
 from config import Config
@@ -62,14 +63,14 @@ def config(case):
 # --------------------------------------------------------------------------------------------------
 def test_plan_groups_rows_by_length_within_the_budget():
     lengths = [9, 3, 7, 3, 30, 8, 2]
-    plan = update.plan_micro_batches(lengths, 16)
+    plan = buffer.plan_micro_batches(lengths, 16)
     # every row exactly once
     assert sorted(i for mb in plan for i in mb) == list(range(len(lengths)))
     assert plan == [[6, 1, 3], [2, 5], [0], [4]]  # shortest first; 30 > 16 alone
     for mb in plan[:-1]:
         assert len(mb) * max(lengths[i] for i in mb) <= 16
-    assert update.plan_micro_batches(lengths, 0) == [[6, 1, 3, 2, 5, 0, 4]]
-    assert update.plan_micro_batches(lengths, 1) == [[i] for i in (6, 1, 3, 2, 5, 0, 4)]
+    assert buffer.plan_micro_batches(lengths, 0) == [[6, 1, 3, 2, 5, 0, 4]]
+    assert buffer.plan_micro_batches(lengths, 1) == [[i] for i in (6, 1, 3, 2, 5, 0, 4)]
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
@@ -77,11 +78,11 @@ def test_plan_groups_rows_by_length_within_the_budget():
 def test_every_rank_gets_as_many_micro_batches_and_its_own_rows(world, max_tokens, packed):
     batch = make_batch()
     per_rank = [
-        update.rank_micro_batches(batch, r, world, max_tokens, packed) for r in range(world)
+        buffer.rank_micro_batches(batch, r, world, max_tokens, packed) for r in range(world)
     ]
     assert len({len(m) for m in per_rank}) == 1
     for r, micro in enumerate(per_rank):
-        rows = batch.select(update.rows_for_rank(batch.attention_mask.sum(1).tolist(), r, world))
+        rows = batch.select(buffer.rows_for_rank(batch.attention_mask.sum(1).tolist(), r, world))
 
         # (advantage, completion tokens) of each row that trains (fillers do not)
         def trained(batches):

@@ -28,6 +28,7 @@ import torch
 import transformers
 from test_fsdp import make_batch
 
+import buffer
 import update
 from config import Config
 from run import prepare
@@ -258,16 +259,16 @@ def test_gradients_equal_packed_and_padded_with_routing_replay(attention):
 
 def test_packed_micro_batches_hold_real_tokens_within_the_budget():
     lengths = [9, 3, 7, 3, 30, 8, 2]
-    plan = update.plan_micro_batches(lengths, 16, packed=True)
+    plan = buffer.plan_micro_batches(lengths, 16, packed=True)
     assert sorted(i for mb in plan for i in mb) == list(range(len(lengths)))
     # shortest first, up to 16 real tokens each; 30 > 16 alone
     assert plan == [[6, 1, 3, 2], [5], [0], [4]]
     assert all(sum(lengths[i] for i in mb) <= 16 for mb in plan if len(mb) > 1)
     # padded, rows x the longest: more micro-batches for the same budget
-    assert len(update.plan_micro_batches(lengths, 15, packed=True)) < len(
-        update.plan_micro_batches(lengths, 15)
+    assert len(buffer.plan_micro_batches(lengths, 15, packed=True)) < len(
+        buffer.plan_micro_batches(lengths, 15)
     )
-    assert update.plan_micro_batches(lengths, 0, packed=True) == [[6, 1, 3, 2, 5, 0, 4]]
+    assert buffer.plan_micro_batches(lengths, 0, packed=True) == [[6, 1, 3, 2, 5, 0, 4]]
 
 
 # --------------------------------------------------------------------------------------------------

@@ -6,14 +6,14 @@ masking)."""
 import math
 
 import pytest
-import schedule
 import torch
-from schedule import learning_rate, overlong_penalty
 
 import buffer
 import config
 import update
+from advantages import overlong_penalty, shaped_rewards
 from run import flag_checks
+from train import learning_rate
 from trainer import models
 
 
@@ -55,11 +55,10 @@ def test_shaped_rewards_add_the_penalty_and_mark_cut_completions():
         [1.0, 0.5, 0.0],
         finish_reasons=["stop", "stop", "length"],
     )
-    plain, truncated = schedule.shaped_rewards([group], config.Config(max_new_tokens=10))
+    plain, truncated = shaped_rewards([group], max_len=10)
     assert plain.tolist() == [[1.0, 0.5, 0.0]] and truncated.tolist() == [[False, False, True]]
-    shaped, _ = schedule.shaped_rewards(
-        [group], config.Config(max_new_tokens=10, overlong_penalty=4)
-    )
+    cfg = config.Config(max_new_tokens=10, overlong_penalty=4)
+    shaped, _ = shaped_rewards([group], cfg.model_token_budget, cfg.overlong_penalty)
     assert shaped[0].tolist() == pytest.approx([1.0, 0.5 - 2 / 4, -1.0])
 
 
@@ -169,7 +168,7 @@ def hand_ppo(model_path, cfg):
     with torch.no_grad():
         proximal = logprobs(batch)
     ratios = []
-    for rows in update.mini_batch_rows(len(batch), cfg, step=3, epoch=0):
+    for rows in buffer.mini_batch_rows(len(batch), cfg.mini_batches, cfg.seed, step=3, epoch=0):
         mb = batch.select(rows)
         logp, old = logprobs(mb), proximal[rows]
         weights = torch.clamp(torch.exp(old - mb.behaviour_logp), max=cfg.is_high) * mb.mask
@@ -236,7 +235,7 @@ def test_dr_grpos_constant_normaliser_is_the_episodes_token_budget(tmp_path):
         model.zero_grad(set_to_none=True)
         # (reveal, before: / 5)
         assert result.loss == pytest.approx(token_sums / 2 / budget, rel=1e-5), cfg.task
-    assert [schedule.model_token_budget(cfg) for cfg in cfgs.values()] == [5, 20]
+    assert [cfg.model_token_budget for cfg in cfgs.values()] == [5, 20]
 
 
 def test_completion_lengths_count_the_sampled_tokens_before_stale_and_overlong_masking(tmp_path):

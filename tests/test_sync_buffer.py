@@ -12,7 +12,6 @@ import torch.multiprocessing as mp
 
 import buffer
 import sync
-import update
 from generator import shared_weights
 from infra import devices
 from run import flag_checks, prepare
@@ -281,14 +280,14 @@ def test_rows_for_rank_partition_the_batch_balanced_by_tokens():
     for n in (1, 5, 8, 33):
         lengths = [generator.randint(1, 100) for _ in range(n)]
         for world in (1, 2, 3):
-            rows = [update.rows_for_rank(lengths, r, world) for r in range(world)]
+            rows = [buffer.rows_for_rank(lengths, r, world) for r in range(world)]
             assert sorted(sum(rows, [])) == list(range(n))
             loads = [sum(lengths[i] for i in share) for share in rows]
             # tokens, not rows: no two ranks further apart than the longest row
             assert max(loads) - min(loads) <= max(lengths)
     # rows of one long and many short: a split by count would give one rank nearly everything
     lengths = [1000] + [10] * 99
-    loads = [sum(lengths[i] for i in update.rows_for_rank(lengths, r, 2)) for r in range(2)]
+    loads = [sum(lengths[i] for i in buffer.rows_for_rank(lengths, r, 2)) for r in range(2)]
     assert sorted(loads) == [990, 1000]
 
 

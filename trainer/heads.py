@@ -19,66 +19,14 @@ the hidden state by hidden_size / dim_model_base, Falcon-H1 multiplies the logit
 lm_head_multiplier, ...) that would make the trainer train on another distribution.
 """
 
-from dataclasses import dataclass
+from trainer.logprobs import (  # noqa: F401 (the tables live with the scoring)
+    PLAIN,
+    PLAIN_HEADS,
+    TRANSFORMED_HEADS,
+    HeadTransform,
+    head_of,
+)
 
-
-@dataclass(frozen=True)
-class HeadTransform:
-    """logits = logit_scale * softcap * tanh(((hidden_scale * hidden) @ W.T + b) / softcap), in the
-    matmul's dtype as vLLM's LogitsProcessor (logprobs._head_logits); then float32, / temperature,
-    top-k/top-p (vLLM's sampler). softcap 0: no soft-capping."""
-
-    hidden_scale: float = 1.0  # on the final hidden state, before the head
-    logit_scale: float = 1.0  # on the logits, after the soft cap (vLLM's LogitsProcessor `scale`)
-    softcap: float = 0.0  # cap * tanh(x / cap) (Gemma-2/3's final_logit_softcapping)
-
-
-PLAIN = HeadTransform()
-
-# model_type (config.json) -> the architecture vLLM serves it as, and how its head's transform is
-# read
-PLAIN_HEADS = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "qwen2_moe": "Qwen2MoeForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-    "mixtral": "MixtralForCausalLM",
-    "phi3": "Phi3ForCausalLM",
-    "olmo2": "Olmo2ForCausalLM",
-    "gemma": "GemmaForCausalLM",
-    "olmoe": "OlmoeForCausalLM",
-    "glm4_moe": "Glm4MoeForCausalLM",
-    "exaone_moe": "ExaoneMoeForCausalLM",
-    "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
-    "afmoe": "AfmoeForCausalLM",
-}
-TRANSFORMED_HEADS = {
-    # logits / logits_scaling (vLLM: scale = 1 / logits_scaling)
-    "granite": ("GraniteForCausalLM", lambda c: HeadTransform(logit_scale=1.0 / c.logits_scaling)),
-    "granitemoe": (
-        "GraniteMoeForCausalLM",
-        lambda c: HeadTransform(logit_scale=1.0 / c.logits_scaling),
-    ),
-    "granitemoeshared": (
-        "GraniteMoeSharedForCausalLM",
-        lambda c: HeadTransform(logit_scale=1.0 / c.logits_scaling),
-    ),
-    # final_logit_softcapping * tanh(logits / final_logit_softcapping), None: off
-    "gemma2": (
-        "Gemma2ForCausalLM",
-        lambda c: HeadTransform(softcap=c.final_logit_softcapping or 0.0),
-    ),
-    "gemma3_text": (
-        "Gemma3ForCausalLM",
-        lambda c: HeadTransform(softcap=c.final_logit_softcapping or 0.0),
-    ),
-    # logits * logit_scale
-    "cohere": ("CohereForCausalLM", lambda c: HeadTransform(logit_scale=c.logit_scale)),
-    "cohere2": ("Cohere2ForCausalLM", lambda c: HeadTransform(logit_scale=c.logit_scale)),
-    "cohere2_moe": ("Cohere2MoeForCausalLM", lambda c: HeadTransform(logit_scale=c.logit_scale)),
-}
 # Attributes vLLM reads on families that do not define them (LlamaForCausalLM, and so Mistral and
 # Phi-3, takes `logit_scale`; its Transformers backend, used for OLMo-2, takes both), which
 # transformers then ignores: a config that sets one is refused, since the two would sample from
@@ -227,10 +175,9 @@ def afmoe_routes_as_transformers(config) -> bool:
 
 
 def head_transform(config) -> HeadTransform:
-    """The transform of this config's head; ValueError (head_problem's line) for a head not in the
-    table."""
+    """The transform of this config's head (logprobs.head_of); ValueError (head_problem's line)
+    for a head the trainer would not score as vLLM samples."""
     problem = head_problem(config)
     if problem:
         raise ValueError(problem)
-    entry = TRANSFORMED_HEADS.get(config.model_type)
-    return entry[1](config) if entry else PLAIN
+    return head_of(config)

@@ -15,7 +15,84 @@ May touch: nothing but its arguments (no optimizer, process, I/O or state); copi
 only).
 """
 
+from dataclasses import dataclass
+
 import torch
+
+
+# ---------- The family's head: what vLLM applies between the final hidden state and the logits
+# (read from vLLM 0.32's model_executor/models/*.py, `LogitsProcessor(scale=..., soft_cap=...)`,
+# and each family's `*ForCausalLM.forward` in transformers 5; trainer/heads.py says why a model
+# outside these tables, or a config vLLM would serve otherwise, is refused)
+@dataclass(frozen=True)
+class HeadTransform:
+    """logits = logit_scale * softcap * tanh(((hidden_scale * hidden) @ W.T + b) / softcap), in the
+    matmul's dtype as vLLM's LogitsProcessor (logprobs._head_logits); then float32, / temperature,
+    top-k/top-p (vLLM's sampler). softcap 0: no soft-capping."""
+
+    hidden_scale: float = 1.0  # on the final hidden state, before the head
+    logit_scale: float = 1.0  # on the logits, after the soft cap (vLLM's LogitsProcessor `scale`)
+    softcap: float = 0.0  # cap * tanh(x / cap) (Gemma-2/3's final_logit_softcapping)
+
+
+PLAIN = HeadTransform()
+
+# model_type (config.json) -> the architecture vLLM serves it as, and how its head's transform is
+# read
+PLAIN_HEADS = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+    "gemma": "GemmaForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
+    "exaone_moe": "ExaoneMoeForCausalLM",
+    "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
+    "afmoe": "AfmoeForCausalLM",
+}
+TRANSFORMED_HEADS = {
+    # logits / logits_scaling (vLLM: scale = 1 / logits_scaling)
+    "granite": ("GraniteForCausalLM", lambda c: HeadTransform(logit_scale=1.0 / c.logits_scaling)),
+    "granitemoe": (
+        "GraniteMoeForCausalLM",
+        lambda c: HeadTransform(logit_scale=1.0 / c.logits_scaling),
+    ),
+    "granitemoeshared": (
+        "GraniteMoeSharedForCausalLM",
+        lambda c: HeadTransform(logit_scale=1.0 / c.logits_scaling),
+    ),
+    # final_logit_softcapping * tanh(logits / final_logit_softcapping), None: off
+    "gemma2": (
+        "Gemma2ForCausalLM",
+        lambda c: HeadTransform(softcap=c.final_logit_softcapping or 0.0),
+    ),
+    "gemma3_text": (
+        "Gemma3ForCausalLM",
+        lambda c: HeadTransform(softcap=c.final_logit_softcapping or 0.0),
+    ),
+    # logits * logit_scale
+    "cohere": ("CohereForCausalLM", lambda c: HeadTransform(logit_scale=c.logit_scale)),
+    "cohere2": ("Cohere2ForCausalLM", lambda c: HeadTransform(logit_scale=c.logit_scale)),
+    "cohere2_moe": ("Cohere2MoeForCausalLM", lambda c: HeadTransform(logit_scale=c.logit_scale)),
+}
+
+
+def head_of(config) -> HeadTransform:
+    """The head transform of a Hugging Face config (its `model_type`); ValueError for a family in
+    neither table (trainer/heads.head_problem checks a run's models before it starts)."""
+    model_type = getattr(config, "model_type", None)
+    if model_type in TRANSFORMED_HEADS:
+        return TRANSFORMED_HEADS[model_type][1](config)
+    if model_type in PLAIN_HEADS:
+        return PLAIN
+    raise ValueError(f"model type {model_type!r}: its LM head is not one this trainer scores")
+
 
 # ---------- Log-probs consistent with the generator's sampler -------------------------------------
 
