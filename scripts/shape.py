@@ -18,6 +18,12 @@ Role: the counts issue 24 asks to hold, each a function tests/test_shape.py asse
       the loop, and how often the reading comes back into a file it had left (a loss assembled
       across two files makes a reader go back and forth between them).
     - `config_imports`: the project modules config.py imports (a leaf: none).
+    - issue 40's front door: `top_level_python` (the .py files at the root: the core path alone),
+      `top_level_entries` (what a clone shows at the root, dotfiles aside), `step_files` (the files
+      read following one training step from the loop to the loss and the publish), `rollout_files`
+      (one group's rollout, from sampling to the queue), `long_functions` (library functions over
+      MAX_FUNCTION lines), `bench_share` (bench/'s files and its share of the Python lines),
+      `doc_lines` and `broken_links` (README.md and docs/*.md).
 Data contract: a module is "name" (a top-level file) or "package.name" (a file of a top-level
 package such as tasks/); a function is "module.name" or "module.Class.method". A call edge is a call
 or a reference (a function handed to another, e.g. functools.partial) resolved through the module's
@@ -38,7 +44,14 @@ FOLDERS = ("", "tests", "bench", "tasks/examples", "scripts")
 MAX_LINES = 450
 MAX_WIDTH = 100  # characters per line, in every file (.ruff.toml's line-length)
 WALK_SKIP = ("infra.tracing",)  # left out of the step's walk: the trace recorder, called everywhere
+# left out of the files of one step too: the MoE routing replay, which a dense model's step passes
+# through as a no-op (`replay.routed_by` yields None when the run records no routes)
+STEP_SKIP = WALK_SKIP + ("trainer.replay",)
 LOOP = "train.train"
+PUBLISH = "sync.publish_model"  # the end of one training step: the new weights published
+ROLLOUT = "rollout.Generator.run_group"  # one group's rollout, from its prompt to the queue
+MAX_FUNCTION = 80  # lines of a library function, from its `def` to its last line
+CORE = ("train.py", "rollout.py", "buffer.py", "sync.py", "losses.py")  # the five named scripts
 LOSS = "losses.grpo_loss"  # the per-micro-batch loss
 SAMPLE_CHAINS = (
     ("rollout.Generator.run_group", "buffer.put_group"),  # sampling -> onto the queue
@@ -311,6 +324,100 @@ def sample_files(graph, chains=SAMPLE_CHAINS, modules=None) -> list[str]:
     return sorted(files)
 
 
+def top_level_python() -> list[str]:
+    """The Python files at the repository's root."""
+    return sorted(p.name for p in REPO.glob("*.py"))
+
+
+def tracked_files() -> list[str]:
+    """The files a clone has (git's index: tracked or added), relative to the repository: a user's
+    output folders (runs/, wandb/, checkpoints/) are not the project's."""
+    import subprocess
+
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split("\0")
+    return sorted(name for name in listed if name and (REPO / name).is_file())
+
+
+def top_level_entries() -> list[str]:
+    """The files and folders a clone shows at its root, dotfiles aside (.ruff.toml, .ci/)."""
+    names = {name.split("/")[0] for name in tracked_files()}
+    return sorted((name for name in names if not name.startswith(".")), key=str.lower)
+
+
+def truncated_at(calls, start: str, end: str) -> dict[str, list[str]]:
+    """`calls` with `start`'s own calls cut after `end` (the step's walk ends at the publish)."""
+    own = calls[start]
+    return {**calls, start: own[: own.index(end) + 1] if end in own else own}
+
+
+def step_files(
+    calls, modules, start=LOOP, end=PUBLISH, skip=STEP_SKIP, to_file=file_of
+) -> list[str]:
+    """The files read following one training step, depth first from the loop to the loss and the
+    publish (`step_walk` of the loop's calls up to `end`), each once, in the order first met."""
+    walk = step_walk(truncated_at(calls, start, end), modules, start, skip, to_file)
+    return list(dict.fromkeys(walk))
+
+
+def rollout_files(calls, modules, start=ROLLOUT, skip=WALK_SKIP) -> list[str]:
+    """The files read following one group's rollout (`step_walk` from `start`), each once."""
+    return list(dict.fromkeys(step_walk(calls, modules, start, skip)))
+
+
+def long_functions(modules, limit: int = MAX_FUNCTION) -> dict[str, int]:
+    """ "module.function" (methods and nested functions too) -> its lines, for every function of
+    the project's modules over `limit` lines (from its `def` to its last line)."""
+    found = {}
+    for name, tree in modules.items():
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > limit:
+                    found[f"{name}.{node.name}"] = length
+    return found
+
+
+def bench_share(counts: dict[str, int]) -> tuple[int, float]:
+    """(bench/'s files, results/ aside; its share of the project's Python lines)."""
+    files = [
+        name
+        for name in tracked_files()
+        if name.startswith("bench/") and not name.startswith("bench/results/")
+    ]
+    lines = sum(n for path, n in counts.items() if path.startswith("bench/"))
+    return len(files), lines / sum(counts.values())
+
+
+def doc_files() -> list[Path]:
+    """README.md and the topics under docs/."""
+    return [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+
+def doc_lines(path: Path) -> int:
+    return len(path.read_text().splitlines())
+
+
+def broken_links(paths) -> list[str]:
+    """ "file: target" for every relative Markdown link of `paths` whose file does not exist."""
+    import re
+
+    broken = []
+    for path in paths:
+        for target in re.findall(r"\]\(([^)\s]+)\)", path.read_text()):
+            if re.match(r"[a-z]+:", target) or target.startswith("#"):
+                continue
+            if not (path.parent / target.split("#")[0]).exists():
+                where = path.relative_to(REPO) if path.is_relative_to(REPO) else path
+                broken.append(f"{where}: {target}")
+    return broken
+
+
 def main() -> int:
     modules = top_level_modules()
     graph = call_graph(modules)
@@ -323,6 +430,10 @@ def main() -> int:
     cycles = import_cycles(import_graph(modules))
     mean_width, p90_width = width_summary(line_widths(sorted(module_paths().values())))
     long = long_lines()
+    calls_in_order = ordered_calls(modules)
+    step, rollout = step_files(calls_in_order, modules), rollout_files(calls_in_order, modules)
+    long_defs = long_functions(modules)
+    bench_files, bench_lines = bench_share(counts)
     rows = [
         (
             "files over %d non-blank lines" % MAX_LINES,
@@ -344,6 +455,14 @@ def main() -> int:
             len(config_imports(modules)),
             ", ".join(config_imports(modules)),
         ),
+        ("top-level Python files", len(top_level_python()), ", ".join(top_level_python())),
+        ("top-level entries (dotfiles aside)", len(top_level_entries()), ""),
+        ("files to follow one training step", len(step), " -> ".join(step)),
+        ("files to follow one rollout", len(rollout), " -> ".join(rollout)),
+        (f"library functions over {MAX_FUNCTION} lines", len(long_defs), str(long_defs or "")),
+        ("bench/ files (results/ aside)", bench_files, f"{bench_lines:.0%} of the Python lines"),
+        ("README.md lines", doc_lines(REPO / "README.md"), ""),
+        ("broken links in README.md, docs/", len(broken_links(doc_files())), ""),
     ]
     width = max(len(r[0]) for r in rows)
     for what, value, detail in rows:

@@ -28,6 +28,12 @@ MAX_SAMPLE_FILES = 5  # issue 24: one sample followed from sampling to loss in a
 # issue 32: reading the trainer's step came back into a file it had left 39 times while the loss
 # was assembled in update.py and losses.py (losses.py 8 of them); with the loss in one place, 32
 MAX_STEP_WALK_RETURNS = 32
+# issue 40: the front door
+MAX_TOP_LEVEL_PYTHON, MAX_TOP_LEVEL_ENTRIES = 9, 20
+MAX_STEP_FILES = 7  # one training step, from the loop to the loss and the publish (it was 11)
+MAX_ROLLOUT_FILES = 9  # one group's rollout, from its prompt to the queue, as measured at issue 40
+MAX_BENCH_FILES, MAX_BENCH_SHARE = 12, 0.20
+MAX_README_LINES = 250
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +67,16 @@ def test_the_width_summary_is_the_mean_and_the_nearest_rank_90th_percentile():
 def test_no_import_cycle_among_the_top_level_modules(modules):
     graph = shape.import_graph(modules)
     assert "update" in graph["train"] and "losses" in graph["update"]  # the graph sees the imports
+    assert shape.import_cycles(graph) == []
+
+
+def test_no_import_cycle_among_the_folders(modules):
+    """A folder read as one room (tasks/, trainer/, ...): its modules' imports are the folder's."""
+    folders = {}
+    for name, deps in shape.import_graph(modules).items():
+        folders.setdefault(name.split(".")[0], set()).update(d.split(".")[0] for d in deps)
+    graph = {room: deps - {room} for room, deps in folders.items()}
+    assert "infra" in graph["trainer"] and "trainer" in graph["update"]  # the folders were found
     assert shape.import_cycles(graph) == []
 
 
@@ -109,6 +125,66 @@ def test_the_chain_finder_takes_the_shortest_chain():
     assert shape.shortest_chain(graph, "a", "d") == ["a", "b", "d"]
     assert shape.calls_below_loop(graph, "d", loop="a") == (2, ["a", "b", "d"])
     assert shape.shortest_chain(graph, "d", "a") is None
+
+
+def test_the_top_level_is_the_core_path():
+    python = shape.top_level_python()
+    assert set(shape.CORE) <= set(python) and len(python) <= MAX_TOP_LEVEL_PYTHON, python
+    entries = shape.top_level_entries()
+    assert {"README.md", "tests", "train.py"} <= set(entries)  # what a clone shows was listed
+    assert len(entries) <= MAX_TOP_LEVEL_ENTRIES, entries
+
+
+def test_one_training_step_and_one_rollout_open_few_files(modules):
+    calls = shape.ordered_calls(modules)
+    step = shape.step_files(calls, modules)
+    assert step[0] == "train.py" and {"losses.py", "sync.py", "update.py"} <= set(step)
+    assert len(step) <= MAX_STEP_FILES, step
+    rollout = shape.rollout_files(calls, modules)
+    assert rollout[0] == "rollout.py" and "buffer.py" in rollout
+    assert len(rollout) <= MAX_ROLLOUT_FILES, rollout
+
+
+def test_the_step_files_end_at_the_publish():
+    modules = {"a": None, "b": None, "c": None, "d": None}
+    calls = {
+        "a.loop": ["b.take", "c.publish", "d.save"],
+        "b.take": [],
+        "c.publish": [],
+        "d.save": [],
+    }
+    files = shape.step_files(calls, modules, "a.loop", "c.publish", skip=(), to_file=str)
+    assert files == ["a", "b", "c"]  # d.save comes after the publish: not part of the step
+
+
+def test_no_library_function_over_the_limit(modules):
+    long = shape.long_functions(modules)
+    assert not long, f"over {shape.MAX_FUNCTION} lines: {long}"
+    tree = {"m": shape.ast.parse("def f():\n" + "    x = 1\n" * 90)}
+    assert shape.long_functions(tree) == {"m.f": 91}  # the finder counts from `def` to the end
+
+
+def test_bench_is_small_beside_the_project():
+    files, share = shape.bench_share(shape.line_counts())
+    assert 3 <= files <= MAX_BENCH_FILES and 0 < share <= MAX_BENCH_SHARE, (files, share)
+
+
+def test_the_readme_is_short_and_every_link_of_the_docs_resolves(tmp_path):
+    assert shape.doc_lines(shape.REPO / "README.md") <= MAX_README_LINES
+    docs = shape.doc_files()
+    assert len(docs) > 5 and shape.broken_links(docs) == []
+    (tmp_path / "README.md").write_text("")
+    page = tmp_path / "page.md"
+    page.write_text("[a](README.md#x) [b](no/such.md) [c](https://x.org) [d](#top)")
+    assert shape.broken_links([page]) == [f"{page}: no/such.md"]
+
+
+def test_every_python_file_opens_with_its_docstring():
+    files = shape.python_files()
+    missing = [
+        str(p) for p in files if shape.ast.get_docstring(shape.ast.parse(p.read_text())) is None
+    ]
+    assert len(files) > 100 and not missing, missing
 
 
 @pytest.mark.parametrize("command", [["format", "--check"], ["check"]])
@@ -167,6 +243,9 @@ def copy_of_the_tree(dest):
         if source.is_file():
             (dest / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(source, dest / name)
+    # a clone is a git repository: scripts/shape.py counts the files git holds, not a user's output
+    for command in (["init", "-q"], ["add", "-A"]):
+        subprocess.run(["git", *command], cwd=dest, check=True, capture_output=True)
     return dest
 
 
