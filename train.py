@@ -1,15 +1,17 @@
 """train.py — the trainer: FSDP2 ranks that turn rollout batches into new weights; `python
 train.py`.
 
-Role: `python train.py` prepares the run (prepare.py), spawns one vLLM generator (rollout.py) and
-the FSDP2 trainer ranks, and supervises them (launch.py, processes.py). Each rank loops: take a
-batch of rollout groups (buffer.py) -> group advantages -> the GRPO update (update.py, losses.py)
--> publish the weights (sync.py) -> log (metrics.py) and save (checkpoint.py).
+Role: `python train.py` prepares the run (run/prepare.py), spawns one vLLM generator (rollout.py)
+and the FSDP2 trainer ranks, and supervises them (run/launch.py, infra/processes.py). Each rank
+loops (`train`, the algorithm in one screen): take a batch of rollout groups (buffer.py) -> shaped
+rewards and group advantages (advantages.py) -> mask the tokens older than --max-lag -> the GRPO
+update (update.py, losses.py) -> publish the weights (sync.py) -> evaluate, log (run/metrics.py) and
+save (trainer/checkpoint.py).
 Data contract: trainer version = rollout batches trained on; a sample is trained on only if its
 oldest token is at most --max-lag versions old. The run's first on-policy batch is where trainer and
 generator must agree: fp32 stops the run above metrics.FIRST_BATCH_BOUND_FP32, bf16 warns.
 OUT/ gets metrics.jsonl, summary.json, model/ (Hugging Face format; with --lora-rank adapter/),
-checkpoints/, and from every process's trace events (tracing.py) trace.json and timeline.png.
+checkpoints/, and from every process's trace events (infra/tracing.py) trace.json and timeline.png.
 May touch: everything under --out; it spawns and kills its own children.
 """
 
@@ -28,7 +30,7 @@ import buffer
 from advantages import estimate_advantages, shaped_rewards
 from config import Config
 from infra import devices, tracing
-from infra.processes import Control, exit_now, saving, wait_for
+from infra.processes import Control, exit_now, wait_for
 from run import launch, metrics, prepare
 from sync import WeightsSink, publish_model, trainable_parameters
 from tasks import evaluation
@@ -106,11 +108,11 @@ def train(trainer: Rank) -> int:
             trainer.optimizer,
             batch,
             cfg,
-            trainer.rank,
-            trainer.world_size,
-            trainer.version,
-            step,
-            trainer.device,
+            rank=trainer.rank,
+            world_size=trainer.world_size,
+            version=trainer.version,
+            step=step,
+            device=trainer.device,
             teacher=trainer.teacher,
         )
         # every update had a NaN/inf loss or gradient: nothing changed
@@ -121,16 +123,8 @@ def train(trainer: Rank) -> int:
         count_bad_steps(trainer, result.skipped)
         if skipped and trainer.rank == 0:
             count_skipped_step(trainer.control)
-        t_publish = time.perf_counter()
-        # the final evaluation must see the final weights: publish them
         last = step + 1 == cfg.steps
-        if (trainer.version % cfg.sync_every == 0 or (last and cfg.eval_every > 0)) and not skipped:
-            publish_model(
-                trainer.model, trainer.shared, trainer.version, trainer.rank, trainer.world_size
-            )
-            trainer.published = trainer.version
-            tracing.complete("publish", t_publish, version=trainer.version)
-        publish_ms = (time.perf_counter() - t_publish) * 1e3
+        publish_ms = publish_when_due(trainer, last, skipped)
         train_s = time.perf_counter() - t_step
         evals = evaluate(trainer, step, last)
         if trainer.log is not None:
@@ -144,29 +138,43 @@ def train(trainer: Rank) -> int:
                 # (remote.TrainerLink: the queue bound, the send)
                 **trainer.rollout_queue.metrics(),
             )
-            trainer.log.step(
-                step,
-                trainer.version,
-                taken,
-                batch,
-                result.metrics,
-                loss=result.loss,
-                grad_norm=result.grad_norm,
-                logprob_diff=result.logprob_diff,
-                wait_s=wait_s,
-                train_s=train_s,
-                publish_ms=publish_ms,
-                skipped=skipped,
-                evals=evals,
-            )
+            times = dict(wait_s=wait_s, train_s=train_s, publish_ms=publish_ms)
+            log_step(trainer, step, taken, batch, result, skipped, evals, times)
         check_first_agreement(trainer, step, result.logprob_diff)
-        if cfg.save_every and (step + 1) % cfg.save_every == 0:
-            save_checkpoint(trainer, step + 1)
-        # (the end writes it anyway)
-        if cfg.save_hf_every and (step + 1) % cfg.save_hf_every == 0 and not last:
-            save_hf_model(trainer)
+        checkpoint.save_when_due(trainer, step, last)
         tracing.complete(f"step {step}", t_step, cat="step", **step_args(trainer, step, batch))
     return cfg.steps
+
+
+def publish_when_due(trainer: Rank, last: bool, skipped: bool) -> float:
+    """Publish the weights every --sync-every versions (and at the last step when the run
+    evaluates: the final evaluation must see the final weights); the milliseconds it took (0.0 when
+    not due, or when the step changed nothing)."""
+    cfg, t_publish = trainer.cfg, time.perf_counter()
+    if (trainer.version % cfg.sync_every == 0 or (last and cfg.eval_every > 0)) and not skipped:
+        publish_model(
+            trainer.model, trainer.shared, trainer.version, trainer.rank, trainer.world_size
+        )
+        trainer.published = trainer.version
+        tracing.complete("publish", t_publish, version=trainer.version)
+    return (time.perf_counter() - t_publish) * 1e3
+
+
+def log_step(trainer: Rank, step, taken, batch, result, skipped: bool, evals, times: dict) -> None:
+    """Rank 0's row of the step (metrics.RunLog.step); `times`: wait_s, train_s, publish_ms."""
+    trainer.log.step(
+        step,
+        trainer.version,
+        taken,
+        batch,
+        result.metrics,
+        loss=result.loss,
+        grad_norm=result.grad_norm,
+        logprob_diff=result.logprob_diff,
+        skipped=skipped,
+        evals=evals,
+        **times,
+    )
 
 
 def learning_rate(step: int, cfg: Config) -> float:
@@ -237,6 +245,17 @@ def take_batch(trainer: Rank):
     return broadcast(taken, trainer.world_size)
 
 
+def count_bad_steps(trainer: Rank, skipped_updates: int) -> None:
+    """A bad step: one with any update skipped for a NaN/inf loss or gradient (however many of its
+    updates)."""
+    trainer.bad_steps += skipped_updates > 0
+    if trainer.bad_steps > trainer.cfg.max_bad_steps:
+        raise RuntimeError(
+            f"{trainer.bad_steps} steps with NaN/inf loss or gradients (--max-bad-steps "
+            f"{trainer.cfg.max_bad_steps}): lower --lr or check the rewards"
+        )
+
+
 def count_dropped_group(control) -> None:
     """The generator replaces a group the trainer rejected whole (its staleness gate counts the
     groups still needed)."""
@@ -260,17 +279,6 @@ def broadcast(value, world_size: int):
     return box[0]
 
 
-def count_bad_steps(trainer: Rank, skipped_updates: int) -> None:
-    """A bad step: one with any update skipped for a NaN/inf loss or gradient (however many of its
-    updates)."""
-    trainer.bad_steps += skipped_updates > 0
-    if trainer.bad_steps > trainer.cfg.max_bad_steps:
-        raise RuntimeError(
-            f"{trainer.bad_steps} steps with NaN/inf loss or gradients (--max-bad-steps "
-            f"{trainer.cfg.max_bad_steps}): lower --lr or check the rewards"
-        )
-
-
 def evaluate(trainer: Rank, step: int, last: bool) -> list:
     """Ask the generator for an evaluation every --eval-every steps; pick up answers between steps
     (only the final one is waited for). Rank 0 only (the generator evaluated step 0 before it was
@@ -291,45 +299,6 @@ def evaluate(trainer: Rank, step: int, last: bool) -> list:
     return answers
 
 
-@tracing.timed("checkpoint")
-def save_checkpoint(trainer: Rank, step: int) -> str:
-    """A sharded checkpoint (every rank writes); the parent waits for it if the run is ending
-    meanwhile."""
-    t0 = time.perf_counter()
-    with saving(trainer.control):
-        where = checkpoint.save_trainer_state(
-            trainer.model,
-            trainer.optimizer,
-            trainer.prepared.base_model,
-            trainer.cfg,
-            step,
-            trainer.version,
-            trainer.rank,
-            trainer.save_group,
-            groups_dropped=trainer.control.groups_dropped.value,
-        )
-    if trainer.rank == 0:
-        print(
-            f"checkpoint {where} written in {time.perf_counter() - t0:.1f} s",
-            file=sys.stderr,
-            flush=True,
-        )
-    return where
-
-
-@tracing.timed("save model")
-def save_hf_model(trainer: Rank) -> None:
-    """OUT/model (with LoRA OUT/adapter): gathered, written by rank 0."""
-    with saving(trainer.control):
-        checkpoint.save_final_model(
-            trainer.model,
-            trainer.prepared.base_model,
-            trainer.cfg,
-            trainer.rank,
-            trainer.save_group,
-        )
-
-
 def start_rank(
     cfg: Config,
     prepared: prepare.Prepared,
@@ -344,39 +313,11 @@ def start_rank(
     then wait for the generator's engine. None when the run was stopped before its first step."""
     torch.set_num_threads(cfg.train_threads)
     torch.manual_seed(cfg.seed + rank)
-    layout = prepared.layout
-    device = devices.rank_device(layout, rank, torchrun=cfg.role == "trainer")
-    # vLLM measures a GPU's free memory while it starts: on a shared GPU, keep off it until vLLM is
-    # up.
-    if layout.shared_gpus and not wait_for(
-        control.engine_started, control.stop, cfg.timeout_s, "the generator's engine to start"
-    ):
+    joined = join_process_group(cfg, prepared.layout, rank, world_size, control, init_file)
+    if joined is None:
         return None
-    devices.enter_rank_device(layout, rank, device)
-    # (--role trainer: torchrun's env:// group, made by remote.run_trainer)
-    if not dist.is_initialized():
-        dist.init_process_group(
-            layout.backend,
-            init_method=f"file://{init_file}",
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=cfg.timeout_s + 60),
-        )
-    # Saves wait on their own group: a rank that finished writing its shards waits for the slowest
-    # one.
-    save_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.save_timeout_s))
-    resume_dir = prepared.resume_dir
-    model = build_policy(cfg, prepared.base_model, world_size, device)
-    if cfg.grad_checkpointing:
-        checkpoint_layers(model)
-    # Build the optimizer before any forward pass (FSDP2 pitfall: see shared notes). Only what
-    # trains has state.
-    optimizer = torch.optim.AdamW(
-        trainable_parameters(model), lr=cfg.lr, weight_decay=cfg.weight_decay
-    )
-    # the trained weights (with LoRA the adapter) and the optimizer, resharded to these ranks
-    if resume_dir:
-        checkpoint.load_trainer_state(model, optimizer, resume_dir, save_group)
+    device, save_group = joined
+    model, optimizer = build_trained_model(cfg, prepared, world_size, device, save_group)
     check_layout(model, shared.layout)
     version = prepared.start_version
     if shared.starts_empty:  # the generator serves nothing until it has loaded these weights
@@ -402,24 +343,66 @@ def start_rank(
     if log is not None:
         log.sync_mb = shared.nbytes / 2**20  # in the serving dtype
     return Rank(
-        cfg,
-        prepared,
-        rank,
-        world_size,
-        device,
-        model,
-        ref_model,
-        optimizer,
-        pad_id,
-        shared,
-        rollout_queue,
-        control,
-        save_group,
-        log,
-        version,
+        cfg=cfg,
+        prepared=prepared,
+        rank=rank,
+        world_size=world_size,
+        device=device,
+        model=model,
+        ref_model=ref_model,
+        optimizer=optimizer,
+        pad_id=pad_id,
+        shared=shared,
+        rollout_queue=rollout_queue,
+        control=control,
+        save_group=save_group,
+        log=log,
+        version=version,
         teacher=teacher,
         published=version,
     )
+
+
+def join_process_group(cfg: Config, layout, rank: int, world_size: int, control, init_file: str):
+    """(this rank's device, the gloo group of its saves), once the rank has joined the trainer's
+    process group; None when the run stopped while it waited for the engine."""
+    device = devices.rank_device(layout, rank, torchrun=cfg.role == "trainer")
+    # vLLM measures a GPU's free memory while it starts: on a shared GPU, keep off it until vLLM is
+    # up.
+    if layout.shared_gpus and not wait_for(
+        control.engine_started, control.stop, cfg.timeout_s, "the generator's engine to start"
+    ):
+        return None
+    devices.enter_rank_device(layout, rank, device)
+    # (--role trainer: torchrun's env:// group, made by remote.run_trainer)
+    if not dist.is_initialized():
+        dist.init_process_group(
+            layout.backend,
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=cfg.timeout_s + 60),
+        )
+    # Saves wait on their own group: a rank that finished writing its shards waits for the slowest
+    # one.
+    save_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.save_timeout_s))
+    return device, save_group
+
+
+def build_trained_model(cfg: Config, prepared, world_size: int, device, save_group):
+    """(the policy, sharded, and its optimizer), restored from --resume's checkpoint if any."""
+    model = build_policy(cfg, prepared.base_model, world_size, device)
+    if cfg.grad_checkpointing:
+        checkpoint_layers(model)
+    # Build the optimizer before any forward pass (FSDP2 pitfall: see shared notes). Only what
+    # trains has state.
+    optimizer = torch.optim.AdamW(
+        trainable_parameters(model), lr=cfg.lr, weight_decay=cfg.weight_decay
+    )
+    # the trained weights (with LoRA the adapter) and the optimizer, resharded to these ranks
+    if prepared.resume_dir:
+        checkpoint.load_trainer_state(model, optimizer, prepared.resume_dir, save_group)
+    return model, optimizer
 
 
 def finish_rank(trainer: Rank, step: int) -> None:
@@ -432,9 +415,9 @@ def finish_rank(trainer: Rank, step: int) -> None:
     if trainer.rank == 0:
         trainer.control.stop.set()  # the generator can stop now
     if finished:
-        save_hf_model(trainer)
+        checkpoint.save_hf_model(trainer)
     else:
-        where = save_checkpoint(trainer, step)
+        where = checkpoint.save_checkpoint(trainer, step)
         if trainer.rank == 0:
             print(
                 f"stopped at step {step} (version {trainer.version}); checkpoint in {where}; "

@@ -351,9 +351,14 @@ def top_level_entries() -> list[str]:
 
 
 def truncated_at(calls, start: str, end: str) -> dict[str, list[str]]:
-    """`calls` with `start`'s own calls cut after `end` (the step's walk ends at the publish)."""
+    """`calls` with `start`'s own calls cut after the first that is, or leads to, `end` (the step's
+    walk ends at the publish)."""
+    graph = {name: set(callees) for name, callees in calls.items()}
     own = calls[start]
-    return {**calls, start: own[: own.index(end) + 1] if end in own else own}
+    for i, callee in enumerate(own):
+        if shortest_chain(graph, callee, end):
+            return {**calls, start: own[: i + 1]}
+    return calls
 
 
 def step_files(

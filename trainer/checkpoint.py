@@ -23,6 +23,8 @@ import json
 import os
 import random
 import shutil
+import sys
+import time
 
 import numpy as np
 import torch
@@ -36,7 +38,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from infra import devices
+from infra import devices, tracing
+from infra.processes import saving
 from trainer import lora
 
 PREFIX = "step_"
@@ -280,3 +283,55 @@ def restore_rng(path: str) -> None:
     torch.set_rng_state(states["torch"])
     random.setstate(states["python"])
     np.random.set_state(states["numpy"])
+
+
+# --------------------------------------------------------------------------------------------------
+# A trainer rank's saves (`trainer`: train.Rank)
+# --------------------------------------------------------------------------------------------------
+@tracing.timed("checkpoint")
+def save_checkpoint(trainer, step: int) -> str:
+    """A sharded checkpoint (every rank writes); the parent waits for it if the run is ending
+    meanwhile."""
+    t0 = time.perf_counter()
+    with saving(trainer.control):
+        where = save_trainer_state(
+            trainer.model,
+            trainer.optimizer,
+            trainer.prepared.base_model,
+            trainer.cfg,
+            step=step,
+            version=trainer.version,
+            rank=trainer.rank,
+            save_group=trainer.save_group,
+            groups_dropped=trainer.control.groups_dropped.value,
+        )
+    if trainer.rank == 0:
+        print(
+            f"checkpoint {where} written in {time.perf_counter() - t0:.1f} s",
+            file=sys.stderr,
+            flush=True,
+        )
+    return where
+
+
+@tracing.timed("save model")
+def save_hf_model(trainer) -> None:
+    """OUT/model (with LoRA OUT/adapter): gathered, written by rank 0."""
+    with saving(trainer.control):
+        save_final_model(
+            trainer.model,
+            trainer.prepared.base_model,
+            trainer.cfg,
+            trainer.rank,
+            trainer.save_group,
+        )
+
+
+def save_when_due(trainer, step: int, last: bool) -> None:
+    """A checkpoint every --save-every steps; the Hugging Face model every --save-hf-every (but at
+    the last step: the end writes it anyway)."""
+    cfg = trainer.cfg
+    if cfg.save_every and (step + 1) % cfg.save_every == 0:
+        save_checkpoint(trainer, step + 1)
+    if cfg.save_hf_every and (step + 1) % cfg.save_hf_every == 0 and not last:
+        save_hf_model(trainer)
