@@ -3,8 +3,8 @@ trainer.
 
 Role
     `RolloutGroup` (one prompt, its G completions, every token tagged with the version that sampled
-    it: `tag_versions`), the staleness rule (`--max-lag`), and the assembly of padded training
-    batches.
+    it: `tag_versions`), the staleness rule (`--max-lag`), the assembly of padded training batches
+    and their split into mini-batches and each rank's micro-batches.
 Data contract
     - A `multiprocessing` queue of `--queue-size` groups: a full queue blocks the generator (a first
       bound on staleness and memory). Groups hold plain lists: the sender may exit before the
@@ -17,13 +17,11 @@ Data contract
       dropped only when none of its model tokens is fresh enough; group: a group with any stale
       sample is dropped. Drops are counted (`dropped_stale`), never silent.
     - `Batch` tensors are (num_samples, seq_len - 1), aligned with targets `input_ids[:, 1:]`;
-      `mask` is True on model-sampled completion tokens; update.py splits a batch into each rank's
-      micro-batches.
-    - With --router-replay or --router-record a sample carries the routes of every position of
-      prompt + completion (routes.py: numpy, uint8 or uint16, all bits set where missing), like its
-      versions; a batch's `routes` are (num_samples, seq_len, layers, top_k), aligned with
-      `input_ids`, as narrow: uint8 (255 where missing or padding), or int32 for uint16 routes
-      (65535 there).
+      `mask` is True on model-sampled completion tokens.
+    - With --router-replay or --router-record a sample carries the routes of every position
+      (generator/routes.py: numpy, uint8 or uint16, all bits set where missing); a batch's `routes`
+      are (num_samples, seq_len, layers, top_k), aligned with `input_ids`: uint8 (255 where missing
+      or padding), or int32 for uint16 routes (65535 there).
 May touch: the queue it is handed. Nothing of the trainer's model or the engine.
 """
 
@@ -310,7 +308,15 @@ def take_groups(
         else:
             kept_groups.append(group)
             kept += len(group.token_versions)
-    return TakeResult(kept_groups, kept, dropped, groups_dropped, wait, filtered, census)
+    return TakeResult(
+        groups=kept_groups,
+        samples_kept=kept,
+        samples_dropped=dropped,
+        groups_dropped=groups_dropped,
+        wait_s=wait,
+        groups_filtered=filtered,
+        stale=census,
+    )
 
 
 def scored_mask(groups: list[RolloutGroup]) -> torch.Tensor:
@@ -325,14 +331,14 @@ def to_samples(groups: list[RolloutGroup], advantages: torch.Tensor) -> list[Sam
     """Flatten groups into samples; `advantages[g, j]` is sample j's of group g."""
     return [
         Sample(
-            group.prompt_ids,
-            group.completion_ids[j],
-            group.behaviour_logprobs[j],
-            group.token_versions[j],
-            group.rewards[j],
-            float(advantages[g, j]),
-            None if group.model_masks is None else group.model_masks[j],
-            None if group.routes is None else group.routes[j],
+            prompt_ids=group.prompt_ids,
+            completion_ids=group.completion_ids[j],
+            behaviour_logprobs=group.behaviour_logprobs[j],
+            token_versions=group.token_versions[j],
+            reward=group.rewards[j],
+            advantage=float(advantages[g, j]),
+            model_mask=None if group.model_masks is None else group.model_masks[j],
+            routes=None if group.routes is None else group.routes[j],
         )
         for g, group in enumerate(groups)
         for j in range(len(group.completion_ids))
@@ -364,14 +370,14 @@ def collate(samples: list[Sample], pad_id: int) -> Batch:
     advantages = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
     return Batch(
-        input_ids,
-        attention,
-        input_ids[:, 1:].clone(),
-        mask,
-        behaviour,
-        versions,
-        advantages,
-        rewards,
+        input_ids=input_ids,
+        attention_mask=attention,
+        targets=input_ids[:, 1:].clone(),
+        mask=mask,
+        behaviour_logp=behaviour,
+        token_versions=versions,
+        advantages=advantages,
+        rewards=rewards,
         routes=collate_routes(samples, length),
     )
 
@@ -398,8 +404,7 @@ def collate_routes(samples: list[Sample], length: int) -> torch.Tensor | None:
 
 
 def route_stats(groups: list[RolloutGroup]) -> dict:
-    """What carrying routes costs: their bytes per position (prompt + completion) of the groups
-    taken."""
+    """What carrying routes costs: bytes per position (prompt + completion) of the groups taken."""
     carried = [(r.nbytes, len(r)) for g in groups if g.routes is not None for r in g.routes]
     positions = sum(n for _, n in carried)
     return {"router/bytes_per_token": sum(b for b, _ in carried) / positions} if positions else {}

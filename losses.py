@@ -128,7 +128,7 @@ def grpo_loss(inputs: LossInputs, settings: LossSettings) -> tuple[torch.Tensor,
     else:
         old_logp = trainer_old
         weights = behaviour_weights(
-            old_logp, x.behaviour_logp, trained, s.is_level, s.is_mode, s.is_low, s.is_high
+            old_logp, x.behaviour_logp, trained, s.is_level, s.is_mode, low=s.is_low, high=s.is_high
         )
     advantages, reverse_kl = x.advantages, None
     if x.teacher_logp is not None:
@@ -337,7 +337,8 @@ def policy_loss(
         loss_tok = loss_tok * weights.detach()
     loss = aggregate(loss_tok, m_bool, agg=agg, max_len=max_len, units=units, seq_lens=seq_lens)
 
-    return loss, _clip_metrics(ratio, log_ratio, adv, m_bool, variant, eps_low, eps_high, dual_clip)
+    clip = dict(variant=variant, eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip)
+    return loss, _clip_metrics(ratio, log_ratio, adv, m_bool, **clip)
 
 
 @torch.no_grad()

@@ -139,7 +139,7 @@ def train(trainer: Rank) -> int:
                 **trainer.rollout_queue.metrics(),
             )
             times = dict(wait_s=wait_s, train_s=train_s, publish_ms=publish_ms)
-            log_step(trainer, step, taken, batch, result, skipped, evals, times)
+            log_step(trainer, step, taken, batch, result, skipped=skipped, evals=evals, times=times)
         check_first_agreement(trainer, step, result.logprob_diff)
         checkpoint.save_when_due(trainer, step, last)
         tracing.complete(f"step {step}", t_step, cat="step", **step_args(trainer, step, batch))
@@ -442,7 +442,16 @@ def trainer_main(
 ) -> None:
     """One FSDP2 rank, from start to end."""
     tracing.start(f"trainer {rank}", sort=rank)
-    trainer = start_rank(cfg, prepared, rank, world_size, shared, rollout_queue, control, init_file)
+    trainer = start_rank(
+        cfg,
+        prepared,
+        rank=rank,
+        world_size=world_size,
+        shared=shared,
+        rollout_queue=rollout_queue,
+        control=control,
+        init_file=init_file,
+    )
     if trainer is not None:
         finish_rank(trainer, train(trainer))
 

@@ -278,7 +278,7 @@ def score_tokens(
     if hasattr(weight, "full_tensor"):
         weight, bias = weight.full_tensor(), None if bias is None else bias.full_tensor()
     logp, entropy = chunked_logprobs(
-        hidden, weight, bias, tokens, temperature, top_k, top_p, **head
+        hidden, weight, bias, tokens, temperature, top_k=top_k, top_p=top_p, **head
     )
     full = None
     if untruncated:  # (the KL term's distribution: the temperature alone)
