@@ -98,8 +98,8 @@ class Batch:
     token_versions: torch.Tensor  # (B, L-1) int64, -1 off the mask
     advantages: torch.Tensor  # (B,)
     rewards: torch.Tensor  # (B,)
-    # (B, L-1) the trainer's log-probs before the batch's first update (the proximal policy), once
-    # computed
+    # (B, L-1) the trainer's log-probs before the batch's
+    # first update (the proximal policy), once computed
     proximal_logp: torch.Tensor | None = None
     # (B, L, layers, top_k) uint8 or int32, all ones where missing (routes.py)
     routes: torch.Tensor | None = None

@@ -114,8 +114,8 @@ def grpo_loss(inputs: LossInputs, settings: LossSettings) -> tuple[torch.Tensor,
     - The off-policy masks drop tokens from the loss, not from its normalisers (see above them)."""
     x, s = inputs, settings
     proximal = x.proximal_logp if s.is_mode != "off" else None
-    # A stale token can lie outside the current (or proximal) policy's top-k/top-p set (log-prob
-    # -inf): leave it out.
+    # A stale token can lie outside the current (or proximal)
+    # policy's top-k/top-p set (log-prob -inf): leave it out.
     outside = x.mask & ~torch.isfinite(x.logp)
     if proximal is not None:
         outside |= x.mask & ~torch.isfinite(proximal)
@@ -314,9 +314,9 @@ def policy_loss(
             advantages = torch.where(m_bool, advantages, zeros).sum(dim=-1) / seq_len
         adv = advantages[:, None].expand_as(logp)
         seq_log_ratio = log_ratio.detach().sum(dim=-1) / seq_len  # sg[log s_i]
-        # s_it = sg[s_i] * pi(y_t) / sg[pi(y_t)]: each token's loss equals its sequence's, and
-        # d l_it / d logp_t = -s_i A_i (0 if clipped): with agg="seq-mean-token-mean", the paper's
-        # gradient
+        # s_it = sg[s_i] * pi(y_t) / sg[pi(y_t)]: each token's loss
+        # equals its sequence's, and d l_it / d logp_t = -s_i A_i (0 if
+        # clipped): with agg="seq-mean-token-mean", the paper's gradient
         logp_minus_sg = torch.where(m_bool, logp - logp.detach(), zeros)
         ratio = torch.exp(seq_log_ratio[:, None] + logp_minus_sg)
     else:

@@ -84,13 +84,12 @@ def train(trainer: Rank) -> int:
             return step
         wait_s, t_step = time.perf_counter() - t_wait, time.perf_counter()
         tracing.complete("wait for data", t_wait, t_step, cat="wait", step=step)
-        # ---- the algorithm: rewards -> advantages -> a batch of fresh-enough tokens -> the GRPO
-        # update
+        # ---- the algorithm: rewards -> advantages -> fresh-enough tokens -> the GRPO update
         rewards, truncated = shaped_rewards(
             taken.groups, cfg.model_token_budget, cfg.overlong_penalty
         )
-        # an unscored sample (a reward or env fault) gets advantage 0 and stays out of every
-        # statistic
+        # an unscored sample (a reward or env fault) gets
+        # advantage 0 and stays out of every statistic
         scored = buffer.scored_mask(taken.groups)
         advantages = estimate_advantages(rewards, cfg.adv_estimator, cfg.adv_scale, scored=scored)
         batch = buffer.collate(buffer.to_samples(taken.groups, advantages), trainer.pad_id)
@@ -367,8 +366,8 @@ def join_process_group(cfg: Config, layout, rank: int, world_size: int, control,
     """(this rank's device, the gloo group of its saves), once the rank has joined the trainer's
     process group; None when the run stopped while it waited for the engine."""
     device = devices.rank_device(layout, rank, torchrun=cfg.role == "trainer")
-    # vLLM measures a GPU's free memory while it starts: on a shared GPU, keep off it until vLLM is
-    # up.
+    # vLLM measures a GPU's free memory while it starts:
+    # on a shared GPU, keep off it until vLLM is up.
     if layout.shared_gpus and not wait_for(
         control.engine_started, control.stop, cfg.timeout_s, "the generator's engine to start"
     ):
@@ -383,8 +382,8 @@ def join_process_group(cfg: Config, layout, rank: int, world_size: int, control,
             world_size=world_size,
             timeout=timedelta(seconds=cfg.timeout_s + 60),
         )
-    # Saves wait on their own group: a rank that finished writing its shards waits for the slowest
-    # one.
+    # Saves wait on their own group: a rank that finished
+    # writing its shards waits for the slowest one.
     save_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.save_timeout_s))
     return device, save_group
 
@@ -394,8 +393,8 @@ def build_trained_model(cfg: Config, prepared, world_size: int, device, save_gro
     model = build_policy(cfg, prepared.base_model, world_size, device)
     if cfg.grad_checkpointing:
         checkpoint_layers(model)
-    # Build the optimizer before any forward pass (FSDP2 pitfall: see shared notes). Only what
-    # trains has state.
+    # Build the optimizer before any forward pass (FSDP2
+    # pitfall: see shared notes). Only what trains has state.
     optimizer = torch.optim.AdamW(
         trainable_parameters(model), lr=cfg.lr, weight_decay=cfg.weight_decay
     )

@@ -102,8 +102,8 @@ def update_on_batch(
             loss = torch.zeros((), device=device)
             for mb in micro_batches:
                 mb = mb.to(device)
-                # recorded routes (--router-replay) hold through the backward: a checkpointed
-                # layer recomputes them
+                # recorded routes (--router-replay) hold through the
+                # backward: a checkpointed layer recomputes them
                 with replay.routed_by(model, mb, measure, run.packed) as routing:
                     t_forward = tracing.clock()
                     mb_loss, terms, entropy = micro_batch_loss(run, mb, units, tokens)
@@ -330,8 +330,7 @@ def proximal_logprobs(
 
 
 # --------------------------------------------------------------------------------------------------
-# What a step logs of its update: gathered beside the loss as tensors, reduced once (no host sync
-# per micro-batch)
+# What a step logs of its update: kept as tensors beside the loss, reduced once per step
 # --------------------------------------------------------------------------------------------------
 def diagnostics(run: UpdatePass, loss, t: losses.LossTerms, entropy, mb, measure_agreement=True):
     """What the step's row says of one micro-batch of `run` (its `loss`, `t` of losses.grpo_loss,

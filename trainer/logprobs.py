@@ -37,8 +37,8 @@ class HeadTransform:
 
 PLAIN = HeadTransform()
 
-# model_type (config.json) -> the architecture vLLM serves it as, and how its head's transform is
-# read
+# model_type (config.json) -> the architecture vLLM
+# serves it as, and how its head's transform is read
 PLAIN_HEADS = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
@@ -164,8 +164,8 @@ def _cuda_kept_set(flat, top_k, top_p):
     ties at the k-th logit by lowest index (the kernel walks the row in index order). Top-p on that
     set: the smallest top set reaching top_p, ties by lowest index, but a boundary at the k-th logit
     keeps every token equal to it."""
-    # a stable descending sort orders ties by index: its first k positions are the kernel's top-k
-    # set
+    # a stable descending sort orders ties by index:
+    # its first k positions are the kernel's top-k set
     values, order = flat.sort(dim=-1, descending=True, stable=True)
     ranked_keep = torch.ones_like(values, dtype=torch.bool)
     if top_k:
