@@ -14,8 +14,8 @@ CUDA IPC. Data contract
       there first where it lies on vLLM's GPU (a shared GPU; the generator node's), so the shares
       leave it room (`buffer_fraction`: its size over the GPU's memory) and RESERVED_FRACTION for
       CUDA contexts.
-    - `--dtype auto` resolves here: bf16 on GPUs, CPU_DEFAULT_DTYPE on the CPU. Errors:
-      `DeviceError`.
+    - `--dtype auto` resolves here: bf16 on GPUs, CPU_DEFAULT_DTYPE on the CPU.
+    - A bad value raises `DeviceError`, whose message is one line.
 Also what vLLM cannot serve on them (`engine_problems`, found from config.json before anything
 starts), and how many sequences its scheduler runs at once (`engine_concurrency`). May touch:
 nothing (reads the CUDA device count and the environment), except where a process enters its
@@ -162,7 +162,7 @@ def plan(
     gen = parse_devices(gen_devices, "--gen-devices")
     train = parse_devices(train_devices, "--train-devices")
     if not gen and not train:
-        return DeviceLayout("cpu", world_size=train_ranks)
+        return DeviceLayout(kind="cpu", world_size=train_ranks)
     if not gen or not train:
         raise DeviceError(
             "--gen-devices and --train-devices go together: give both GPU lists (e.g. "
@@ -172,7 +172,7 @@ def plan(
         cuda_count = cuda_device_count()
     if cuda_count == 0:
         return DeviceLayout(
-            "cpu",
+            kind="cpu",
             world_size=train_ranks,
             notice=f"notice: --gen-devices {gen_devices} --train-devices {train_devices} ignored: "
             "no CUDA device here (torch.cuda.is_available() is False); running the CPU path",
@@ -189,36 +189,30 @@ def plan(
             f"--train-ranks {train_ranks} does not match --train-devices {train_devices} "
             f"({len(train)} GPU(s)): on GPUs there is one trainer rank per GPU"
         )
-    shared = tuple(d for d in train if d in gen)
     names = visible_tokens(
         cuda_count, os.environ.get("CUDA_VISIBLE_DEVICES") if visible_env is None else visible_env
     )
+    return gpu_layout(gen, train, names, gpu_memory_utilization, buffer_fraction)
+
+
+def gpu_layout(
+    gen: tuple[int, ...],
+    train: tuple[int, ...],
+    names: list[str],
+    gpu_memory_utilization: float,
+    buffer_fraction: float,
+) -> DeviceLayout:
+    """The layout of GPU lists `plan` has checked: one trainer rank per GPU of `train`, the weight
+    buffer on the first, vLLM's share of its GPUs, and the trainer's cap on a GPU both use. `names`:
+    each GPU index as CUDA_VISIBLE_DEVICES names it."""
+    shared = tuple(d for d in train if d in gen)
     buffer_gpu = train[0]
     gen_visible = list(gen) + ([buffer_gpu] if buffer_gpu not in gen else [])
     gen_fraction = gpu_memory_utilization or (
         SHARED_GEN_FRACTION if shared else DEDICATED_GEN_FRACTION
     )
-    train_fraction = None
-    # both sides on one GPU: vLLM gets its share, the trainer rank the rest of the budget
-    if shared:
-        # the buffer is on train[0]
-        budget = round(min(SHARED_BUDGET, 1 - RESERVED_FRACTION - buffer_fraction), 4)
-        train_fraction = round(budget - gen_fraction, 4)
-        if train_fraction < MIN_SHARED_TRAIN_FRACTION:
-            raise DeviceError(
-                f"--gpu-memory-utilization {gen_fraction} on GPU {shared[0]}, which a trainer rank "
-                f"shares"
-                + (
-                    f" with the weight buffer ({buffer_fraction:.0%} of it)"
-                    if buffer_fraction
-                    else ""
-                )
-                + f", leaves the trainer {train_fraction:.0%} of it: give at most "
-                f"{budget - MIN_SHARED_TRAIN_FRACTION:.2f} there (0: {SHARED_GEN_FRACTION}), or "
-                f"give the trainer a GPU of its own"
-            )
     return DeviceLayout(
-        "cuda",
+        kind="cuda",
         world_size=len(train),
         gen_devices=gen,
         train_devices=train,
@@ -227,8 +221,31 @@ def plan(
         buffer_device=f"cuda:{buffer_gpu}",
         gen_visible_devices=",".join(names[d] for d in gen_visible),
         gpu_memory_utilization=gen_fraction,
-        train_memory_fraction=train_fraction,
+        train_memory_fraction=shared_train_fraction(shared, gen_fraction, buffer_fraction),
     )
+
+
+def shared_train_fraction(
+    shared: tuple[int, ...], gen_fraction: float, buffer_fraction: float
+) -> float | None:
+    """A trainer rank's cap on a GPU it shares with vLLM (None: no GPU is shared): the rest of the
+    budget once vLLM has its share, that budget lowered where the weight buffer (on the first
+    trainer GPU, `buffer_fraction` of it) leaves less. Refused below MIN_SHARED_TRAIN_FRACTION."""
+    if not shared:
+        return None
+    budget = round(min(SHARED_BUDGET, 1 - RESERVED_FRACTION - buffer_fraction), 4)
+    train_fraction = round(budget - gen_fraction, 4)
+    if train_fraction < MIN_SHARED_TRAIN_FRACTION:
+        beside_buffer = (
+            f" with the weight buffer ({buffer_fraction:.0%} of it)" if buffer_fraction else ""
+        )
+        raise DeviceError(
+            f"--gpu-memory-utilization {gen_fraction} on GPU {shared[0]}, which a trainer rank "
+            f"shares{beside_buffer}, leaves the trainer {train_fraction:.0%} of it: give at most "
+            f"{budget - MIN_SHARED_TRAIN_FRACTION:.2f} there (0: {SHARED_GEN_FRACTION}), or give "
+            "the trainer a GPU of its own"
+        )
+    return train_fraction
 
 
 def generator_share_beside_buffer(requested: float, buffer_fraction: float) -> float:
@@ -361,7 +378,7 @@ def enter_rank_device(layout: DeviceLayout, rank: int, device: torch.device) -> 
 CPU_ATTENTION_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 
-# MoE configs' names
+# The names MoE configs give their number of experts.
 EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
 
@@ -385,12 +402,11 @@ def engine_problems(
     if not on_gpu and head_dim is not None and head_dim not in CPU_ATTENTION_HEAD_SIZES:
         problems.append(
             f"{model_path}: attention head size {head_dim} (hidden_size / num_attention_heads) is "
-            f"not "
-            f"one vLLM's CPU backend runs ({', '.join(map(str, CPU_ATTENTION_HEAD_SIZES))}); use "
-            "such a model, or GPUs (--gen-devices/--train-devices)"
+            f"not one vLLM's CPU backend runs ({', '.join(map(str, CPU_ATTENTION_HEAD_SIZES))}); "
+            "use such a model, or GPUs (--gen-devices/--train-devices)"
         )
     positions = getattr(text, "max_position_embeddings", None)
-    # a scaled RoPE (YaRN...) lets vLLM go past positions
+    # a scaled RoPE (YaRN...) lets vLLM go past these positions
     scaling = getattr(text, "rope_scaling", None) or {}
     scaled = (
         isinstance(scaling, dict)
@@ -410,9 +426,8 @@ def engine_problems(
     if lora_rank and not on_gpu and any(getattr(text, name, None) for name in EXPERT_COUNTS):
         problems.append(
             f"{model_path} is a Mixture-of-Experts model: vLLM 0.32 runs MoE layers under LoRA "
-            f"only with "
-            "its Triton kernels, which its CPU backend lacks (the engine fails at its first step): "
-            "train it without --lora-rank here, or on GPUs"
+            "only with its Triton kernels, which its CPU backend lacks (the engine fails at its "
+            "first step): train it without --lora-rank here, or on GPUs"
         )
     window = getattr(text, "sliding_window", None)
     sliding = "sliding_attention" in (getattr(text, "layer_types", None) or [])
@@ -424,12 +439,12 @@ def engine_problems(
     ):
         # vLLM 0.32 (commandr.py, cohere2_moe.py) lets a sliding layer see sliding_window + 1 tokens
         # (Cohere's training convention), transformers 5 sliding_window: a tiny Cohere2-MoE measured
-        # 0.14 apart in log-prob
+        # 0.14 apart in log-prob.
         problems.append(
             f"{model_path}: vLLM serves its sliding-window layers one token wider than "
-            f"transformers "
-            f"({window} + 1 against {window}), so sequences longer than {window} tokens would be "
-            f"scored on another distribution than sampled: give --max-model-len {window} or less"
+            f"transformers ({window} + 1 against {window}), so sequences longer than {window} "
+            "tokens would be scored on another distribution than sampled: "
+            f"give --max-model-len {window} or less"
         )
     per_token = kv_bytes_per_token(text, dtype)
     if not on_gpu and context and per_token:

@@ -61,7 +61,8 @@ def size_kv_cache(
     without a cache). Too small, it is sized up to what they need where that fits in
     KV_SHARE_OF_AVAILABLE of the `available` bytes of memory, else up to that share; the line gives
     the figures either way."""
-    holds = max(0, kv_cache_mb * 2**20 // (per_token * block) - 1) * block  # (one held back)
+    # whole blocks, one of which vLLM holds back
+    holds = max(0, kv_cache_mb * 2**20 // (per_token * block) - 1) * block
     total = step_tokens + eval_tokens
     needs = min(total, at_once or total)
     if needs <= holds:
@@ -113,7 +114,15 @@ def run_kv_cache_mb(cfg, task, vllm_config, available: int) -> tuple[int, str]:
     # the longest sequences, as many as vLLM runs at once
     seqs = vllm_config.scheduler_config.max_num_seqs
     at_once = tokens_in_flight([max(lengths + held_out)], seqs, cfg.max_new_tokens, context, block)
-    return size_kv_cache(cfg.kv_cache_mb, per_token, block, step, evaluation, available, at_once)
+    return size_kv_cache(
+        kv_cache_mb=cfg.kv_cache_mb,
+        per_token=per_token,
+        block=block,
+        step_tokens=step,
+        eval_tokens=evaluation,
+        available=available,
+        at_once=at_once,
+    )
 
 
 def sized_engine_config(args, gen):

@@ -250,8 +250,8 @@ def supervise(procs, errors, control, failed=None, on_failure=None) -> int:
         multiprocessing.connection.wait(sentinels, timeout=0.2 if failed is not None else 1.0)
         for name, (proc, _) in procs.items():
             if name == "generator" and trainers and control.interrupted.is_set():
-                # stopping on a signal (SLURM sends it to vLLM too): the trainers' checkpoint
-                # matters
+                # A stop on a signal (SLURM sends it to vLLM too): the generator's end is expected,
+                # and the trainers' checkpoint is what matters.
                 continue
             if proc.exitcode is not None and proc.exitcode != 0:
                 report = failure_report(name, proc.exitcode, errors)

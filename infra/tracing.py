@@ -51,8 +51,8 @@ _lane = contextvars.ContextVar("trace_lane", default=None)
 
 
 # --------------------------------------------------------------------------------------------------
-# The run's side: configure before the children start (trace_merge.merge joins their files at the
-# end) ---------------------------------------------------------------------------------------------
+# The run's side: configure before the children start (trace_merge.merge joins their files)
+# --------------------------------------------------------------------------------------------------
 def configure(out: str, steps: int, keep_earlier: bool = False) -> None:
     """Trace the processes started from now on into OUT/trace/, each keeping about `steps` steps (0:
     no trace), merged at the end under this start's name (`start_name`). keep_earlier (a resume, as
@@ -287,7 +287,7 @@ def complete(
     returns t1."""
     t1 = time.perf_counter() if t1 is None else t1
     if _recorder is not None:
-        _recorder.add("X", name, cat or name, track, t0, t1, args)
+        _recorder.add(ph="X", name=name, cat=cat or name, track=track, t0=t0, t1=t1, args=args)
     return t1
 
 
@@ -296,7 +296,9 @@ def counter(name: str, **values) -> None:
     left out."""
     values = {k: v for k, v in values.items() if v is not None}
     if _recorder is not None and values:
-        _recorder.add("C", name, name, "main", time.perf_counter(), None, values)
+        _recorder.add(
+            ph="C", name=name, cat=name, track="main", t0=time.perf_counter(), args=values
+        )
 
 
 def state(track: str, name: str, on: bool, **args) -> bool:
@@ -309,7 +311,8 @@ def state(track: str, name: str, on: bool, **args) -> bool:
             rec.states[track] = time.perf_counter()
         elif not on and since is not None:
             del rec.states[track]
-            rec.add("X", name, track, track, since, time.perf_counter(), args)
+            t1 = time.perf_counter()
+            rec.add(ph="X", name=name, cat=track, track=track, t0=since, t1=t1, args=args)
     return on
 
 
@@ -358,7 +361,8 @@ async def _on_lane(coro, name, args):
     try:
         return await coro
     finally:
-        rec.add("X", name, name.split()[0], lane, t0, time.perf_counter(), args)
+        t1, cat = time.perf_counter(), name.split()[0]
+        rec.add(ph="X", name=name, cat=cat, track=lane, t0=t0, t1=t1, args=args)
         _lane.reset(token)
         rec.free_lane(lane)
 
@@ -379,7 +383,8 @@ async def _request(outputs, request_id, args):
         async for out in outputs:
             yield out
     finally:
-        rec.add("X", "request", "request", lane, t0, time.perf_counter(), dict(args, id=request_id))
+        t1, request_args = time.perf_counter(), dict(args, id=request_id)
+        rec.add(ph="X", name="request", cat="request", track=lane, t0=t0, t1=t1, args=request_args)
         if own:
             rec.free_lane(lane)
 
@@ -392,13 +397,13 @@ def swap(t0: float, t1: float, t2: float, t3: float, version: int, requests: int
         return
     t4 = time.perf_counter()
     _recorder.add(
-        "X",
-        f"weight swap -> v{version}",
-        "swap",
-        "weight swaps",
-        t0,
-        t4,
-        {"version": version, "requests": requests},
+        ph="X",
+        name=f"weight swap -> v{version}",
+        cat="swap",
+        track="weight swaps",
+        t0=t0,
+        t1=t4,
+        args={"version": version, "requests": requests},
     )
     for name, a, b in (
         ("pause", t0, t1),
@@ -421,7 +426,10 @@ def watch_engine(worker) -> None:
     execute, sample, pending = worker.execute_model, getattr(worker, "sample_tokens", None), []
 
     def record(t0, args):
-        rec.add("X", "engine step", "engine", "engine steps", t0, time.perf_counter(), args)
+        t1 = time.perf_counter()
+        rec.add(
+            ph="X", name="engine step", cat="engine", track="engine steps", t0=t0, t1=t1, args=args
+        )
 
     def execute_model(scheduler_output, *a, **k):
         t0 = time.perf_counter()

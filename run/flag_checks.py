@@ -3,10 +3,11 @@ value.
 
 Role: `parse_args(argv)` reads the command line into a `config.Config` (`config_of`: with the
 settings `--loss dr_grpo` stands for where no flag sets them) and refuses it, in one `error:` line
-per problem, before anything starts (`validate`); `problems_of` and the groups beside
-it (LoRA, the off-policy corrections, the remote roles) say what is wrong; `inactive_flags` names
-the flags that cannot act in this run (train.py warns). The checks that load what the flags name
-are prepare.check's; prepare.parse_args runs both (train.py's command line).
+per problem, before anything starts (`validate`); `problems_of` says what is wrong, one flag family
+after another (sizes, saving, evaluation, staleness, advantages, sampling, the update, LoRA, the
+models, episodes, the remote roles); `inactive_flags` names the flags that cannot act in this run
+(train.py warns). The checks that load what the flags name are prepare.check's;
+prepare.parse_args runs both (train.py's command line).
 Data contract: a problem is one line that names the flag, the value and the way out.
 May touch: nothing (reads the paths --model and --teacher name, to check they exist).
 """
@@ -45,7 +46,9 @@ def config_of(argv=None) -> Config:
 def given_flags(argv=None) -> set[str]:
     """The Config fields the command line sets itself (however spelt: --agg=X, an abbreviation)."""
     parser = build_parser()
-    for action in parser._actions:  # (set_defaults would put them in the namespace all the same)
+    # No default reaches the namespace, so it holds only what the command line gives (the parser's
+    # set_defaults would put them there all the same).
+    for action in parser._actions:
         action.default = argparse.SUPPRESS
     return set(vars(parser.parse_args(argv)))
 
@@ -64,8 +67,25 @@ def validate(cfg: Config, more: list[str] = ()) -> None:
 
 
 def problems_of(cfg: Config) -> list[str]:
-    """One line per bad value, read from the flags alone."""
-    problems = []
+    """One line per bad value, read from the flags alone: flag family by flag family."""
+    return [
+        *size_problems(cfg),
+        *saving_problems(cfg),
+        *evaluation_problems(cfg),
+        *staleness_problems(cfg),
+        *advantage_problems(cfg),
+        *sampling_problems(cfg),
+        *update_problems(cfg),
+        *lora_problems(cfg),
+        *model_problems(cfg),
+        *episode_problems(cfg),
+        *remote_problems(cfg),
+    ]
+
+
+def size_problems(cfg: Config) -> list[str]:
+    """The sizes of a run, a step and a sequence: one line each."""
+    out = []
     for name in (
         "steps",
         "group_size",
@@ -77,119 +97,163 @@ def problems_of(cfg: Config) -> list[str]:
         "kv_cache_mb",
     ):
         if getattr(cfg, name) < 1:
-            problems.append(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(cfg, name)})")
+            out.append(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(cfg, name)})")
     if cfg.micro_batch_tokens < 0:
-        problems.append(
+        out.append(
             "--micro-batch-tokens must be >= 0 "
             f"(0: each rank's whole share at once; got {cfg.micro_batch_tokens})"
         )
+    if cfg.max_model_len < 0:
+        out.append(f"--max-model-len must be >= 0 (got {cfg.max_model_len})")
+    elif cfg.max_model_len and cfg.max_model_len <= cfg.max_new_tokens:
+        out.append(
+            f"--max-model-len {cfg.max_model_len} leaves no room for a prompt before "
+            f"--max-new-tokens {cfg.max_new_tokens}: give more than {cfg.max_new_tokens}"
+        )
+    return out
+
+
+def saving_problems(cfg: Config) -> list[str]:
+    """Checkpoints, saved models and the steps a run may skip: one line each."""
+    out = []
     if (
         cfg.save_every < 0
         or cfg.keep_checkpoints < 0
         or cfg.max_bad_steps < 0
         or cfg.save_hf_every < 0
     ):
-        problems.append(
+        out.append(
             "--save-every, --keep-checkpoints, --save-hf-every and --max-bad-steps must be >= 0"
         )
     if cfg.save_timeout_s <= 0:
-        problems.append(f"--save-timeout-s must be > 0 (got {cfg.save_timeout_s})")
-    if cfg.max_model_len < 0:
-        problems.append(f"--max-model-len must be >= 0 (got {cfg.max_model_len})")
-    elif cfg.max_model_len and cfg.max_model_len <= cfg.max_new_tokens:
-        problems.append(
-            f"--max-model-len {cfg.max_model_len} leaves no room for a prompt before "
-            f"--max-new-tokens {cfg.max_new_tokens}: give more than {cfg.max_new_tokens}"
-        )
+        out.append(f"--save-timeout-s must be > 0 (got {cfg.save_timeout_s})")
+    return out
+
+
+def evaluation_problems(cfg: Config) -> list[str]:
+    """The held-out evaluation and the trace: one line each."""
+    out = []
     if cfg.eval_every < 0 or cfg.eval_samples < 0 or cfg.max_prompt_tokens < 0:
-        problems.append("--eval-every, --eval-samples and --max-prompt-tokens must be >= 0")
+        out.append("--eval-every, --eval-samples and --max-prompt-tokens must be >= 0")
     if cfg.trace_steps < 0:
-        problems.append(f"--trace-steps must be >= 0 (0: no trace; got {cfg.trace_steps})")
+        out.append(f"--trace-steps must be >= 0 (0: no trace; got {cfg.trace_steps})")
     if cfg.eval_prompts < 1:
-        problems.append(f"--eval-prompts must be >= 1 (got {cfg.eval_prompts})")
-    if any(s == "" for s in cfg.stop):
-        problems.append("--stop: an empty stop string would end every completion at once")
+        out.append(f"--eval-prompts must be >= 1 (got {cfg.eval_prompts})")
+    return out
+
+
+def staleness_problems(cfg: Config) -> list[str]:
+    """The staleness bound against the syncs, and what a weight swap keeps: one line each."""
+    out = []
     if cfg.max_lag < 0:
-        problems.append(f"--max-lag must be >= 0 (got {cfg.max_lag})")
+        out.append(f"--max-lag must be >= 0 (got {cfg.max_lag})")
     elif cfg.max_lag < cfg.sync_every - 1:
-        problems.append(
+        out.append(
             f"--max-lag {cfg.max_lag} < --sync-every {cfg.sync_every} - 1: the trainer would "
             "reject every sample between syncs; raise --max-lag or lower --sync-every"
         )
     if cfg.kv_on_swap == "keep" and cfg.update_mode == "drain":
-        problems.append(
+        out.append(
             "--kv-on-swap keep needs --update-mode inflight (drain lets running requests finish "
             "before a swap: no KV cache is kept across one)"
         )
+    return out
+
+
+def advantage_problems(cfg: Config) -> list[str]:
+    """The advantages, the off-policy corrections and --loss dr_grpo: one line each."""
+    out = []
     if cfg.group_size == 1 and cfg.adv_estimator == "grpo" and cfg.adv_scale != "none":
-        problems.append(
+        out.append(
             "--group-size 1 gives every sample a zero group-relative advantage; use a group of "
             ">= 2 (or --adv-scale none with a baseline-free reward)"
         )
-    problems += off_policy_problems(cfg)
+    out += off_policy_problems(cfg)
     if cfg.loss == "dr_grpo":
-        problems += dr_grpo_problems(cfg)
+        out += dr_grpo_problems(cfg)
+    return out
+
+
+def sampling_problems(cfg: Config) -> list[str]:
+    """How the generator samples: one line each."""
+    out = []
+    if any(s == "" for s in cfg.stop):
+        out.append("--stop: an empty stop string would end every completion at once")
     if cfg.top_k < -1:
-        problems.append(f"--top-k must be -1 or 0 (off) or >= 1 (got {cfg.top_k})")
+        out.append(f"--top-k must be -1 or 0 (off) or >= 1 (got {cfg.top_k})")
     if cfg.temperature <= 0:
-        problems.append(f"--temperature must be > 0 (got {cfg.temperature})")
+        out.append(f"--temperature must be > 0 (got {cfg.temperature})")
     if not 0 < cfg.top_p <= 1:
-        problems.append(f"--top-p must be in (0, 1] (got {cfg.top_p})")
+        out.append(f"--top-p must be in (0, 1] (got {cfg.top_p})")
+    return out
+
+
+def update_problems(cfg: Config) -> list[str]:
+    """The optimizer, the batch's split into updates and the overlong penalty: one line each."""
+    out = []
     if cfg.lr <= 0:
-        problems.append(f"--lr must be > 0 (got {cfg.lr})")
+        out.append(f"--lr must be > 0 (got {cfg.lr})")
     if cfg.mini_batches < 1 or cfg.ppo_epochs < 1:
-        problems.append(
-            f"--mini-batches and --ppo-epochs must be >= 1 (got {cfg.mini_batches}, "
-            f"{cfg.ppo_epochs})"
+        out.append(
+            "--mini-batches and --ppo-epochs must be >= 1 "
+            f"(got {cfg.mini_batches}, {cfg.ppo_epochs})"
         )
     elif cfg.mini_batches > cfg.prompts_per_step * cfg.group_size:
-        problems.append(
+        out.append(
             f"--mini-batches {cfg.mini_batches} is more than the "
-            f"{cfg.prompts_per_step * cfg.group_size} "
-            "samples of a step (--prompts-per-step x --group-size)"
+            f"{cfg.prompts_per_step * cfg.group_size} samples of a step "
+            "(--prompts-per-step x --group-size)"
         )
     if cfg.lr_warmup_steps < 0 or not 0 <= cfg.min_lr <= cfg.lr:
-        problems.append(
-            f"--lr-warmup-steps must be >= 0 and --min-lr in [0, --lr] (got {cfg.lr_warmup_steps}, "
-            f"{cfg.min_lr})"
+        out.append(
+            "--lr-warmup-steps must be >= 0 and --min-lr in [0, --lr] "
+            f"(got {cfg.lr_warmup_steps}, {cfg.min_lr})"
         )
     if not 0 <= cfg.overlong_penalty < cfg.max_new_tokens:
-        problems.append(
+        out.append(
             f"--overlong-penalty must be in [0, --max-new-tokens) (got {cfg.overlong_penalty})"
         )
-    problems += lora_problems(cfg)
-    problems += model_path_problems("--model", cfg.model)
+    return out
+
+
+def model_problems(cfg: Config) -> list[str]:
+    """--model, and distillation from --teacher: one line each. (The teacher's tokenizer is checked
+    where it is loaded: prepare.check_teacher.)"""
+    out = model_path_problems("--model", cfg.model)
     if cfg.distill_coef < 0 or (cfg.distill_coef > 0) != bool(cfg.teacher):
-        problems.append(
+        out.append(
             f"--distill-coef {cfg.distill_coef} and --teacher {cfg.teacher!r}: distillation needs "
-            f"both, a teacher and a coefficient > 0 (neither: off)"
+            "both, a teacher and a coefficient > 0 (neither: off)"
         )
-    # (its tokenizer: prepare.check_teacher)
-    problems += model_path_problems("--teacher", cfg.teacher)
+    return out + model_path_problems("--teacher", cfg.teacher)
+
+
+def episode_problems(cfg: Config) -> list[str]:
+    """Multi-turn episodes and the parsers of tool calls: one line each. (Whether the parsers
+    named exist is prepare's to check: it imports vLLM.)"""
+    out = []
     if (
         cfg.max_turns < 1
         or cfg.max_episode_tokens < 0
         or cfg.env_workers < 1
         or not cfg.env_timeout_s > 0
     ):
-        problems.append(
-            f"--max-turns and --env-workers must be >= 1, --max-episode-tokens >= 0 and "
-            f"--env-timeout-s "
-            f"> 0 (got {cfg.max_turns}, {cfg.env_workers}, {cfg.max_episode_tokens}, "
-            f"{cfg.env_timeout_s})"
+        out.append(
+            "--max-turns and --env-workers must be >= 1, --max-episode-tokens >= 0 and "
+            f"--env-timeout-s > 0 (got {cfg.max_turns}, {cfg.env_workers}, "
+            f"{cfg.max_episode_tokens}, {cfg.env_timeout_s})"
         )
-    if cfg.tool_parser and not (cfg.tools or cfg.env):  # (its name: prepare, which imports vLLM)
-        problems.append(
-            f"--tool-parser {cfg.tool_parser} reads tool calls: it needs --tools or an "
-            "--env with tools"
+    if cfg.tool_parser and not (cfg.tools or cfg.env):
+        out.append(
+            f"--tool-parser {cfg.tool_parser} reads tool calls: "
+            "it needs --tools or an --env with tools"
         )
     if cfg.reasoning_parser and not (cfg.tools or cfg.env):
-        problems.append(
+        out.append(
             f"--reasoning-parser {cfg.reasoning_parser} separates reasoning before tool calls are "
             "read: it needs --tools or an --env with tools"
         )
-    problems += remote_problems(cfg)
-    return problems
+    return out
 
 
 def dr_grpo_problems(cfg: Config) -> list[str]:
@@ -215,13 +279,11 @@ def lora_problems(cfg: Config) -> list[str]:
         out.append(f"--lora-rank must be in 0..512 (got {cfg.lora_rank})")
     if cfg.lora_rank and cfg.lora_alpha <= 0:
         out.append(f"--lora-alpha must be > 0 (got {cfg.lora_alpha})")
-    # each pass would draw its own masks: the ratio to the proximal policy is noise
     if cfg.lora_dropout != 0:
         out.append(
             f"--lora-dropout {cfg.lora_dropout}: RL fine-tuning runs without dropout (each scoring "
-            f"pass "
-            "draws its own masks, so ratios, importance weights and clips measure the masks, not "
-            "the policy); use 0"
+            "pass draws its own masks, so ratios, importance weights and clips measure the masks, "
+            "not the policy); use 0"
         )
     if cfg.lora_rank and "lm_head" in cfg.lora_targets.replace(" ", "").split(","):
         out.append(
@@ -246,8 +308,8 @@ def off_policy_problems(cfg: Config) -> list[str]:
     baselines = {"rloo": "leave-one-out baseline", "reinforce_baseline": "group-mean baseline"}
     if cfg.adv_estimator in baselines and cfg.group_size < 2:
         out.append(
-            f"--adv-estimator {cfg.adv_estimator}'s {baselines[cfg.adv_estimator]} needs "
-            f"--group-size >= 2"
+            f"--adv-estimator {cfg.adv_estimator}'s {baselines[cfg.adv_estimator]} "
+            "needs --group-size >= 2"
         )
     if cfg.geo_mask_low is not None and cfg.geo_mask_high is None:
         out.append("--geo-mask-low needs --geo-mask-high (the geometric mask is off without it)")
@@ -292,7 +354,7 @@ def remote_problems(cfg: Config) -> list[str]:
     if cfg.queue_size < 2:
         out.append(
             f"--queue-size {cfg.queue_size} with a remote role: give >= 2 (1 group waits on the "
-            f"generator node, the rest are the trainer's credits)"
+            "generator node, the rest are the trainer's credits)"
         )
     return out
 
@@ -301,7 +363,8 @@ def inactive_flags(cfg: Config) -> list[str]:
     """Flags that cannot change this run's gradient: one optimizer step per rollout batch
     (--mini-batches 1 --ppo-epochs 1) makes the ratio to the proximal policy exactly 1, so with an
     importance correction the ratio clips never act."""
-    # the ratio moves: the clips act
+    # With --is-mode off the ratio is taken against the generator, and with more than one update
+    # per batch it moves: either way the clips act.
     if cfg.is_mode == "off" or cfg.mini_batches * cfg.ppo_epochs > 1:
         return []
     set_by_user = [

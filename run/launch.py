@@ -36,9 +36,8 @@ def run(cfg: Config, trainer_main) -> int:
     if inactive:
         print(
             f"warning: {', '.join(inactive)} cannot act in this run: one optimizer step per batch "
-            f"keeps the ratio "
-            "to the proximal policy at 1 (the clips act with --mini-batches > 1, --ppo-epochs > 1 "
-            "or --is-mode off)",
+            "keeps the ratio to the proximal policy at 1 (the clips act with --mini-batches > 1, "
+            "--ppo-epochs > 1 or --is-mode off)",
             file=sys.stderr,
             flush=True,
         )
@@ -46,29 +45,29 @@ def run(cfg: Config, trainer_main) -> int:
     prepared = prepare.prepare_run(cfg)
     layout = prepared.layout
     print(
-        f"starting the vLLM generator and {cfg.train_ranks} FSDP2 trainer rank(s); writing to "
-        f"{cfg.out}/"
-        + (
-            ""
-            if layout.on_gpu
-            else "\n(on CPU, vLLM's start-up warnings about Triton, torch.compile and "
-            "LD_PRELOAD are expected)"
-        ),
+        f"starting the vLLM generator and {cfg.train_ranks} FSDP2 trainer rank(s); "
+        f"writing to {cfg.out}/",
         flush=True,
     )
-    # On GPUs this process owns the packed buffer (on the first trainer GPU) and outlives every
-    # reader.
+    if not layout.on_gpu:
+        print(
+            "(on CPU, vLLM's start-up warnings about Triton, torch.compile and LD_PRELOAD "
+            "are expected)",
+            flush=True,
+        )
+    # On GPUs this process owns the packed buffer (on the first trainer GPU): it outlives every
+    # process that reads it.
     shared, adapter_dir = prepare.run_weights(cfg, prepared, layout.buffer_device)
     ctx = mp.get_context("spawn")
     rollout_queue = buffer.RolloutQueue(cfg.queue_size, ctx)
     errors = ctx.Queue()
     control = make_control(ctx)
-    # the generator's staleness gate counts from here
+    # The generator's staleness gate counts from a resumed run's dropped groups and skipped steps.
     control.groups_dropped.value = prepared.groups_dropped
-    control.steps_skipped.value = prepared.start_step - prepared.start_version  # (and from here)
+    control.steps_skipped.value = prepared.start_step - prepared.start_version
     settings = prepare.generator_settings(cfg, prepared, adapter_dir)
     init_file = tempfile.mktemp(prefix="asyncgrpo-dist-")
-    # (the children inherit where to write; a resume keeps the earlier starts' traces)
+    # Before the children start (they inherit where to write); a resume keeps earlier traces.
     start_trace(cfg, resumed=prepared.start_step > 0)
     children = {"generator": (generator_main, (settings, shared, rollout_queue, control), True)}
     for rank in range(cfg.train_ranks):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -45,11 +46,26 @@ def silence_limit(timeout_s: float) -> float:
 #   trainer -> generator node: hello(settings, layout, ...), credit(n),
 #       control(stop, interrupted, groups_dropped, steps_skipped, eval_request),
 #       weights(version, nbytes: the bytes follow on the weight group), bye
-#   generator node -> trainer: welcome(store_port), group(RolloutGroup), state(ready,
-#   loaded_version),
-#       eval(EvalResult), bye
+#   generator node -> trainer: welcome(store_port), group(RolloutGroup),
+#       state(ready, loaded_version), eval(EvalResult), bye
 #   both ways: ping (a heartbeat), error(text: why this side ends; the other side ends too)
 # --------------------------------------------------------------------------------------------------
+@dataclass
+class Wire:
+    """The link thread's own state: its socket and the socket's monitor, and what it sent and heard
+    when (time.monotonic())."""
+
+    sock: zmq.Socket
+    monitor: zmq.Socket
+    last_heard: float
+    last_sent: float
+    pending: tuple | None = None  # the next message, numbered, until the socket takes it
+    closing_since: float | None = None  # when `close` was asked
+    lost_since: float | None = None  # when the connection dropped (None: connected)
+    sent_seq: int = 0  # the number of the last message sent (the first is 1)
+    heard_seq: int = 0  # the number of the last message received (-1 after a gap)
+
+
 class Link:
     """A DEALER socket owned by one thread. Other threads `send`; messages in go to
     `on_message(kind, *args)` and `tick()` runs every POLL_MS, both in the link thread. `fail(text)`
@@ -63,11 +79,9 @@ class Link:
         self.addr, self.bind, self.timeout_s = addr, bind, timeout_s
         self.on_message, self.tick, self.on_fail = on_message, tick, on_fail
         self.out: queue.Queue = queue.Queue()
-        self.failed, self.closed, self.heard = (
-            threading.Event(),
-            threading.Event(),
-            threading.Event(),
-        )
+        self.failed = threading.Event()  # set once, by `fail`
+        self.closed = threading.Event()  # set by `close`
+        self.heard = threading.Event()  # the other side has spoken
         self.watching = True  # silence counts as a failure (off once this side asked to stop)
         self.error = ""
         self.thread = threading.Thread(target=self._run, name="link", daemon=True)
@@ -91,7 +105,35 @@ class Link:
         self.thread.join(timeout=5)
 
     def _run(self):
+        """The link thread: tick, send what is queued, heartbeat, receive, watch the peer; until
+        `close` (then what is queued still goes out, for 2 s at most)."""
         context = zmq.Context()
+        wire = self._open(context)
+        try:
+            while True:
+                if self.closed.is_set() and wire.closing_since is None:
+                    wire.closing_since = time.monotonic()
+                try:
+                    self.tick()
+                except Exception as err:  # a bug of ours on this side: end like any other failure
+                    self.fail(f"link error on this side: {err!r}")
+                self._send_queued(wire)
+                if wire.closing_since is not None and (
+                    wire.pending is None or time.monotonic() - wire.closing_since > 2
+                ):
+                    return
+                self._heartbeat(wire)
+                if wire.sock.poll(POLL_MS):
+                    self._receive(wire)
+                self._watch_peer(wire)
+        finally:
+            wire.sock.disable_monitor()
+            wire.monitor.close()
+            wire.sock.close()
+            context.term()
+
+    def _open(self, context) -> Wire:
+        """The socket, bound or connected to `addr`, and its monitor."""
         sock = context.socket(zmq.DEALER)
         sock.linger = 2000  # ms: what is queued at close still goes out (an error, a bye)
         host, port = split_addr(self.addr)
@@ -100,87 +142,77 @@ class Link:
         else:
             sock.connect(f"tcp://{host}:{port}")
         # TCP tells at once when the peer's process ends (its kernel closes the connection); silence
-        # covers the rest
+        # covers the rest.
         monitor = sock.get_monitor_socket(
             zmq.EVENT_ACCEPTED | zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
         )
-        last_heard = last_sent = time.monotonic()
-        pending, closing_since, lost_since = None, None, None
-        sent_seq, heard_seq = 0, 0  # numbers of the last message sent and received (the first is 1)
-        try:
-            while True:
-                if self.closed.is_set() and closing_since is None:
-                    closing_since = time.monotonic()
+        now = time.monotonic()
+        return Wire(sock, monitor, last_heard=now, last_sent=now)
+
+    def _send_queued(self, wire: Wire) -> None:
+        """Hand the socket every queued message, numbered, until it would block: with no peer
+        connected (yet, or any more) a message waits in `pending`."""
+        while True:
+            if wire.pending is None:
                 try:
-                    self.tick()
-                except Exception as err:  # a bug of ours on this side: end like any other failure
-                    self.fail(f"link error on this side: {err!r}")
-                # never block: with no peer connected (yet, or any more) a message waits here
-                while True:
-                    if pending is None:
-                        try:
-                            pending = (sent_seq + 1, *self.out.get_nowait())
-                        except queue.Empty:
-                            break
-                    try:
-                        sock.send_pyobj(pending, zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    pending, last_sent, sent_seq = None, time.monotonic(), pending[0]
-                if closing_since is not None and (
-                    pending is None or time.monotonic() - closing_since > 2
-                ):
+                    wire.pending = (wire.sent_seq + 1, *self.out.get_nowait())
+                except queue.Empty:
                     return
-                if time.monotonic() - last_sent > HEARTBEAT_S:
-                    try:
-                        sock.send_pyobj((sent_seq + 1, "ping"), zmq.NOBLOCK)
-                        last_sent, sent_seq = time.monotonic(), sent_seq + 1
-                    except zmq.Again:
-                        pass
-                if sock.poll(POLL_MS):
-                    while sock.poll(0):
-                        seq, kind, *args = sock.recv_pyobj()
-                        last_heard = time.monotonic()
-                        self.heard.set()
-                        # nothing after a gap is trusted: a group, credit or header is gone
-                        if seq != heard_seq + 1:
-                            self.fail(
-                                f"lost {seq - heard_seq - 1} message(s) across a reconnect "
-                                f"(message {seq} "
-                                f"came after {heard_seq}): the run cannot continue consistently"
-                            )
-                            heard_seq = -1  # every later message is a gap too
-                        elif heard_seq >= 0:
-                            heard_seq = seq
-                        if heard_seq < 0:
-                            continue
-                        if kind == "error":
-                            self.fail(args[0])
-                        elif kind != "ping":
-                            self.on_message(kind, *args)
-                while monitor.poll(0):
-                    event = recv_monitor_message(monitor)["event"]
-                    lost_since = time.monotonic() if event == zmq.EVENT_DISCONNECTED else None
-                silent = time.monotonic() - last_heard
-                if self.watching and self.heard.is_set() and silent > self.timeout_s:
-                    self.fail(
-                        f"sent nothing for {silent:.0f} s (half of --timeout-s): is it alive?"
-                    )
-                if (
-                    self.watching
-                    and self.heard.is_set()
-                    and lost_since
-                    and time.monotonic() - lost_since > RECONNECT_S
-                ):
-                    self.fail(
-                        f"closed the connection and did not come back within {RECONNECT_S:.0f} s: "
-                        f"its process ended"
-                    )
-        finally:
-            sock.disable_monitor()
-            monitor.close()
-            sock.close()
-            context.term()
+            try:
+                wire.sock.send_pyobj(wire.pending, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            wire.sent_seq, wire.pending = wire.pending[0], None
+            wire.last_sent = time.monotonic()
+
+    def _heartbeat(self, wire: Wire) -> None:
+        """A numbered ping where nothing went out for HEARTBEAT_S."""
+        if time.monotonic() - wire.last_sent > HEARTBEAT_S:
+            try:
+                wire.sock.send_pyobj((wire.sent_seq + 1, "ping"), zmq.NOBLOCK)
+                wire.last_sent, wire.sent_seq = time.monotonic(), wire.sent_seq + 1
+            except zmq.Again:
+                pass
+
+    def _receive(self, wire: Wire) -> None:
+        """Every message waiting: to `on_message`, an "error" to `fail`; a gap in the numbers
+        fails the link, and nothing after it is delivered."""
+        while wire.sock.poll(0):
+            seq, kind, *args = wire.sock.recv_pyobj()
+            wire.last_heard = time.monotonic()
+            self.heard.set()
+            # Nothing after a gap is trusted: a group, a credit or a weights header is gone.
+            if seq != wire.heard_seq + 1:
+                self.fail(
+                    f"lost {seq - wire.heard_seq - 1} message(s) across a reconnect (message {seq} "
+                    f"came after {wire.heard_seq}): the run cannot continue consistently"
+                )
+                wire.heard_seq = -1  # every later message is a gap too
+            elif wire.heard_seq >= 0:
+                wire.heard_seq = seq
+            if wire.heard_seq < 0:
+                continue
+            if kind == "error":
+                self.fail(args[0])
+            elif kind != "ping":
+                self.on_message(kind, *args)
+
+    def _watch_peer(self, wire: Wire) -> None:
+        """Note the connection's drops and returns; once the peer has spoken (and while `watching`),
+        fail on its silence over `timeout_s` or on its connection dropped for RECONNECT_S."""
+        while wire.monitor.poll(0):
+            event = recv_monitor_message(wire.monitor)["event"]
+            wire.lost_since = time.monotonic() if event == zmq.EVENT_DISCONNECTED else None
+        if not (self.watching and self.heard.is_set()):
+            return
+        silent = time.monotonic() - wire.last_heard
+        if silent > self.timeout_s:
+            self.fail(f"sent nothing for {silent:.0f} s (half of --timeout-s): is it alive?")
+        if wire.lost_since and time.monotonic() - wire.lost_since > RECONNECT_S:
+            self.fail(
+                f"closed the connection and did not come back within {RECONNECT_S:.0f} s: "
+                "its process ended"
+            )
 
 
 def weight_group(store, rank: int, device: torch.device, timeout_s: float):

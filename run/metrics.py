@@ -72,8 +72,7 @@ def evaluation_line(keys: dict) -> str:
     first, last = keys["eval/version"], keys.get("eval/last_version", keys["eval/version"])
     versions = f"v{first}" if last == first else f"v{first}-v{last}"
     return (
-        f"eval at step {keys['eval/step']} ({versions}, {keys['eval/prompts']} "
-        f"held-out prompts): "
+        f"eval at step {keys['eval/step']} ({versions}, {keys['eval/prompts']} held-out prompts): "
         f"greedy pass@1 {show(keys['eval/greedy_pass@1'])}  reward {show(keys['eval/reward'])}  "
         f"{passes}"
     )
@@ -161,6 +160,26 @@ def first_batch_check(logprob_diff: float, dtype: str, family: str, step: int) -
     return "", ""
 
 
+@dataclasses.dataclass(frozen=True)
+class StepFigures:
+    """What the trainer measured of one step, as `RunLog.step` is handed it."""
+
+    step: int
+    version: int  # the weights' version after the step
+    loss: float
+    grad_norm: float
+    logprob_diff: float | None  # max |trainer - generator| log-prob on the on-policy rows
+    wait_s: float
+    train_s: float
+    publish_ms: float | None
+    skipped: bool  # no new version (every update NaN/inf)
+
+    @property
+    def trained_from(self) -> int:
+        """The version the batch was trained against."""
+        return self.version - (0 if self.skipped else 1)
+
+
 class RunLog:
     """Rank 0's metrics: one JSON row per step, a progress line, wandb, and the summary at the
     end."""
@@ -226,70 +245,22 @@ class RunLog:
         skipped,
         evals=(),
     ):
-        rewards = [r for g in taken.groups for r in g.rewards]
-        zero_var = sum(1 for g in taken.groups if max(g.rewards) == min(g.rewards)) / len(
-            taken.groups
+        """Record one step: the run's totals, the step's row (with the evaluations answered during
+        it) in metrics.jsonl and wandb, and every --log-every steps the progress line."""
+        figures = StepFigures(
+            step=step,
+            version=version,
+            loss=loss,
+            grad_norm=grad_norm,
+            logprob_diff=logprob_diff,
+            wait_s=wait_s,
+            train_s=train_s,
+            publish_ms=publish_ms,
+            skipped=skipped,
         )
-        trained_from = version - (0 if skipped else 1)  # the version the batch was trained against
-        lag = buffer.staleness_stats(batch, trained_from)
-        gen = taken.groups[-1].gen_stats
-        for g in taken.groups:
-            self.sync_ms += g.gen_stats.get("sync_ms", [])
-        tokens = int(batch.mask.sum())
-        # the model's sampled tokens per completion, before stale and overlong masking
-        # (`trained_len`: after)
-        lengths = torch.tensor([n for g in taken.groups for n in g.model_tokens()])
-        self.tokens_trained += tokens
-        self.dropped += taken.samples_dropped
-        self.wait_s += wait_s
-        self.train_s += train_s
-        self.max_token_lag = max(self.max_token_lag, lag["lag_max"])
-        self.bad_steps += int(skipped)
-        if logprob_diff is not None:
-            self.logprob_diff = max(self.logprob_diff or 0.0, logprob_diff)
-        self.gen = gen
-        row = {
-            "step": step,
-            "version": version,
-            "reward": sum(rewards) / len(rewards),
-            "loss": loss,
-            "grad_norm": grad_norm,
-            "zero_var_groups": zero_var,
-            "empty_completions": int((lengths == 0).sum()),
-            "tokens": tokens,
-            "completion_len": float(lengths.float().mean()),
-            "trained_len": float(batch.mask.sum(1).float().mean()),
-            "dropped_stale": taken.samples_dropped,
-            "dropped_stale_total": int(self.dropped),
-            **lag,
-            "trainer_wait_s": wait_s,
-            "train_s": train_s,
-            "publish_ms": publish_ms,
-            "logprob_diff_on_policy": logprob_diff,
-            "skipped": skipped,
-            "gen_tokens": gen.get("tokens"),
-            "gen_idle_s": gen.get("idle_s"),
-            "gen_elapsed_s": gen.get("elapsed_s"),
-            "gen_loaded_version": gen.get("loaded_version"),
-            # in flight at swaps, re-prefilled or kept (--kv-on-swap)
-            "gen_swap_requests": gen.get("swap_requests"),
-            "sync_ms": (self.sync_ms[-1] if self.sync_ms else None),
-            "wall_s": time.perf_counter() - self.start,
-            **metrics,
-        }
-        # per reward function: mean/std/none_frac/errors/time_s; lengths; tokens per lag
-        lags = torch.bincount((trained_from - batch.token_versions[batch.mask]).clamp(min=0))
-        row.update(
-            summarize_rewards([g.reward_stats for g in taken.groups]),
-            completion_len_min=int(lengths.min()),
-            completion_len_max=int(lengths.max()),
-            unscored=sum(len(g.unscored) for g in taken.groups),
-            gen_reward_s=gen.get("reward_s"),
-            **{f"lag_hist/{k}": int(n) for k, n in enumerate(lags)},
-            epoch=max(g.epoch for g in taken.groups),
-            **episode_metrics(taken.groups),
-            **buffer.route_stats(taken.groups),
-        )  # (recorded routes: router/bytes_per_token)
+        lag = buffer.staleness_stats(batch, figures.trained_from)
+        self.add_to_totals(taken, batch, lag, figures)
+        row = self.row_of(taken, batch, metrics, lag, figures)
         warning = all_faults_warning(row, sum(len(g.rewards) for g in taken.groups))
         if warning and not self.warned_all_faults:  # once a run
             self.warned_all_faults = True
@@ -302,15 +273,91 @@ class RunLog:
             self.evals.append(evaluation.summarize(result, self.cfg.eval_pass_reward))
             row.update(self.evals[-1])
             print(evaluation_line(self.evals[-1]), flush=True)
+        self.write(row, figures)
+
+    def add_to_totals(self, taken, batch, lag: dict, figures: StepFigures) -> None:
+        """The run's totals (the summary's), and the generator's latest counters, with one step."""
+        for g in taken.groups:
+            self.sync_ms += g.gen_stats.get("sync_ms", [])
+        self.tokens_trained += int(batch.mask.sum())
+        self.dropped += taken.samples_dropped
+        self.wait_s += figures.wait_s
+        self.train_s += figures.train_s
+        self.max_token_lag = max(self.max_token_lag, lag["lag_max"])
+        self.bad_steps += int(figures.skipped)
+        if figures.logprob_diff is not None:
+            self.logprob_diff = max(self.logprob_diff or 0.0, figures.logprob_diff)
+        self.gen = taken.groups[-1].gen_stats
+
+    def row_of(self, taken, batch, metrics: dict, lag: dict, figures: StepFigures) -> dict:
+        """The step's row, once the totals count it: what it trained on and how, the generator's
+        counters, the trainer's `metrics`, then each reward function's figures, the lengths, the
+        tokens by lag, the episodes and the recorded routes."""
+        rewards = [r for g in taken.groups for r in g.rewards]
+        zero_var = sum(1 for g in taken.groups if max(g.rewards) == min(g.rewards))
+        # the model's sampled tokens per completion, before stale and overlong masking
+        # (`trained_len`: after)
+        lengths = torch.tensor([n for g in taken.groups for n in g.model_tokens()])
+        gen = self.gen
+        row = {
+            "step": figures.step,
+            "version": figures.version,
+            "reward": sum(rewards) / len(rewards),
+            "loss": figures.loss,
+            "grad_norm": figures.grad_norm,
+            "zero_var_groups": zero_var / len(taken.groups),
+            "empty_completions": int((lengths == 0).sum()),
+            "tokens": int(batch.mask.sum()),
+            "completion_len": float(lengths.float().mean()),
+            "trained_len": float(batch.mask.sum(1).float().mean()),
+            "dropped_stale": taken.samples_dropped,
+            "dropped_stale_total": int(self.dropped),
+            **lag,
+            "trainer_wait_s": figures.wait_s,
+            "train_s": figures.train_s,
+            "publish_ms": figures.publish_ms,
+            "logprob_diff_on_policy": figures.logprob_diff,
+            "skipped": figures.skipped,
+            "gen_tokens": gen.get("tokens"),
+            "gen_idle_s": gen.get("idle_s"),
+            "gen_elapsed_s": gen.get("elapsed_s"),
+            "gen_loaded_version": gen.get("loaded_version"),
+            # in flight at swaps, re-prefilled or kept (--kv-on-swap)
+            "gen_swap_requests": gen.get("swap_requests"),
+            "sync_ms": (self.sync_ms[-1] if self.sync_ms else None),
+            "wall_s": time.perf_counter() - self.start,
+            **metrics,
+        }
+        # per reward function: mean/std/none_frac/errors/time_s
+        row.update(summarize_rewards([g.reward_stats for g in taken.groups]))
+        sampled_by = batch.token_versions[batch.mask]  # the version that sampled each token trained
+        lags = torch.bincount((figures.trained_from - sampled_by).clamp(min=0))
+        row.update(
+            completion_len_min=int(lengths.min()),
+            completion_len_max=int(lengths.max()),
+            unscored=sum(len(g.unscored) for g in taken.groups),
+            gen_reward_s=gen.get("reward_s"),
+            **{f"lag_hist/{k}": int(n) for k, n in enumerate(lags)},  # trained tokens per lag
+            epoch=max(g.epoch for g in taken.groups),
+            **episode_metrics(taken.groups),
+            **buffer.route_stats(taken.groups),  # with recorded routes: router/bytes_per_token
+        )
+        return row
+
+    def write(self, row: dict, figures: StepFigures) -> None:
+        """Keep the row, append it to metrics.jsonl (and wandb); the progress line every
+        --log-every steps and at the last."""
         self.rows.append(row)
         if self.first_step_end is None:
             self.first_step_end = time.perf_counter()
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
         if self.wandb is not None:
-            self.wandb.log(row, step=step)
+            self.wandb.log(row, step=figures.step)
+        step = figures.step
         if step % self.cfg.log_every == 0 or step == self.cfg.steps - 1:
-            print(self.progress_line(step, version, wait_s, train_s), flush=True)
+            line = self.progress_line(step, figures.version, figures.wait_s, figures.train_s)
+            print(line, flush=True)
 
     def progress_line(self, step, version, wait_s, train_s) -> str:
         """One line a person can follow: where the run is, how it learns, how stale, how fast, how

@@ -4,9 +4,9 @@ Role: `parse_args` is train.py's command line: config's checks of the flags and 
 load what the flags name (datasets, reward functions, --env, --tools, chat templates, devices), all
 before anything starts, one line per problem. `resolve` turns the validated flags into the run's
 final, frozen `Config` (--dtype auto, the ranks the devices give, the threads, no evaluation
-without held-out prompts); `prepare_run` finds or builds the
-model, resolves --resume, checks the tokenizer (and --teacher's against it), the LM head (heads.py)
-and that vLLM can serve the model, and writes OUT/config.json; `generator_settings` is what the
+without held-out prompts); `prepare_run` finds or builds the model, resolves --resume, checks the
+tokenizer (and --teacher's against it), the LM head (heads.py) and that vLLM can serve the model,
+and writes OUT/config.json; `generator_settings` is what the
 generator process starts with. Data contract: `Prepared` (the weights to start from, the original
 model, where a resume continues, the device layout, the teacher) is computed once in the parent and
 passed to every child. May touch: OUT/config.json, OUT/init_model (the tiny default model) and
@@ -122,8 +122,7 @@ def prepare_run(cfg: Config, engine_here: bool = True) -> Prepared:
             f"resuming from {resume_dir}: step {saved['step']}, version {saved['version']}",
             flush=True,
         )
-        # The model the run first started from, carried through every resume: checkpoints rotate
-        # away.
+        # The model the run started from, kept through every resume (checkpoints rotate away).
         base_model = saved.get("base_model", "")
         if not os.path.isdir(base_model):
             raise SystemExit(
@@ -338,13 +337,13 @@ def check_engine(model_path, cfg, layout) -> None:
     """A model or context vLLM cannot serve here (e.g. a head size its CPU backend lacks): one line,
     now."""
     problems = devices.engine_problems(
-        model_path,
-        layout.on_gpu,
-        cfg.max_model_len,
-        cfg.max_new_tokens,
-        cfg.kv_cache_mb,
-        cfg.dtype,
-        cfg.lora_rank,
+        model_path=model_path,
+        on_gpu=layout.on_gpu,
+        max_model_len=cfg.max_model_len,
+        max_new_tokens=cfg.max_new_tokens,
+        kv_cache_mb=cfg.kv_cache_mb,
+        dtype=cfg.dtype,
+        lora_rank=cfg.lora_rank,
     )
     if problems:
         raise SystemExit("error: " + "\nerror: ".join(problems))

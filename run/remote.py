@@ -109,8 +109,9 @@ class RemoteWeights:
         (shared_weights.copy_into_slots)."""
         copy_into_slots(self.buffer, slots, values, row_starts)
 
-    # every rank has gathered: nothing interleaves with the sends
     def end_write(self, version: int) -> None:
+        """Send the publish to the generator node (rank 0, once every rank has gathered: nothing
+        interleaves with the sends)."""
         self.link.send_weights(version, self.buffer)
 
 
@@ -124,7 +125,7 @@ class TrainerLink:
         self.welcome: queue.Queue = queue.Queue()
         self.connected = False
         self.held_max = 0  # the most groups arrived and not yet taken (the bound: queue_size - 1)
-        self.send_ms = None  # the last publish's send
+        self.send_ms = None  # how long the last publish took to send (ms)
         self.sent_state = None
         self.group = None
         self.link = Link(
@@ -240,13 +241,58 @@ def run_trainer(cfg, trainer_main) -> int:
     """One torchrun rank of `train.py --role trainer`, training with `trainer_main`
     (train.trainer_main, handed in by train.main: this module does not import train.py). Returns its
     exit code: 1 when the generator failed (after the checkpoint), 128 + the signal when rank 0 was
-    stopped by one. Ctrl-C (or SIGTERM, which
-    torchrun forwards to every rank) is rank 0's to handle: it stops after the current step and
-    every rank writes the checkpoint together; the other ranks ignore both signals meanwhile.
-    torchrun itself then exits 1 with its own traceback, and SIGKILLs ranks still alive 30 s after
-    it forwarded the signal."""
+    stopped by one. Ctrl-C (or SIGTERM, which torchrun forwards to every rank) is rank 0's to
+    handle: it stops after the current step and every rank writes the checkpoint together; the
+    other ranks ignore both signals meanwhile. torchrun itself then exits 1 with its own traceback,
+    and SIGKILLs ranks still alive 30 s after it forwarded the signal."""
     # every rank: torchrun started them, not a parent of ours
     metrics.configure_terminal(cfg.log_level)
+    cfg, place = join_torchrun(cfg)
+    trainer_link = TrainerLink(cfg) if place.rank == 0 else None
+    control = trainer_link.control if place.rank == 0 else thread_control()
+    caught = handle_signals(place.rank, control)
+    agreed = agree_on_the_run(cfg, place, trainer_link, control)
+    if agreed is None:  # the handshake failed (printed on rank 0)
+        dist.destroy_process_group()
+        if place.rank == 0:
+            trainer_link.close("error", "gave up before training started")
+        return 1
+    prepared, cfg, layout = agreed
+    weights = RemoteWeights(layout, devices.torch_dtype(cfg.dtype), trainer_link, place.device)
+    try:
+        trainer_main(
+            cfg=cfg,
+            prepared=prepared,
+            rank=place.rank,
+            world_size=place.world_size,
+            shared=weights,
+            rollout_queue=trainer_link,
+            control=control,
+            init_file="",
+        )
+    except BaseException as err:
+        if place.rank == 0:
+            trainer_link.close("error", f"failed: {type(err).__name__}: {err}")
+        raise
+    if place.rank == 0:
+        trainer_link.close("bye")
+    if place.rank == 0 and trainer_link.link.failed.is_set():
+        return 1
+    return 128 + caught[0] if caught else 0
+
+
+@dataclasses.dataclass(frozen=True)
+class TorchrunPlace:
+    """Where this process runs under torchrun: its rank of `world_size`, and its device."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+
+
+def join_torchrun(cfg) -> tuple:
+    """Join the ranks' default process group (torchrun's environment says where); returns the
+    run's config with the ranks, dtype and threads this placement gives, and the TorchrunPlace."""
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank, local_size = (
         int(os.environ.get("LOCAL_RANK", 0)),
@@ -269,36 +315,47 @@ def run_trainer(cfg, trainer_main) -> int:
         dtype=dtype,
         train_threads=cfg.train_threads or max(1, len(os.sched_getaffinity(0)) // local_size),
     )
-    trainer_link = TrainerLink(cfg) if rank == 0 else None
-    control = trainer_link.control if rank == 0 else thread_control()
+    return cfg, TorchrunPlace(rank, world_size, device)
+
+
+def handle_signals(rank: int, control) -> list[int]:
+    """A stop with a checkpoint, as on one node: torchrun sends SIGTERM (and a terminal SIGINT) to
+    every rank, and rank 0 decides what it means (the first stops the run after the current step;
+    the other ranks follow rank 0 through it and ignore both signals). Returns the signals rank 0
+    caught, as they come."""
     caught = []
-    # a stop with a checkpoint, as on one node; the other ranks follow rank 0 through it
-    if rank == 0:
-
-        def on_signal(signum, frame):
-            # a second Ctrl-C stops now; more SIGTERMs (SLURM signals every process) are one stop
-            if caught:
-                if signum == signal.SIGINT:
-                    raise KeyboardInterrupt
-                return
-            caught.append(signum)
-            print(
-                f"\n{signal.Signals(signum).name}: stopping after the current step and writing a "
-                f"checkpoint",
-                file=sys.stderr,
-                flush=True,
-            )
-            control.interrupted.set()
-            control.stop.set()
-
-        for s in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(s, on_signal)
-    # torchrun sends SIGTERM (and a terminal SIGINT) to every rank: rank 0 decides what it means
-    else:
+    if rank != 0:
         for s in (signal.SIGINT, signal.SIGTERM):
             signal.signal(s, signal.SIG_IGN)
+        return caught
+
+    def on_signal(signum, frame):
+        # a second Ctrl-C stops now; more SIGTERMs (SLURM signals every process) are one stop
+        if caught:
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            return
+        caught.append(signum)
+        print(
+            f"\n{signal.Signals(signum).name}: stopping after the current step "
+            "and writing a checkpoint",
+            file=sys.stderr,
+            flush=True,
+        )
+        control.interrupted.set()
+        control.stop.set()
+
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, on_signal)
+    return caught
+
+
+def agree_on_the_run(cfg, place: TorchrunPlace, trainer_link, control) -> tuple | None:
+    """Rank 0 prepares the run and hands the generator node its settings; every rank gets the
+    outcome: (the prepared run, the resolved config, the weight layout), or None when the handshake
+    failed."""
     box = [None]
-    if rank == 0:
+    if place.rank == 0:
         try:
             cfg = prepare.resolve(cfg)
             prepared = prepare.prepare_run(cfg, engine_here=False)
@@ -306,46 +363,18 @@ def run_trainer(cfg, trainer_main) -> int:
                 prepared.model_path, "meta", devices.torch_dtype(cfg.dtype)
             )
             # vLLM starts from the original model; the weights it serves (a checkpoint's too) are
-            # the ones we send
+            # the ones we send.
             settings = prepare.generator_settings(
                 cfg, dataclasses.replace(prepared, model_path=prepared.base_model)
             )
             control.groups_dropped.value = prepared.groups_dropped
             control.steps_skipped.value = prepared.start_step - prepared.start_version
             ok = trainer_link.handshake(
-                settings, [(s.name, s.shape) for s in shared.layout], shared.dtype, device
+                settings, [(s.name, s.shape) for s in shared.layout], shared.dtype, place.device
             )
             box = [(prepared, cfg, shared.layout) if ok else None]
         except BaseException:
             dist.broadcast_object_list([None], src=0)
             raise
     dist.broadcast_object_list(box, src=0)
-    if box[0] is None:  # the handshake failed (printed on rank 0)
-        dist.destroy_process_group()
-        if rank == 0:
-            trainer_link.close("error", "gave up before training started")
-        return 1
-    prepared, cfg, layout = box[0]
-    weights = RemoteWeights(
-        layout, devices.torch_dtype(cfg.dtype), trainer_link if rank == 0 else None, device
-    )
-    try:
-        trainer_main(
-            cfg,
-            prepared,
-            rank,
-            world_size,
-            weights,
-            trainer_link if rank == 0 else None,
-            control,
-            "",
-        )
-    except BaseException as err:
-        if rank == 0:
-            trainer_link.close("error", f"failed: {type(err).__name__}: {err}")
-        raise
-    if rank == 0:
-        trainer_link.close("bye")
-    if rank == 0 and trainer_link.link.failed.is_set():
-        return 1
-    return 128 + caught[0] if caught else 0
+    return box[0]

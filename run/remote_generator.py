@@ -146,21 +146,54 @@ def run_generator(cfg) -> int:
     exit code."""
     metrics.configure_terminal(cfg.log_level)
     bridge = GeneratorBridge(cfg)
+    hello = wait_for_trainer(cfg, bridge)
+    if hello is None:  # why is printed
+        bridge.link.close()
+        return 1
+    settings, buffer_device, problem = node_settings(cfg, hello)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr, flush=True)
+        bridge.link.close("error", f"cannot serve: {problem}")
+        return 1
+    ctx, errors, control = join_trainer(cfg, bridge, hello, buffer_device)
+    reports = []
+    print(f"generator node: serving the trainer at {cfg.generator_addr}", flush=True)
+    generator = (generator_main, (settings, bridge.shared, bridge.rollout_queue, control), True)
+    code = processes.run_children(
+        ctx,
+        {"generator": generator},
+        errors,
+        control,
+        failed=bridge.link.failed,
+        on_failure=reports.append,
+    )
+    if bridge.link.failed.is_set():
+        bridge.link.close()
+        return 1
+    if code != 0 and not bridge.trainer_done:
+        why = reports[0] if reports else f"the generator node stopped (exit code {code})"
+        bridge.link.close("error", f"failed:\n{why}")
+        return code
+    bridge.link.close("bye")
+    return code
+
+
+def wait_for_trainer(cfg, bridge: GeneratorBridge) -> dict | None:
+    """The trainer's hello (its settings, the weights' layout, the run's counters), or None once
+    the link failed, or no trainer connected within --timeout-s (the line printed either way). A
+    trainer that has connected may take longer to send its hello: its rank 0 prepares the model."""
     print(
-        f"generator node: waiting up to {cfg.timeout_s:.0f} s for a trainer on "
-        f"{cfg.generator_addr}",
+        f"generator node: waiting up to {cfg.timeout_s:.0f} s "
+        f"for a trainer on {cfg.generator_addr}",
         flush=True,
     )
     deadline = time.monotonic() + cfg.timeout_s
-    # a trainer that has connected may take longer to send its hello (its rank 0 prepares the model)
     while True:
         try:
-            hello = bridge.hello.get(timeout=0.5)
-            break
+            return bridge.hello.get(timeout=0.5)
         except queue.Empty:
-            if bridge.link.failed.is_set():  # (printed)
-                bridge.link.close()
-                return 1
+            if bridge.link.failed.is_set():  # the bridge's on_fail printed why
+                return None
             if not bridge.link.heard.is_set() and time.monotonic() > deadline:
                 print(
                     f"error: no trainer connected to {cfg.generator_addr} within "
@@ -168,15 +201,21 @@ def run_generator(cfg) -> int:
                     file=sys.stderr,
                     flush=True,
                 )
-                bridge.link.close()
-                return 1
+                return None
+
+
+def node_settings(cfg, hello: dict) -> tuple:
+    """The trainer's GeneratorSettings as this node runs them: its own devices and threads, a model
+    directory on this machine. Returns them, the packed buffer's device, and what keeps this node
+    from serving ("": nothing): a placement refused, a model it cannot find, an engine or an --env
+    it cannot run."""
     problem = ""
     buffer_nbytes = (
         packed_numel(make_layout(hello["shapes"])) * getattr(torch, hello["dtype"]).itemsize
     )
     try:
         placement, buffer_device = generator_placement(cfg, buffer_nbytes)
-    except devices.DeviceError as err:  # refused below, in one line
+    except devices.DeviceError as err:  # refused in one line, with the CPU placement meanwhile
         (placement, buffer_device), problem = (
             generator_placement(dataclasses.replace(cfg, gen_devices=""), 0),
             str(err),
@@ -186,39 +225,52 @@ def run_generator(cfg) -> int:
     settings = dataclasses.replace(
         settings, cfg=dataclasses.replace(settings.cfg, gen_threads=threads), **placement
     )
-    # the trainer's copy: its hub cache
-    if not problem and not os.path.isdir(settings.model) and hello["hub_id"]:
-        try:
-            settings = dataclasses.replace(settings, model=prepare.resolve_model(hello["hub_id"]))
-        except DataError as err:
-            problem = str(err)
-    if not problem and not os.path.isdir(settings.model):
-        problem = (
-            f"the trainer's model directory {settings.model} does not exist on this machine: put "
-            f"--out "
-            "(and --model) on a filesystem both nodes share, or give --model a Hugging Face hub id"
-        )
     if not problem:
-        run = settings.cfg
-        problem = "; ".join(
-            engine_problems(
-                settings.model,
-                placement["device"] == "cuda",
-                run.max_model_len,
-                run.max_new_tokens,
-                run.kv_cache_mb,
-                run.dtype,
-                run.lora_rank,
-            )
-            # episodes run here: the --env must load on this machine too
-            + [f"on the generator node: {p}" for p in envs.check(run)]
+        settings, problem = with_local_model(settings, hello["hub_id"])
+    if not problem:
+        problem = "; ".join(serving_problems(settings, on_gpu=placement["device"] == "cuda"))
+    return settings, buffer_device, problem
+
+
+def with_local_model(settings, hub_id: str) -> tuple:
+    """`settings` with a model directory this machine has, and the problem ("": none). The
+    trainer's --model may be a directory in its own hub cache: a hub id is downloaded here."""
+    if not os.path.isdir(settings.model) and hub_id:
+        try:
+            settings = dataclasses.replace(settings, model=prepare.resolve_model(hub_id))
+        except DataError as err:
+            return settings, str(err)
+    if not os.path.isdir(settings.model):
+        return settings, (
+            f"the trainer's model directory {settings.model} does not exist on this machine: put "
+            "--out (and --model) on a filesystem both nodes share, or give --model a "
+            "Hugging Face hub id"
         )
-    if problem:
-        print(f"error: {problem}", file=sys.stderr, flush=True)
-        bridge.link.close("error", f"cannot serve: {problem}")
-        return 1
-    # serves nothing until the trainer's first publish reaches it (its start weights, a checkpoint's
-    # too)
+    return settings, ""
+
+
+def serving_problems(settings, on_gpu: bool) -> list[str]:
+    """What keeps this node's engine from serving the model, and the --env from loading here
+    (episodes run on the generator node)."""
+    run = settings.cfg
+    engine = engine_problems(
+        model_path=settings.model,
+        on_gpu=on_gpu,
+        max_model_len=run.max_model_len,
+        max_new_tokens=run.max_new_tokens,
+        kv_cache_mb=run.kv_cache_mb,
+        dtype=run.dtype,
+        lora_rank=run.lora_rank,
+    )
+    return engine + [f"on the generator node: {p}" for p in envs.check(run)]
+
+
+def join_trainer(cfg, bridge: GeneratorBridge, hello: dict, buffer_device: str) -> tuple:
+    """Make ready to serve the trainer that said `hello`: the packed buffer, the rollout queue with
+    the trainer's credits, the Control with the run's counters, the weight group and the thread
+    that receives the weights into the buffer. Returns the spawn context, the children's error
+    queue and the Control."""
+    # Nothing is served until the trainer's first publish (start or checkpoint weights) arrives.
     bridge.shared = SharedWeights.allocate(
         hello["shapes"], getattr(torch, hello["dtype"]), buffer_device, starts_empty=True
     )
@@ -237,30 +289,5 @@ def run_generator(cfg) -> int:
     bridge.control = control  # from here the link mirrors it
     bridge.link.send("welcome", {"store_port": port + 1})
     bridge.group = weight_group(store, 1, torch.device(buffer_device), hello["timeout_s"])
-    receiver = threading.Thread(target=bridge.receive, name="weights", daemon=True)
-    receiver.start()
-    reports = []
-    print(f"generator node: serving the trainer at {cfg.generator_addr}", flush=True)
-    code = processes.run_children(
-        ctx,
-        {
-            "generator": (
-                generator_main,
-                (settings, bridge.shared, bridge.rollout_queue, control),
-                True,
-            )
-        },
-        errors,
-        control,
-        failed=bridge.link.failed,
-        on_failure=reports.append,
-    )
-    if bridge.link.failed.is_set():
-        bridge.link.close()
-        return 1
-    if code != 0 and not bridge.trainer_done:
-        why = reports[0] if reports else f"the generator node stopped (exit code {code})"
-        bridge.link.close("error", f"failed:\n{why}")
-        return code
-    bridge.link.close("bye")
-    return code
+    threading.Thread(target=bridge.receive, name="weights", daemon=True).start()
+    return ctx, errors, control
