@@ -18,11 +18,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import plots
-import prepare
 import pytest
 
 import config
+from run import plots, prepare
 from tasks import builtin, datasets, envs, prompts
 
 REPO = Path(__file__).resolve().parent.parent

@@ -28,14 +28,13 @@ import inspect
 import json
 from types import SimpleNamespace
 
-import chat
-import prepare
 import pytest
 from shipped import build_model
 from test_tools import add  # the tool the calls below call
 
 import config
-from tasks import envs, episodes, tools
+from run import prepare
+from tasks import chat, envs, episodes, tools
 
 THINK = "<think>\nLet me see.\n</think>\n\n"
 
@@ -420,7 +419,6 @@ def test_chat_template_kwargs_reach_prompts_and_episodes(models, tmp_path):
 def test_vllm_runs_three_turn_qwen3_episodes_token_in_token_out(models, monkeypatch):
     import os
 
-    import processes
     import torch
     import torch.multiprocessing as mp
     from test_engine import drain, settings_for, wait_until
@@ -428,6 +426,7 @@ def test_vllm_runs_three_turn_qwen3_episodes_token_in_token_out(models, monkeypa
 
     import buffer
     import rollout
+    from infra import processes
 
     path = models("qwen3")
     os.environ["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -14,10 +14,10 @@ import contextlib
 import inspect
 import json
 
-import prepare
 import pytest
 
 import config
+from run import prepare
 from tasks import builtin, tools
 
 TOOLS_FILE = "tasks/examples/my_tools.py"
@@ -404,8 +404,7 @@ def test_tools_round_trip_through_the_episode_runner(tmp_path, ascii_model, toke
     transcript and the environments."""
     from types import SimpleNamespace
 
-    from metrics import episode_metrics
-
+    from run.metrics import episode_metrics
     from tasks import envs, episodes
 
     (tmp_path / "fns.py").write_text(inspect.getsource(add) + "\n\n" + inspect.getsource(divide))

@@ -17,11 +17,10 @@ import sys
 import time
 from pathlib import Path
 
-import flag_checks
-import plots
 import pytest
-import trace_merge
-import tracing
+
+from infra import tracing
+from run import flag_checks, plots, trace_merge
 
 REPO = Path(__file__).resolve().parent.parent
 REQUIRED = {
@@ -104,7 +103,7 @@ def test_a_run_writes_a_valid_trace_with_both_sides_and_a_timeline(recorded_run)
 
 RECORD = """
 import json, os, sys, time
-import tracing
+from infra import tracing
 name, steps, cat = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 rec, t0 = tracing.start(name), tracing.clock()
 for step in range(steps):
@@ -285,7 +284,7 @@ def test_a_resume_keeps_the_earlier_starts_trace_and_timeline_under_their_own_na
     """Each start's trace and timeline have their own names, trace.json and timeline.png link the
     newest's: a resume into the same OUT keeps the earlier start's (a crash's picture), even one
     whose parent was killed before it merged; a fresh start, like metrics.jsonl, begins anew."""
-    import launch  # (vLLM: imported already where the suite ran test_engine.py)
+    from run import launch  # (vLLM: imported already where the suite ran test_engine.py)
 
     for name in (tracing.DIR_ENV, tracing.STEPS_ENV, tracing.T0_ENV):
         monkeypatch.delenv(name, raising=False)
