@@ -110,7 +110,7 @@ def env_batch():
             [0] * 6,
             1.0,
             0.8,
-            [True, True, False, False, True, True],
+            model_mask=[True, True, False, False, True, True],
         ),
         buffer.Sample(PROMPT, [20, 21, 2], [-3.3] * 3, [0] * 3, 0.0, -0.5),
         buffer.Sample(PROMPT, [13, 2], [-3.1] * 2, [0] * 2, 0.5, 0.2),
