@@ -2,9 +2,10 @@
 
 Role: the engine checks of test_heads.py, test_moe.py, test_agreement.py and test_real_models.py
 start vLLM engines in one child process (each engine in-process there, built by `served_llm` as the
-generator serves a model), so a crash or hang in vLLM fails the test instead of the pytest
-process. Data contract: `target(*args)` returns one picklable value; its exception fails the test
-with its traceback. May touch: PYTHONPATH (the repository, so the child finds vllm_worker by name).
+generator serves a model), so a crash or hang in vLLM fails the test instead of the pytest process.
+Data contract: `target(*args)` returns one picklable value; its exception fails the test with its
+traceback.
+May touch: PYTHONPATH (the repository, so the child finds vllm_worker by name).
 """
 
 import gc
