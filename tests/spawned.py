@@ -63,7 +63,7 @@ def result_of_child(target, args: tuple, timeout_s: float):
     `timeout_s`."""
     import torch.multiprocessing as mp
 
-    # vllm_worker by name
+    # The child finds vllm_worker by name through the repository on its path.
     os.environ["PYTHONPATH"] = os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
