@@ -33,8 +33,8 @@ import re
 
 import numpy as np
 
-# requests whose routes wait to be taken, at most (the oldest are dropped beyond: a safety net, as
-# the records of a group's requests are freed when the group ends, `RouteStore.forget`)
+# At most this many requests' routes wait to be taken; beyond it the oldest are dropped. It is a
+# safety net: the records of a group's requests are freed when the group ends (`RouteStore.forget`).
 MAX_RECORDS = 4096
 CHILD = re.compile(r"^\d+_")  # vLLM names the n samples of one request "{index}_{request id}"
 

@@ -5,9 +5,10 @@ Role: every synced parameter packed back to back in one tensor of one dtype, all
 shared memory; on GPUs a CUDA tensor that other processes map through a CUDA IPC handle), written in
 place by one side and read by the other under a seqlock, with the version of what was written. The
 trainer writes it (sync.publish_model), the vLLM worker extension reads it
-(vllm_worker.WeightSyncWorker). Data contract: a `Slot` per parameter (name, shape, offset, numel),
-in the order given; header = [seq, version, publish_time_ns] in CPU shared memory, `seq` odd while a
-writer is inside; a reader keeps only what no writer touched, with its version.
+(vllm_worker.WeightSyncWorker).
+Data contract: a `Slot` per parameter (name, shape, offset, numel), in the order given; header =
+[seq, version, publish_time_ns] in CPU shared memory, `seq` odd while a writer is inside; a reader
+keeps only what no writer touched, with its version.
 May touch: the tensors it allocates or is handed, and torch's CPU sharing strategy
 (`share_by_file_name`, when a buffer is allocated or received). Imports torch and the standard
 library only, so it copies out on its own.
@@ -345,10 +346,10 @@ class SharedWeights:
 def _rebuild_shared(
     buffer_or_handle, header, layout, dtype=torch.float32, starts_empty=False
 ) -> SharedWeights:
-    # this process may forward the buffer (the generator hands it on to vLLM's worker)
+    # This process may forward the buffer: the generator hands it on to vLLM's worker.
     share_by_file_name()
     if isinstance(buffer_or_handle, CudaIpcHandle):
-        # opened on first use
+        # A received CUDA buffer is opened on first use.
         return SharedWeights(
             None,
             header,

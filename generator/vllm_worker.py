@@ -4,13 +4,14 @@ reading the packed buffer.
 Role: `WeightSyncWorker` is mixed into vLLM's worker
 (`worker_extension_cls="generator.vllm_worker.WeightSyncWorker"`) and reloads the engine's weights,
 or with --lora-rank its adapter, from the packed buffer (shared_weights.py) between engine steps,
-called through `collective_rpc` (arguments are bytes). Data contract: the buffer's `Slot`s are named
-and shaped as the trainer's (transformers 5) parameters, or PEFT's adapter files; each slot is
-handed to vLLM as the checkpoint tensors it stands for (transformers' reverse weight conversion: a
-fused 3-D MoE expert tensor becomes the per-expert tensors vLLM's loader expects, as
-`save_pretrained` writes them). A load returns the version it loaded, never a torn mix. May touch:
-the vLLM worker it is installed into (private vLLM 0.32 APIs: the layer-wise reload, the MoE layers'
-kernels, the LoRA manager), and its logger's filters.
+called through `collective_rpc` (arguments are bytes).
+Data contract: the buffer's `Slot`s are named and shaped as the trainer's (transformers 5)
+parameters, or PEFT's adapter files; each slot is handed to vLLM as the checkpoint tensors it stands
+for (transformers' reverse weight conversion: a fused 3-D MoE expert tensor becomes the per-expert
+tensors vLLM's loader expects, as `save_pretrained` writes them). A load returns the version it
+loaded, never a torn mix.
+May touch: the vLLM worker it is installed into (private vLLM 0.32 APIs: the layer-wise reload, the
+MoE layers' kernels, the LoRA manager), and its logger's filters.
 """
 
 from __future__ import annotations

@@ -217,7 +217,7 @@ class Renderer:
         text (the system prompt as its prefix). Messages, tools, or a prompt and reset's text
         both where the tokenizer has a template: the chat template, each text a user message
         (without a template two texts are plain text, a blank line apart)."""
-        # (checked rows: a list is messages)
+        # The rows were checked: a list is messages.
         parts = [part for part in (prompt, reset_out) if part]
         chat_mode = bool(tools) or any(isinstance(part, list) for part in parts)
         if not chat_mode and len(parts) > 1:

@@ -228,13 +228,13 @@ async def run_env_group(gen: Sampler, group_id: int, prompt, epoch: int) -> Roll
         ]
     )
     return RolloutGroup(
-        group_id,
-        shared,
-        [p[0] for p in parts],
-        [p[2] for p in parts],
-        [p[3] for p in parts],
-        scores,
-        prompt.answer,
+        group_id=group_id,
+        prompt_ids=shared,
+        completion_ids=[p[0] for p in parts],
+        behaviour_logprobs=[p[2] for p in parts],
+        token_versions=[p[3] for p in parts],
+        rewards=scores,
+        answer=prompt.answer,
         reward_stats=reward_stats,
         unscored=unscored,
         epoch=epoch,

@@ -43,9 +43,9 @@ def first_line(error: BaseException) -> str:
 
 
 # --------------------------------------------------------------------------------------------------
-# One episode (token in, token out: chat.Renderer renders and tokenizes what is new; sampled ids
-# stay as they
-# are) ---------------------------------------------------------------------------------------------
+# One episode, token in and token out: chat.Renderer renders and tokenizes what is new, and the
+# sampled ids stay as they are.
+# --------------------------------------------------------------------------------------------------
 class EnvFault(Exception):
     """An env call that raised, timed out or returned a malformed value: its episode ends."""
 
@@ -125,8 +125,7 @@ def checked_observation(value, what: str, allow_none: bool):
         return value
     raise EnvFault(
         f"{what} returned a malformed observation ({type(value).__name__}: expected text or a list "
-        f"of "
-        "{'role': 'user'|'tool', 'content': str} messages)"
+        "of {'role': 'user'|'tool', 'content': str} messages)"
     )
 
 
@@ -158,114 +157,56 @@ class Turns:
     seed: int | None = None
 
 
+@dataclass
+class EpisodeRun:
+    """What every step of one episode needs: the engine, the env, the turn settings and the limits
+    that hold for the whole episode."""
+
+    gen: Sampler
+    env: Env
+    turns: Turns
+    budget: int  # tokens in the whole sequence: --max-episode-tokens, or the model's context
+    tools: object  # the env's tools, when it has them
+    parser: object  # the env's tool-call parser, when it has one
+    special: dict  # the detokenizer's settings for a model turn
+    routes: object  # the generator's route recorder, for training episodes only
+    threads: object  # the task's worker threads for an env's plain methods
+    timeout_s: float  # --env-timeout-s
+
+    async def call(self, ep: Episode, what: str, method, args=(), kwargs=None):
+        """`call_env` with the task's worker threads and --env-timeout-s."""
+        return await call_env(ep, what, method, args, self.threads, self.timeout_s, kwargs=kwargs)
+
+
+def episode_run(gen: Sampler, env: Env, turns: Turns) -> EpisodeRun:
+    cfg = gen.cfg
+    return EpisodeRun(
+        gen=gen,
+        env=env,
+        turns=turns,
+        budget=min(cfg.max_episode_tokens or 10**9, gen.max_model_len or 10**9),
+        tools=getattr(env, "tools", None),
+        parser=getattr(env, "parser", None),
+        # Tool calls are parsed from the text with its special tokens (Llama's <|python_tag|>,
+        # Mistral's [TOOL_CALLS]).
+        special={"skip_special_tokens": False} if isinstance(env, ToolEnv) else {},
+        # Routes are recorded for training only.
+        routes=gen.routes if turns.request_id.startswith("group-") else None,
+        threads=gen.task.env_threads,
+        timeout_s=cfg.env_timeout_s,
+    )
+
+
 async def run_episode(gen: Sampler, env: Env, prompt, turns: Turns) -> Episode:
     """One episode on `gen`'s engine: never raises for a faulty env (the fault ends it,
     recorded)."""
-    cfg, task = gen.cfg, gen.task
+    run = episode_run(gen, env, turns)
     ep, cancelled = Episode(), False
-    budget = min(cfg.max_episode_tokens or 10**9, gen.max_model_len or 10**9)
-    tools = getattr(env, "tools", None)
-    parser = getattr(env, "parser", None)
-    # tool calls are parsed from the text with its special tokens (Llama's <|python_tag|>, Mistral's
-    # [TOOL_CALLS])
-    special = {"skip_special_tokens": False} if isinstance(env, ToolEnv) else {}
-    threads, timeout_s = task.env_threads, cfg.env_timeout_s
-    # (recorded for training only)
-    routes = gen.routes if turns.request_id.startswith("group-") else None
     try:
-        reset_out = checked_observation(
-            await call_env(ep, "reset", env.reset, (), threads, timeout_s, prompt.row),
-            "reset",
-            True,
-        )
-        try:
-            ep.ids, ep.chat = task.renderer.initial(prompt.prompt, reset_out, tools)
-        except Exception as e:
-            raise EnvFault(
-                f"the initial context could not be rendered ({type(e).__name__}: {first_line(e)})"
-            )
-        ep.start = len(ep.ids)
-        if not ep.ids or ep.start >= budget:
-            raise EnvFault(
-                f"the initial context has {ep.start} tokens: no room for a turn within "
-                f"{budget} (--max-episode-tokens, or the model's context)"
-            )
-        while True:
-            max_tokens = min(cfg.max_new_tokens, budget - len(ep.ids))
-            seed = None if turns.seed is None else turns.seed + 7919 * ep.turns
-            known = known_prefix(ep.routes) if routes else 0  # (positions whose routes it holds)
-            request_id = f"{turns.request_id}-t{ep.turns}"
-            out = await model_turn(
-                gen,
-                ep.ids,
-                gen.request_params(
-                    max_tokens=max_tokens,
-                    seed=seed,
-                    **turns.sampling,
-                    **special,
-                    **(routes.request_options(known) if routes else {}),
-                ),
-                request_id,
-            )
-            if routes:
-                ep.routes = await routes.turn(gen.engine, request_id, out, ep.routes, known)
-            ids = list(out.token_ids)
-            ep.append(
-                ids,
-                [out.logprobs[i][t].logprob for i, t in enumerate(ids)]
-                if out.logprobs is not None
-                else [0.0] * len(ids),
-                tag_versions(out.weight_versions, len(ids)),
-            )
-            ep.turns += 1
-            # (the history reward functions see: a tool call as tool_calls, as TRL's)
-            text = out.text or ""
-            ep.transcript.append(
-                text
-                if not ep.chat
-                else assistant_message(text, parser, tools)
-                if tools
-                else {"role": "assistant", "content": text}
-            )
-            if out.finish_reason == "length" and max_tokens < cfg.max_new_tokens:
-                # the budget cut the turn: no step on half an action
-                ep.truncated = "max_episode_tokens"
-                break
-            observation, reward, done = checked_step(
-                await call_env(ep, "step", env.step, (out.text or "",), threads, timeout_s)
-            )
-            ep.step_rewards.append(reward)
-            if done:
-                break
-            if ep.turns >= cfg.max_turns:
-                ep.truncated = "max_turns"
-                break
-            try:
-                new = task.renderer.observation(
-                    observation, ep.chat, ids[-1] if ids else None, tools
-                )
-            except Exception as e:
-                raise EnvFault(
-                    f"the observation could not be rendered ({type(e).__name__}: {first_line(e)})"
-                )
-            if len(ep.ids) + len(new) >= budget:  # no room for the observation and a turn after it
-                ep.truncated = "max_episode_tokens"
-                break
-            ep.append(new)
-            ep.transcript += [observation] if not ep.chat else as_messages(observation)
-        if callable(getattr(env, "get_reward", None)):
-            value = await call_env(ep, "get_reward", env.get_reward, (), threads, timeout_s)
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, numbers.Real)
-                or not math.isfinite(float(value))
-            ):
-                raise EnvFault(
-                    f"get_reward returned a malformed value {value!r} (expected a finite float)"
-                )
-            ep.reward = float(value)
-        else:
-            ep.reward = float(sum(ep.step_rewards))
+        await start_episode(run, ep, prompt)
+        while await turn_and_step(run, ep):
+            pass
+        ep.reward = await final_reward(run, ep)
     except EnvFault as fault:
         ep.error, ep.timed_out, ep.reward = str(fault), fault.timed_out, None
     except asyncio.CancelledError:  # the run stops: no close() to wait for
@@ -274,10 +215,117 @@ async def run_episode(gen: Sampler, env: Env, prompt, turns: Turns) -> Episode:
     finally:
         if callable(getattr(env, "close", None)) and not cancelled:
             try:
-                await call_env(ep, "close", env.close, (), threads, timeout_s)
+                await run.call(ep, "close", env.close)
             except EnvFault as fault:
                 ep.error = ep.error or str(fault)
     return ep
+
+
+async def start_episode(run: EpisodeRun, ep: Episode, prompt):
+    """The env's reset and the initial context: the prompt and what reset returned, rendered."""
+    reset_out = checked_observation(
+        await run.call(ep, "reset", run.env.reset, kwargs=prompt.row), "reset", True
+    )
+    try:
+        ep.ids, ep.chat = run.gen.task.renderer.initial(prompt.prompt, reset_out, run.tools)
+    except Exception as e:
+        raise EnvFault(
+            f"the initial context could not be rendered ({type(e).__name__}: {first_line(e)})"
+        )
+    ep.start = len(ep.ids)
+    if not ep.ids or ep.start >= run.budget:
+        raise EnvFault(
+            f"the initial context has {ep.start} tokens: no room for a turn within "
+            f"{run.budget} (--max-episode-tokens, or the model's context)"
+        )
+
+
+async def turn_and_step(run: EpisodeRun, ep: Episode) -> bool:
+    """One model turn, the env's step on it and its observation appended; False when the episode
+    ends here (done, or a limit reached)."""
+    cfg = run.gen.cfg
+    max_tokens = min(cfg.max_new_tokens, run.budget - len(ep.ids))
+    out = await sample_turn(run, ep, max_tokens)
+    if out.finish_reason == "length" and max_tokens < cfg.max_new_tokens:
+        # The budget cut the turn: no step on half an action.
+        ep.truncated = "max_episode_tokens"
+        return False
+    observation, reward, done = checked_step(
+        await run.call(ep, "step", run.env.step, (out.text or "",))
+    )
+    ep.step_rewards.append(reward)
+    if done:
+        return False
+    if ep.turns >= cfg.max_turns:
+        ep.truncated = "max_turns"
+        return False
+    ids = list(out.token_ids)
+    try:
+        new = run.gen.task.renderer.observation(
+            observation, ep.chat, ids[-1] if ids else None, run.tools
+        )
+    except Exception as e:
+        raise EnvFault(
+            f"the observation could not be rendered ({type(e).__name__}: {first_line(e)})"
+        )
+    if len(ep.ids) + len(new) >= run.budget:  # no room for the observation and a turn after it
+        ep.truncated = "max_episode_tokens"
+        return False
+    ep.append(new)
+    ep.transcript += [observation] if not ep.chat else as_messages(observation)
+    return True
+
+
+async def sample_turn(run: EpisodeRun, ep: Episode, max_tokens: int):
+    """One model turn of at most `max_tokens`, appended to the episode as sampled (ids, log-probs,
+    versions; its routes when they are recorded); the engine's output."""
+    gen, turns, routes = run.gen, run.turns, run.routes
+    seed = None if turns.seed is None else turns.seed + 7919 * ep.turns
+    known = known_prefix(ep.routes) if routes else 0  # (positions whose routes it holds)
+    request_id = f"{turns.request_id}-t{ep.turns}"
+    params = gen.request_params(
+        max_tokens=max_tokens,
+        seed=seed,
+        **turns.sampling,
+        **run.special,
+        **(routes.request_options(known) if routes else {}),
+    )
+    out = await model_turn(gen, ep.ids, params, request_id)
+    if routes:
+        ep.routes = await routes.turn(gen.engine, request_id, out, ep.routes, known)
+    ids = list(out.token_ids)
+    ep.append(
+        ids,
+        [out.logprobs[i][t].logprob for i, t in enumerate(ids)]
+        if out.logprobs is not None
+        else [0.0] * len(ids),
+        tag_versions(out.weight_versions, len(ids)),
+    )
+    ep.turns += 1
+    # The transcript is the history reward functions see: a tool call as tool_calls, as TRL's.
+    text = out.text or ""
+    ep.transcript.append(
+        text
+        if not ep.chat
+        else assistant_message(text, run.parser, run.tools)
+        if run.tools
+        else {"role": "assistant", "content": text}
+    )
+    return out
+
+
+async def final_reward(run: EpisodeRun, ep: Episode) -> float:
+    """The env's get_reward when it has one, else the sum of its step rewards."""
+    if not callable(getattr(run.env, "get_reward", None)):
+        return float(sum(ep.step_rewards))
+    value = await run.call(ep, "get_reward", run.env.get_reward)
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Real)
+        or not math.isfinite(float(value))
+    ):
+        raise EnvFault(f"get_reward returned a malformed value {value!r} (expected a finite float)")
+    return float(value)
 
 
 async def model_turn(gen: Sampler, ids: list[int], params, request_id: str):

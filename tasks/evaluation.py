@@ -161,13 +161,13 @@ async def run_eval(gen, step: int):
     gen.stats["eval_tokens"] = gen.stats.get("eval_tokens", 0) + tokens
     gen.control.eval_results.put(
         EvalResult(
-            step,
-            version,
-            [r[0] for r in results],
-            time.perf_counter() - t0,
-            tokens,
-            [r[2] for r in results if len(r) > 2],
-            gen.loaded_version,
+            step=step,
+            version=version,
+            rewards=[r[0] for r in results],
+            time_s=time.perf_counter() - t0,
+            tokens=tokens,
+            turns=[r[2] for r in results if len(r) > 2],
+            last_version=gen.loaded_version,
         )
     )
     tracing.complete(

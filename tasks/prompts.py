@@ -24,7 +24,7 @@ import os
 import random
 import re
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tasks import chat
 from tasks.chat import plain_prompt, uses_chat_template  # (the rules episodes share: chat.Renderer)
@@ -77,7 +77,7 @@ GSM8K = {
     "reward": "math",
     "system_prompt": GSM8K_SYSTEM_PROMPT,
 }
-# and rg:NAME; reveal: the built-in multi-turn task
+# The names --task takes, besides rg:NAME; reveal is the built-in multi-turn task.
 TASKS = ("auto", "copy", "dataset", "gsm8k", "reveal")
 
 
@@ -104,74 +104,139 @@ def split_list(text: str) -> list[str]:
     return [part.strip() for part in (text or "").split(",") if part.strip()]
 
 
-def resolve(
-    task="auto",
-    dataset="",
-    split="train",
-    prompt_column="prompt",
-    answer_column="answer",
-    reward="",
-    reward_weights="",
-    system_prompt="",
-    reward_workers=0,
-    eval_dataset="",
-    eval_split="",
-    env="",
-    teacher="",
-    data_dir="",
-) -> DataSpec | None:
-    """The flags' data settings (None for the built-in copy and reveal tasks; raises DataError).
-    `env` makes the dataset (rows for reset) and rewards optional, `teacher` the rewards (none: all
-    0, it learns from the teacher); `data_dir` the user's copy of GSM8K (`gsm8k_files`)."""
+@dataclass
+class DataFlags:
+    """The data flags `resolve` reads, under config.Config's names and with its defaults."""
+
+    task: str = "auto"
+    dataset: str = ""
+    split: str = "train"
+    prompt_column: str = "prompt"
+    answer_column: str = "answer"
+    reward: str = ""
+    reward_weights: str = ""
+    system_prompt: str = ""
+    reward_workers: int = 0
+    eval_dataset: str = ""
+    eval_split: str = ""
+    env: str = ""
+    teacher: str = ""
+    data_dir: str = ""
+
+
+def resolve(task: str = "auto", **flags) -> DataSpec | None:
+    """The flags' data settings (DataFlags' names; None for the built-in copy and reveal tasks;
+    raises DataError). `env` makes the dataset (rows for reset) and rewards optional, `teacher` the
+    rewards (none: all 0, it learns from the teacher); `data_dir` the user's copy of GSM8K
+    (`gsm8k_files`)."""
+    flags = with_task(DataFlags(task=task, **flags))
+    if flags.task in ("copy", "reveal"):
+        refuse_own_data(flags)
+        return None
+    flags = with_preset(flags)
+    check_sources(flags)
+    specs = reward_specs(flags.reward)
+    weights = weights_of(flags.reward_weights, len(specs))
+    if flags.reward_workers < 0:
+        raise DataError(f"--reward-workers must be >= 0 (got {flags.reward_workers})")
+    return DataSpec(
+        dataset=flags.dataset,
+        split=flags.split,
+        prompt_column=flags.prompt_column,
+        answer_column=flags.answer_column,
+        rewards=tuple(specs),
+        weights=tuple(weights),
+        system_prompt=flags.system_prompt,
+        reward_workers=flags.reward_workers,
+        eval_dataset=flags.eval_dataset,
+        eval_split=flags.eval_split,
+    )
+
+
+def with_task(flags: DataFlags) -> DataFlags:
+    """The task checked and named (`auto`: a dataset task when there is a dataset or an env, else
+    the copy task); with --data-dir, GSM8K's files where no flag names others."""
+    task, data_dir = flags.task, flags.data_dir
     if task not in TASKS and not task.startswith(RG):
         raise DataError(f"--task must be one of {', '.join(TASKS)} or rg:NAME (got {task!r})")
     if task == "auto":
-        task = "dataset" if dataset or env else "copy"
+        task = "dataset" if flags.dataset or flags.env else "copy"
     if data_dir and task != "gsm8k":
         raise DataError(
             f"--data-dir {data_dir} holds a built-in task's files: it needs --task gsm8k "
-            f"(another dataset: --dataset and --eval-dataset)"
+            "(another dataset: --dataset and --eval-dataset)"
         )
-    if data_dir:  # the training and held-out files, where no flag names others
-        train_file, test_file = gsm8k_files(data_dir)
-        dataset, eval_dataset = dataset or train_file, eval_dataset or test_file
-    if task in ("copy", "reveal"):
-        if dataset or reward or eval_dataset or eval_split or env:
-            raise DataError(
-                f"the {task} task has its own data and reward (and held-out set): --dataset, "
-                f"--reward, "
-                "--eval-dataset, --eval-split and --env need --task auto, dataset or gsm8k"
-            )
-        return None
-    if task == "gsm8k":  # preset values for whatever was left at its default
-        dataset = dataset or GSM8K["dataset"]
-        prompt_column = GSM8K["prompt_column"] if prompt_column == "prompt" else prompt_column
-        reward = reward or GSM8K["reward"]
-        system_prompt = system_prompt or GSM8K["system_prompt"]
-    # reasoning-gym: its rows, its system prompt (answers in <answer> tags), its scorer
-    if task.startswith(RG):
-        if dataset or eval_dataset or eval_split:
-            raise DataError(
-                f"--task {task} generates its own training and held-out rows: --dataset, "
-                f"--eval-dataset and --eval-split do not apply"
-            )
-        dataset, prompt_column, answer_column = RG + rg_name(task), "question", "answer"
-        reward = reward or "rg"
-        system_prompt = system_prompt or rg_module("utils").SYSTEM_PROMPTS["default"]
-    if not dataset and not env:
+    if not data_dir:
+        return replace(flags, task=task)
+    train_file, test_file = gsm8k_files(data_dir)
+    return replace(
+        flags,
+        task=task,
+        dataset=flags.dataset or train_file,
+        eval_dataset=flags.eval_dataset or test_file,
+    )
+
+
+def refuse_own_data(flags: DataFlags):
+    """The copy and reveal tasks have their own data: DataError when a data flag was given."""
+    if flags.dataset or flags.reward or flags.eval_dataset or flags.eval_split or flags.env:
+        raise DataError(
+            f"the {flags.task} task has its own data and reward (and held-out set): --dataset, "
+            "--reward, --eval-dataset, --eval-split and --env need --task auto, dataset or gsm8k"
+        )
+
+
+def with_preset(flags: DataFlags) -> DataFlags:
+    """A preset task's values for whatever was left at its default: GSM8K's, or reasoning-gym's
+    (its rows, its system prompt asking for answers in <answer> tags, its scorer)."""
+    if flags.task == "gsm8k":
+        return replace(
+            flags,
+            dataset=flags.dataset or GSM8K["dataset"],
+            prompt_column=GSM8K["prompt_column"]
+            if flags.prompt_column == "prompt"
+            else flags.prompt_column,
+            reward=flags.reward or GSM8K["reward"],
+            system_prompt=flags.system_prompt or GSM8K["system_prompt"],
+        )
+    if not flags.task.startswith(RG):
+        return flags
+    if flags.dataset or flags.eval_dataset or flags.eval_split:
+        raise DataError(
+            f"--task {flags.task} generates its own training and held-out rows: --dataset, "
+            "--eval-dataset and --eval-split do not apply"
+        )
+    return replace(
+        flags,
+        dataset=RG + rg_name(flags.task),
+        prompt_column="question",
+        answer_column="answer",
+        reward=flags.reward or "rg",
+        system_prompt=flags.system_prompt or rg_module("utils").SYSTEM_PROMPTS["default"],
+    )
+
+
+def check_sources(flags: DataFlags):
+    """DataError unless the task has prompts (a dataset or an env) and a reward (a reward
+    function, an env's rewards or a teacher)."""
+    if not flags.dataset and not flags.env:
         raise DataError(
             "--task dataset needs --dataset (a .jsonl/.json/.parquet file or a Hugging Face "
             "dataset name)"
         )
-    if not dataset and (eval_dataset or eval_split):
+    if not flags.dataset and (flags.eval_dataset or flags.eval_split):
         raise DataError(
             "--eval-dataset / --eval-split: an --env without --dataset has its own held-out rows"
         )
-    if not reward and not env and not teacher:
+    if not flags.reward and not flags.env and not flags.teacher:
         raise DataError(
             "a dataset task needs --reward module:function (or --reward math), or --teacher to "
             "learn from a teacher alone"
         )
+
+
+def reward_specs(reward: str) -> list[str]:
+    """--reward's "module:function" specs, the built-in names expanded (DataError: malformed)."""
     specs = [BUILTIN_REWARDS.get(s, s) for s in split_list(reward)]
     for spec in specs:
         module, _, func = spec.rpartition(":")
@@ -180,35 +245,24 @@ def resolve(
                 f"--reward {spec!r}: expected module:function or path/to/file.py:function "
                 f"(built-in: {', '.join(BUILTIN_REWARDS)})"
             )
-    if reward_weights:
-        try:
-            weights = [float(w) for w in split_list(reward_weights)]
-        except ValueError:
-            raise DataError(
-                f"--reward-weights {reward_weights!r}: expected comma-separated numbers"
-            ) from None
-        if len(weights) != len(specs):
-            raise DataError(
-                f"--reward-weights has {len(weights)} value(s) for {len(specs)} reward function(s)"
-            )
-        if not all(math.isfinite(w) for w in weights):
-            raise DataError(f"--reward-weights {reward_weights!r}: weights must be finite")
-    else:
-        weights = [1.0] * len(specs)
-    if reward_workers < 0:
-        raise DataError(f"--reward-workers must be >= 0 (got {reward_workers})")
-    return DataSpec(
-        dataset,
-        split,
-        prompt_column,
-        answer_column,
-        tuple(specs),
-        tuple(weights),
-        system_prompt,
-        reward_workers,
-        eval_dataset,
-        eval_split,
-    )
+    return specs
+
+
+def weights_of(text: str, count: int) -> list[float]:
+    """--reward-weights for `count` reward functions: each 1.0 when it is not given."""
+    if not text:
+        return [1.0] * count
+    try:
+        weights = [float(w) for w in split_list(text)]
+    except ValueError:
+        raise DataError(f"--reward-weights {text!r}: expected comma-separated numbers") from None
+    if len(weights) != count:
+        raise DataError(
+            f"--reward-weights has {len(weights)} value(s) for {count} reward function(s)"
+        )
+    if not all(math.isfinite(w) for w in weights):
+        raise DataError(f"--reward-weights {text!r}: weights must be finite")
+    return weights
 
 
 def gsm8k_files(folder: str) -> tuple[str, str]:
@@ -226,20 +280,20 @@ def gsm8k_files(folder: str) -> tuple[str, str]:
 def spec_of(settings) -> DataSpec | None:
     """`resolve` for an object with the flags as attributes (config.Config)."""
     return resolve(
-        settings.task,
-        settings.dataset,
-        settings.split,
-        settings.prompt_column,
-        settings.answer_column,
-        settings.reward,
-        settings.reward_weights,
-        settings.system_prompt,
-        settings.reward_workers,
-        settings.eval_dataset,
-        settings.eval_split,
-        getattr(settings, "env", ""),
-        getattr(settings, "teacher", ""),
-        getattr(settings, "data_dir", ""),
+        task=settings.task,
+        dataset=settings.dataset,
+        split=settings.split,
+        prompt_column=settings.prompt_column,
+        answer_column=settings.answer_column,
+        reward=settings.reward,
+        reward_weights=settings.reward_weights,
+        system_prompt=settings.system_prompt,
+        reward_workers=settings.reward_workers,
+        eval_dataset=settings.eval_dataset,
+        eval_split=settings.eval_split,
+        env=getattr(settings, "env", ""),
+        teacher=getattr(settings, "teacher", ""),
+        data_dir=getattr(settings, "data_dir", ""),
     )
 
 
@@ -442,9 +496,8 @@ def drop_long(prompts: list[Prompt], limit: int | None, what: str) -> tuple[list
     if dropped:
         print(
             f"[data] {dropped} of {len(prompts)} {what} prompts are longer than {limit} tokens: "
-            f"dropped before "
-            "training (--max-prompt-tokens, or too long to leave room for --max-new-tokens in the "
-            "model's context)",
+            "dropped before training (--max-prompt-tokens, or too long to leave room for "
+            "--max-new-tokens in the model's context)",
             file=sys.stderr,
             flush=True,
         )

@@ -9,13 +9,15 @@ next, the game's reward when it ends else 0.0, whether it ended). Offline: the g
 Why TextArena (issue 22 item 7): text in, text out, single-player games with their own rewards, and
 five small packages (nltk, chess, joblib, defusedxml besides it); OpenEnv needs gradio and fastmcp
 (~30 packages) and serves each environment over HTTP; verifiers pulls openai, mcp and the prime-*
-sandbox clients. Data contract: the row's `seed` column seeds the game (without one, a hash of the
-row's columns does), so the episodes of a group play the same game; a `game` column picks another
-game than the constructor's. Observations are only what is new since the model's last turn
-(TextArena's own wrappers repeat the whole history each turn): each game message as "[GAME] text",
-the player's own move left out. May touch: the global `random` only under a lock and restored after
-each call (TextArena seeds and draws from it); each game keeps its own random state, so concurrent
-episodes are reproducible and independent.
+sandbox clients.
+Data contract: the row's `seed` column seeds the game (without one, a hash of the row's columns
+does), so the episodes of a group play the same game; a `game` column picks another game than the
+constructor's. Observations are only what is new since the model's last turn (TextArena's own
+wrappers repeat the whole history each turn): each game message as "[GAME] text", the player's own
+move left out.
+May touch: the global `random` only under a lock and restored after each call (TextArena seeds and
+draws from it); each game keeps its own random state, so concurrent episodes are reproducible and
+independent.
 """
 
 from __future__ import annotations

@@ -426,8 +426,8 @@ def parser_problem(parser: ToolCallParser, tokenizer, model: str = "the model") 
         return (
             f"--tools: vLLM's {parser.name!r} tool parser does not read the tool calls the chat "
             f"template of {model} writes ({text.strip()[:80]!r} read as {calls!r}, the argument "
-            f"an integer); give the --tool-parser of its format, or a --chat-template whose "
-            f"format a parser reads"
+            "an integer); give the --tool-parser of its format, or a --chat-template whose format "
+            "a parser reads"
         )
     return None
 
@@ -438,7 +438,6 @@ def tokenizer_problem(tokenizer, model: str = "the model") -> str | None:
         return None
     return (
         f"--tools: the chat template of {model} does not render tools (tool schemas, tool calls "
-        f"and tool "
-        "messages); give a model whose chat template supports tool calling (e.g. Qwen2.5/Qwen3 "
-        "instruct), or --chat-template FILE with one that does"
+        "and tool messages); give a model whose chat template supports tool calling (e.g. "
+        "Qwen2.5/Qwen3 instruct), or --chat-template FILE with one that does"
     )

@@ -76,9 +76,8 @@ def tool_schemas(functions: Sequence[Callable]) -> list[dict]:
         except Exception as e:
             raise ValueError(
                 f"tool {getattr(function, '__name__', function)!r} cannot be described to the "
-                f"model "
-                f"({e}): give every argument a type hint and the function a Google-style docstring "
-                "with an Args: section"
+                f"model ({e}): give every argument a type hint and the function a Google-style "
+                "docstring with an Args: section"
             ) from None
     return schemas
 
@@ -162,7 +161,7 @@ class ToolEnv:
         try:
             if inspect.iscoroutinefunction(self.functions.get(call["name"])):
                 return self.message(call, await self.invoke(call))
-            # a plain tool may block
+            # A plain tool may block: it runs in a worker thread.
             return self.message(call, await asyncio.to_thread(self.invoke, call))
         except Exception as e:
             return self.message(call, error=e)

@@ -2,9 +2,10 @@
 
 Role: the engine checks of test_heads.py, test_moe.py, test_agreement.py and test_real_models.py
 start vLLM engines in one child process (each engine in-process there, built by `served_llm` as the
-generator serves a model), so a crash or hang in vLLM fails the test instead of the pytest
-process. Data contract: `target(*args)` returns one picklable value; its exception fails the test
-with its traceback. May touch: PYTHONPATH (the repository, so the child finds vllm_worker by name).
+generator serves a model), so a crash or hang in vLLM fails the test instead of the pytest process.
+Data contract: `target(*args)` returns one picklable value; its exception fails the test with its
+traceback.
+May touch: PYTHONPATH (the repository, so the child finds vllm_worker by name).
 """
 
 import gc
@@ -62,7 +63,7 @@ def result_of_child(target, args: tuple, timeout_s: float):
     `timeout_s`."""
     import torch.multiprocessing as mp
 
-    # vllm_worker by name
+    # The child finds vllm_worker by name through the repository on its path.
     os.environ["PYTHONPATH"] = os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])
     ctx = mp.get_context("spawn")
     results = ctx.Queue()

@@ -195,15 +195,41 @@ def _save_worker(rank, world, init_file, model_path, out, task, results):
                 os.path.join(root, ".tmp-step_00000003", "dcp"), 8 if rank == 1 else 0
             )
             checkpoint.save_trainer_state(
-                model, optimizer, model_path, cfg, 3, 1, rank, save_group, storage_writer=slow
+                model,
+                optimizer,
+                model_path,
+                cfg,
+                step=3,
+                version=1,
+                rank=rank,
+                save_group=save_group,
+                storage_writer=slow,
             )
-            # the run's group after the save: nobody timed out meanwhile
+            # The run's group after the save: nobody timed out meanwhile.
             dist.all_reduce(torch.ones(1))
-            # replaced
-            checkpoint.save_trainer_state(model, optimizer, model_path, cfg, 3, 1, rank, save_group)
+            # The same step saved again: this save replaces the first.
+            checkpoint.save_trainer_state(
+                model,
+                optimizer,
+                model_path,
+                cfg,
+                step=3,
+                version=1,
+                rank=rank,
+                save_group=save_group,
+            )
         else:
             checkpoint.load_trainer_state(model, optimizer, task.removeprefix("load:"), save_group)
-            checkpoint.save_trainer_state(model, optimizer, model_path, cfg, 9, 1, rank, save_group)
+            checkpoint.save_trainer_state(
+                model,
+                optimizer,
+                model_path,
+                cfg,
+                step=9,
+                version=1,
+                rank=rank,
+                save_group=save_group,
+            )
         report(rank, results, trained_state(model, optimizer))
     finally:
         leave_group()

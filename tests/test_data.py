@@ -284,8 +284,7 @@ def test_saved_model_directory_and_dataset_task(ascii_model, tokenizer, tmp_path
         builtin.make_task(cfg, tokenizer, max_len=40)
     copy_task = builtin.make_task(config.Config(max_new_tokens=8), tokenizer)
     assert isinstance(copy_task, builtin.CopyTask)  # the default stays the copy task
-    # reward functions get texts (vLLM detokenizes); the copy task reads ids only (vLLM skips
-    # detokenizing)
+    # Reward functions get texts (vLLM detokenizes); the copy task reads ids only (vLLM skips it).
     assert task.needs_text and not copy_task.needs_text
 
 

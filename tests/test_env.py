@@ -216,7 +216,9 @@ def test_environment_tokens_get_no_gradient(tmp_path):
         ids = torch.randint(3, 26, (12,), generator=gen).tolist()
         # turns of 3 model tokens, 2 env tokens between
         mask = [k % 5 not in (2, 3) for k in range(12)]
-        samples.append(buffer.Sample([1, 12], ids, [-1.0] * 12, [0] * 12, 0.0, 1.0 - j / 2, mask))
+        samples.append(
+            buffer.Sample([1, 12], ids, [-1.0] * 12, [0] * 12, 0.0, 1.0 - j / 2, model_mask=mask)
+        )
     batch = buffer.collate(samples, pad_id=0)
     assert batch.mask.sum() == sum(sum(s.model_mask) for s in samples)
     env_positions = torch.zeros_like(batch.mask)

@@ -192,7 +192,8 @@ cfg = config.Config(out=sys.argv[1], keep_checkpoints=2)
 n = 0
 while True:  # each step written twice: the second write replaces the first
     step = 1 + n // 2
-    checkpoint.save_trainer_state(model, optimizer, sys.argv[1], cfg, step, step, 0, None)
+    checkpoint.save_trainer_state(model, optimizer, sys.argv[1], cfg, step=step, version=step,
+                                  rank=0, save_group=None)
     print("saved", step, flush=True)
     n += 1
 """

@@ -76,7 +76,7 @@ def _worker(rank, world, init_file, model_path, agg, shared, version, lengths, r
     try:
         cfg = config.Config() if agg is None else config.Config(agg=agg)
         model = models.build_trainer_model(model_path, world)
-        # before forward
+        # The optimizer is built before the first forward.
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
 
         result = backward(model, None, make_batch(lengths=lengths), cfg, rank, world, version=0)
@@ -361,8 +361,7 @@ def test_bf16_policy_keeps_fp32_masters_and_the_reference_is_the_original_model_
         assert r["ref_dtype"] == "torch.bfloat16" and r["policy_dtype"] == "torch.bfloat16"
         # the reference is the original weights in bf16: the same logits as an unsharded bf16 copy
         torch.testing.assert_close(torch.from_numpy(r["ref_logits"]), expected, rtol=0, atol=1e-2)
-        # and the policy, before its first step, computes the same bf16 forward as the reference (KL
-        # 0)
+        # The policy, before its first step, computes the same bf16 forward as the reference (KL 0).
         torch.testing.assert_close(
             torch.from_numpy(r["policy_logits"]),
             torch.from_numpy(r["ref_logits"]),

@@ -43,11 +43,15 @@ def test_a_cache_too_small_is_sized_up_where_memory_allows_or_named_in_one_line(
     # enough already: as given, nothing said
     assert kv_cache.size_kv_cache(1024, PER_TOKEN, 128, step, evaluation, 20 * GIB) == (1024, "")
     # vLLM runs at most max_num_seqs sequences at once (here 16 of 2 blocks): that many count
-    assert kv_cache.size_kv_cache(256, PER_TOKEN, 128, step, evaluation, 20 * GIB, 16 * 256) == (
+    assert kv_cache.size_kv_cache(
+        256, PER_TOKEN, 128, step, evaluation, 20 * GIB, at_once=16 * 256
+    ) == (
         256,
         "",
     )
-    mb, line = kv_cache.size_kv_cache(128, PER_TOKEN, 128, step, evaluation, 20 * GIB, 16 * 256)
+    mb, line = kv_cache.size_kv_cache(
+        128, PER_TOKEN, 128, step, evaluation, 20 * GIB, at_once=16 * 256
+    )
     assert mb == -(-(16 * 256 + 128) * PER_TOKEN // 2**20) == 186
     assert "an evaluation 3,200 more (at most 4,096 at once: vLLM's max_num_seqs): sized" in line
     # half the memory available falls short: sized up to that half, the shortfall named

@@ -301,10 +301,10 @@ def test_a_config_scored_otherwise_than_vllm_samples_it_is_refused_in_one_line(t
     assert devices.engine_problems(str(tmp_path), False, 4, 2, 64, "fp32") == []
     # LoRA on an MoE model: vLLM's CPU backend has no LoRA path for MoE layers (its Triton kernels
     # only)
-    [problem] = devices.engine_problems(str(tmp_path), False, 4, 2, 64, "fp32", 8)
+    [problem] = devices.engine_problems(str(tmp_path), False, 4, 2, 64, "fp32", lora_rank=8)
     assert "Mixture-of-Experts" in problem and "--lora-rank" in problem and "\n" not in problem
     # GPUs: not refused (not run)
-    assert devices.engine_problems(str(tmp_path), True, 4, 2, 64, "fp32", 8) == []
+    assert devices.engine_problems(str(tmp_path), True, 4, 2, 64, "fp32", lora_rank=8) == []
     # EXAONE-MoE with a window and no sliding layer: RoPE in vLLM's layers, none in transformers'
     # (0.12 apart)
     full = transformers.AutoConfig.for_model(

@@ -192,9 +192,9 @@ def test_a_message_lost_across_a_reconnect_ends_the_link_instead_of_being_skippe
 # --------------------------------------------------------------------------------------------------
 # Two "nodes" on 127.0.0.1, with vLLM
 # --------------------------------------------------------------------------------------------------
-# --timeout-s of both sides (as on one node: vLLM is slow to start on 2 busy cores); a killed side
+# --timeout-s of both sides, as on one node: vLLM is slow to start on 2 busy cores. A killed side is
+# noticed sooner, from its dropped connection (link.RECONNECT_S).
 TIMEOUT_S = 300
-# is noticed sooner, from its dropped connection (link.RECONNECT_S)
 TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2")
 
 

@@ -134,10 +134,10 @@ def test_replay_runs_the_recorded_experts_falls_back_where_missing_and_counts():
         assert torch.equal(used[present], flat[present, layer])
         gate = model.model.layers[layer].mlp.gate.weight
         live = torch.nn.functional.linear(inputs[layer], gate).topk(TOP_K).indices
-        # the live router's
+        # Where no route was recorded, the live router's experts are used.
         assert torch.equal(used[~present].sort(-1).values, live[~present].sort(-1).values)
-    # the last position of each row predicts nothing: never counted; missing: (0, 2) in 2 layers,
-    # (1, 4) in 1
+    # The last position of each row predicts nothing and is never counted; the missing routes are
+    # (0, 2) in 2 layers and (1, 4) in 1.
     assert int(counts["missing"]) == 3 and int(counts["decisions"]) == 2 * 6 * LAYERS - 3
     # random routes: the live router disagrees
     assert 0 <= int(counts["agree"]) < int(counts["decisions"])

@@ -74,7 +74,7 @@ def test_the_worker_records_each_sample_and_a_prefix_cache_hit_gets_its_blocks_r
         block_size=32,
     )
     try:
-        # (record every request)
+        # An empty request-id prefix: record every request.
         layers, top_k, experts = llm.collective_rpc("start_routes", args=("",))[0]
         prompt = [1] + [3 + (7 * j) % 23 for j in range(39)]
         outs = [

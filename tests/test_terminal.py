@@ -104,7 +104,15 @@ def test_only_the_expected_reload_warnings_are_dropped():
     from generator.vllm_worker import ExpectedReloadWarnings
 
     def record(layer, msg="%s: Failed to load weights"):
-        return logging.LogRecord("vllm", logging.WARNING, "layerwise.py", 266, msg, (layer,), None)
+        return logging.LogRecord(
+            name="vllm",
+            level=logging.WARNING,
+            pathname="layerwise.py",
+            lineno=266,
+            msg=msg,
+            args=(layer,),
+            exc_info=None,
+        )
 
     tied, untied = ExpectedReloadWarnings(True), ExpectedReloadWarnings(False)
     assert not tied.filter(record("RotaryEmbedding")) and not untied.filter(

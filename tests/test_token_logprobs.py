@@ -435,7 +435,15 @@ def test_the_transform_of_a_chunked_head_in_forward_and_backward(case, sampling)
     across chunks of 2 tokens, in float32."""
     head, with_bias = HEAD_CASES[case]
     temperature, top_k, top_p = (0.8, 6, 0.95) if sampling != "plain" else HEAD_SAMPLINGS[sampling]
-    hidden, weight, bias, g = head_inputs(0, 7, 8, 11, 3.0, with_bias, torch.float32)
+    hidden, weight, bias, g = head_inputs(
+        seed=0,
+        n=7,
+        hidden_size=8,
+        vocab=11,
+        weight_std=3.0,
+        with_bias=with_bias,
+        dtype=torch.float32,
+    )
     params = [t.requires_grad_() for t in (hidden, weight, bias) if t is not None]
     logits = head_formula(hidden, weight, bias, head)
     tokens = torch.randint(0, 11, (7,), generator=g)
@@ -473,7 +481,15 @@ def test_the_bf16_heads_gradients_against_float32_autograd(case, sampling):
     of what the plain loop's autograd through the model's bf16 operations gets."""
     head, with_bias = HEAD_CASES[case]
     sampling = HEAD_SAMPLINGS[sampling]
-    hidden, weight, bias, g = head_inputs(1, 64, 32, 200, 0.3, with_bias, torch.bfloat16)
+    hidden, weight, bias, g = head_inputs(
+        seed=1,
+        n=64,
+        hidden_size=32,
+        vocab=200,
+        weight_std=0.3,
+        with_bias=with_bias,
+        dtype=torch.bfloat16,
+    )
     logits16 = head_formula(hidden, weight, bias, head)
     probs = torch.softmax(logprobs.sampling_logits(logits16, *sampling), -1)
     tokens, upstream = torch.multinomial(probs, 1, generator=g)[:, 0], torch.randn(64, generator=g)

@@ -2,12 +2,12 @@
 
 Role: the trainer ranks call `save_trainer_state` (each rank writes its own shards with PyTorch's
 distributed checkpoint, DCP), `load_trainer_state` on a resume (on any number of ranks: DCP
-reshards) and `save_final_model` (rank 0 writes the Hugging Face model, at the end or
-every --save-hf-every steps). Every collective around a save runs on the `save_group` given (its
-timeout is --save-timeout-s), so no rank times out while another writes. A checkpoint is written
-into a hidden sibling folder and renamed into place when complete; one of the same step already
-there is renamed aside first: every step_* folder is complete at every moment, whatever is killed
-when. Data contract: OUT/checkpoints/step_00000100/ holds
+reshards) and `save_final_model` (rank 0 writes the Hugging Face model, at the end or every
+--save-hf-every steps). Every collective around a save runs on the `save_group` given (its timeout
+is --save-timeout-s), so no rank times out while another writes. A checkpoint is written into a
+hidden sibling folder and renamed into place when complete; one of the same step already there is
+renamed aside first: every step_* folder is complete at every moment, whatever is killed when.
+Data contract: OUT/checkpoints/step_00000100/ holds
     dcp/ (DCP: "model", the trained tensors, every parameter or with --lora-rank the adapter's, by
     parameter name; "optimizer", AdamW's state by parameter name; a .distcp file per rank that wrote
     and .metadata); rng.pt (rank 0's torch, python, numpy RNG states); trainer_state.json: step,
@@ -176,8 +176,7 @@ def save_trainer_state(
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     barrier(save_group)
-    # each rank's files are fsynced by the writer (sync_files) before the collective that ends the
-    # save
+    # The writer fsyncs each rank's files (sync_files) before the collective that ends the save.
     dcp.save(
         trained_tensors(model, optimizer),
         process_group=save_group,

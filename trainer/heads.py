@@ -42,27 +42,35 @@ TIED_ONLY = ("cohere", "cohere2", "cohere2_moe", "gemma2")
 # measured. The MoE families in the tables above agree after a weight publish to <= 1e-4 in fp32
 # (tests/test_moe.py).
 MOE_REFUSED = {
-    "deepseek_v2": "vLLM 0.32 runs its MLA attention on CPU only at kv_lora_rank 512 + "
-    "qk_rope_head_dim 64, and there "
-    "its log-probs were 2.3e-3 off transformers' in fp32 (tiny model, before any sync)",
-    "deepseek_v3": "vLLM 0.32 runs its MLA attention on CPU only at kv_lora_rank 512 + "
-    "qk_rope_head_dim 64, and there "
-    "its log-probs were 0.011 off transformers' in fp32 (tiny model, before any sync); "
-    "transformers 5's "
-    "config also lacks the topk_method vLLM reads (without it vLLM cannot load the weights)",
-    "gpt_oss": "vLLM 0.32's layer-wise reload loads none of its expert weights "
-    '(GptOssRoutedExperts: "Failed to '
-    'load weights"): after a weight sync vLLM would sample from the old experts',
-    "phimoe": "vLLM 0.32 serves the architecture transformers 5 writes (PhimoeForCausalLM) through "
-    "its Transformers "
-    "modeling backend, and its own PhiMoEForCausalLM gave NaN log-probs on a tiny model: not "
-    "checked",
-    "minimax_m2": "vLLM 0.32's CPU MoE router has no sigmoid top-k without expert groups, "
-    "MiniMax-M2's routing "
-    "(its engine fails at the first forward); transformers 5's config also lacks the rotary_dim "
-    "and scoring_func vLLM reads",
-    "llama4_text": "transformers 5's Llama4ForCausalLM.get_decoder() returns the whole model, not "
-    "its decoder: the trainer's chunked LM head cannot read the final hidden states",
+    "deepseek_v2": (
+        "vLLM 0.32 runs its MLA attention on CPU only at kv_lora_rank 512 + qk_rope_head_dim 64, "
+        "and there its log-probs were 2.3e-3 off transformers' in fp32 (tiny model, before any "
+        "sync)"
+    ),
+    "deepseek_v3": (
+        "vLLM 0.32 runs its MLA attention on CPU only at kv_lora_rank 512 + qk_rope_head_dim 64, "
+        "and there its log-probs were 0.011 off transformers' in fp32 (tiny model, before any "
+        "sync); transformers 5's config also lacks the topk_method vLLM reads (without it vLLM "
+        "cannot load the weights)"
+    ),
+    "gpt_oss": (
+        "vLLM 0.32's layer-wise reload loads none of its expert weights (GptOssRoutedExperts: "
+        '"Failed to load weights"): after a weight sync vLLM would sample from the old experts'
+    ),
+    "phimoe": (
+        "vLLM 0.32 serves the architecture transformers 5 writes (PhimoeForCausalLM) through its "
+        "Transformers modeling backend, and its own PhiMoEForCausalLM gave NaN log-probs on a "
+        "tiny model: not checked"
+    ),
+    "minimax_m2": (
+        "vLLM 0.32's CPU MoE router has no sigmoid top-k without expert groups, MiniMax-M2's "
+        "routing (its engine fails at the first forward); transformers 5's config also lacks "
+        "the rotary_dim and scoring_func vLLM reads"
+    ),
+    "llama4_text": (
+        "transformers 5's Llama4ForCausalLM.get_decoder() returns the whole model, not its "
+        "decoder: the trainer's chunked LM head cannot read the final hidden states"
+    ),
 }
 
 
@@ -74,11 +82,10 @@ def head_problem(config) -> str:
     if model_type == "afmoe" and not afmoe_routes_as_transformers(config):
         return (
             "model type 'afmoe': vLLM routes by the config's score_func, route_norm, n_group and "
-            "topk_group "
-            "(the released checkpoints' fields), transformers 5 always by normalized sigmoid "
-            "scores, ungrouped, "
-            "without muP: give a config with score_func 'sigmoid', route_norm true, n_group and "
-            f"topk_group 1, mup_enabled false (this one: {afmoe_routing(config)})"
+            "topk_group (the released checkpoints' fields), transformers 5 always by normalized "
+            "sigmoid scores, ungrouped, without muP: give a config with score_func 'sigmoid', "
+            "route_norm true, n_group and topk_group 1, mup_enabled false "
+            f"(this one: {afmoe_routing(config)})"
         )
     routing = routing_problem(config)
     if routing:
@@ -90,9 +97,8 @@ def head_problem(config) -> str:
     ):
         return (
             "model type 'exaone_moe' with a sliding_window but no sliding-attention layer: "
-            "transformers then "
-            "applies no RoPE in any layer and vLLM applies it in all (measured 0.12 apart in "
-            "log-prob)"
+            "transformers then applies no RoPE in any layer and vLLM applies it in all (measured "
+            "0.12 apart in log-prob)"
         )
     if model_type in TRANSFORMED_HEADS:
         transform = TRANSFORMED_HEADS[model_type][1](config)
@@ -109,15 +115,15 @@ def head_problem(config) -> str:
         if model_type in TIED_ONLY and not getattr(config, "tie_word_embeddings", True):
             return (
                 f"model type {model_type!r} with tie_word_embeddings false: vLLM serves its LM "
-                f"head as the input embedding, transformers as lm_head"
+                "head as the input embedding, transformers as lm_head"
             )
         return ""
     if model_type not in PLAIN_HEADS:
         known = ", ".join(sorted({**PLAIN_HEADS, **TRANSFORMED_HEADS}))
         return (
             f"model type {model_type!r} (architectures {getattr(config, 'architectures', None)}): "
-            f"its LM head "
-            f"is not one this trainer knows how to score as vLLM samples (known: {known})"
+            f"its LM head is not one this trainer knows how to score as vLLM samples (known: "
+            f"{known})"
         )
     stray = [
         f"{name}={getattr(config, name)!r}"
@@ -127,7 +133,7 @@ def head_problem(config) -> str:
     if stray:
         return (
             f"model type {model_type!r} sets {', '.join(stray)}: vLLM would apply it to the logits "
-            f"and transformers would not"
+            "and transformers would not"
         )
     return ""
 

@@ -4,7 +4,8 @@ serves.
 Role: the PEFT config built from the flags, the adapter's tensor names and its on-disk format
 (checkpoints, the final adapter, `--merge-at-end`). Only the adapter gets gradients, fills the
 shared buffer (shared_weights.py) and is loaded by vLLM on each sync
-(`vllm_worker.WeightSyncWorker.load_shared_adapter`). Data contract
+(`vllm_worker.WeightSyncWorker.load_shared_adapter`).
+Data contract
     - Tensor names are PEFT's file names (`base_model.model.<module>.lora_A.weight`): what
       adapter_model.safetensors holds, what vLLM's loader reads, and the shared buffer's slot names.
     - An adapter folder = adapter_config.json + adapter_model.safetensors.

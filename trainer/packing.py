@@ -183,6 +183,6 @@ def problem(model, world_size: int = 1) -> str | None:
         return (
             f"does not keep packed rows apart (a row packed after another differs from it alone "
             f"by {float(difference):.2g} relative, more than {tolerance:g}: its attention mask "
-            f"ignores the position ids)"
+            "ignores the position ids)"
         )
     return None

@@ -120,12 +120,11 @@ class RouterReplay:
         b, t = attention_mask.shape
         if tuple(routes.shape) != (b, t, self.layers, self.top_k):
             raise RuntimeError(
-                f"routes of shape {tuple(routes.shape)} for a batch of {b} x {t} tokens in a model "
-                f"of {self.layers} layers and top-{self.top_k} routing: they do not belong to this "
-                f"batch"
+                f"routes of shape {tuple(routes.shape)} for a batch of {b} x {t} tokens "
+                f"in a model of {self.layers} layers and top-{self.top_k} routing: "
+                "they do not belong to this batch"
             )
-        # a position's routes matter when its output is scored: a real token followed by a real
-        # target
+        # A position's routes matter when its output is scored: a real token with a real target.
         needed = torch.zeros_like(attention_mask, dtype=torch.bool)
         needed[:, :-1] = (
             attention_mask[:, :-1].bool() & attention_mask[:, 1:].bool() & rows[:, None]
@@ -150,7 +149,8 @@ class RouterReplay:
     def count(
         self, layer: int, own: torch.Tensor, recorded: torch.Tensor, present: torch.Tensor
     ) -> None:
-        # (a recompute, or the same modules scored again)
+        # A layer is counted once per measured forward: a recompute, or the same modules scored
+        # again, is not counted twice.
         if not self.measure or layer in self.counted:
             return
         self.counted.add(layer)
@@ -178,7 +178,7 @@ def weigh(
     weights = torch.softmax(logits, dim=-1) if score == "softmax" else torch.sigmoid(logits)
     if not chosen_only:
         weights = weights.gather(-1, chosen)
-    # (a softmax over the chosen sums to 1)
+    # A softmax over the chosen experts alone already sums to 1.
     if normalize and not (chosen_only and score == "softmax"):
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
     return weights * scale
