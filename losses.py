@@ -336,7 +336,6 @@ def policy_loss(
     if weights is not None:
         loss_tok = loss_tok * weights.detach()
     loss = aggregate(loss_tok, m_bool, agg=agg, max_len=max_len, units=units, seq_lens=seq_lens)
-
     clip = dict(variant=variant, eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip)
     return loss, _clip_metrics(ratio, log_ratio, adv, m_bool, **clip)
 
