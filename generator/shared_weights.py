@@ -138,8 +138,8 @@ class SharedWeights:
         self.header = header  # int64 [seq, version, publish_time_ns], always in CPU shared memory
         self.layout = layout
         self._ipc = ipc_handle  # set in processes that received a CUDA buffer
-        # The serving dtype, known without opening a received CUDA buffer (FSDP2 ranks cast to it
-        # before gathering).
+        # The serving dtype, known without opening a received
+        # CUDA buffer (FSDP2 ranks cast to it before gathering).
         self.dtype = buffer.dtype if buffer is not None else (dtype or torch.float32)
         # True: the generator serves nothing until it has loaded the trainer's first publish (an
         # adapter that vLLM does not hold yet, a resume's weights); False: it starts from the

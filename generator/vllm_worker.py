@@ -288,8 +288,8 @@ class WeightSyncWorker(RouteRecorder):
         manager = workers._adapter_manager
         helper = PEFTHelper.from_local_dir(adapter_dir, workers.max_position_embeddings)
         helper.validate_legal(workers.lora_config)
-        # vLLM folds the scaling into lora_b in place when it packs q/k/v: hand it copies, not our
-        # snapshot.
+        # vLLM folds the scaling into lora_b in place when
+        # it packs q/k/v: hand it copies, not our snapshot.
         tensors = {
             slot.name: shared.view(slot, self._adapter_snapshot).clone() for slot in shared.layout
         }

@@ -73,8 +73,8 @@ async def swap_weights(gen, version: int):
     t1 = time.perf_counter()
     # samples (n > 1 counts n), running or waiting
     in_flight = gen.engine.get_num_unfinished_requests()
-    # The buffer may already hold a newer version than we were told: the workers report what
-    # they loaded.
+    # The buffer may already hold a newer version than
+    # we were told: the workers report what they loaded.
     version = await load_same_version(
         lambda: engine_call(gen, load_rpc(gen, version), "the weight load")
     )

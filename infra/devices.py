@@ -448,8 +448,8 @@ def engine_problems(
         )
     per_token = kv_bytes_per_token(text, dtype)
     if not on_gpu and context and per_token:
-        # A lower bound (vLLM also rounds up to 128-token blocks and holds one back): refuse only
-        # the sure cases.
+        # A lower bound (vLLM also rounds up to 128-token blocks
+        # and holds one back): refuse only the sure cases.
         needed_mb = context * per_token / 2**20
         if needed_mb > kv_cache_mb:
             problems.append(

@@ -141,8 +141,8 @@ class Link:
             sock.bind(f"tcp://{host}:{port}")
         else:
             sock.connect(f"tcp://{host}:{port}")
-        # TCP tells at once when the peer's process ends (its kernel closes the connection); silence
-        # covers the rest.
+        # TCP tells at once when the peer's process ends (its
+        # kernel closes the connection); silence covers the rest.
         monitor = sock.get_monitor_socket(
             zmq.EVENT_ACCEPTED | zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
         )

@@ -51,8 +51,8 @@ def smooth(values: list[float], window: int) -> list[float]:
 def plot_run(out_dir: str) -> str | None:
     """Write OUT/plots.png from OUT/metrics.jsonl; returns its path (None when there is no row
     yet)."""
-    # matplotlib only when a picture is drawn (slow to import; the Agg backend is chosen before
-    # pyplot loads)
+    # matplotlib only when a picture is drawn (slow to
+    # import; the Agg backend is chosen before pyplot loads)
     import matplotlib
 
     matplotlib.use("Agg")

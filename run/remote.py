@@ -362,8 +362,8 @@ def agree_on_the_run(cfg, place: TorchrunPlace, trainer_link, control) -> tuple 
             shared = prepare.allocate_shared_weights(
                 prepared.model_path, "meta", devices.torch_dtype(cfg.dtype)
             )
-            # vLLM starts from the original model; the weights it serves (a checkpoint's too) are
-            # the ones we send.
+            # vLLM starts from the original model; the weights it
+            # serves (a checkpoint's too) are the ones we send.
             settings = prepare.generator_settings(
                 cfg, dataclasses.replace(prepared, model_path=prepared.base_model)
             )

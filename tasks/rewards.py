@@ -358,9 +358,9 @@ def math_reward(completions, answer=None, solution=None, **kwargs) -> list[float
     golds = answer if answer is not None else solution
     if golds is None:
         raise TypeError("math_reward needs an `answer` (or `solution`) column")
-    # math-verify's timeouts use signal.alarm, which only works in a process's main thread: in a
-    # thread we run without them (as its docs advise); use --reward-workers N to keep them, in
-    # worker processes.
+    # math-verify's timeouts use signal.alarm, which only works in a
+    # process's main thread: in a thread we run without them (as its docs
+    # advise); use --reward-workers N to keep them, in worker processes.
     timeout = 5 if threading.current_thread() is threading.main_thread() else None
     # its "timeout is disabled" notice, per call
     logging.getLogger("math_verify").setLevel(logging.ERROR)

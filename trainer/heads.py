@@ -37,10 +37,10 @@ STRAY = {"logit_scale": 1.0, "final_logit_softcapping": None, "logits_scaling": 
 TIED_ONLY = ("cohere", "cohere2", "cohere2_moe", "gemma2")
 
 
-# Mixture-of-Experts families vLLM 0.32 serves on CPU whose tokens the trainer does not score as
-# vLLM samples them (tiny random-init models of each, tests/test_moe.py): refused with the reason
-# measured. The MoE families in the tables above agree after a weight publish to <= 1e-4 in fp32
-# (tests/test_moe.py).
+# Mixture-of-Experts families vLLM 0.32 serves on CPU whose tokens the trainer does
+# not score as vLLM samples them (tiny random-init models of each,
+# tests/test_moe.py): refused with the reason measured. The MoE families in the
+# head tables (logprobs.py) agree after a weight publish to <= 1e-4 in fp32 (tests/test_moe.py).
 MOE_REFUSED = {
     "deepseek_v2": (
         "vLLM 0.32 runs its MLA attention on CPU only at kv_lora_rank 512 + qk_rope_head_dim 64, "

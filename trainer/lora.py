@@ -29,8 +29,8 @@ from infra import devices
 from trainer import replay
 
 ADAPTER_NAME = "default"  # PEFT's name for a model's only adapter; it is not part of the file names
-# vLLM sizes its LoRA buffers for one of these ranks (`--max-lora-rank`); the adapter's rank may be
-# lower.
+# vLLM sizes its LoRA buffers for one of these ranks
+# (`--max-lora-rank`); the adapter's rank may be lower.
 VLLM_MAX_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 

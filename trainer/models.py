@@ -155,8 +155,8 @@ def load_sharded(model_path, world_size, device, dtype, wrap=None, **shard_optio
 def shard_layers_and_root(model, layers, world_size, device, **options):
     """fully_shard each decoder layer, then the root (FSDP2's usual wrapping; it moves each layer
     onto the device as it shards it)."""
-    # An explicit mesh: with a CUDA build of torch, fully_shard's default mesh is on the GPU even on
-    # the CPU path.
+    # An explicit mesh: with a CUDA build of torch, fully_shard's
+    # default mesh is on the GPU even on the CPU path.
     mesh = init_device_mesh(torch.device(device).type, (world_size,))
     for layer in layers:
         fully_shard(layer, mesh=mesh, **options)
