@@ -228,7 +228,16 @@ def check_size(size, args, device, receiver_device, receiver_visible, peer_here,
             synchronize(device)
             t0 = time.perf_counter()
             stepped = update.update_on_batch(
-                model, None, optimizer, batch, cfg, 0, 1, step, step, device
+                model,
+                None,
+                optimizer,
+                batch,
+                cfg,
+                rank=0,
+                world_size=1,
+                version=step,
+                step=step,
+                device=device,
             )
             synchronize(device)
             steps.append((time.perf_counter() - t0) * 1e3)
@@ -377,7 +386,13 @@ def main(argv=None) -> int:
                 f"{receiver_device}"
             )
             result["sizes"][size] = check_size(
-                size, args, device, receiver_device, receiver_visible, peer_here, workdir
+                size,
+                args,
+                device,
+                receiver_device=receiver_device,
+                receiver_visible=receiver_visible,
+                peer_here=peer_here,
+                workdir=workdir,
             )
             log(f"{size}: {json.dumps(result['sizes'][size], sort_keys=True)}")
             if args.device == "cuda":

@@ -45,7 +45,16 @@ def backward(
     """One update's gradients, left on the parameters unclipped (no optimizer), and its reduced
     figures."""
     return update.update_on_batch(
-        model, ref_model, None, batch, cfg, rank, world, version, 0, device
+        model,
+        ref_model,
+        None,
+        batch,
+        cfg,
+        rank=rank,
+        world_size=world,
+        version=version,
+        step=0,
+        device=device,
     )
 
 

@@ -129,7 +129,15 @@ def _ppo_worker(rank, world, init_file, model_path, results):
             # linear in the gradient: exact comparison
             optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
             result = update.update_on_batch(
-                model, None, optimizer, make_batch(), cfg, rank, world, version=0, step=3
+                model,
+                None,
+                optimizer,
+                make_batch(),
+                cfg,
+                rank=rank,
+                world_size=world,
+                version=0,
+                step=3,
             )
             params = {
                 n: p.full_tensor().detach().clone().numpy() for n, p in model.named_parameters()
@@ -231,7 +239,9 @@ def test_dr_grpos_constant_normaliser_is_the_episodes_token_budget(tmp_path):
         for changes, budget in ((dict(), 5), (dict(task="reveal"), 20))
     }
     for budget, cfg in cfgs.items():
-        result = update.update_on_batch(model, None, None, batch, cfg, 0, 1, version=1, step=0)
+        result = update.update_on_batch(
+            model, None, None, batch, cfg, rank=0, world_size=1, version=1, step=0
+        )
         model.zero_grad(set_to_none=True)
         # (reveal, before: / 5)
         assert result.loss == pytest.approx(token_sums / 2 / budget, rel=1e-5), cfg.task

@@ -200,7 +200,9 @@ def test_routes_follow_their_tokens_through_collation_and_micro_batches():
     for tokens in (0, 12):
         model = tiny_moe(replay_on=True)
         cfg = Config(micro_batch_tokens=tokens, max_lag=0)
-        result = update.update_on_batch(model, None, None, batch, cfg, 0, 1, 0, 0)
+        result = update.update_on_batch(
+            model, None, None, batch, cfg, rank=0, world_size=1, version=0, step=0
+        )
         assert result.metrics["router/missing"] == 0 and 0 < result.metrics["router/agreement"] < 1
         assert (result.metrics["micro_batches"] == 1) == (tokens == 0)
         grads.append([p.grad.clone() for p in model.parameters()])
@@ -242,7 +244,9 @@ def test_the_kl_reference_routes_itself_with_lora_and_with_full_fine_tuning(monk
     adapted = lora.wrap(tiny_moe(), lora.peft_config(4, 8, 0.0, "q_proj,v_proj"), seed=0)
     replay.install(adapted, lora.base_model_of(adapted).model.layers, adapted.config, True)
     for policy, reference in ((full_policy, tiny_moe()), (adapted, lora.AdapterOff(adapted))):
-        result = update.update_on_batch(policy, reference, None, batch, cfg, 0, 1, 0, 0)
+        result = update.update_on_batch(
+            policy, reference, None, batch, cfg, rank=0, world_size=1, version=0, step=0
+        )
         # the policy replayed the routes (random: its own router disagrees with them)
         assert result.metrics["router/agreement"] < 1
         with torch.no_grad(), replay.routed_by(policy, batch):
