@@ -365,3 +365,27 @@ def split_addr(addr: str) -> tuple[str, int]:
     if not host or not port.isdigit():
         raise ValueError(f"--generator-addr {addr!r}: give HOST:PORT")
     return host, int(port)
+
+
+@dataclass
+class GeneratorSettings:
+    """The generator's start (rollout.generator_main): the run's resolved Config (the one source of
+    every setting) and what the parent derived for that process (prepare.generator_settings)."""
+
+    cfg: Config
+    model: str  # the directory vLLM serves (a resumed run: the checkpoint's model)
+    initial_version: int = 0  # the version of the weights in `model`
+    # a resumed run continues the sequence of group ids (and so the walk of prompts)
+    first_group_id: int = 0
+    # evaluate the initial weights (step 0) as the engine starts, beside the first steps
+    eval_at_start: bool = False
+    # with --lora-rank: holds the adapter's adapter_config.json (rank, alpha, targets)
+    lora_dir: str = ""
+    stop: tuple = ()  # --stop, unescaped (vLLM's SamplingParams.stop)
+    # GPU placement (devices.DeviceLayout.generator_settings; the defaults are the CPU path)
+    device: str = "cpu"  # "cpu" or "cuda"
+    # this process's GPUs: the generator's first, then the weight buffer's
+    cuda_visible_devices: str = ""
+    # vLLM's share of each of its GPUs (bounded on a shared GPU)
+    gpu_memory_utilization: float = 0.9
+    tensor_parallel_size: int = 1  # = number of generator GPUs

@@ -118,12 +118,12 @@ def measure(model_path: str, warmup_s: float, window_s: float, groups_in_flight:
         async def scenario():
             task = asyncio.create_task(gen.run())
             await asyncio.sleep(warmup_s)
-            t0, n0 = time.perf_counter(), gen.stats["tokens"]
+            t0, n0 = time.perf_counter(), gen.stats.tokens
             await asyncio.sleep(window_s)
             # until a group has finished in it
-            while gen.stats["tokens"] == n0 and time.perf_counter() - t0 < 60:
+            while gen.stats.tokens == n0 and time.perf_counter() - t0 < 60:
                 await asyncio.sleep(0.05)
-            rate = (gen.stats["tokens"] - n0) / (time.perf_counter() - t0)
+            rate = (gen.stats.tokens - n0) / (time.perf_counter() - t0)
             gen.control.stop.set()
             await task
             return rate

@@ -149,7 +149,7 @@ def measure(model_path: str, plan: list[dict], rounds: int, seed: int, kv_delta:
                 proc.kill()
         if status != "ok":
             raise RuntimeError(value)
-        value["gen_stats"] = dict(gen.stats)
+        value["gen_stats"] = gen.stats.counters()
         if score:  # the engine is idle now: the scoring is not in the rates
             value["mismatch"] = kv_swap.mismatch(
                 model_path, value.pop("groups"), kv_delta, settings.cfg

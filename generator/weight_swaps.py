@@ -84,7 +84,7 @@ async def swap_weights(gen, version: int):
     # with their cache (PipelineRL's vllm1.py: pause "keep", no reset);
     # reset_prefix_cache(reset_running_requests=False) refuses while a block is in use (vLLM
     # 0.32), so nothing is reset and the cache salt keeps new requests off old blocks
-    # (rollout.Generator.prompt_input).
+    # (generator/engine.prompt_input).
     if gen.cfg.kv_on_swap == "recompute" and not await engine_call(
         gen, gen.engine.reset_prefix_cache(reset_running_requests=True), "the reset"
     ):
@@ -96,18 +96,17 @@ async def swap_weights(gen, version: int):
     await engine_call(gen, gen.engine.resume_generation(), "resume_generation")
     gen.loaded_version = version
     gen.control.loaded_version.value = version
-    gen.stats["loads"] += 1
-    # re-prefilled (recompute) or kept on their cache (keep)
-    gen.stats["swap_requests"] += in_flight
-    gen.sync_ms.append((time.time_ns() - gen.shared.publish_time_ns()) / 1e6)
-    gen.sync_parts.append(
-        {
+    # the requests in flight were re-prefilled (recompute) or kept on their cache (keep)
+    gen.stats.count_swap(
+        in_flight,
+        sync_ms=(time.time_ns() - gen.shared.publish_time_ns()) / 1e6,
+        parts={
             "pause_ms": (t1 - t0) * 1e3,
             "load_ms": (t2 - t1) * 1e3,
             "reset_ms": (t3 - t2) * 1e3,
             "resume_ms": (time.perf_counter() - t3) * 1e3,
             "requests": in_flight,
-        }
+        },
     )
     tracing.swap(t0, t1, t2, t3, version, in_flight)
 

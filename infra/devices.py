@@ -91,7 +91,7 @@ class DeviceLayout:
         return self.on_gpu and self.train_devices[rank] in self.shared_gpus
 
     def generator_settings(self) -> dict:
-        """Keyword arguments for rollout.GeneratorSettings: none on the CPU (its defaults are the
+        """Keyword arguments for config.GeneratorSettings: none on the CPU (its defaults are the
         CPU path)."""
         if not self.on_gpu:
             return {}
@@ -311,7 +311,7 @@ def problems(cfg) -> list[str]:
 
 def enter_generator_devices(settings, kv_cache_mb: int) -> dict:
     """vLLM's placement and memory options (AsyncEngineArgs keywords) for the generator's `settings`
-    (rollout.GeneratorSettings). On GPUs it sets CUDA_VISIBLE_DEVICES first, before vLLM is imported
+    (config.GeneratorSettings). On GPUs it sets CUDA_VISIBLE_DEVICES first, before vLLM is imported
     (its engine and worker processes inherit it): vLLM runs on the first tensor_parallel_size
     visible GPUs; the trainer's weight buffer is on one of them or on the last one, where the worker
     extension opens its CUDA IPC handle and copies peer-to-peer. CUDA graphs on GPUs (weight reloads

@@ -22,10 +22,9 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from config import Config
+from config import Config, GeneratorSettings
 from generator.shared_weights import SharedWeights, make_layout, named_shapes_of, packed_numel
 from infra import devices
-from rollout import GeneratorSettings
 from run import flag_checks
 from tasks import chat, envs, prompts, rewards, tools
 from tasks.builtin import TINY_MOE, TINY_MOE_EXPERTS, build_tiny_model

@@ -158,7 +158,7 @@ async def run_eval(gen, step: int):
     )
     results = await asyncio.gather(*(evaluate(step, i, p, version) for i, p in enumerate(prompts)))
     tokens = sum(r[1] for r in results)
-    gen.stats["eval_tokens"] = gen.stats.get("eval_tokens", 0) + tokens
+    gen.stats.eval_tokens += tokens
     gen.control.eval_results.put(
         EvalResult(
             step=step,

@@ -13,10 +13,10 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from config import Config
+from config import Config, GeneratorSettings
 from infra import processes
 from infra.devices import MAX_NUM_SEQS, engine_concurrency
-from rollout import Generator, GeneratorSettings
+from rollout import Generator
 from run import prepare
 from tasks.builtin import build_tiny_model
 from trainer.logprobs import token_logprobs
@@ -44,7 +44,7 @@ def engine_env(tmp_path_factory):
         "loop": loop,
         "ctx": ctx,
         "settings": settings,
-        "max_num_seqs": builder.stats["max_num_seqs"],
+        "max_num_seqs": builder.stats.max_num_seqs,
     }
     engine.shutdown()
     builder.engine = engine = None  # no second shutdown from AsyncLLM.__del__ at interpreter exit
@@ -159,7 +159,7 @@ def test_tokens_after_a_swap_carry_the_new_version(engine_env):
         # swap back and forth while requests are mid-generation: 6 s, longer if a loaded machine has
         # not finished a few groups by then
         while time.monotonic() < deadline or (
-            gen.stats["groups"] < 8 and time.monotonic() < last_chance
+            gen.stats.groups < 8 and time.monotonic() < last_chance
         ):
             await asyncio.sleep(0.03)
             version += 1
@@ -182,7 +182,7 @@ def test_tokens_after_a_swap_carry_the_new_version(engine_env):
                     )
                     checked += 1
             mixed += len(set(versions)) > 1
-    assert gen.stats["loads"] >= 5 and last_version > 5
+    assert gen.stats.loads >= 5 and last_version > 5
     assert checked > 1000
     assert mixed > 0, (
         "no completion spanned a weight swap: the test did not exercise in-flight updates"
@@ -207,7 +207,7 @@ def test_logprobs_agree_right_after_a_sync(engine_env, top_k, top_p):
 
     async def scenario():
         task = asyncio.create_task(gen.run())
-        await wait_until(lambda: gen.stats["groups"] >= 24 or task.done(), "24 finished groups")
+        await wait_until(lambda: gen.stats.groups >= 24 or task.done(), "24 finished groups")
         if task.done():
             task.result()
         gen.control.stop.set()
@@ -252,12 +252,12 @@ def test_full_queue_blocks_the_generator(engine_env):
     async def scenario():
         task = asyncio.create_task(gen.run())
         await asyncio.sleep(4.0)  # nobody consumes: the generator must stall at the bound
-        stalled = (gen.issued, gen.stats["groups"], gen.queue.qsize())
+        stalled = (gen.issued, gen.stats.groups, gen.queue.qsize())
         await asyncio.sleep(1.0)
-        still = (gen.issued, gen.stats["groups"])
+        still = (gen.issued, gen.stats.groups)
         taken = [gen.queue.get(timeout=5) for _ in range(3)]  # make room: it must resume
         await asyncio.sleep(2.0)
-        resumed = gen.stats["groups"]
+        resumed = gen.stats.groups
         gen.control.stop.set()
         await task
         return stalled, still, taken, resumed
@@ -270,7 +270,7 @@ def test_full_queue_blocks_the_generator(engine_env):
     assert issued <= 3 + 2 * max_running
     assert still == (issued, groups), "the generator kept generating with a full queue"
     assert len(taken) == 3 and resumed > groups
-    assert gen.stats["queue_wait_s"] > 0
+    assert gen.stats.queue_wait_s > 0
 
 
 def perturbed_weights(model_path, seed, scale=0.05):
@@ -335,15 +335,15 @@ def test_kv_on_swap_keep_continues_on_the_old_cache(engine_env):
             env["shared"].publish(weights[versions[0]], versions[0])
             task = asyncio.create_task(gen.run())
             await wait_until(
-                lambda: gen.stats["groups"] >= 4 or task.done(), "4 groups under the first weights"
+                lambda: gen.stats.groups >= 4 or task.done(), "4 groups under the first weights"
             )
-            swapped_at = gen.stats["groups"]
+            swapped_at = gen.stats.groups
             for v in versions[1:]:  # swaps 0.3 s apart, each with requests mid-generation
                 env["shared"].publish(weights[v], v)
                 await wait_until(lambda: gen.loaded_version == v or task.done(), "a swap")
                 await asyncio.sleep(0.3)
             await wait_until(
-                lambda: gen.stats["groups"] >= swapped_at + 24 or task.done(), "24 groups after it"
+                lambda: gen.stats.groups >= swapped_at + 24 or task.done(), "24 groups after it"
             )
             if task.done():
                 task.result()
@@ -352,7 +352,7 @@ def test_kv_on_swap_keep_continues_on_the_old_cache(engine_env):
 
         env["loop"].run_until_complete(scenario())
         groups = drain(gen.queue)
-        assert gen.stats["swap_requests"] > 0  # in flight at the swaps after the first
+        assert gen.stats.swap_requests > 0  # in flight at the swaps after the first
         stats[mode] = mismatch_by_swap(env["path"], weights, groups, gen.cfg)
         assert len(stats[mode][0]) > 50, (
             f"{mode}: too few tokens sampled after a swap inside their request"

@@ -121,7 +121,7 @@ def run_until(env, gen, groups: int, timeout_s=120, during=None):
         if during is not None:
             await during(task)
         await wait_until(
-            lambda: gen.stats["groups"] >= groups or task.done(), f"{groups} groups", timeout_s
+            lambda: gen.stats.groups >= groups or task.done(), f"{groups} groups", timeout_s
         )
         if task.done():
             task.result()
@@ -324,7 +324,7 @@ def test_a_swap_in_the_middle_of_episodes_keeps_every_token_version(engine_env, 
     async def swaps(task):
         await wait_until(lambda: gen.loaded_version >= 1 or task.done(), "the first weight load")
         version, deadline = 1, time.monotonic() + 5
-        while time.monotonic() < deadline or gen.stats["groups"] < 6:
+        while time.monotonic() < deadline or gen.stats.groups < 6:
             await asyncio.sleep(0.03)
             version += 1
             env["shared"].publish(sets[FORCED_A if version % 2 else FORCED_B], version)

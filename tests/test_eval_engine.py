@@ -127,7 +127,7 @@ def test_evaluation_answers_never_reach_the_training_queue(engine_env, eval_weig
     async def scenario():
         task = asyncio.create_task(gen.run())
         await wait_until(
-            lambda: gen.control.ready.is_set() and gen.stats["groups"] >= 2, "training groups", task
+            lambda: gen.control.ready.is_set() and gen.stats.groups >= 2, "training groups", task
         )
         # (the module's engine keeps the weights an earlier test published)
         await wait_until(lambda: gen.loaded_version == old, "the newest weights", task)
@@ -135,7 +135,7 @@ def test_evaluation_answers_never_reach_the_training_queue(engine_env, eval_weig
         await wait_until(lambda: gen.eval_task is not None, "the evaluation to start", task)
         env["shared"].publish(new_weights, new)
         if eval_weights == "fixed":  # published mid-evaluation: loaded only once it is done
-            await wait_until(lambda: gen.stats["groups"] >= 4, "more training groups", task)
+            await wait_until(lambda: gen.stats.groups >= 4, "more training groups", task)
             assert gen.loaded_version == old and gen.eval_task is not None
             gate.append(True)
             while gen.eval_task is not None:
@@ -170,9 +170,9 @@ def test_evaluation_answers_never_reach_the_training_queue(engine_env, eval_weig
     for answer in answers:
         assert len(answer.rewards) == 6 and all(len(r) == 1 + 3 for r in answer.rewards)
         assert answer.tokens > 0
-    assert gen.stats["eval_tokens"] == first.tokens + second.tokens
+    assert gen.stats.eval_tokens == first.tokens + second.tokens
     # eval tokens apart
-    assert gen.stats["tokens"] == sum(len(ids) for g in groups for ids in g.completion_ids)
+    assert gen.stats.tokens == sum(len(ids) for g in groups for ids in g.completion_ids)
 
 
 def test_stop_strings_end_generation_and_reach_the_reward_and_the_mask(engine_env, tokenizer):
@@ -197,7 +197,7 @@ def test_stop_strings_end_generation_and_reach_the_reward_and_the_mask(engine_en
 
     async def scenario():
         task = asyncio.create_task(gen.run())
-        await wait_until(lambda: gen.stats["groups"] >= 8, "8 groups", task)
+        await wait_until(lambda: gen.stats.groups >= 8, "8 groups", task)
         gen.control.stop.set()
         await task
 
@@ -252,7 +252,7 @@ def test_the_start_evaluation_holds_up_neither_the_trainer_nor_training(engine_e
         task = asyncio.create_task(gen.run())
         await wait_until(lambda: held == [0], "the start's evaluation to begin", task)
         await wait_until(
-            lambda: gen.control.ready.is_set() and gen.stats["groups"] >= 2, "training groups", task
+            lambda: gen.control.ready.is_set() and gen.stats.groups >= 2, "training groups", task
         )
         assert gen.eval_task is not None and not evaluation.collect(gen.control)
         gate.append(True)

@@ -136,9 +136,7 @@ def test_generator_serves_each_published_adapter_and_agrees_with_the_trainer(bas
     async def scenario():
         shared.publish(adapter_tensors(adapters[1]), 1)  # what the trainer publishes at its start
         task = asyncio.create_task(gen.run())
-        await wait_until(
-            lambda: gen.stats["groups"] >= 4 or task.done(), "4 groups under adapter v1"
-        )
+        await wait_until(lambda: gen.stats.groups >= 4 or task.done(), "4 groups under adapter v1")
         version, deadline = 1, time.monotonic() + 5
         while time.monotonic() < deadline and not task.done():  # swap back and forth mid-generation
             await asyncio.sleep(0.04)
@@ -199,7 +197,7 @@ def test_generator_serves_each_published_adapter_and_agrees_with_the_trainer(bas
                 diffs.append(abs(float(logp[v % 2][t]) - lp))
                 apart.append(abs(float(logp[0][t] - logp[1][t])))
             mixed += len(set(versions)) > 1
-    assert gen.stats["loads"] >= 10 and mixed > 0, (gen.stats["loads"], mixed)
+    assert gen.stats.loads >= 10 and mixed > 0, (gen.stats.loads, mixed)
     assert len(diffs) > 200
     assert max(diffs) < 1e-4  # each token's log-prob is the trainer's under the adapter of its tag
     assert sum(a > 0.1 for a in apart) > 50, (

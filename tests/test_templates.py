@@ -461,7 +461,7 @@ def test_vllm_runs_three_turn_qwen3_episodes_token_in_token_out(models, monkeypa
 
         async def scenario():
             task = asyncio.create_task(gen.run())
-            await wait_until(lambda: gen.stats["groups"] >= 2 or task.done(), "2 groups", 240)
+            await wait_until(lambda: gen.stats.groups >= 2 or task.done(), "2 groups", 240)
             if task.done():
                 task.result()
             gen.control.stop.set()
