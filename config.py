@@ -1,11 +1,12 @@
-"""config.py — the run's settings: one `Config` dataclass and its command line.
+"""config.py — the run's settings: one `Config` dataclass and its command line; the generator's
+start (`GeneratorSettings`: the Config and what the parent derived for the generator process).
 
 Role: every `Config` field is a `--flag` (underscores become dashes); the comment after a field is
 its `--help` text (wrapped onto `#   ` lines, see Config) and a comment line on its own starts a
 group of flags, so this class is the one source of both (CleanRL's arguments dataclass).
 `build_parser` turns it into the command line. The checks are elsewhere, so that this file stays a
-leaf: flag_checks.py's read the flags alone (`flag_checks.parse_args`: the flags as a checked
-Config), prepare.py's load what the flags name (datasets, reward functions, --env, --tools, chat
+leaf: run/flag_checks.py's read the flags alone (`flag_checks.parse_args`: the flags as a checked
+Config), run/prepare.py's load what the flags name (datasets, reward functions, --env, --tools, chat
 templates, devices), and prepare.parse_args runs both (train.py's command line): one clear line
 per bad value, before anything starts. A checked Config is never changed: what a run derives from
 it (devices, threads, the resolved dtype) lives in `prepare.Prepared`.

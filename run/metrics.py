@@ -50,9 +50,10 @@ def configure_terminal(log_level: str) -> None:
 
     # this process may have imported transformers already
     transformers.utils.logging.disable_progress_bar()
-    # vLLM's start-up scan of every module touches a deprecated torch alias (not our code, not
-    # actionable); the shared-memory queues of vLLM's worker, force-killed at shutdown
-    # (rollout.quiet_requested_shutdown), are reclaimed by the resource tracker, which says so.
+    # vLLM's start-up scan of every module touches a deprecated torch alias (not
+    # our code, not actionable); the shared-memory queues of vLLM's worker,
+    # force-killed at shutdown (generator/engine.quiet_requested_shutdown), are
+    # reclaimed by the resource tracker, which says so.
     expected = (
         "ignore:`torch.distributed.reduce_op` is deprecated:FutureWarning",
         "ignore:resource_tracker:UserWarning",
@@ -415,7 +416,7 @@ class RunLog:
             "eval_s": sum(e["eval/time_s"] for e in self.evals) if self.evals else None,
             "train_prompts": gen.get("train_prompts"),
             "prompts_dropped_long": gen.get("prompts_dropped_long"),
-            # sequences vLLM runs at once (rollout.engine_concurrency)
+            # sequences vLLM runs at once (infra/devices.engine_concurrency)
             "max_num_seqs": gen.get("max_num_seqs"),
             "config": dataclasses.asdict(self.cfg),
         }
