@@ -16,8 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-
-from generator import LABELS  # noqa: E402
+from generation import LABELS  # noqa: E402
 
 
 def load(out: Path, name: str):

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-NAMES = ("overlap", "weight_sync", "generator", "trainer", "learning")
+NAMES = ("overlap", "weight_sync", "generation", "training", "learning")
 
 
 def main(argv=None) -> int:

@@ -48,24 +48,19 @@ SCRIPTS = {
     "peak_rss",
     "overlap",
     "weight_sync",
-    "generator",
+    "generation",
     "env_latency",
     "dtype",
-    "trainer",
+    "training",
     "load_memory",
     "ab",
     "learning",
-    "eval_cost",
-    "stale_bias",
-    "variants",
-    "distill",
+    "costs",
     "moe",
     "run_all",
     "memory",
     "report",
-    "trace_cost",
     "gpu_trainer",
-    "real_model",
 }
 HELPERS = {
     "common",
@@ -73,7 +68,6 @@ HELPERS = {
     "generator_phases",
     "kv_swap",
     "machine",
-    "moe_paired",
     "overlap_breakdown",
     "overlap_modes",
     "stages_alone",
@@ -159,9 +153,11 @@ def runs(recorded):
         yield asked
 
 
-def smoke(name, out, *args):
-    """`python bench/NAME.py --smoke --out OUT ARGS`, in this process; NAME's JSON."""
-    assert importlib.import_module(name).main(["--smoke", "--out", str(out), *args]) == 0
+def smoke(name, out, *args, script=None):
+    """`python bench/SCRIPT.py ARGS --smoke --out OUT` (SCRIPT: NAME unless given), in this
+    process; the JSON NAME.json it wrote."""
+    module = importlib.import_module(script or name)
+    assert module.main([*args, "--smoke", "--out", str(out)]) == 0
     return json.loads((out / f"{name}.json").read_text())
 
 
@@ -250,7 +246,7 @@ def test_weight_sync(out):
 
 
 def test_generator(out):
-    data = smoke("generator", out)
+    data = smoke("generator", out, script="generation")
     assert positive(
         data["ratio"],
         data["ratio_nosync"],
@@ -287,7 +283,7 @@ def test_dtype(runs, out):
 
 
 def test_trainer(runs, out):
-    data = smoke("trainer", out)
+    data = smoke("trainer", out, script="training")
     (row,) = data["rows"]
     assert row["name"] == "tiny" and positive(
         row["ratio"], row["bare_tokens_per_s"], row["project_tokens_per_s"]
@@ -323,7 +319,7 @@ def test_ab_finds_a_revision_equal_to_itself(runs, out):
 
 def test_learning(runs, out):
     runs.clear()
-    data = smoke("learning", out)
+    data = smoke("learning", out, "--what", "learning", script="learning")
     assert [c.max_lag for c in runs] == [0, 4] and all(c.steps == 12 for c in runs)
     assert positive(data["wall_speedup"]) and data["runs"]["sync"]["steps"] == 12
 
@@ -340,7 +336,7 @@ def test_waves_and_holds_read_from_the_recorded_trace(recorded):
 
 def test_real_model(runs, out):
     runs.clear()
-    data = smoke("real_model", out)
+    data = smoke("real_model", out, "--what", "real_model", script="learning")
     (cfg,) = runs  # one run: the addition task's files, the math reward, held-out evaluation
     assert (cfg.reward, cfg.steps, cfg.eval_prompts) == ("math", 2, 20)
     assert Path(cfg.dataset).name == "train.jsonl" and Path(cfg.eval_dataset).name == "test.jsonl"
@@ -350,14 +346,14 @@ def test_real_model(runs, out):
 
 def test_eval_cost(runs, out):
     runs.clear()
-    data = smoke("eval_cost", out)
+    data = smoke("eval_cost", out, "--what", "eval", script="costs")
     assert sorted(c.eval_every for c in runs) == [0, config.Config().eval_every]
     assert positive(data["cost_ratio"]) and data["runs"]["eval"][0]["evals"]
 
 
 def test_trace_cost(runs, out):
     runs.clear()
-    data = smoke("trace_cost", out)
+    data = smoke("trace_cost", out, "--what", "trace", script="costs")
     assert [c.trace_steps for c in runs] == [300, 0] and all(c.steps == 12 for c in runs)
     assert positive(
         data["cost_ratio_wall"], data["cost_ratio_process"], data["kb_per_step"], data["draw_s"]
@@ -367,7 +363,7 @@ def test_trace_cost(runs, out):
 
 def test_stale_bias(runs, out):
     runs.clear()
-    data = smoke("stale_bias", out)
+    data = smoke("stale_bias", out, "--what", "stale_bias", script="learning")
     assert [c.stale_rule for c in runs] == ["group", "tokens"] and all(
         c.max_new_tokens == 8 for c in runs
     )
@@ -376,8 +372,7 @@ def test_stale_bias(runs, out):
 
 def test_variants(runs, out):
     runs.clear()
-    assert importlib.import_module("variants").main(["--smoke", "--out", str(out)]) == 0
-    data = json.loads((out / "variants.json").read_text())
+    data = smoke("variants", out, "--what", "variants", script="learning")
     assert [(c.loss, c.mini_batches) for c in runs] == [
         ("grpo", 1),
         ("grpo", 4),
@@ -389,7 +384,7 @@ def test_variants(runs, out):
 
 def test_distill(runs, out):
     runs.clear()
-    data = smoke("distill", out)
+    data = smoke("distill", out, "--what", "distill", script="learning")
     teacher, plain, distilled = runs
     assert not teacher.teacher and not plain.teacher and distilled.teacher.endswith("teacher/model")
     assert distilled.distill_coef == 0.1 and plain.seed == distilled.seed == 1

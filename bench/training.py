@@ -1,8 +1,8 @@
-"""bench/trainer.py — what does the trainer cost on top of a bare FSDP2 loop? Tokens/s side by side.
+"""bench/training.py — what does the trainer cost on top of a bare FSDP2 loop? Tokens/s.
 
-    python bench/trainer.py --out DIR        # writes DIR/trainer.json and DIR/trainer.png
+    python bench/training.py --out DIR        # writes DIR/trainer.json and DIR/trainer.png
     # the suite's size (tests/test_bench.py): tiny, --steps 6 --warmup 2
-    python bench/trainer.py --smoke --out DIR
+    python bench/training.py --smoke --out DIR
 
 1. Batches: the real generator (`rollout.generator_main`) produces `--steps` steps of rollouts on
    the default task (32 prompts x 8 completions), recorded once.

@@ -1,9 +1,9 @@
-"""bench/generator.py — what does the generator cost on top of bare vLLM? Tokens/s side by side, one
+"""bench/generation.py — what does the generator cost on top of bare vLLM? Tokens/s, one
 engine.
 
-    python bench/generator.py --out DIR      # writes DIR/generator.json and DIR/generator.png
+    python bench/generation.py --out DIR      # writes DIR/generator.json and DIR/generator.png
     # the suite's size (tests/test_bench.py): one round, 4 + 3 steps
-    python bench/generator.py --smoke --out DIR
+    python bench/generation.py --smoke --out DIR
 
 One vLLM engine, built by the project's own `rollout.Generator.build_engine` (same engine arguments,
 same threads), serves these phases, interleaved for `--rounds` rounds (the order rotates from round
