@@ -262,21 +262,60 @@ def paired(model_path: str, prompts: int, lengths: list[int], threads: int, seed
     completions of exactly N tokens; the trainer's model (bf16 compute, one gloo rank) scores them
     with its routers live, then replaying the recorded routes."""
     import os
-
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process
-    os.environ["OMP_NUM_THREADS"] = str(threads)
     import tempfile
 
     import torch
     import torch.distributed as dist
+
+    import losses
+    import update
+    from trainer import models, replay
+
+    batches = sampled(model_path, prompts, lengths, threads, seed)
+    init_file = tempfile.mktemp(prefix="asyncgrpo-bench-dist-")
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=0, world_size=1)
+    try:
+        model = models.build_trainer_model(model_path, 1, compute_dtype=torch.bfloat16)
+        base = model
+        state = replay.install(model, base.model.layers, base.config, True)
+        out = {}
+        for n, batch in batches.items():
+            row = {"samples": len(batch), "tokens": int(batch.mask.sum())}
+            for name, on in (("live", False), ("replayed", True)):
+                state.replay = on
+                with torch.no_grad(), replay.routed_by(model, batch) as counts:
+                    logp = update.completion_logprobs(model, batch, 1.0).logp
+                k3 = losses.mismatch_k3(logp, batch.behaviour_logp, batch.mask)
+                row[f"k3_{name}"] = float(k3[batch.mask].mean())
+                row[f"max_diff_{name}"] = float(
+                    (logp - batch.behaviour_logp).abs()[batch.mask].max()
+                )
+                if not on:
+                    row["agreement"] = int(counts["agree"]) / max(1, int(counts["decisions"]))
+            row["ratio"] = row["k3_live"] / row["k3_replayed"]
+            out[str(n)] = row
+        return out
+    finally:
+        dist.destroy_process_group()
+        if os.path.exists(init_file):
+            os.unlink(init_file)
+
+
+def sampled(model_path: str, prompts: int, lengths: list[int], threads: int, seed: int) -> dict:
+    """{N: the collated batch of `prompts` copy prompts x 8 completions of exactly N tokens},
+    sampled by vLLM in this process (bf16, the worker recording the routes), its engine shut down
+    after."""
+    import os
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+
+    import torch
     from vllm import LLM, SamplingParams
 
     import buffer
-    import losses
-    import update
     from generator import routes
     from tasks import builtin, chat
-    from trainer import models, replay
 
     torch.set_num_threads(threads)
     llm = LLM(
@@ -328,33 +367,7 @@ def paired(model_path: str, prompts: int, lengths: list[int], threads: int, seed
             buffer.to_samples(groups, torch.zeros(len(groups), 8)), pad_id=0
         )
     llm.llm_engine.engine_core.shutdown()
-    init_file = tempfile.mktemp(prefix="asyncgrpo-bench-dist-")
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=0, world_size=1)
-    try:
-        model = models.build_trainer_model(model_path, 1, compute_dtype=torch.bfloat16)
-        base = model
-        state = replay.install(model, base.model.layers, base.config, True)
-        out = {}
-        for n, batch in batches.items():
-            row = {"samples": len(batch), "tokens": int(batch.mask.sum())}
-            for name, on in (("live", False), ("replayed", True)):
-                state.replay = on
-                with torch.no_grad(), replay.routed_by(model, batch) as counts:
-                    logp = update.completion_logprobs(model, batch, 1.0).logp
-                k3 = losses.mismatch_k3(logp, batch.behaviour_logp, batch.mask)
-                row[f"k3_{name}"] = float(k3[batch.mask].mean())
-                row[f"max_diff_{name}"] = float(
-                    (logp - batch.behaviour_logp).abs()[batch.mask].max()
-                )
-                if not on:
-                    row["agreement"] = int(counts["agree"]) / max(1, int(counts["decisions"]))
-            row["ratio"] = row["k3_live"] / row["k3_replayed"]
-            out[str(n)] = row
-        return out
-    finally:
-        dist.destroy_process_group()
-        if os.path.exists(init_file):
-            os.unlink(init_file)
+    return batches
 
 
 def np_rows(data: bytes, dtype, layers: int, top_k: int):
