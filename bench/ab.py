@@ -67,15 +67,24 @@ import torch
 import torch.distributed as dist
 torch.set_num_threads(1)
 import buffer, config, update
-from trainer import lora
+try:  # the revisions after the restructure keep the parts in folders (trainer/, run/)
+    from trainer import lora
+except ImportError:
+    import lora
 try:
     from run import flag_checks
 except ImportError:
-    flag_checks = None
+    try:
+        import flag_checks
+    except ImportError:
+        flag_checks = None
 try:
     from trainer.models import build_reference_model, build_trainer_model
 except ImportError:
-    from train import build_reference_model, build_trainer_model
+    try:
+        from models import build_reference_model, build_trainer_model
+    except ImportError:
+        from train import build_reference_model, build_trainer_model
 dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
 
 def fixed_batch(vocab, seed=0, rows=16):
