@@ -25,7 +25,14 @@ import traceback
 from pathlib import Path
 
 import engines
-from machine import CpuByRole, LoadMonitor, machine_info, machine_line
+from machine import (  # noqa: F401  (re-exported to the scripts)
+    CpuByRole,
+    LoadMonitor,
+    cores_by_role,
+    machine_info,
+    machine_line,
+    tree_cpu,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -191,8 +198,10 @@ def dispatch(doc: str, entries: dict, argv=None) -> int:
     given the other options (each entry parses its own; `--what NAME --help` lists them)."""
     p = argparse.ArgumentParser(description=doc.split("\n\n")[0], add_help=False)
     p.add_argument("--what", choices=list(entries), default=next(iter(entries)))
-    args, rest = p.parse_known_args(sys.argv[1:] if argv is None else list(argv))
-    return entries[args.what](rest)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    split = argv.index("--") if "--" in argv else len(argv)  # (what follows "--" is the entry's)
+    args, rest = p.parse_known_args(argv[:split])
+    return entries[args.what](rest + argv[split:])
 
 
 class Bench:

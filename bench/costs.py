@@ -16,12 +16,24 @@ engine is up); the whole process's (start-up, the end's merge and drawing) is re
 - eval: the medians and their ratio, the generator's share of the wall time spent evaluating while
   training ran, the training reward and the held-out greedy pass@1 at the start and the end.
 Touches only its scratch folder and --out.
+
+Reading a run's OUT/trace.json (infra/tracing.py's events; seconds), for bench/overlap.py and the
+suite: `steady_breakdown(events, warmup)` sums, per step of the steady window (after `warmup` steps,
+as common.steady), trainer rank 0's wait for data, split by what the generator did meanwhile (in
+this order: swapping weights; nothing in the engine while the staleness gate let no group start,
+i.e. waiting for newer weights; nothing in the engine otherwise; a group blocked on a full queue;
+generating), its work (forward and backward, optimizer, publish, evaluation), the generator's swaps,
+waits and idle engine, vLLM's engine steps (time, tokens). `engine_seconds_per_token`: the engine's
+time per scheduled token after a weight version. `waves_and_holds`: the most sequences an engine
+step ran, requests' queueing, the loads held by evaluations. `Recording` traces the processes a
+benchmark starts inside it (as launch.run does a run's).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -31,6 +43,9 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+
+from infra import tracing  # noqa: E402
+from run import trace_merge  # noqa: E402
 
 
 def compare(name: str, argv, modes: dict, measure, rounds: int) -> tuple:
@@ -194,6 +209,173 @@ def eval_main(argv=None) -> int:
     )
     print(bench.closing_line(path))
     return 0
+
+
+class Recording:
+    """`with Recording() as r: proc.start()`: the processes started inside record a trace (as a
+    run's do); `r.events()` afterwards merges what they wrote (and removes it)."""
+
+    def __enter__(self):
+        self.folder = tempfile.mkdtemp(prefix="asyncgrpo-bench-trace-")
+        tracing.configure(self.folder, 10**9)
+        return self
+
+    def __exit__(self, *exc):
+        tracing.unconfigure()
+
+    def events(self) -> list[dict]:
+        merged = trace_merge.merge(self.folder)
+        events = load(merged) if merged else []
+        shutil.rmtree(self.folder, ignore_errors=True)
+        return events
+
+
+def load(path) -> list[dict]:
+    return json.loads(Path(path).read_text())["traceEvents"]
+
+
+def spans_of(events: list[dict], cat: str, pid=None) -> list[tuple[float, float]]:
+    """The (start, end) seconds of the spans of `cat` (of process `pid`), merged where they
+    overlap."""
+    spans = sorted(
+        (e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6)
+        for e in events
+        if e["ph"] == "X" and e.get("cat") == cat and (pid is None or e["pid"] == pid)
+    )
+    merged: list[list[float]] = []
+    for a, b in spans:
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return [(a, b) for a, b in merged]
+
+
+def total(spans) -> float:
+    return sum(b - a for a, b in spans)
+
+
+def intersect(xs, ys) -> list[tuple[float, float]]:
+    """The intersection of two sorted lists of disjoint intervals."""
+    out, i, j = [], 0, 0
+    while i < len(xs) and j < len(ys):
+        a, b = max(xs[i][0], ys[j][0]), min(xs[i][1], ys[j][1])
+        if b > a:
+            out.append((a, b))
+        i, j = (i + 1, j) if xs[i][1] < ys[j][1] else (i, j + 1)
+    return out
+
+
+def subtract(xs, ys) -> list[tuple[float, float]]:
+    """xs less ys (both sorted, disjoint)."""
+    out = []
+    for a, b in xs:
+        for c, d in ys:
+            if c < b and d > a:
+                out += [(a, c)] if c > a else []
+                a = max(a, d)
+        if b > a:
+            out.append((a, b))
+    return out
+
+
+def steady_breakdown(events: list[dict], warmup: int) -> dict | None:
+    """Per step of the steady window (seconds): what each side did, and what the trainer's wait
+    overlapped. None when the trace has too few of rank 0's steps."""
+    steps = [e for e in events if e["ph"] == "X" and e.get("cat") == "step"]
+    steps = sorted(
+        (e for e in steps if e["args"].get("rank") == 0), key=lambda e: e["args"]["step"]
+    )
+    if len(steps) <= warmup + 1:
+        return None
+    trainer, first = steps[0]["pid"], steps[warmup - 1] if warmup else None
+    lo = (first["ts"] + first["dur"]) / 1e6 if first else steps[0]["ts"] / 1e6
+    hi, n = (steps[-1]["ts"] + steps[-1]["dur"]) / 1e6, len(steps) - warmup
+
+    def window(cat, pid=None):
+        return [
+            (max(a, lo), min(b, hi)) for a, b in spans_of(events, cat, pid) if b > lo and a < hi
+        ]
+
+    wait, swap, idle, full = (
+        window("wait", trainer),
+        window("swap"),
+        window("idle"),
+        window("queue full"),
+    )
+    for_weights = intersect(idle, window("staleness gate"))  # nothing to run, no group may start
+    parts, rest = {}, wait
+    for key, spans in (("swap", swap), ("weights", for_weights), ("idle", idle), ("full", full)):
+        parts[key], rest = intersect(rest, spans), subtract(rest, spans)
+    engine = [e for e in events if e["ph"] == "X" and e.get("cat") == "engine"]
+    engine = [e for e in engine if lo <= e["ts"] / 1e6 < hi]
+    out = {
+        "steps": n,
+        "window_s": hi - lo,
+        "step_s": (hi - lo) / n,
+        "trainer_wait_s": total(wait) / n,
+    }
+    named = {"wait_during_swap_s": parts["swap"], "wait_for_weights_s": parts["weights"]}
+    named.update(wait_engine_idle_s=parts["idle"], wait_during_full_queue_s=parts["full"])
+    named.update(wait_while_generating_s=rest, trainer_busy_s=window("step", trainer))
+    named.update(
+        engine_s=spans_of(engine, "engine"), gen_swap_s=swap, gen_for_weights_s=for_weights
+    )
+    named.update(gen_full_queue_s=full, gen_idle_s=idle)
+    out.update({key: total(spans) / n for key, spans in named.items()})
+    out["engine_tokens"] = sum(e["args"]["tokens"] for e in engine) / n
+    for key, cats in (
+        ("forward_backward_s", ("forward", "backward")),
+        ("optimizer_s", ("optimizer",)),
+        ("publish_s", ("publish",)),
+        ("evaluation_s", ("evaluation", "checkpoint", "save model")),
+    ):
+        out[key] = sum(total(window(c, trainer)) for c in cats) / n
+    return out
+
+
+def engine_seconds_per_token(events: list[dict], from_version: int) -> float | None:
+    """vLLM's engine time per scheduled token (prefill and decode), over the engine steps after the
+    generator's swap to `from_version` (None without one)."""
+    timed = [e for e in events if e["ph"] == "X"]
+    swaps = [
+        e["ts"] for e in timed if e.get("cat") == "swap" and e["args"]["version"] >= from_version
+    ]
+    if not swaps:
+        return None
+    engine = [e for e in timed if e.get("cat") == "engine" and e["ts"] >= min(swaps)]
+    tokens = sum(e["args"]["tokens"] for e in engine)
+    return sum(e["dur"] for e in engine) / 1e6 / tokens if tokens else None
+
+
+def waves_and_holds(events: list[dict]) -> dict:
+    """What a run's generator waited on (issue 38): the most sequences one vLLM engine step ran and
+    how many engine steps ran that many (a cap that bites splits a step's samples into waves); how
+    long requests were queued before their first engine step (median, 90th percentile, ms); and,
+    for each held-out evaluation after the start's, the trainer's publishes that landed during it
+    and the ms from the first of them to the generator's next swap (a held load waits for the
+    evaluation's end)."""
+    steps = [e["args"].get("requests", 0) for e in events if e.get("name") == "engine step"]
+    most = max(steps, default=0)
+    queued = sorted(e["dur"] / 1e3 for e in events if e.get("name") == "queued")
+    publishes = sorted(e["ts"] + e["dur"] for e in events if e.get("name") == "publish")
+    swaps = sorted(e["ts"] for e in events if e.get("name") == "pause")
+    holds = []
+    for e in events:
+        if e.get("cat") != "evaluation" or not e["name"].startswith("evaluation (step "):
+            continue
+        during = [p for p in publishes if e["ts"] <= p < e["ts"] + e["dur"]]
+        if e["name"] != "evaluation (step 0)" and during:
+            later = [s for s in swaps if s >= during[0]]
+            hold = {"evaluation": e["name"], "eval_ms": e["dur"] / 1e3}
+            hold.update(publishes_during=len(during))
+            hold["publish_to_swap_ms"] = (later[0] - during[0]) / 1e3 if later else None
+            holds.append(hold)
+    out = {"max_seqs_per_engine_step": most, "engine_steps": len(steps)}
+    out["engine_steps_at_max"] = sum(s == most for s in steps)
+    for name, q in (("queued_ms_p50", 0.5), ("queued_ms_p90", 0.9)):
+        out[name] = queued[min(len(queued) - 1, int(q * len(queued)))] if queued else None
+    return {**out, "eval_holds": holds}
 
 
 def main(argv=None) -> int:

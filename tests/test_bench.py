@@ -38,21 +38,17 @@ from run import prepare
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
 import common  # noqa: E402
+import costs  # noqa: E402
 import engines  # noqa: E402
-import stages_alone  # noqa: E402
-import traces  # noqa: E402
+import overlap  # noqa: E402
 
 # the scripts this module runs (memory.py through run_all.py); the rest of bench/ are helpers they
 # import
 SCRIPTS = {
-    "peak_rss",
     "overlap",
     "weight_sync",
     "generation",
-    "env_latency",
-    "dtype",
     "training",
-    "load_memory",
     "ab",
     "learning",
     "costs",
@@ -65,13 +61,7 @@ SCRIPTS = {
 HELPERS = {
     "common",
     "engines",
-    "generator_phases",
-    "kv_swap",
     "machine",
-    "overlap_breakdown",
-    "overlap_modes",
-    "stages_alone",
-    "traces",
     "weight_sync_cross",
     "weight_sync_measure",
 }
@@ -137,7 +127,7 @@ def runs(recorded):
             "cores_by_role": None,
         }
 
-    real_generate, generated = stages_alone.generate_alone, {}
+    real_generate, generated = overlap.generate_alone, {}
 
     def generate_alone(cfg, model_path, steps, cpu_from_step=None):
         if not generated:  # the first caller's recording, with the CPU window overlap.py reads
@@ -149,7 +139,7 @@ def runs(recorded):
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(common, "run_train_cli", run_train_cli)
-        mp.setattr(stages_alone, "generate_alone", generate_alone)
+        mp.setattr(overlap, "generate_alone", generate_alone)
         yield asked
 
 
@@ -263,7 +253,7 @@ def test_generator(out):
 
 
 def test_env_latency(out):
-    data = smoke("env_latency", out)
+    data = smoke("env_latency", out, "--what", "env_latency", script="generation")
     assert set(data["tokens_per_s"]) == {"pipeline", "sync", "sync32"}
     for rates in data["tokens_per_s"].values():
         assert set(rates) == {"0", "20", "100"} and positive(*rates.values())
@@ -271,7 +261,7 @@ def test_env_latency(out):
 
 def test_dtype(runs, out):
     runs.clear()
-    data = smoke("dtype", out)
+    data = smoke("dtype", out, "--what", "dtype", script="training")
     (row,) = data["rows"]
     assert positive(
         row["train_fp32"], row["train_bf16"], row["generate_fp32"], row["generate_bf16"]
@@ -293,8 +283,8 @@ def test_trainer(runs, out):
 
 def test_load_memory(tmp_path, out):
     assert (
-        importlib.import_module("load_memory").main(
-            ["--smoke", "--out", str(out), "--work", str(tmp_path)]
+        importlib.import_module("memory").main(
+            ["--what", "load_memory", "--smoke", "--out", str(out), "--work", str(tmp_path)]
         )
         == 0
     )
@@ -327,7 +317,7 @@ def test_learning(runs, out):
 def test_waves_and_holds_read_from_the_recorded_trace(recorded):
     run_dir, _ = recorded
     summary = json.loads((run_dir / "summary.json").read_text())
-    got = traces.waves_and_holds(traces.load(run_dir / "trace.json"))
+    got = costs.waves_and_holds(costs.load(run_dir / "trace.json"))
     assert 0 < got["max_seqs_per_engine_step"] <= summary["max_num_seqs"]
     assert got["engine_steps"] >= got["engine_steps_at_max"] > 0
     assert 0 <= got["queued_ms_p50"] <= got["queued_ms_p90"]
