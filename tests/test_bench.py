@@ -53,9 +53,7 @@ SCRIPTS = {
     "learning",
     "costs",
     "moe",
-    "run_all",
     "memory",
-    "report",
     "gpu_trainer",
 }
 HELPERS = {
@@ -455,9 +453,9 @@ def test_gpu_trainer_runs_its_gpu_measurement_on_the_cpu(tmp_path):
 
 
 def test_run_all_runs_memory_at_its_smoke_size(tmp_path):
-    import run_all
+    import ab
 
-    assert run_all.main(["--smoke", "--only", "memory", "--out", str(tmp_path)]) == 0
+    assert ab.main(["--what", "all", "--smoke", "--only", "memory", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "memory.json").read_text())
     assert [(r["sequences"], r["mode"]) for r in data["rows"]] == [
         (2, "micro-batched"),
@@ -468,9 +466,9 @@ def test_run_all_runs_memory_at_its_smoke_size(tmp_path):
 
 
 def test_report_reads_what_the_smokes_wrote(out):
-    import report
+    import ab
 
-    assert report.main(["--out", str(out)]) == 0
+    assert ab.main(["--what", "report", "--out", str(out)]) == 0
     text = (out / "summary.md").read_text()
     for name, heading in (
         ("overlap", "**Overlap**"),
