@@ -1,25 +1,25 @@
 """Every benchmark script (bench/*.py with a main) at its smoke size (`--smoke`, given in each one's
 docstring): it finishes (main returns 0), writes its result file with the fields it promises, and
-its figures are finite. The helpers (common.py, machine.py, kv_swap.py, weight_sync_cross.py, and
-the parts of scripts split out by role: stages_alone.py, overlap_modes.py, overlap_breakdown.py,
-weight_sync_measure.py, generator_phases.py, moe_paired.py) run inside the scripts that use them.
+its figures are finite; a file of several questions runs each entry (`--what NAME`). The helpers
+(common.py, machine.py, engines.py, weight_sync_measure.py, weight_sync_cross.py) run inside the
+scripts that use them.
 
 The benchmarks run in this process; what they start (vLLM engines, trainer processes, ranks, probes)
 is real, but shared where it is expensive:
-- one real `python train.py` run, made by `bench/peak_rss.py --smoke` (peak_rss's own smoke; in
+- one real `python train.py` run, made by `bench/memory.py --what peak_rss --smoke` (in
   tests/conftest.py, shared with tests/test_trace.py), stands in for every train.py run a benchmark
   asks `common.run_train_cli` for: each one's flags go through train.py's own parser and checks
   (`prepare.parse_args`), and its OUT gets the recorded run's files (model/ linked);
-- one real generation-alone recording (`stages_alone.generate_alone`) serves overlap.py and
-  trainer.py;
-- a smoke session (bench/engines.py) for the whole module: generator.py, env_latency.py and
+- one real generation-alone recording (`overlap.generate_alone`) serves overlap.py and
+  training.py;
+- a smoke session (bench/engines.py) for the whole module: generation.py (both entries) and
   weight_sync.py run their measurements in this process on one vLLM engine for the tiny model (and
   one with LoRA), and models of the same seed and sizes are built once.
-The vLLM engines started here run without a worker process beside their EngineCore (conftest.py
-sets VLLM_ENABLE_V1_MULTIPROCESSING=0 for the suite, as bench/engines.py does). memory.py runs
-through run_all.py (as `python bench/memory.py --smoke`); report.py reads what the others wrote;
-gpu_trainer.py (a GPU's measurement, at its smoke size on the CPU) runs in a process of its own, as
-it runs on a GPU machine.
+The vLLM engines started here run without a worker process beside their EngineCore (conftest.py sets
+VLLM_ENABLE_V1_MULTIPROCESSING=0 for the suite, as bench/engines.py does). memory.py runs through
+`ab.py --what all` (as `python bench/memory.py --smoke`); `ab.py --what report` reads what the
+others wrote; gpu_trainer.py (a GPU's measurement, at its smoke size on the CPU) runs in a process
+of its own, as it runs on a GPU machine.
 """
 
 import importlib
@@ -42,8 +42,8 @@ import costs  # noqa: E402
 import engines  # noqa: E402
 import overlap  # noqa: E402
 
-# the scripts this module runs (memory.py through run_all.py); the rest of bench/ are helpers they
-# import
+# the scripts this module runs (memory.py through `ab.py --what all`); the rest of bench/ are
+# helpers they import
 SCRIPTS = {
     "overlap",
     "weight_sync",
