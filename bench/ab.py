@@ -19,10 +19,17 @@ this interpreter. Two parts:
   difference is judged by.
 May touch: the repository's worktree list (two scratch worktrees, removed at the end) and its
 scratch folder.
+
+The whole set, and its page:
+
+    python bench/ab.py --what all --out bench/results     # every benchmark, then the summary
+    python bench/ab.py --what all --smoke --only memory --out DIR
+    python bench/ab.py --what report --out DIR            # DIR/summary.md from DIR/*.json
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import shlex
 import statistics
@@ -233,23 +240,14 @@ def spread(values: list) -> dict:
     }
 
 
-def main(argv=None) -> int:
+def compare(argv=None) -> int:
+    """`--what ab` (the default): the two revisions, the exact part and the runs."""
     p = common.parser(__doc__, smoke={"base": "HEAD", "runs": 1})
-    p.add_argument(
-        "--base",
-        default="",
-        help="the revision before the change (a commit, tag or branch; required)",
-    )
+    p.add_argument("--base", default="", help="the revision before the change (required)")
     p.add_argument("--head", default="HEAD", help="the revision after it")
-    p.add_argument(
-        "--runs", type=int, default=3, help="train.py runs per revision (0: the exact part only)"
-    )
-    p.add_argument(
-        "--args", default="", help="train.py flags of every run (default: none, the default run)"
-    )
-    p.add_argument(
-        "--skip-exact", action="store_true", help="leave out the update-on-fixed-batches part"
-    )
+    p.add_argument("--runs", type=int, default=3, help="train.py runs per revision (0: exact only)")
+    p.add_argument("--args", default="", help="train.py flags of every run (default: none)")
+    p.add_argument("--skip-exact", action="store_true", help="leave out the exact part")
     args = common.parse_args(p, argv)
     if not args.base:
         p.error("--base is required (or --smoke)")
@@ -270,68 +268,91 @@ def main(argv=None) -> int:
         for k in FIGURES
         if summary["base"][k]["mean"] and summary["head"][k]["mean"] is not None
     }
-    # run i of base against run i of head, step by step (0 at every step: the same run; --max-lag 0
-    # repeats)
+    # run i of base against run i of head, step by step (0 at every step: the same run)
     step_diffs = [
         max(abs(a - b) for a, b in zip(rb["reward_curve"], rh["reward_curve"]))
         for rb, rh in zip(runs["base"], runs["head"])
     ]
-    data = {
-        "settings": {
-            "base": commits["base"],
-            "head": commits["head"],
-            "runs": args.runs,
-            "args": args.args,
-            "exact_steps": STEPS,
-            "cases": dict(CASES),
-        },
-        "exact": exact,
-        "runs": runs,
-        "summary": summary,
-        "head_over_base": ratios,
-        "max_step_reward_diff": step_diffs,
-    }
+    settings = {"base": commits["base"], "head": commits["head"], "runs": args.runs}
+    settings.update(args=args.args, exact_steps=STEPS, cases=dict(CASES))
+    data = {"settings": settings, "exact": exact, "runs": runs, "summary": summary}
+    data.update(head_over_base=ratios, max_step_reward_diff=step_diffs)
     path = bench.save(data, plot)
-    print()
-    if exact:
-        print(
-            common.table(
-                ["case", "identical", "max param diff", "max loss/grad-norm diff"],
-                [
-                    [n, c["identical"], c["max_param_diff"], c["max_loss_or_grad_norm_diff"]]
-                    for n, c in exact.items()
-                ],
-            )
-        )
-    if args.runs:
-        rows = [
-            [k]
-            + [
-                f"{summary[s][k]['mean']:.4g} ± {summary[s][k]['sd']:.2g}"
-                if summary[s][k]["mean"] is not None
-                else "-"
-                for s in ("base", "head")
-            ]
-            + [f"{ratios[k]:.3f}" if k in ratios else "-"]
-            for k in FIGURES
-        ]
-        print(
-            common.table(
-                [
-                    "figure",
-                    f"base {commits['base'][:7]}",
-                    f"head {commits['head'][:7]}",
-                    "head / base",
-                ],
-                rows,
-            )
-        )
-        print(
-            "largest per-step reward difference, base run i vs head run i: "
-            + ", ".join(f"{d:.3g}" for d in step_diffs)
-        )
+    show(data)
     print(bench.closing_line(path))
     return 0
+
+
+def show(data: dict) -> None:
+    """The exact part's cases, each figure's mean ± sd on both sides, the step differences."""
+    rows = [{"case": n, **c} for n, c in data["exact"].items()]
+    print(common.table_of(rows, "case identical max_param_diff max_loss_or_grad_norm_diff"))
+    rows = []
+    for k in FIGURES if data["settings"]["runs"] else ():
+        row = {"figure": k, "head/base": data["head_over_base"].get(k)}
+        for side in ("base", "head"):
+            got = data["summary"][side][k]
+            row[side] = "-" if got["mean"] is None else f"{got['mean']:.4g} ± {got['sd']:.2g}"
+        rows.append(row)
+    print(common.table_of(rows, "figure base head head/base", "base and head: mean ± sd"))
+    print("largest per-step reward difference, run i:", data["max_step_reward_diff"])
+
+
+ALL = ("overlap", "weight_sync", "generation", "training", "learning")
+# what the summary page shows of each result: (JSON name, heading, its top-level figures)
+SUMMARY = (
+    ("overlap", "**Overlap**", "t_gen_s t_train_s bound cpu_bound"),
+    ("weight_sync", "**Weight sync**", ""),
+    ("generator", "**Generator**", "ratio ratio_nosync bare_tokens_per_s pipeline_tokens_per_s"),
+    ("trainer", "**Trainer**", "ratio"),
+    ("learning", "**Learning**", "wall_speedup"),
+    ("memory", "**Memory**", ""),
+)
+
+
+def run_all(argv=None) -> int:
+    """`--what all [--smoke] [--only a,b] --out DIR`: each benchmark as its own `python
+    bench/NAME.py --out DIR` (a failure is reported, the others go on), then `--what report`."""
+    p = argparse.ArgumentParser(description="every benchmark, then the summary page")
+    p.add_argument("--out", default="bench_out")
+    p.add_argument("--only", default=",".join(ALL), help="comma-separated subset")
+    p.add_argument("--smoke", action="store_true", help="each at its smoke size")
+    args = p.parse_args(argv)
+    failed = []
+    for name in [n.strip() for n in args.only.split(",") if n.strip()]:
+        script = [sys.executable, str(common.REPO / "bench" / f"{name}.py"), "--out", args.out]
+        print(f"===== {name}", flush=True)
+        if subprocess.call(script + ["--smoke"] * args.smoke) != 0:
+            failed.append(name)
+    report(["--out", args.out])
+    print(f"failed: {', '.join(failed)}" if failed else "all done", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def report(argv=None) -> int:
+    """`--what report --out DIR`: DIR/summary.md, from the JSON files the benchmarks wrote there:
+    per result, its machine and date, its headline figures and its rows."""
+    p = argparse.ArgumentParser(description="the summary page of DIR's results")
+    p.add_argument("--out", default="bench_out")
+    out, lines = Path(p.parse_args(argv).out), []
+    for name, heading, keys in SUMMARY:
+        if not (out / f"{name}.json").exists():
+            continue
+        data = json.loads((out / f"{name}.json").read_text())
+        lines += [f"{heading} ({common.machine_line(data['machine'])})", ""]
+        if keys:
+            lines += [common.table_of([data], keys), ""]
+        rows = [r for r in data.get("rows", []) if isinstance(r, dict)]
+        if rows:
+            keys = " ".join(k for k, v in rows[0].items() if isinstance(v, (int, float, str)))
+            lines += [common.table_of(rows, keys), ""]
+    (out / "summary.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+def main(argv=None) -> int:
+    return common.dispatch(__doc__, {"ab": compare, "all": run_all, "report": report}, argv)
 
 
 def plot(data: dict, path: Path) -> None:

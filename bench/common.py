@@ -25,7 +25,14 @@ import traceback
 from pathlib import Path
 
 import engines
-from machine import CpuByRole, LoadMonitor, machine_info, machine_line
+from machine import (  # noqa: F401  (re-exported to the scripts)
+    CpuByRole,
+    LoadMonitor,
+    cores_by_role,
+    machine_info,
+    machine_line,
+    tree_cpu,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -56,6 +63,36 @@ def write_json(out: str | Path, name: str, data: dict) -> Path:
         json.dump(data, f, indent=2, default=_json_default)
         f.write("\n")
     return path
+
+
+def alternate(bench, rounds: int, modes: dict, flags: list[str], measure) -> dict[str, list]:
+    """`python train.py FLAGS MODE_FLAGS` for each mode of `modes` {name: flags}, `rounds` times,
+    the order swapped every round (so no mode always runs first): {mode: [its runs' figures]}, each
+    the run's clock (`wall_s`), the process's, other processes' cores and `measure(mode, run,
+    out)`."""
+    runs = {m: [] for m in modes}
+    for r in range(rounds):
+        for mode in list(modes)[:: 1 if r % 2 == 0 else -1]:
+            t0, out = time.monotonic(), bench.work / f"{mode}_{r}"
+            run = run_train_cli(out, [*flags, *modes[mode]])
+            x = {"wall_s": run["rows"][-1]["wall_s"], "process_s": run["process_s"]}
+            x.update(foreign_cores=bench.foreign_cores(t0, time.monotonic()), round=r, mode=mode)
+            runs[mode].append({**x, **measure(mode, run, out)})
+            shown = {k: fmt(v) for k, v in runs[mode][-1].items() if isinstance(v, float)}
+            print(f"[{bench.name}] {mode} round {r}: {shown}", flush=True)
+    return runs
+
+
+def bars(data: dict, path: Path, what: str, values: dict, ylabel: str = "s") -> None:
+    """The generic figure: per label, the median of its values (a bar) and each value (a dot)."""
+    fig, ax = plt().subplots(1, 1, figsize=(1.6 * len(values) + 3, 4))
+    for j, (label, vs) in enumerate(values.items()):
+        vs = [v for v in vs if v is not None]
+        ax.bar(j, statistics.median(vs) if vs else 0, alpha=0.6)
+        ax.scatter([j] * len(vs), vs, color="k", zorder=3, s=12)
+    ax.set_xticks(range(len(values)), list(values), fontsize=7)
+    ax.set(title=f"{what} (bars: medians; dots: each)", ylabel=ylabel)
+    save_figure(fig, path, data, what)
 
 
 def _json_default(x):
@@ -97,6 +134,11 @@ def table(headers: list[str], rows: list[list], title: str | None = None) -> str
     for r in cells:
         lines.append("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |")
     return "\n".join(lines)
+
+
+def table_of(rows: list[dict], keys: str, title: str | None = None) -> str:
+    """`table` of dicts: one column per key of the space-separated `keys` (a key missing: "-")."""
+    return table(keys.split(), [[r.get(k) for k in keys.split()] for r in rows], title)
 
 
 def plt():
@@ -149,6 +191,17 @@ def parse_args(p, argv, sizes: dict | None = None):
             if s not in sizes:
                 p.error(f"unknown size {s}; choose from {', '.join(sizes)}")
     return args
+
+
+def dispatch(doc: str, entries: dict, argv=None) -> int:
+    """`python bench/FILE.py --what NAME [options]`: the file's entry NAME (default: its first),
+    given the other options (each entry parses its own; `--what NAME --help` lists them)."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0], add_help=False)
+    p.add_argument("--what", choices=list(entries), default=next(iter(entries)))
+    argv = sys.argv[1:] if argv is None else list(argv)
+    split = argv.index("--") if "--" in argv else len(argv)  # (what follows "--" is the entry's)
+    args, rest = p.parse_known_args(argv[:split])
+    return entries[args.what](rest + argv[split:])
 
 
 class Bench:

@@ -32,8 +32,8 @@ of 5 + 5 tokens, routes of 2 layers x top-2) and as a Qwen3-30B-A3B's would be (
 (pickled by the sender's feeder thread, unpickled by the receiver: put + get), and the collation of
 a batch of 32 such groups (`buffer.collate`), each with and without routes (medians of --repeats).
 
-This file holds the options, the four runs, the cost of carrying routes, the tables and the plot;
-the paired measurement (its own process and vLLM engine) is bench/moe_paired.py.
+Touches only its scratch folder, --out and, for the paired measurement, a vLLM engine of its own
+(shut down before scoring) and a temporary file for the process group.
 """
 
 from __future__ import annotations
@@ -45,7 +45,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-from moe_paired import paired  # noqa: E402
 
 # the project and torch are imported inside the functions (common.setup_paths)
 
@@ -163,73 +162,36 @@ def carrying_cost(shape: dict, repeats: int, groups: int) -> dict:
 
 
 def main(argv=None) -> int:
-    p = common.parser(
-        __doc__,
-        smoke={"steps": 3, "repeats": 2, "groups": 4, "paired_prompts": 2, "paired_tokens": 8},
-    )
+    smoke = {"steps": 3, "repeats": 2, "groups": 4, "paired_prompts": 2, "paired_tokens": 8}
+    p = common.parser(__doc__, smoke=smoke)
     p.add_argument("--steps", type=int, default=60, help="optimizer steps per run")
-    p.add_argument(
-        "--repeats", type=int, default=5, help="rounds of each cost measurement (their median)"
-    )
+    p.add_argument("--repeats", type=int, default=5, help="rounds of each cost measurement")
     p.add_argument("--groups", type=int, default=32, help="groups per cost round (a step's worth)")
-    p.add_argument(
-        "--paired-prompts",
-        type=int,
-        default=32,
-        help="prompts (x 8 samples) of the paired measurement",
-    )
-    p.add_argument(
-        "--paired-tokens",
-        type=int,
-        default=32,
-        help="the longer completions of the paired measurement",
-    )
+    p.add_argument("--paired-prompts", type=int, default=32, help="prompts (x 8) paired")
+    p.add_argument("--paired-tokens", type=int, default=32, help="the paired longer completions")
     args = common.parse_args(p, argv)
     common.setup_paths()
     runs = {}
     with common.Bench("moe", args) as bench:
+        fixed = ["--dtype", "bf16", "--max-lag", "0", "--steps", str(args.steps), "--seed"]
         for name, flags in RUNS.items():
             model = [] if name == "dense" else ["--model", "TINY_MOE"]
-            run = common.run_train_cli(
-                bench.work / name,
-                [
-                    *model,
-                    *flags,
-                    "--dtype",
-                    "bf16",
-                    "--max-lag",
-                    "0",
-                    "--steps",
-                    str(args.steps),
-                    "--seed",
-                    str(args.seed),
-                    "--eval-every",
-                    "0",
-                ],
-            )
-            runs[name] = summarize(run["rows"])
-            print(
-                f"[moe] {name}: {runs[name]['steps']} steps, mismatch_k3 "
-                f"{common.fmt(runs[name]['mismatch_k3'])}, "
-                f"agreement {common.fmt(runs[name]['agreement'])}",
-                flush=True,
-            )
-        costs = {
-            name: carrying_cost(shape, args.repeats, args.groups) for name, shape in SHAPES.items()
-        }
+            cli = [*model, *flags, *fixed, str(args.seed), "--eval-every", "0"]
+            runs[name] = summarize(common.run_train_cli(bench.work / name, cli)["rows"])
+        costs = {n: carrying_cost(shape, args.repeats, args.groups) for n, shape in SHAPES.items()}
         threads = common.default_config().gen_threads
-        init = common.build_model(bench.work / "init_moe", seed=args.seed, experts=8)
-        weights = (
-            {"initial": init}
-            if args.smoke
-            else {"initial": init, "trained (replay run)": str(bench.work / "replay" / "model")}
-        )
+        weights = {
+            "initial": common.build_model(bench.work / "init_moe", seed=args.seed, experts=8)
+        }
+        if not args.smoke:
+            weights["trained (replay run)"] = str(bench.work / "replay" / "model")
+        lengths = [5, args.paired_tokens]
         pairs = {
             name: common.in_child(
                 paired,
                 path,
                 args.paired_prompts,
-                [5, args.paired_tokens],
+                lengths,
                 threads,
                 args.seed,
                 timeout_s=900,
@@ -239,162 +201,179 @@ def main(argv=None) -> int:
         }
 
     def ratio(a, b):
-        if runs[a]["mismatch_k3"] and runs[b]["mismatch_k3"]:
-            return runs[a]["mismatch_k3"] / runs[b]["mismatch_k3"]
-        return None
+        k3 = runs[a]["mismatch_k3"], runs[b]["mismatch_k3"]
+        return k3[0] / k3[1] if all(k3) else None
 
-    data = {
-        "settings": {
-            "steps": args.steps,
-            "seed": args.seed,
-            "dtype": "bf16",
-            "max_lag": 0,
-            "task": "copy",
-            "model": "TINY_MOE (dense: the default tiny model)",
-            "repeats": args.repeats,
-            "groups": args.groups,
-        },
-        "runs": runs,
-        "ratio_record_over_replay": ratio("record", "replay"),
-        "ratio_plain_over_replay": ratio("plain", "replay"),
-        "ratio_replay_over_dense": ratio("replay", "dense"),
-        "shapes": SHAPES,
-        "costs": costs,
-        "paired": pairs,
-    }
+    settings = {"steps": args.steps, "seed": args.seed, "dtype": "bf16", "max_lag": 0}
+    settings.update(task="copy", model="TINY_MOE (dense: the default tiny model)")
+    data = {"settings": {**settings, "repeats": args.repeats, "groups": args.groups}, "runs": runs}
+    data["ratio_record_over_replay"] = ratio("record", "replay")
+    data["ratio_plain_over_replay"] = ratio("plain", "replay")
+    data["ratio_replay_over_dense"] = ratio("replay", "dense")
+    data.update(shapes=SHAPES, costs=costs, paired=pairs)
     path = bench.save(data, plot)
-    print()
+    keys = "run mismatch_k3 mismatch_k3_median agreement missing max_logprob_diff reward_first"
     print(
-        common.table(
-            [
-                "run",
-                "mismatch_k3 mean",
-                "median",
-                "router/agreement",
-                "missing",
-                "max |Δ log p|",
-                "reward first -> last",
-                "train s/step",
-                "gen tok/s",
-            ],
-            [
-                [
-                    name,
-                    r["mismatch_k3"],
-                    r["mismatch_k3_median"],
-                    r["agreement"],
-                    r["missing"],
-                    r["max_logprob_diff"],
-                    f"{common.fmt(r['reward_first'])} -> {common.fmt(r['reward_last'])}",
-                    r["train_s"],
-                    r["gen_tokens_per_s"],
-                ]
-                for name, r in runs.items()
-            ],
+        common.table_of([{"run": n, **r} for n, r in runs.items()], keys + " reward_last train_s")
+    )
+    print(
+        "mismatch_k3, record / replay, plain / replay, replay / dense: "
+        + ", ".join(
+            common.fmt(data[f"ratio_{k}"])
+            for k in ("record_over_replay", "plain_over_replay", "replay_over_dense")
         )
     )
-    print(
-        f"mismatch_k3 without replay / with it: {common.fmt(data['ratio_record_over_replay'])} "
-        f"(record / replay), "
-        f"{common.fmt(data['ratio_plain_over_replay'])} (plain / replay); replay / dense "
-        f"{common.fmt(data['ratio_replay_over_dense'])}"
-    )
-    print(
-        common.table(
-            [
-                "weights",
-                "completion tokens",
-                "samples",
-                "mismatch_k3 live",
-                "replayed",
-                "ratio",
-                "max |Δ log p| live",
-                "replayed",
-                "router/agreement",
-            ],
-            [
-                [
-                    name,
-                    int(n),
-                    r["samples"],
-                    r["k3_live"],
-                    r["k3_replayed"],
-                    r["ratio"],
-                    r["max_diff_live"],
-                    r["max_diff_replayed"],
-                    r["agreement"],
-                ]
-                for name, rows in pairs.items()
-                for n, r in rows.items()
-            ],
-        )
-    )
-    print(
-        common.table(
-            [
-                "shape",
-                "bytes/token",
-                "queue ms/group: none",
-                "routes",
-                "ratio",
-                "collate ms: none",
-                "routes",
-                "ratio",
-            ],
-            [
-                [
-                    name,
-                    c["bytes_per_token"],
-                    c["none"]["queue_ms_per_group"],
-                    c["routes"]["queue_ms_per_group"],
-                    c["queue_ratio"],
-                    c["none"]["collate_ms"],
-                    c["routes"]["collate_ms"],
-                    c["collate_ratio"],
-                ]
-                for name, c in costs.items()
-            ],
-        )
-    )
+    rows = [{"weights": w, "tokens": n, **r} for w, got in pairs.items() for n, r in got.items()]
+    keys = "weights tokens samples k3_live k3_replayed ratio max_diff_live max_diff_replayed"
+    print(common.table_of(rows, keys + " agreement"))
+    rows = [
+        {
+            "shape": n,
+            **c,
+            "queue_ms_none": c["none"]["queue_ms_per_group"],
+            "queue_ms_routes": c["routes"]["queue_ms_per_group"],
+            "collate_ms_none": c["none"]["collate_ms"],
+            "collate_ms_routes": c["routes"]["collate_ms"],
+        }
+        for n, c in costs.items()
+    ]
+    keys = "shape bytes_per_token queue_ms_none queue_ms_routes queue_ratio collate_ms_none"
+    print(common.table_of(rows, keys + " collate_ms_routes collate_ratio"))
     print(bench.closing_line(path))
     return 0
 
 
 def plot(data: dict, path: Path) -> None:
-    plt = common.plt()
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    for (name, run), color in zip(
-        data["runs"].items(), ("#7f7f7f", "#d62728", "#1f77b4", "#2ca02c")
-    ):
-        k3 = run["mismatch_k3_per_step"]
-        if k3:
-            left.plot(
-                range(len(k3)),
-                k3,
-                color=color,
-                label=f"{name} (agreement {common.fmt(run['agreement'])})",
-            )
-    left.set_yscale("log")
-    left.set(xlabel="step", ylabel="mismatch_k3 (generator vs trainer)", title="bf16, --max-lag 0")
-    left.legend(fontsize=8)
-    names = list(data["costs"])
-    for i, (what, key) in enumerate(
-        (("queue put + get", "queue_ratio"), ("collation", "collate_ratio"))
-    ):
-        right.bar(
-            [x + 0.4 * i for x in range(len(names))],
-            [data["costs"][n][key] for n in names],
-            width=0.4,
-            label=what,
-        )
-    right.axhline(1.0, color="k", lw=0.8)
-    right.set_xticks(
-        [x + 0.2 for x in range(len(names))],
-        [f"{n}\n{common.fmt(data['costs'][n]['bytes_per_token'])} B/token" for n in names],
+    """Each run's mismatch_k3 per step (log scale)."""
+    fig, ax = common.plt().subplots(1, 1, figsize=(7, 4))
+    for name, run in data["runs"].items():
+        if run["mismatch_k3_per_step"]:
+            label = f"{name} (agreement {common.fmt(run['agreement'])})"
+            ax.plot(run["mismatch_k3_per_step"], label=label)
+    ax.set_yscale("log")
+    ax.set(xlabel="step", ylabel="mismatch_k3 (generator vs trainer)", title="bf16, --max-lag 0")
+    ax.legend(fontsize=8)
+    common.save_figure(fig, path, data, "MoE routing replay")
+
+
+def paired(model_path: str, prompts: int, lengths: list[int], threads: int, seed: int) -> dict:
+    """{N: figures} of one model's samples scored with live and with replayed routes, in a child
+    process: vLLM (bf16, the worker's route recording) samples `prompts` copy prompts x 8
+    completions of exactly N tokens; the trainer's model (bf16 compute, one gloo rank) scores them
+    with its routers live, then replaying the recorded routes."""
+    import os
+    import tempfile
+
+    import torch
+    import torch.distributed as dist
+
+    import losses
+    import update
+    from trainer import models, replay
+
+    batches = sampled(model_path, prompts, lengths, threads, seed)
+    init_file = tempfile.mktemp(prefix="asyncgrpo-bench-dist-")
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=0, world_size=1)
+    try:
+        model = models.build_trainer_model(model_path, 1, compute_dtype=torch.bfloat16)
+        base = model
+        state = replay.install(model, base.model.layers, base.config, True)
+        out = {}
+        for n, batch in batches.items():
+            row = {"samples": len(batch), "tokens": int(batch.mask.sum())}
+            for name, on in (("live", False), ("replayed", True)):
+                state.replay = on
+                with torch.no_grad(), replay.routed_by(model, batch) as counts:
+                    logp = update.completion_logprobs(model, batch, 1.0).logp
+                k3 = losses.mismatch_k3(logp, batch.behaviour_logp, batch.mask)
+                row[f"k3_{name}"] = float(k3[batch.mask].mean())
+                row[f"max_diff_{name}"] = float(
+                    (logp - batch.behaviour_logp).abs()[batch.mask].max()
+                )
+                if not on:
+                    row["agreement"] = int(counts["agree"]) / max(1, int(counts["decisions"]))
+            row["ratio"] = row["k3_live"] / row["k3_replayed"]
+            out[str(n)] = row
+        return out
+    finally:
+        dist.destroy_process_group()
+        if os.path.exists(init_file):
+            os.unlink(init_file)
+
+
+def sampled(model_path: str, prompts: int, lengths: list[int], threads: int, seed: int) -> dict:
+    """{N: the collated batch of `prompts` copy prompts x 8 completions of exactly N tokens},
+    sampled by vLLM in this process (bf16, the worker recording the routes), its engine shut down
+    after."""
+    import os
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+
+    import torch
+    from vllm import LLM, SamplingParams
+
+    import buffer
+    from generator import routes
+    from tasks import builtin, chat
+
+    torch.set_num_threads(threads)
+    llm = LLM(
+        model=model_path,
+        dtype=torch.bfloat16,
+        seed=seed,
+        enforce_eager=True,
+        kv_cache_memory_bytes=64 * 2**20,
+        worker_extension_cls="generator.vllm_worker.WeightSyncWorker",
+        enable_prefix_caching=True,
     )
-    right.set(ylabel="time with routes / without", title="what carrying routes costs")
-    right.legend(fontsize=8)
-    common.save_figure(fig, path, data, "routing replay on a tiny MoE")
+    layers, top_k, experts = llm.collective_rpc("start_routes", args=("",))[0]
+    dtype = routes.route_dtype(experts)
+    task = builtin.CopyTask(chat.load_tokenizer(model_path))
+    batches = {}
+    for n in lengths:
+        outs = llm.generate(
+            [{"prompt_token_ids": p.prompt_ids} for p in task.prompts[:prompts]],
+            SamplingParams(n=8, max_tokens=n, min_tokens=n, ignore_eos=True, logprobs=0, seed=seed),
+            use_tqdm=False,
+        )
+        groups = []
+        for o in outs:
+            taken = dict(llm.collective_rpc("take_routes", args=(o.request_id,))[0])
+            cs = sorted(o.outputs, key=lambda c: c.index)
+            logprobs = [[c.logprobs[i][t].logprob for i, t in enumerate(c.token_ids)] for c in cs]
+            rows = [
+                routes.fitted(
+                    np_rows(taken[c.index], dtype, layers, top_k),
+                    len(o.prompt_token_ids) + n,
+                    layers,
+                    top_k,
+                    dtype,
+                )
+                for c in cs
+            ]
+            groups.append(
+                buffer.RolloutGroup(
+                    0,
+                    list(o.prompt_token_ids),
+                    [list(c.token_ids) for c in cs],
+                    logprobs,
+                    [[0] * n for _ in cs],
+                    [0.0] * 8,
+                    routes=rows,
+                )
+            )
+        batches[n] = buffer.collate(
+            buffer.to_samples(groups, torch.zeros(len(groups), 8)), pad_id=0
+        )
+    llm.llm_engine.engine_core.shutdown()
+    return batches
+
+
+def np_rows(data: bytes, dtype, layers: int, top_k: int):
+    import numpy as np
+
+    return np.frombuffer(data, dtype=dtype).reshape(-1, layers, top_k)
 
 
 if __name__ == "__main__":

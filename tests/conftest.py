@@ -1,7 +1,7 @@
 """Fixtures that more than one test module uses.
 
 `recorded_run`: one real `python train.py` run of 12 steps (4 prompts x 4, on-policy, two
-evaluations), made by `bench/peak_rss.py --smoke`, which also measures its memory.
+evaluations), made by `bench/memory.py --what peak_rss --smoke`, which also measures its memory.
 tests/test_bench.py replays it for every benchmark's train.py run; tests/test_trace.py reads its
 trace. Made once per session, on first use.
 
@@ -36,12 +36,14 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # read by vLLM as 
 def recorded_run(tmp_path_factory):
     """(the run's OUT folder, peak_rss's figures)."""
     sys.path.insert(0, str(REPO / "bench"))
-    import peak_rss
+    import memory
 
     where = tmp_path_factory.mktemp("recorded")
     assert (
-        peak_rss.main(
+        memory.main(
             [
+                "--what",
+                "peak_rss",
                 "--smoke",
                 "--out",
                 str(where / "peak_rss.json"),

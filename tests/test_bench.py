@@ -1,25 +1,25 @@
 """Every benchmark script (bench/*.py with a main) at its smoke size (`--smoke`, given in each one's
 docstring): it finishes (main returns 0), writes its result file with the fields it promises, and
-its figures are finite. The helpers (common.py, machine.py, kv_swap.py, weight_sync_cross.py, and
-the parts of scripts split out by role: stages_alone.py, overlap_modes.py, overlap_breakdown.py,
-weight_sync_measure.py, generator_phases.py, moe_paired.py) run inside the scripts that use them.
+its figures are finite; a file of several questions runs each entry (`--what NAME`). The helpers
+(common.py, machine.py, engines.py, weight_sync_measure.py, weight_sync_cross.py) run inside the
+scripts that use them.
 
 The benchmarks run in this process; what they start (vLLM engines, trainer processes, ranks, probes)
 is real, but shared where it is expensive:
-- one real `python train.py` run, made by `bench/peak_rss.py --smoke` (peak_rss's own smoke; in
+- one real `python train.py` run, made by `bench/memory.py --what peak_rss --smoke` (in
   tests/conftest.py, shared with tests/test_trace.py), stands in for every train.py run a benchmark
   asks `common.run_train_cli` for: each one's flags go through train.py's own parser and checks
   (`prepare.parse_args`), and its OUT gets the recorded run's files (model/ linked);
-- one real generation-alone recording (`stages_alone.generate_alone`) serves overlap.py and
-  trainer.py;
-- a smoke session (bench/engines.py) for the whole module: generator.py, env_latency.py and
+- one real generation-alone recording (`overlap.generate_alone`) serves overlap.py and
+  training.py;
+- a smoke session (bench/engines.py) for the whole module: generation.py (both entries) and
   weight_sync.py run their measurements in this process on one vLLM engine for the tiny model (and
   one with LoRA), and models of the same seed and sizes are built once.
-The vLLM engines started here run without a worker process beside their EngineCore (conftest.py
-sets VLLM_ENABLE_V1_MULTIPROCESSING=0 for the suite, as bench/engines.py does). memory.py runs
-through run_all.py (as `python bench/memory.py --smoke`); report.py reads what the others wrote;
-gpu_trainer.py (a GPU's measurement, at its smoke size on the CPU) runs in a process of its own, as
-it runs on a GPU machine.
+The vLLM engines started here run without a worker process beside their EngineCore (conftest.py sets
+VLLM_ENABLE_V1_MULTIPROCESSING=0 for the suite, as bench/engines.py does). memory.py runs through
+`ab.py --what all` (as `python bench/memory.py --smoke`); `ab.py --what report` reads what the
+others wrote; gpu_trainer.py (a GPU's measurement, at its smoke size on the CPU) runs in a process
+of its own, as it runs on a GPU machine.
 """
 
 import importlib
@@ -38,46 +38,28 @@ from run import prepare
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
 import common  # noqa: E402
+import costs  # noqa: E402
 import engines  # noqa: E402
-import stages_alone  # noqa: E402
-import traces  # noqa: E402
+import overlap  # noqa: E402
 
-# the scripts this module runs (memory.py through run_all.py); the rest of bench/ are helpers they
-# import
+# the scripts this module runs (memory.py through `ab.py --what all`); the rest of bench/ are
+# helpers they import
 SCRIPTS = {
-    "peak_rss",
     "overlap",
     "weight_sync",
-    "generator",
-    "env_latency",
-    "dtype",
-    "trainer",
-    "load_memory",
+    "generation",
+    "training",
     "ab",
     "learning",
-    "eval_cost",
-    "stale_bias",
-    "variants",
-    "distill",
+    "costs",
     "moe",
-    "run_all",
     "memory",
-    "report",
-    "trace_cost",
     "gpu_trainer",
-    "real_model",
 }
 HELPERS = {
     "common",
     "engines",
-    "generator_phases",
-    "kv_swap",
     "machine",
-    "moe_paired",
-    "overlap_breakdown",
-    "overlap_modes",
-    "stages_alone",
-    "traces",
     "weight_sync_cross",
     "weight_sync_measure",
 }
@@ -143,7 +125,7 @@ def runs(recorded):
             "cores_by_role": None,
         }
 
-    real_generate, generated = stages_alone.generate_alone, {}
+    real_generate, generated = overlap.generate_alone, {}
 
     def generate_alone(cfg, model_path, steps, cpu_from_step=None):
         if not generated:  # the first caller's recording, with the CPU window overlap.py reads
@@ -155,13 +137,15 @@ def runs(recorded):
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(common, "run_train_cli", run_train_cli)
-        mp.setattr(stages_alone, "generate_alone", generate_alone)
+        mp.setattr(overlap, "generate_alone", generate_alone)
         yield asked
 
 
-def smoke(name, out, *args):
-    """`python bench/NAME.py --smoke --out OUT ARGS`, in this process; NAME's JSON."""
-    assert importlib.import_module(name).main(["--smoke", "--out", str(out), *args]) == 0
+def smoke(name, out, *args, script=None):
+    """`python bench/SCRIPT.py ARGS --smoke --out OUT` (SCRIPT: NAME unless given), in this
+    process; the JSON NAME.json it wrote."""
+    module = importlib.import_module(script or name)
+    assert module.main([*args, "--smoke", "--out", str(out)]) == 0
     return json.loads((out / f"{name}.json").read_text())
 
 
@@ -250,7 +234,7 @@ def test_weight_sync(out):
 
 
 def test_generator(out):
-    data = smoke("generator", out)
+    data = smoke("generator", out, script="generation")
     assert positive(
         data["ratio"],
         data["ratio_nosync"],
@@ -267,7 +251,7 @@ def test_generator(out):
 
 
 def test_env_latency(out):
-    data = smoke("env_latency", out)
+    data = smoke("env_latency", out, "--what", "env_latency", script="generation")
     assert set(data["tokens_per_s"]) == {"pipeline", "sync", "sync32"}
     for rates in data["tokens_per_s"].values():
         assert set(rates) == {"0", "20", "100"} and positive(*rates.values())
@@ -275,7 +259,7 @@ def test_env_latency(out):
 
 def test_dtype(runs, out):
     runs.clear()
-    data = smoke("dtype", out)
+    data = smoke("dtype", out, "--what", "dtype", script="training")
     (row,) = data["rows"]
     assert positive(
         row["train_fp32"], row["train_bf16"], row["generate_fp32"], row["generate_bf16"]
@@ -287,7 +271,7 @@ def test_dtype(runs, out):
 
 
 def test_trainer(runs, out):
-    data = smoke("trainer", out)
+    data = smoke("trainer", out, script="training")
     (row,) = data["rows"]
     assert row["name"] == "tiny" and positive(
         row["ratio"], row["bare_tokens_per_s"], row["project_tokens_per_s"]
@@ -297,8 +281,8 @@ def test_trainer(runs, out):
 
 def test_load_memory(tmp_path, out):
     assert (
-        importlib.import_module("load_memory").main(
-            ["--smoke", "--out", str(out), "--work", str(tmp_path)]
+        importlib.import_module("memory").main(
+            ["--what", "load_memory", "--smoke", "--out", str(out), "--work", str(tmp_path)]
         )
         == 0
     )
@@ -323,7 +307,7 @@ def test_ab_finds_a_revision_equal_to_itself(runs, out):
 
 def test_learning(runs, out):
     runs.clear()
-    data = smoke("learning", out)
+    data = smoke("learning", out, "--what", "learning", script="learning")
     assert [c.max_lag for c in runs] == [0, 4] and all(c.steps == 12 for c in runs)
     assert positive(data["wall_speedup"]) and data["runs"]["sync"]["steps"] == 12
 
@@ -331,7 +315,7 @@ def test_learning(runs, out):
 def test_waves_and_holds_read_from_the_recorded_trace(recorded):
     run_dir, _ = recorded
     summary = json.loads((run_dir / "summary.json").read_text())
-    got = traces.waves_and_holds(traces.load(run_dir / "trace.json"))
+    got = costs.waves_and_holds(costs.load(run_dir / "trace.json"))
     assert 0 < got["max_seqs_per_engine_step"] <= summary["max_num_seqs"]
     assert got["engine_steps"] >= got["engine_steps_at_max"] > 0
     assert 0 <= got["queued_ms_p50"] <= got["queued_ms_p90"]
@@ -340,7 +324,7 @@ def test_waves_and_holds_read_from_the_recorded_trace(recorded):
 
 def test_real_model(runs, out):
     runs.clear()
-    data = smoke("real_model", out)
+    data = smoke("real_model", out, "--what", "real_model", script="learning")
     (cfg,) = runs  # one run: the addition task's files, the math reward, held-out evaluation
     assert (cfg.reward, cfg.steps, cfg.eval_prompts) == ("math", 2, 20)
     assert Path(cfg.dataset).name == "train.jsonl" and Path(cfg.eval_dataset).name == "test.jsonl"
@@ -350,14 +334,14 @@ def test_real_model(runs, out):
 
 def test_eval_cost(runs, out):
     runs.clear()
-    data = smoke("eval_cost", out)
+    data = smoke("eval_cost", out, "--what", "eval", script="costs")
     assert sorted(c.eval_every for c in runs) == [0, config.Config().eval_every]
     assert positive(data["cost_ratio"]) and data["runs"]["eval"][0]["evals"]
 
 
 def test_trace_cost(runs, out):
     runs.clear()
-    data = smoke("trace_cost", out)
+    data = smoke("trace_cost", out, "--what", "trace", script="costs")
     assert [c.trace_steps for c in runs] == [300, 0] and all(c.steps == 12 for c in runs)
     assert positive(
         data["cost_ratio_wall"], data["cost_ratio_process"], data["kb_per_step"], data["draw_s"]
@@ -367,7 +351,7 @@ def test_trace_cost(runs, out):
 
 def test_stale_bias(runs, out):
     runs.clear()
-    data = smoke("stale_bias", out)
+    data = smoke("stale_bias", out, "--what", "stale_bias", script="learning")
     assert [c.stale_rule for c in runs] == ["group", "tokens"] and all(
         c.max_new_tokens == 8 for c in runs
     )
@@ -376,8 +360,7 @@ def test_stale_bias(runs, out):
 
 def test_variants(runs, out):
     runs.clear()
-    assert importlib.import_module("variants").main(["--smoke", "--out", str(out)]) == 0
-    data = json.loads((out / "variants.json").read_text())
+    data = smoke("variants", out, "--what", "variants", script="learning")
     assert [(c.loss, c.mini_batches) for c in runs] == [
         ("grpo", 1),
         ("grpo", 4),
@@ -389,7 +372,7 @@ def test_variants(runs, out):
 
 def test_distill(runs, out):
     runs.clear()
-    data = smoke("distill", out)
+    data = smoke("distill", out, "--what", "distill", script="learning")
     teacher, plain, distilled = runs
     assert not teacher.teacher and not plain.teacher and distilled.teacher.endswith("teacher/model")
     assert distilled.distill_coef == 0.1 and plain.seed == distilled.seed == 1
@@ -470,9 +453,9 @@ def test_gpu_trainer_runs_its_gpu_measurement_on_the_cpu(tmp_path):
 
 
 def test_run_all_runs_memory_at_its_smoke_size(tmp_path):
-    import run_all
+    import ab
 
-    assert run_all.main(["--smoke", "--only", "memory", "--out", str(tmp_path)]) == 0
+    assert ab.main(["--what", "all", "--smoke", "--only", "memory", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "memory.json").read_text())
     assert [(r["sequences"], r["mode"]) for r in data["rows"]] == [
         (2, "micro-batched"),
@@ -483,9 +466,9 @@ def test_run_all_runs_memory_at_its_smoke_size(tmp_path):
 
 
 def test_report_reads_what_the_smokes_wrote(out):
-    import report
+    import ab
 
-    assert report.main(["--out", str(out)]) == 0
+    assert ab.main(["--what", "report", "--out", str(out)]) == 0
     text = (out / "summary.md").read_text()
     for name, heading in (
         ("overlap", "**Overlap**"),
