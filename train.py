@@ -30,7 +30,7 @@ import buffer
 from advantages import estimate_advantages, shaped_rewards
 from config import Config
 from infra import devices, tracing
-from infra.processes import Control, exit_now, wait_for
+from infra.processes import Control, exit_now, saving, wait_for
 from run import launch, metrics, prepare
 from sync import WeightsSink, publish_model, trainable_parameters
 from tasks import evaluation
@@ -413,16 +413,17 @@ def finish_rank(trainer: Rank, step: int) -> None:
     )
     if trainer.rank == 0:
         trainer.control.stop.set()  # the generator can stop now
-    if finished:
-        checkpoint.save_hf_model(trainer)
-    else:
-        where = checkpoint.save_checkpoint(trainer, step)
-        if trainer.rank == 0:
-            print(
-                f"stopped at step {step} (version {trainer.version}); checkpoint in {where}; "
-                f"continue with --resume latest --out {trainer.cfg.out}",
-                flush=True,
-            )
+    with saving(trainer.control):  # the parent waits for a save in progress
+        if finished:
+            checkpoint.save_hf_model(trainer)
+        else:
+            where = checkpoint.save_checkpoint(trainer, step)
+    if not finished and trainer.rank == 0:
+        print(
+            f"stopped at step {step} (version {trainer.version}); checkpoint in {where}; "
+            f"continue with --resume latest --out {trainer.cfg.out}",
+            flush=True,
+        )
     if trainer.log is not None:
         trainer.log.finish(trainer.version)
     dist.barrier()

@@ -45,16 +45,7 @@ def backward(
     """One update's gradients, left on the parameters unclipped (no optimizer), and its reduced
     figures."""
     return update.update_on_batch(
-        model,
-        ref_model,
-        None,
-        batch,
-        cfg,
-        rank=rank,
-        world_size=world,
-        version=version,
-        step=0,
-        device=device,
+        model, ref_model, None, batch, cfg, rank, world, version, 0, device
     )
 
 

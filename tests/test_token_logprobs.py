@@ -309,14 +309,7 @@ def test_chunked_logprobs_match_the_full_computation(sampling, chunk_tokens):
         t.grad = None
 
     logp, ent = logprobs.chunked_logprobs(
-        hidden,
-        weight,
-        bias,
-        tokens,
-        temperature,
-        top_k=top_k,
-        top_p=top_p,
-        chunk_elements=chunk_tokens * vocab,
+        hidden, weight, bias, tokens, temperature, top_k, top_p, chunk_elements=chunk_tokens * vocab
     )
     assert torch.equal(torch.isfinite(logp), kept)
     if sampling in ("top-k", "top-p", "top-k and top-p"):
@@ -353,9 +346,7 @@ def test_the_chunk_size_depends_on_the_device_and_the_results_do_not(monkeypatch
 
     def run(**chunking):
         chunk_rows.clear()
-        logp, ent = logprobs.chunked_logprobs(
-            hidden, weight, bias, tokens, 1.3, top_k=7, top_p=0.9, **chunking
-        )
+        logp, ent = logprobs.chunked_logprobs(hidden, weight, bias, tokens, 1.3, 7, 0.9, **chunking)
         grads = torch.autograd.grad(
             torch.where(torch.isfinite(logp), logp, 0.0).sum(), (hidden, weight, bias)
         )
@@ -458,15 +449,7 @@ def test_the_transform_of_a_chunked_head_in_forward_and_backward(case, sampling)
     tokens = torch.randint(0, 11, (7,), generator=g)
     tokens[:3] = logits[:3].argmax(-1)  # kept by any top-k/top-p; the random ones mostly not
     logp, entropy = logprobs.chunked_logprobs(
-        hidden,
-        weight,
-        bias,
-        tokens,
-        temperature,
-        top_k=top_k,
-        top_p=top_p,
-        **head,
-        chunk_elements=30,
+        hidden, weight, bias, tokens, temperature, top_k, top_p, **head, chunk_elements=30
     )
     full = logprobs.token_logprobs(logits, tokens, temperature, top_k, top_p)
     torch.testing.assert_close(logp, full)

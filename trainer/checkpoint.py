@@ -289,21 +289,20 @@ def restore_rng(path: str) -> None:
 # --------------------------------------------------------------------------------------------------
 @tracing.timed("checkpoint")
 def save_checkpoint(trainer, step: int) -> str:
-    """A sharded checkpoint (every rank writes); the parent waits for it if the run is ending
-    meanwhile."""
+    """A sharded checkpoint (every rank writes), inside `infra.processes.saving` (the parent waits
+    for it if the run is ending meanwhile)."""
     t0 = time.perf_counter()
-    with saving(trainer.control):
-        where = save_trainer_state(
-            trainer.model,
-            trainer.optimizer,
-            trainer.prepared.base_model,
-            trainer.cfg,
-            step=step,
-            version=trainer.version,
-            rank=trainer.rank,
-            save_group=trainer.save_group,
-            groups_dropped=trainer.control.groups_dropped.value,
-        )
+    where = save_trainer_state(
+        trainer.model,
+        trainer.optimizer,
+        trainer.prepared.base_model,
+        trainer.cfg,
+        step=step,
+        version=trainer.version,
+        rank=trainer.rank,
+        save_group=trainer.save_group,
+        groups_dropped=trainer.control.groups_dropped.value,
+    )
     if trainer.rank == 0:
         print(
             f"checkpoint {where} written in {time.perf_counter() - t0:.1f} s",
@@ -315,22 +314,21 @@ def save_checkpoint(trainer, step: int) -> str:
 
 @tracing.timed("save model")
 def save_hf_model(trainer) -> None:
-    """OUT/model (with LoRA OUT/adapter): gathered, written by rank 0."""
-    with saving(trainer.control):
-        save_final_model(
-            trainer.model,
-            trainer.prepared.base_model,
-            trainer.cfg,
-            trainer.rank,
-            trainer.save_group,
-        )
+    """OUT/model (with LoRA OUT/adapter): gathered, written by rank 0 (inside `saving`)."""
+    save_final_model(
+        trainer.model, trainer.prepared.base_model, trainer.cfg, trainer.rank, trainer.save_group
+    )
 
 
 def save_when_due(trainer, step: int, last: bool) -> None:
     """A checkpoint every --save-every steps; the Hugging Face model every --save-hf-every (but at
     the last step: the end writes it anyway)."""
     cfg = trainer.cfg
-    if cfg.save_every and (step + 1) % cfg.save_every == 0:
-        save_checkpoint(trainer, step + 1)
-    if cfg.save_hf_every and (step + 1) % cfg.save_hf_every == 0 and not last:
-        save_hf_model(trainer)
+    checkpoint_due = cfg.save_every and (step + 1) % cfg.save_every == 0
+    model_due = cfg.save_hf_every and (step + 1) % cfg.save_hf_every == 0 and not last
+    if checkpoint_due or model_due:
+        with saving(trainer.control):  # the parent waits for a save in progress
+            if checkpoint_due:
+                save_checkpoint(trainer, step + 1)
+            if model_due:
+                save_hf_model(trainer)
