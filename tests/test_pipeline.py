@@ -210,12 +210,13 @@ def test_child_that_raises_ends_the_run_with_its_traceback(start_run, tmp_path):
     assert not (run.out / "summary.json").exists()
 
 
-# The trainer/generator log-prob difference on on-policy tokens in bf16. Measured on the default
-# model (python bench/training.py --what dtype, 2 x 60 on-policy steps): max 0.022, mean 0.0010 (fp32: max 1.4e-6);
-# bench/README.md. bf16 keeps 8 significant bits (a relative rounding of 2^-9 per operation) and the
-# two sides round in different orders (vLLM's CPU kernels against torch's), so logits of a few units
-# differ by ~1e-2. 0.1 leaves 4.5x over the largest difference measured and is still 7x inside the
-# importance correction's window (|log rho| <= log 2 = 0.69 for the default --is-high 2): no
+# The trainer/generator log-prob difference on on-policy tokens in bf16. Measured on the
+# default model (python bench/training.py --what dtype, 2 x 60 on-policy steps): max
+# 0.022, mean 0.0010 (fp32: max 1.4e-6); bench/README.md. bf16 keeps 8 significant bits
+# (a relative rounding of 2^-9 per operation) and the two sides round in different orders
+# (vLLM's CPU kernels against torch's), so logits of a few units differ by ~1e-2. 0.1
+# leaves 4.5x over the largest difference measured and is still 7x inside the importance
+# correction's window (|log rho| <= log 2 = 0.69 for the default --is-high 2): no
 # on-policy token is masked (--is-mode mask) or truncated (truncate) for bf16 noise.
 BF16_LOGPROB_DIFF_BOUND = 0.1
 

@@ -3,8 +3,8 @@
 - A real run's OUT/trace.json is valid trace-event JSON (what Perfetto and chrome://tracing load:
   each event's required fields, every process and track named by a metadata event, times monotone on
   each track) and has both sides, whose spans agree with metrics.jsonl; OUT/timeline.png is written.
-  The run is the one tests/conftest.py makes for tests/test_bench.py too (bench/memory.py --what peak_rss --smoke:
-  12 steps, on-policy).
+  The run is the one tests/conftest.py makes for tests/test_bench.py too (bench/memory.py --what
+  peak_rss --smoke: 12 steps, on-policy).
 - Recorders in separate processes share one clock; each keeps at most two segment files; the merge
   keeps the trainer's last --trace-steps steps and survives a line cut short; a request's phases
   come from the engine steps; `python -m run.plots OUT` merges and draws a run in progress.
