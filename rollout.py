@@ -195,8 +195,8 @@ class Generator:
         counters."""
         self.stats.count_group(group)  # once scored (a run stopping mid-score drops the group)
         group.gen_stats = self.stats.hand_off(self.loaded_version)
-        # Usually there is room: no thread hop (mp.Queue.put only hands the group to its feeder
-        # thread).
+        # Usually there is room: no thread hop (mp.Queue.put
+        # only hands the group to its feeder thread).
         try:
             self.queue.put_nowait(group)
         except queue_lib.Full:  # a full queue: wait in a thread, never on this event loop

@@ -132,9 +132,9 @@ def shutdown_engine(engine, settings) -> None:
     """End the engine at the end of the generator process."""
     if settings.cfg.log_level == "warning":
         quiet_requested_shutdown()
-    # On CPU, vLLM 0.32's worker lingers after acknowledging the shutdown and is force-killed after
-    # 5 s anyway; there is no device memory to release, so the engine gets 1 s (GPUs: vLLM's own
-    # grace).
+    # On CPU, vLLM 0.32's worker lingers after acknowledging the shutdown
+    # and is force-killed after 5 s anyway; there is no device memory to
+    # release, so the engine gets 1 s (GPUs: vLLM's own grace).
     engine.shutdown(timeout=CPU_ENGINE_SHUTDOWN_S if settings.device == "cpu" else None)
 
 

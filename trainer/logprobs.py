@@ -235,6 +235,7 @@ def chunked_logprobs(
     if chunk_elements is None:
         chunk_elements = logit_chunk_elements(hidden.device)
     chunk = max(1, chunk_elements // weight.shape[0])
+    # (an autograd Function's `apply` takes no keywords: its arguments in `forward`'s order)
     return _ChunkedLogprobs.apply(
         hidden,
         weight,
