@@ -262,8 +262,8 @@ def check_size(size, args, device, receiver_device, receiver_visible, peer_here,
             load_ms.append(got["load_ms"])
             e2e_ms.append((got["done_ns"] - published_ns) / 1e6)
 
-        # 3. the bound: one device-to-device copy of the same bytes (and peer-to-peer to the
-        #    receiver's GPU)
+        # 3. the bound: one device-to-device copy of the same
+        # bytes (and peer-to-peer to the receiver's GPU)
         def copy_ms(dst):
             times = []
             for _ in range(args.reps):

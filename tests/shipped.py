@@ -30,8 +30,8 @@ SHAPE = dict(
     head_dim=32,
     max_position_embeddings=4096,
 )
-# name -> (model_type, config values, generation config's eos ids): the makers' vocabulary sizes and
-# stop ids
+# name -> (model_type, config values, generation config's
+# eos ids): the makers' vocabulary sizes and stop ids
 FAMILIES = {
     "qwen3": (
         "qwen3",

@@ -255,8 +255,8 @@ def test_a_disagreeing_first_batch_stops_the_run_in_one_line(tmp_path, capsys):
         train.check_first_agreement(stub_rank(str(tmp_path)), 0, 1.40)
     capsys.readouterr()
     ctx = mp.get_context("spawn")
-    # two ranks raising it (sys.exit: a child that imports nothing more), a generator that outlives
-    # them
+    # two ranks raising it (sys.exit: a child that imports
+    # nothing more), a generator that outlives them
     children = {"generator": (time.sleep, (300,), True)}
     for rank in range(2):
         children[f"trainer{rank}"] = (sys.exit, (stop.value.code,), False)

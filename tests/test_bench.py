@@ -42,8 +42,8 @@ import costs  # noqa: E402
 import engines  # noqa: E402
 import overlap  # noqa: E402
 
-# the scripts this module runs (memory.py through `ab.py --what all`); the rest of bench/ are
-# helpers they import
+# the scripts this module runs (memory.py through `ab.py
+# --what all`); the rest of bench/ are helpers they import
 SCRIPTS = {
     "overlap",
     "weight_sync",

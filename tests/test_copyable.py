@@ -35,8 +35,8 @@ def use_shared_weights():
     assert shared.read_snapshot(out) == 3 and shared.version() == 3
     for slot in shared.layout:
         assert torch.equal(shared.view(slot, out), values[slot.name].to(torch.bfloat16))
-    # the bytes another process would get map the same memory: a write through one is read through
-    # the other
+    # the bytes another process would get map the same
+    # memory: a write through one is read through the other
     received = shared_weights.SharedWeights.from_bytes(shared.to_bytes())
     received.publish({"a.weight": torch.ones(3, 4), "b.bias": torch.zeros(5)}, version=4)
     assert shared.read_snapshot(out) == 4 and float(out.sum()) == 12.0

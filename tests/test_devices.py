@@ -113,8 +113,8 @@ def test_split_layout_generator_on_its_gpu_trainers_on_the_others():
     assert layout.on_gpu and layout.world_size == 3 and layout.shared_gpus == ()
     assert [layout.train_device(r) for r in range(3)] == ["cuda:1", "cuda:2", "cuda:3"]
     assert layout.backend == "cpu:gloo,cuda:nccl" and layout.buffer_device == "cuda:1"
-    # vLLM on GPU 0; the worker also sees the buffer's GPU (1) to open the handle and copy
-    # peer-to-peer
+    # vLLM on GPU 0; the worker also sees the buffer's
+    # GPU (1) to open the handle and copy peer-to-peer
     assert layout.gen_visible_devices == "0,1"
     assert layout.generator_settings() == {
         "device": "cuda",
@@ -230,8 +230,8 @@ def test_writer_waits_for_the_device_before_the_version_and_reader_before_rechec
     assert [c[0] for c in calls[1:]] == ["copy", "copy"]  # the torn first copy was retried
 
 
-# A stand-in for a CUDA IPC handle: opening it gives a CPU tensor and counts how often it was
-# opened.
+# A stand-in for a CUDA IPC handle: opening it gives
+# a CPU tensor and counts how often it was opened.
 OPENED = []
 
 

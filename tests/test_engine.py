@@ -48,9 +48,9 @@ def engine_env(tmp_path_factory):
     }
     engine.shutdown()
     builder.engine = engine = None  # no second shutdown from AsyncLLM.__del__ at interpreter exit
-    # Let vLLM's output handler task finish its cancellation on the loop: left pending, its ZMQ
-    # socket is never closed and the interpreter hangs at exit in zmq's Context.term (seen with one
-    # test selected).
+    # Let vLLM's output handler task finish its cancellation on the loop:
+    # left pending, its ZMQ socket is never closed and the interpreter
+    # hangs at exit in zmq's Context.term (seen with one test selected).
     pending = asyncio.all_tasks(loop)
     for task in pending:
         task.cancel()
@@ -236,9 +236,9 @@ def test_logprobs_agree_right_after_a_sync(engine_env, top_k, top_p):
     if top_k < 0:
         assert consistent.max() < 1e-4
     else:
-        # A token whose cumulative probability sits within float rounding of the top-p threshold can
-        # be kept by one side and not the other (logits agree only to ~1e-6): allow those rare
-        # flips.
+        # A token whose cumulative probability sits within float rounding
+        # of the top-p threshold can be kept by one side and not the
+        # other (logits agree only to ~1e-6): allow those rare flips.
         assert (consistent < 1e-4).float().mean() > 0.99, f"max diff {consistent.max():.3g}"
         assert (plain > 1e-2).float().mean() > 0.5, (
             "with top-k/top-p on, the full-softmax log-probs should not match"

@@ -138,8 +138,8 @@ def test_sigterm_then_sigint_and_resumes_on_other_rank_counts_continue_an_uninte
     assert finish(full_proc, 300) == 0, open(full_log).read()[-3000:]
     reference = {r["step"]: r for r in rows(full)}
 
-    # First resume, on 1 rank: several saves after the checkpoint it resumed from, which rotation
-    # deletes; Ctrl-C.
+    # First resume, on 1 rank: several saves after the checkpoint
+    # it resumed from, which rotation deletes; Ctrl-C.
     proc, log = start(cut, "--steps", str(steps), "--resume", "latest", "--train-ranks", "1", *kl)
     wait_rows(cut, first_stop + 5, proc)
     os.kill(proc.pid, signal.SIGINT)
@@ -162,8 +162,8 @@ def test_sigterm_then_sigint_and_resumes_on_other_rank_counts_continue_an_uninte
     # the walk of prompts continued where it stopped: same epochs (and, below, the same rewards)
     assert [r["epoch"] for r in resumed] == [reference[s]["epoch"] for s in range(steps)]
     for step in (first_stop, second_stop, steps - 1):  # the first step of each resume, and the last
-        # Same weights, optimizer state, (seeded) rollouts and reference model: the uninterrupted
-        # run's step.
+        # Same weights, optimizer state, (seeded) rollouts
+        # and reference model: the uninterrupted run's step.
         assert resumed[step]["reward"] == pytest.approx(reference[step]["reward"], abs=1e-6)
         assert resumed[step]["loss"] == pytest.approx(reference[step]["loss"], rel=1e-3, abs=1e-5)
         assert reference[step]["kl_ref"] > 1e-5

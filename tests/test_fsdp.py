@@ -144,8 +144,8 @@ def spawn_ranks(worker, world, tmp_path, *args):
     deadline = time.monotonic() + SPAWN_TIMEOUT_S
     got = None
     try:
-        # Read the result before joining: rank 0 cannot exit until its (large) queue item is
-        # consumed.
+        # Read the result before joining: rank 0 cannot
+        # exit until its (large) queue item is consumed.
         while got is None:
             try:
                 got = results.get(timeout=0.5)
@@ -241,8 +241,8 @@ def _skeleton_shapes(model_path):
     return shared_weights.named_shapes_of(skeleton)
 
 
-# 3: uneven FSDP2 shards (26 vocab rows -> 9/9/8, 128 -> 43/43/42); there in bf16: each rank casts
-# its rows
+# 3: uneven FSDP2 shards (26 vocab rows -> 9/9/8, 128
+# -> 43/43/42); there in bf16: each rank casts its rows
 @pytest.mark.parametrize("world,dtype", [(2, torch.float32), (3, torch.bfloat16)])
 def test_publish_writes_the_full_state_dict(world, dtype, model_path, initial_state, tmp_path):
     shared = shared_weights.SharedWeights.allocate(_skeleton_shapes(model_path), dtype=dtype)
@@ -287,8 +287,8 @@ def _bf16_worker(rank, world, model_path, init_file, results):
             input_ids=batch.input_ids, attention_mask=batch.attention_mask
         ).logits
         embed = reference.model.embed_tokens.weight
-        # sharded, bf16, and the root resharded after a no-grad forward (it would stay whole
-        # otherwise)
+        # sharded, bf16, and the root resharded after a
+        # no-grad forward (it would stay whole otherwise)
         ref_sharded = all(
             isinstance(p, DTensor) and p.dtype == torch.bfloat16 and not p.requires_grad
             for p in reference.parameters()

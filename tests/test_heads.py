@@ -46,8 +46,8 @@ SHAPE = dict(
     pad_token_id=0,
 )
 MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
-# model_type -> config values; the transformed ones sharp enough that leaving the transform out
-# shows
+# model_type -> config values; the transformed ones
+# sharp enough that leaving the transform out shows
 FAMILIES = {
     "llama": {},
     "mistral": {},
@@ -301,8 +301,8 @@ def test_a_head_the_code_does_not_know_is_refused_in_one_line(tmp_path):
 # worker's load, the trainer's scorer on what vLLM sampled. Granite also runs through train.py in
 # test_distill.py's run (its student).
 ENGINE_FAMILIES = ("granite", "gemma2", "gemma3_text", "cohere")
-# sharp, yet sampling stays random (entropy > 0.3 at a 26-token vocabulary): log-probs of ~0 agree
-# trivially
+# sharp, yet sampling stays random (entropy > 0.3 at a
+# 26-token vocabulary): log-probs of ~0 agree trivially
 RUN_HEAD_GAIN = {"granite": 4.0, "gemma2": 10.0, "gemma3_text": 10.0, "cohere": 1.0}
 ENGINE_TIMEOUT_S = 600
 

@@ -84,8 +84,8 @@ def test_only_the_adapter_trains_and_matches_the_buffer_layout(base_model):
         )
         synced = lora.synced_parameters(model)
         shapes, _ = lora.adapter_shapes(base_model, lora.peft_config(**CONFIG))
-        # the parent sizes the shared buffer from a meta skeleton: same names, same order, same
-        # shapes
+        # the parent sizes the shared buffer from a meta
+        # skeleton: same names, same order, same shapes
         assert [(n, tuple(p.shape)) for n, p in synced] == shapes
         assert all(".lora_A." in n or ".lora_B." in n for n, _ in synced) and len(synced) == 28
         optimizer = torch.optim.AdamW([p for _, p in synced], lr=1e-2)
@@ -261,8 +261,8 @@ def test_lora_run_checkpoints_resumes_and_merges(tmp_path):
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     ids = torch.tensor([[1, 13, 14, 15, 25]])
 
-    # a checkpoint holds the adapter and its optimizer state; the final adapter loads in PEFT and
-    # has moved
+    # a checkpoint holds the adapter and its optimizer
+    # state; the final adapter loads in PEFT and has moved
     saved = checkpoint.list_checkpoints(checkpoint.checkpoint_root(out))
     assert [os.path.basename(p) for p in saved] == ["step_00000003", "step_00000006"]
     stored = dcp.FileSystemReader(os.path.join(saved[0], "dcp")).read_metadata().state_dict_metadata

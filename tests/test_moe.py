@@ -34,8 +34,8 @@ from tasks import builtin
 from trainer import heads
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# the copy task's tokenizer (builtin.build_tiny_model writes it; the family's config replaces the
-# model)
+# the copy task's tokenizer (builtin.build_tiny_model
+# writes it; the family's config replaces the model)
 VOCAB = 26
 SHAPE = dict(
     hidden_size=64,
@@ -287,8 +287,8 @@ def test_a_moe_family_the_trainer_cannot_score_exactly_is_refused_in_one_line(mo
 def test_a_config_scored_otherwise_than_vllm_samples_it_is_refused_in_one_line(tmp_path):
     from infra import devices
 
-    # Cohere2's sliding layers: vLLM sees one token more than transformers (0.14 apart with a window
-    # of 4)
+    # Cohere2's sliding layers: vLLM sees one token more
+    # than transformers (0.14 apart with a window of 4)
     narrow = tiny_moe("cohere2_moe").config
     narrow.sliding_window = 4
     narrow.save_pretrained(tmp_path)
@@ -299,21 +299,21 @@ def test_a_config_scored_otherwise_than_vllm_samples_it_is_refused_in_one_line(t
         and "\n" not in problem
     )
     assert devices.engine_problems(str(tmp_path), False, 4, 2, 64, "fp32") == []
-    # LoRA on an MoE model: vLLM's CPU backend has no LoRA path for MoE layers (its Triton kernels
-    # only)
+    # LoRA on an MoE model: vLLM's CPU backend has no
+    # LoRA path for MoE layers (its Triton kernels only)
     [problem] = devices.engine_problems(str(tmp_path), False, 4, 2, 64, "fp32", lora_rank=8)
     assert "Mixture-of-Experts" in problem and "--lora-rank" in problem and "\n" not in problem
     # GPUs: not refused (not run)
     assert devices.engine_problems(str(tmp_path), True, 4, 2, 64, "fp32", lora_rank=8) == []
-    # EXAONE-MoE with a window and no sliding layer: RoPE in vLLM's layers, none in transformers'
-    # (0.12 apart)
+    # EXAONE-MoE with a window and no sliding layer: RoPE
+    # in vLLM's layers, none in transformers' (0.12 apart)
     full = transformers.AutoConfig.for_model(
         "exaone_moe", layer_types=["full_attention"] * 2, num_hidden_layers=2
     )
     assert "applies no RoPE" in heads.head_problem(full)
     assert heads.head_problem(tiny_moe("exaone_moe").config) == ""
-    # AFMoE as transformers 5 writes it: vLLM cannot start (no score_func); otherwise routing vLLM
-    # reads, differently
+    # AFMoE as transformers 5 writes it: vLLM cannot start (no
+    # score_func); otherwise routing vLLM reads, differently
     for fields in (
         {},
         {"score_func": "softmax", "route_norm": True},

@@ -280,8 +280,8 @@ def test_two_nodes_train_with_exact_versions_and_the_lag_and_queue_bounds(start_
     # weights too), so fully on-policy rows agree to fp32 precision
     diffs = [r["logprob_diff_on_policy"] for r in rows if r["logprob_diff_on_policy"] is not None]
     assert diffs and max(diffs) < 1e-4, diffs
-    # the queue bound: the trainer never held more than its credits (queue_size - 1; the node's
-    # queue holds 1)
+    # the queue bound: the trainer never held more than its
+    # credits (queue_size - 1; the node's queue holds 1)
     assert all(r["remote_groups_held_max"] <= queue_size - 1 for r in rows)
     assert all(r["sync_send_ms"] is not None and r["sync_send_ms"] > 0 for r in rows)
     assert [r["eval/step"] for r in rows if "eval/step" in r] == [0, 3, 6]  # evaluations cross too

@@ -300,8 +300,8 @@ def test_masks_act_in_training_as_computed_by_hand(model, perturbed):
     geo = train_step(model, batch, geo_mask_high=1.05)
     dsv = train_step(model, batch, dsv32_mask_kl=0.05)
     ice = train_step(model, batch, icepop_high=5.0)
-    # geometric mean of pi / mu = exp(-mean offset); DeepSeek-V3.2's KL = mean offset; IcePop's k =
-    # exp(-offset)
+    # geometric mean of pi / mu = exp(-mean offset);
+    # DeepSeek-V3.2's KL = mean offset; IcePop's k = exp(-offset)
     geo_share = sum(not 1 / 1.05 <= math.exp(-sum(d) / len(d)) <= 1.05 for d in rows) / len(rows)
     dsv_share = sum(
         a < 0 and sum(d) / len(d) > 0.05 for a, d in zip(advantages, deltas) if d

@@ -35,8 +35,8 @@ from run import prepare
 from run.flag_checks import parse_args
 from trainer import packing, replay
 
-# the family whose attention mask ignores packed position ids (its model builds the mask without
-# them)
+# the family whose attention mask ignores packed
+# position ids (its model builds the mask without them)
 IGNORES_PACKING = "afmoe"
 SAMPLING = test_heads.SAMPLINGS["T, top-k, top-p"]
 # windows of 4 tokens bite in the test batch's rows of up to 9
@@ -142,9 +142,9 @@ def test_a_sliding_window_that_bites_keeps_packed_rows_apart(model_type):
 def test_sdpa_models_pack_with_the_row_wise_attention_where_it_passes():
     model = tiny("qwen3")
     assert packing.verdict(model) == "" and model.config._attn_implementation == packing.ATTENTION
-    # AFMoE builds its mask without the position ids: without sliding windows it packs on the
-    # row-wise attention all the same; with them (test_moe's), or on eager attention (never
-    # switched), it cannot
+    # AFMoE builds its mask without the position ids: without sliding
+    # windows it packs on the row-wise attention all the same; with them
+    # (test_moe's), or on eager attention (never switched), it cannot
     afmoe = tiny(IGNORES_PACKING)
     assert packing.verdict(afmoe) == "" and afmoe.config._attn_implementation == packing.ATTENTION
     for refused in (tiny(IGNORES_PACKING, "eager"), test_moe.tiny_moe(IGNORES_PACKING)):

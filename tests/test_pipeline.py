@@ -98,8 +98,8 @@ def test_max_lag_0_is_on_policy_and_saves_a_usable_model(start_run):
     )
     assert 0 <= summary["trainer_wait_frac"] <= 1 and 0 <= summary["generator_wait_frac"] <= 1
 
-    # a quiet terminal: progress lines, no per-sync vLLM log, no expected reload warnings, no
-    # progress bars
+    # a quiet terminal: progress lines, no per-sync vLLM
+    # log, no expected reload warnings, no progress bars
     terminal = run.stdout_path.read_text() + run.stderr_path.read_text()
     assert f"step {steps}/{steps}" in terminal and "done:" in terminal
     for noise in (
@@ -172,8 +172,8 @@ def test_max_lag_1_bounds_staleness(start_run):
     lags = [r["lag_max"] for r in rows]
     assert all(0 <= lag <= 1 for lag in lags), lags
     assert summary["max_token_lag"] <= 1
-    # the run was really asynchronous: the generator ran ahead, so some trained tokens were one
-    # version old
+    # the run was really asynchronous: the generator ran
+    # ahead, so some trained tokens were one version old
     assert 1 in lags, (
         f"no stale token at all with --max-lag 1: the test did not exercise the bound ({lags})"
     )

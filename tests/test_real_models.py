@@ -219,8 +219,8 @@ def test_smollm2_ends_its_turn_with_its_own_end_of_turn_token(served):
 
 
 # --------------------------------------------------------------------------------------------------
-# A short run on SmolLM2: the held-out evaluation at start, a KV cache too small for its tokens
-# in flight.
+# A short run on SmolLM2: the held-out evaluation at
+# start, a KV cache too small for its tokens in flight.
 # --------------------------------------------------------------------------------------------------
 def arithmetic_rows(pairs) -> list[dict]:
     return [

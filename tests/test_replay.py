@@ -357,8 +357,8 @@ def test_the_store_keeps_first_routes_fills_prefix_cache_hits_and_maps_request_i
         [(b, 2, [10, 12]), ("eval-0-x-abcdef12", 1, [13])],
         [4, 5, 0],
     )
-    # a weight swap re-prefills a (new routes for 0-5) and it decodes position 6: its first routes
-    # stay
+    # a weight swap re-prefills a (new routes for 0-5)
+    # and it decodes position 6: its first routes stay
     again = rng.integers(0, EXPERTS, (7, LAYERS, TOP_K))
     step(store, again, [(a, 7, [20, 21])], range(7))
     assert store.named("group-1-abcdef12", "group-1") and not store.named(

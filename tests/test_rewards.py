@@ -103,8 +103,8 @@ def test_fault_rules_none_nan_errors_and_weights(tmp_path, monkeypatch):
     assert any("boom" in m for m in logged) and any("returned 1 values for 4" in m for m in logged)
     scorer.score("p", ["a", "b", "c", "d"], [[1]] * 4, {})
     assert len([m for m in logged if "boom" in m]) == 1  # reported once, counted always
-    # a sample no function scored gets its group's mean and is named unscored; a group nobody scored
-    # gets 0
+    # a sample no function scored gets its group's mean
+    # and is named unscored; a group nobody scored gets 0
     scorer = Scorer(["faulty_rewards:some_none"], log=logged.append)
     rewards, _, unscored = scorer.score("p", list("abcd"), [[1]] * 4, {})
     assert rewards == [10.0] * 4 and unscored == [0, 2, 3]

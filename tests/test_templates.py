@@ -167,8 +167,8 @@ def test_three_turn_chat_episodes_run_on_the_shipped_templates(family, models):
             ep.ids == expected[: len(ep.ids)]
             and tokenizer.decode(expected[len(ep.ids) :]).strip() == ""
         )
-    # Qwen3 rewrites history; between the turns lies exactly its end of turn, the user turn, its
-    # prompt
+    # Qwen3 rewrites history; between the turns lies
+    # exactly its end of turn, the user turn, its prompt
     else:
         between = tokenizer.decode(
             ep.ids[len(engine.prompts[0]) + len(engine.sampled[0]) : len(engine.prompts[1])]
@@ -413,9 +413,9 @@ def test_chat_template_kwargs_reach_prompts_and_episodes(models, tmp_path):
 
 
 # --------------------------------------------------------------------------------------------------
-# The real engine: vLLM serves a tiny Qwen3 with its real vocabulary; the Generator runs chat
-# episodes on
-# it -----------------------------------------------------------------------------------------------
+# The real engine: vLLM serves a tiny Qwen3 with its real
+# vocabulary; the Generator runs chat episodes on it
+# -----------------------------------------------------------------------------------------------
 def test_vllm_runs_three_turn_qwen3_episodes_token_in_token_out(models, monkeypatch):
     import os
 

@@ -97,8 +97,8 @@ def test_a_tool_call_round_trips_parse_run_and_render(tokenizer):
         {"role": "tool", "name": "divide", "content": "0.25"},
     ]
     assert (env.tool_calls, env.tool_call_parse_failures, env.tool_errors) == (2, 0, 0)
-    # The runner's suffix-diff: the conversation so far, then with the tool messages and the
-    # generation prompt.
+    # The runner's suffix-diff: the conversation so far,
+    # then with the tool messages and the generation prompt.
     before = prompt + [tools.assistant_message(turn)]
     head = tokenizer.apply_chat_template(before, tools=env.tools, tokenize=False)
     full = tokenizer.apply_chat_template(

@@ -157,15 +157,15 @@ def test_processes_share_one_clock_keep_two_segments_and_the_merge_keeps_the_las
         e["args"]["step"] for e in events if e.get("cat") == "step" and e["pid"] == first["pid"]
     ]
     assert steps == [7, 8, 9]  # the last 3 steps
-    # one time base: each "mark" lies where its process read the wall clock (µs since configure's
-    # t0)
+    # one time base: each "mark" lies where its process
+    # read the wall clock (µs since configure's t0)
     t0 = json.loads((tmp_path / "trace" / "run.json").read_text())["t0_ns"]
     marks = {e["pid"]: e["ts"] for e in events if e["name"] == "mark"}
     for child in (first, second):
         assert abs(marks[child["pid"]] - (child["wall_ns"] - t0) / 1e3) < 2000  # within 2 ms
     assert marks[second["pid"]] > marks[first["pid"]]
-    # `python -m run.plots OUT` on a run in progress: merges the processes' files and draws the
-    # timeline
+    # `python -m run.plots OUT` on a run in progress:
+    # merges the processes' files and draws the timeline
     done = subprocess.run(
         [sys.executable, "-m", "run.plots", str(tmp_path)],
         cwd=REPO,
