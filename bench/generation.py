@@ -45,7 +45,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-import engines  # noqa: E402
+import machine  # noqa: E402
 import overlap  # noqa: E402  (the stand-in trainer)
 
 PHASES = ("bare", "pipeline", "pipeline_nosync")
@@ -183,7 +183,7 @@ class Phases:
         control = processes.make_control(self.ctx)
         self.builder = Generator(self.base, shared, self.ctx.Queue(), control)
         t = time.perf_counter()
-        self.engine, self.loop = engines.engine_for(self.builder), engines.event_loop()
+        self.engine, self.loop = machine.engine_for(self.builder), machine.event_loop()
         self.engine_s = time.perf_counter() - t
         self.start_weights = None
 
@@ -250,7 +250,7 @@ class Phases:
         job = dataclasses.replace(
             job, publish=publish, keep_groups=score, timeout_s=120.0, armed=armed
         )
-        proc = engines.helper(self.ctx, stand_in_entry, (results, job))
+        proc = machine.helper(self.ctx, stand_in_entry, (results, job))
         proc.start()
         try:
             processes.wait_for(armed, control.stop, 120, "the stand-in trainer")
@@ -312,7 +312,7 @@ def measure(model_path: str, plan: list[dict], rounds: int, seed: int, kv_delta:
                 for phase in w["phases"][k:] + w["phases"][:k]:
                     runs[w["name"]][phase].append(on.phase(w, phase, r))
     finally:
-        engines.release(on.engine, on.loop)
+        machine.release(on.engine, on.loop)
         on.builder.engine = on.engine = None
     return {"runs": runs, "engine_start_s": on.engine_s, "threads": on.base.cfg.gen_threads}
 
@@ -538,8 +538,8 @@ def env_measure(model_path: str, warmup_s: float, window_s: float, groups: int) 
             gen.task = envs.EnvTask(cfg, AutoTokenizer.from_pretrained(model_path), SleepEnv, rows)
         return gen
 
-    loop, control = engines.event_loop(), processes.make_control(ctx)
-    engine = engines.engine_for(rollout.Generator(settings, shared, ctx.Queue(), control))
+    loop, control = machine.event_loop(), processes.make_control(ctx)
+    engine = machine.engine_for(rollout.Generator(settings, shared, ctx.Queue(), control))
     modes = {
         "pipeline": lambda: env_pipeline(generator(sync=False), loop, warmup_s, window_s),
         "sync": lambda: env_sync(generator(), loop, GROUP * groups, warmup_s, window_s),
@@ -554,7 +554,7 @@ def env_measure(model_path: str, warmup_s: float, window_s: float, groups: int) 
                 print(f"[env_latency] {mode} D={delay_ms} ms: {results[mode][str(delay_ms)]:.0f}")
     finally:
         rollout.make_task = make_task
-        engines.release(engine, loop)
+        machine.release(engine, loop)
     return results
 
 

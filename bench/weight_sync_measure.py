@@ -1,5 +1,5 @@
 """bench/weight_sync_measure.py — one size of bench/weight_sync.py, measured in its own process (it
-owns a vLLM engine; in a smoke session, bench/engines.py's): the trainer side an FSDP2 model (one
+owns a vLLM engine; in a smoke session, bench/machine.py's): the trainer side an FSDP2 model (one
 rank) publishing into the packed shared buffer with `sync.publish_model`, the generator side the
 project's `rollout.Generator` running its own loop on the real engine, and the plain memcpy of the
 same bytes beside them; with a LoRA rank, only the adapter crosses, and the tmpfs-file route
@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-import engines  # noqa: E402
+import machine  # noqa: E402
 from weight_sync_cross import memcpy_ms  # noqa: E402
 
 # torch, vLLM and the project are imported in the functions that run in child processes (common.py)
@@ -192,7 +192,7 @@ def measure_size(
     prepared = prepare.Prepared(path, path, devices.layout_for(cfg))
     gen = Generator(prepare.generator_settings(cfg, prepared, lora_dir), shared, queue, control)
     t_engine = time.perf_counter()
-    engine, loop = engines.engine_for(gen), engines.event_loop()
+    engine, loop = machine.engine_for(gen), machine.event_loop()
     engine_s = time.perf_counter() - t_engine
     publish_ms, wall_ms = [], []
 
@@ -239,7 +239,7 @@ def measure_size(
             except Exception:
                 break
     finally:
-        engines.release(engine, loop)
+        machine.release(engine, loop)
         gen.engine = engine = None  # no second shutdown from __del__ at exit
         dist.destroy_process_group()
         if os.path.exists(init_file):
