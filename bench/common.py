@@ -82,15 +82,20 @@ def alternate(bench, rounds: int, modes: dict, flags: list[str], measure) -> dic
     return runs
 
 
-def bars(data: dict, path: Path, what: str, values: dict, ylabel: str = "s") -> None:
-    """The generic figure: per label, the median of its values (a bar) and each value (a dot)."""
+def bars(data: dict, path: Path, what: str, values: dict, ylabel: str = "s", log=False) -> None:
+    """The generic figure: per label, the median of its values (a bar) and each value (a dot);
+    `log`: a log scale."""
     fig, ax = plt().subplots(1, 1, figsize=(1.6 * len(values) + 3, 4))
     for j, (label, vs) in enumerate(values.items()):
         vs = [v for v in vs if v is not None]
         ax.bar(j, statistics.median(vs) if vs else 0, alpha=0.6)
         ax.scatter([j] * len(vs), vs, color="k", zorder=3, s=12)
     ax.set_xticks(range(len(values)), list(values), fontsize=7)
-    ax.set(title=f"{what} (bars: medians; dots: each)", ylabel=ylabel)
+    ax.set(
+        title=f"{what} (bars: medians; dots: each)",
+        ylabel=ylabel,
+        yscale="log" if log else "linear",
+    )
     save_figure(fig, path, data, what)
 
 

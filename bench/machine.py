@@ -1,7 +1,8 @@
 """bench/machine.py — the machine a benchmark runs on and what it runs there: the machine's facts
-(`machine_info`, `machine_line`), the load of processes outside the benchmark (`LoadMonitor`), the
-cores each process of a run used (`tree_cpu`, `cores_by_role`, `CpuByRole`), and the vLLM engine a
-benchmark builds (`engine_for`, `event_loop`, `release`, `helper`).
+(`machine_info`, `machine_line`, its `memcpy_ms`), a one-rank process group (`one_rank`), the load
+of processes outside the benchmark (`LoadMonitor`), the cores each process of a run used
+(`tree_cpu`, `cores_by_role`, `CpuByRole`), and the vLLM engine a benchmark builds (`engine_for`,
+`event_loop`, `release`, `helper`).
 
 Run alone, a benchmark's engine is its own (`Generator.build_engine`), on a new loop, shut down at
 the end, and each stand-in trainer is a process: what it measures. Inside `Session`
@@ -19,11 +20,14 @@ only where an engine is built.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import importlib.metadata
 import os
 import platform
+import socket
 import statistics
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -128,6 +132,44 @@ class LoadMonitor:
             "loadavg_at_start": [round(x, 2) for x in self.load_start],
             "loadavg_at_end": [round(x, 2) for x in os.getloadavg()],
         }
+
+
+def memcpy_ms(buffer, repeats: int = 7) -> list[float]:
+    """Milliseconds of copying `buffer` into a tensor of its size, `repeats` times after a first
+    (the floor a transfer of those bytes is compared with)."""
+    import torch
+
+    dst = torch.empty_like(buffer)
+    dst.copy_(buffer)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        dst.copy_(buffer)
+        times.append((time.perf_counter() - t) * 1e3)
+    return times
+
+
+@contextlib.contextmanager
+def one_rank(backend: str = "gloo"):
+    """A torch.distributed group of this process alone (FSDP2 at one rank) for the block; then
+    destroyed, its rendezvous file removed."""
+    import torch.distributed as dist
+
+    init = tempfile.mktemp(prefix="asyncgrpo-bench-dist-")
+    dist.init_process_group(backend, init_method=f"file://{init}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        if os.path.exists(init):
+            os.unlink(init)
+
+
+def free_port() -> int:
+    """A TCP port free on this machine's loopback (for a rendezvous)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def machine_line(info: dict) -> str:

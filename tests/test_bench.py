@@ -88,7 +88,7 @@ def session(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def recorded(recorded_run):
-    """The one real train.py run (tests/conftest.py: bench/peak_rss.py --smoke): (its folder,
+    """The one real train.py run (tests/conftest.py: bench/memory.py --what peak_rss): (its folder,
     peak_rss's figures)."""
     return recorded_run
 
@@ -147,7 +147,7 @@ def test_every_script_has_a_smoke_size_and_runs_here():
     assert {name for name, text in files.items() if "__main__" in text} == SCRIPTS and set(
         files
     ) == SCRIPTS | HELPERS
-    # report.py reads, at no size
+    # (each script has a smoke size)
     assert all("--smoke" in files[name] for name in SCRIPTS - {"report"})
 
 
