@@ -1,8 +1,7 @@
 """bench/common.py — what the benchmarks share: the options and outputs of a benchmark (`Bench`:
 machine facts and the load of other processes from bench/machine.py, a scratch folder, its JSON,
-plot and closing line), tables, child processes, `python train.py` runs and their steady-state
-rates, and the project's config and models as a run builds them. The project's own stages run alone
-(generation without training, training without generation) are in bench/stages_alone.py.
+plot and closing line), tables and figures, `--what` entries, child processes, `python train.py`
+runs and their steady-state rates, and the project's config and models as a run builds them.
 Project, torch and vLLM imports stay inside functions: spawned children re-import the benchmark
 script, and vLLM must load only in the process that runs the engine.
 """
@@ -24,7 +23,7 @@ import time
 import traceback
 from pathlib import Path
 
-import engines
+import machine
 from machine import (  # noqa: F401  (re-exported to the scripts)
     CpuByRole,
     LoadMonitor,
@@ -83,15 +82,20 @@ def alternate(bench, rounds: int, modes: dict, flags: list[str], measure) -> dic
     return runs
 
 
-def bars(data: dict, path: Path, what: str, values: dict, ylabel: str = "s") -> None:
-    """The generic figure: per label, the median of its values (a bar) and each value (a dot)."""
+def bars(data: dict, path: Path, what: str, values: dict, ylabel: str = "s", log=False) -> None:
+    """The generic figure: per label, the median of its values (a bar) and each value (a dot);
+    `log`: a log scale."""
     fig, ax = plt().subplots(1, 1, figsize=(1.6 * len(values) + 3, 4))
     for j, (label, vs) in enumerate(values.items()):
         vs = [v for v in vs if v is not None]
         ax.bar(j, statistics.median(vs) if vs else 0, alpha=0.6)
         ax.scatter([j] * len(vs), vs, color="k", zorder=3, s=12)
     ax.set_xticks(range(len(values)), list(values), fontsize=7)
-    ax.set(title=f"{what} (bars: medians; dots: each)", ylabel=ylabel)
+    ax.set(
+        title=f"{what} (bars: medians; dots: each)",
+        ylabel=ylabel,
+        yscale="log" if log else "linear",
+    )
     save_figure(fig, path, data, what)
 
 
@@ -289,9 +293,9 @@ def _child_main(fn, args, results):
 def in_child(fn, *args, timeout_s: float = 600.0, what: str = "child", in_session: bool = False):
     """Run `fn(*args)` in a spawned child in its own process group; return its result (picklable).
     The whole group is killed afterwards, so no engine process outlives the call. `in_session`: in a
-    smoke session (bench/engines.py) `fn` runs in this process instead (on the session's engines, if
+    smoke session (bench/machine.py) `fn` runs in this process instead (on the session's engines, if
     it needs one)."""
-    if in_session and engines.SESSION is not None:
+    if in_session and machine.SESSION is not None:
         return fn(*args)
     import torch.multiprocessing as mp
 
@@ -467,7 +471,7 @@ def run_ahead_settings(cfg, model_path: str):
     from infra import devices
     from run import prepare
 
-    # (and no held-out evaluation: bench/eval_cost.py measures that apart)
+    # (and no held-out evaluation: costs.py --what eval measures that apart)
     return prepare.generator_settings(
         dataclasses.replace(cfg, max_lag=10**6, eval_every=0),
         prepare.Prepared(model_path, model_path, devices.layout_for(cfg)),
@@ -480,10 +484,10 @@ def build_model(path: Path, seed: int = 0, **sizes) -> str:
 
     path = Path(path)
     # one folder per model for the session's benchmarks (one engine each)
-    if engines.SESSION is not None:
-        models = engines.SESSION.models
+    if machine.SESSION is not None:
+        models = machine.SESSION.models
         path = models.setdefault(
-            (seed, tuple(sorted(sizes.items()))), Path(engines.SESSION.work) / f"m{len(models)}"
+            (seed, tuple(sorted(sizes.items()))), Path(machine.SESSION.work) / f"m{len(models)}"
         )
     if not (path / "config.json").exists():
         build_tiny_model(str(path), seed=seed, **sizes)

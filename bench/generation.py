@@ -6,47 +6,53 @@
     # groups in flight, 1 s warm-ups and 1.5 s windows
     python bench/generation.py [--what NAME] --smoke --out DIR
 
-`generator`: what does the generator cost on top of bare vLLM? One engine, built by the project's
-`rollout.Generator.build_engine` (in a child process, or on bench/common.py's session engine),
-serves these phases, interleaved for `--rounds` rounds (the order rotates):
-- bare: the engine's `AsyncLLM.generate` on the same prompts (built-in task, same seed), with the
-  generator's sampling parameters and as many groups in flight (prompts per step);
-- pipeline: `Generator.run` (rewards, versions, the staleness gate, a bounded queue) feeding a
-  stand-in trainer process (bench/overlap.py) that takes each step's groups and republishes the
-  weights, so the generator swaps weights once per step (pause, load, cache reset, resume);
-- pipeline_nosync: the same without swaps; pipeline_keep (long workload): `--kv-on-swap keep`
-  (requests running at a swap go on with the old weights' KV cache instead of a re-prefill).
-Two workloads: the default (5 new tokens, as `python train.py`) and a long one (`--long-tokens`,
-40), where each swap preempts longer completions. There the stand-in publishes weights that differ
-per version (start + N(0, --kv-delta^2) per element, seeded by the version: about one AdamW step),
-and every sampled token is scored by the trainer's scorer (`update.completion_logprobs`, fp32) under
-its version's weights, against vLLM's behaviour log-prob: after a swap inside its request, and in
-requests no swap reached (control). Tokens/s after the warm-up; ratio = pipeline / bare, each
-against the bare phase of its own round (goal >= 0.90).
+`generator`: what does the generator cost on top of bare vLLM? One engine (the project's
+`Generator.build_engine`) serves these phases, interleaved for `--rounds` rounds (order rotated):
+bare (`AsyncLLM.generate` on the same prompts, sampling and groups in flight); pipeline
+(`Generator.run` feeding a stand-in trainer, overlap.py's, that republishes every step: one swap
+per step); pipeline_nosync (no swaps); pipeline_keep (long workload: `--kv-on-swap keep`). Two
+workloads: the default (as `python train.py`) and a long one (`--long-tokens`), where the stand-in
+publishes weights that differ per version (start + N(0, --kv-delta^2), about one AdamW step) and
+every sampled token is scored by the trainer's `update.completion_logprobs` under its version,
+against vLLM's log-prob: after a swap inside its request, and in requests no swap reached. Tokens/s
+after the warm-up; ratio = pipeline / the bare phase of its round (goal >= 0.90).
 
 `env_latency`: does a slow environment stall generation? An env whose `step` sleeps D ms (0, 20,
-100; in the generator's worker threads), 4 turns of 8 tokens, on one engine; each mode runs for a
-window after a warm-up (longer if no group finished): pipeline (the project's generator with an
-env task, tasks/envs.py: every episode its own chain of requests, `--groups` groups of 8 in flight)
-and sync / sync32 (a turn-by-turn loop over a batch of 8 x `--groups` / 32 episodes: a batched
-engine call per turn, then every env step in threads, a barrier). Tokens/s by D and the ratio to
-D = 0 (goal: the pipeline keeps >= 0.9 at 100 ms).
+100), 4 turns of 8 tokens, on one engine: pipeline (the project's generator, tasks/envs.py, each
+episode its own chain of requests) against sync / sync32 (a turn-by-turn loop over 8 x `--groups`
+/ 32 episodes, a barrier each turn). Tokens/s by D, ratio to D = 0 (goal: pipeline >= 0.9 at 100).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import queue as queue_lib
 import statistics
 import sys
+import threading
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-import engines  # noqa: E402
+import machine  # noqa: E402
 import overlap  # noqa: E402  (the stand-in trainer)
+import torch  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+import buffer  # noqa: E402  (the project's, on sys.path through common; vLLM loads with an engine)
+import rollout  # noqa: E402
+import update  # noqa: E402
+from infra import processes  # noqa: E402
+from run import prepare  # noqa: E402
+from tasks import envs  # noqa: E402
+from tasks.builtin import make_task  # noqa: E402
+from tasks.episodes import model_turn  # noqa: E402
+from tasks.prompts import walk  # noqa: E402
 
 PHASES = ("bare", "pipeline", "pipeline_nosync")
 DELAYS_MS, TURNS, TOKENS, GROUP = (0, 20, 100), 4, 8, 8
@@ -54,24 +60,17 @@ DELAYS_MS, TURNS, TOKENS, GROUP = (0, 20, 100), 4, 8, 8
 
 def start_weights(model_path: str) -> dict:
     """The model's parameters by name, fp32 (what the stand-in publishes, and version 0)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
 def version_weights(weights: dict, version: int, delta: float) -> dict:
-    """The start `weights` plus N(0, delta^2) per element, drawn from a generator seeded by
-    `version`."""
-    import torch
-
+    """The start `weights` plus N(0, delta^2) per element, drawn with the seed `version`."""
     if version == 0:
         return weights
     g = torch.Generator().manual_seed(1_000_003 * version)
-    return {
-        k: w + delta * torch.randn(w.shape, generator=g, dtype=w.dtype) for k, w in weights.items()
-    }
+    noise = {k: torch.randn(w.shape, generator=g, dtype=w.dtype) for k, w in weights.items()}
+    return {k: w + delta * noise[k] for k, w in weights.items()}
 
 
 class PerturbingPublisher:
@@ -88,12 +87,6 @@ class PerturbingPublisher:
 def mismatch(model_path: str, groups: list, delta: float, cfg, rows_per_batch: int = 256) -> dict:
     """|behaviour - trainer log-prob| per token, split into: after a swap inside its request, before
     it (the same requests' first-version tokens), and requests no swap reached."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    import buffer
-    import update
-
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     start = start_weights(model_path)
     rows = [(g, j) for g in groups for j in range(len(g.completion_ids)) if g.completion_ids[j]]
@@ -103,12 +96,9 @@ def mismatch(model_path: str, groups: list, delta: float, cfg, rows_per_batch: i
         mine = [(g, j) for g, j in rows if version in g.token_versions[j]]
         for k in range(0, len(mine), rows_per_batch):
             part = mine[k : k + rows_per_batch]
+            got = [(g.prompt_ids, g.completion_ids[j], g.behaviour_logprobs[j]) for g, j in part]
             samples = [
-                buffer.Sample(
-                    *(g.prompt_ids, g.completion_ids[j], g.behaviour_logprobs[j]),
-                    *(g.token_versions[j], 0.0, 0.0),
-                )
-                for g, j in part
+                buffer.Sample(*x, g.token_versions[j], 0.0, 0.0) for x, (g, j) in zip(got, part)
             ]
             batch = buffer.collate(samples, pad_id=0)
             with torch.no_grad():
@@ -121,14 +111,11 @@ def mismatch(model_path: str, groups: list, delta: float, cfg, rows_per_batch: i
                 at = batch.mask[i] & (batch.token_versions[i] == version)
                 swapped = "before_swap" if version == tags[0] else "after_swap"
                 diffs["unswapped" if len(set(tags)) == 1 else swapped] += diff[i][at].tolist()
-    return {
-        kind: {
-            "tokens": len(d),
-            "mean": statistics.fmean(d) if d else None,
-            "max": max(d, default=None),
-        }
-        for kind, d in diffs.items()
-    }
+    return {k: summary(len(d), statistics.fmean(d) if d else None, d) for k, d in diffs.items()}
+
+
+def summary(tokens: int, mean: float | None, maxima) -> dict:
+    return {"tokens": tokens, "mean": mean, "max": max(maxima, default=None)}
 
 
 def merge(parts: list[dict]) -> dict:
@@ -138,23 +125,14 @@ def merge(parts: list[dict]) -> dict:
         got = [p[kind] for p in parts if p[kind]["tokens"]]
         tokens = sum(p["tokens"] for p in got)
         mean = sum(p["mean"] * p["tokens"] for p in got) / tokens if tokens else None
-        out[kind] = {
-            "tokens": tokens,
-            "mean": mean,
-            "max": max((p["max"] for p in got), default=None),
-        }
+        out[kind] = summary(tokens, mean, [p["max"] for p in got])
     return out
 
 
 def window_rate(step_end: list[float], tokens: list[int], warmup: int) -> dict:
     span, toks = step_end[-1] - step_end[warmup - 1], sum(tokens[warmup:])
     steps = len(step_end) - warmup
-    return {
-        "tokens_per_s": toks / span,
-        "tokens": toks,
-        "window_s": span,
-        "step_s_mean": span / steps,
-    }
+    return dict(tokens_per_s=toks / span, tokens=toks, window_s=span, step_s_mean=span / steps)
 
 
 def stand_in_entry(results, job):
@@ -169,37 +147,24 @@ class Phases:
     """One engine (a child's, or the session's) and the phases run on it."""
 
     def __init__(self, model_path: str, seed: int, kv_delta: float):
-        import torch.multiprocessing as mp
-
-        from infra import processes
-        from rollout import Generator
-        from run import prepare
-
         self.model_path, self.seed, self.kv_delta = model_path, seed, kv_delta
         self.cfg = common.default_config(model=model_path, seed=seed)
         self.ctx = mp.get_context("spawn")
         self.base = common.run_ahead_settings(self.cfg, model_path)  # the stand-in never lags
         shared = prepare.allocate_shared_weights(model_path)
         control = processes.make_control(self.ctx)
-        self.builder = Generator(self.base, shared, self.ctx.Queue(), control)
+        self.builder = rollout.Generator(self.base, shared, self.ctx.Queue(), control)
         t = time.perf_counter()
-        self.engine, self.loop = engines.engine_for(self.builder), engines.event_loop()
+        self.engine, self.loop = machine.engine_for(self.builder), machine.event_loop()
         self.engine_s = time.perf_counter() - t
         self.start_weights = None
 
     async def bare(self, tag: str, settings, steps: int) -> dict:
         """The engine alone, as many groups in flight as the generator allows."""
-        from transformers import AutoTokenizer
-
-        from rollout import Generator
-        from tasks.builtin import make_task
-        from tasks.prompts import walk
-
         pps = self.cfg.prompts_per_step
-        sampler = Generator(settings, None, None, None)  # only for its sampling_params
-        task = sampler.task = make_task(
-            settings.cfg, AutoTokenizer.from_pretrained(self.model_path)
-        )
+        sampler = rollout.Generator(settings, None, None, None)  # only for its sampling_params
+        tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        task = sampler.task = make_task(settings.cfg, tokenizer)
         slots, n_groups, done, toks = asyncio.Semaphore(pps), steps * pps, [], []
         prompts = [task.prompts[walk(i, len(task.prompts), self.seed)[1]] for i in range(n_groups)]
         start = time.perf_counter()
@@ -229,10 +194,6 @@ class Phases:
 
     def pipeline(self, settings, steps: int, publish: bool, score: bool) -> dict:
         """`Generator.run` feeding a stand-in trainer (a process; a thread in a smoke session)."""
-        from infra import processes
-        from rollout import Generator
-        from run import prepare
-
         shared = prepare.allocate_shared_weights(self.model_path)
         if self.start_weights is not None:  # the engine may hold an earlier phase's weights
             shared.publish(self.start_weights, 0)
@@ -240,17 +201,15 @@ class Phases:
         queue = self.ctx.Queue(maxsize=self.cfg.queue_size)
         queue.cancel_join_thread()  # leftovers in the queue must not hold this process at exit
         control = processes.make_control(self.ctx)
-        gen = Generator(settings, shared, queue, control)
+        gen = rollout.Generator(settings, shared, queue, control)
         gen.engine = self.engine
         results, armed = self.ctx.Queue(), self.ctx.Event()
         sink = PerturbingPublisher(shared, self.kv_delta) if score else shared
-        job = overlap.StandIn(
-            queue, control, sink, self.model_path, steps, self.cfg.prompts_per_step
-        )
-        job = dataclasses.replace(
-            job, publish=publish, keep_groups=score, timeout_s=120.0, armed=armed
-        )
-        proc = engines.helper(self.ctx, stand_in_entry, (results, job))
+        pps = self.cfg.prompts_per_step
+        job = overlap.StandIn(queue, control, sink, self.model_path, steps, pps)
+        job = dataclasses.replace(job, publish=publish, keep_groups=score, timeout_s=120.0)
+        job.armed = armed
+        proc = machine.helper(self.ctx, stand_in_entry, (results, job))
         proc.start()
         try:
             processes.wait_for(armed, control.stop, 120, "the stand-in trainer")
@@ -276,19 +235,15 @@ class Phases:
             cfg = dataclasses.replace(cfg, kv_on_swap="keep")
         settings = dataclasses.replace(self.base, cfg=cfg)
         if phase == "bare":
-            res = self.loop.run_until_complete(
-                self.bare(f"bare-{w['name']}-{r}", settings, w["steps"])
-            )
+            bare = self.bare(f"bare-{w['name']}-{r}", settings, w["steps"])
+            res = self.loop.run_until_complete(bare)
         else:
             publish = phase != "pipeline_nosync"
             res = self.pipeline(settings, w["steps"], publish, score=w["score"] and publish)
         rate = window_rate(res["step_end_s"], res["tokens"], w["warmup"])
         if res.get("sync_ms"):
             rate.update(sync_ms_median=statistics.median(res["sync_ms"]), syncs=len(res["sync_ms"]))
-            parts = res["sync_parts"]
-            rate["sync_parts_median"] = {
-                k: statistics.median(p[k] for p in parts) for k in parts[0]
-            }
+            rate["sync_parts_median"] = medians(res["sync_parts"])
         if res.get("gen_stats"):
             stats = res["gen_stats"]
             rate["gen_idle_frac"] = stats["idle_s"] / max(stats["elapsed_s"], 1e-9)
@@ -312,9 +267,13 @@ def measure(model_path: str, plan: list[dict], rounds: int, seed: int, kv_delta:
                 for phase in w["phases"][k:] + w["phases"][:k]:
                     runs[w["name"]][phase].append(on.phase(w, phase, r))
     finally:
-        engines.release(on.engine, on.loop)
+        machine.release(on.engine, on.loop)
         on.builder.engine = on.engine = None
     return {"runs": runs, "engine_start_s": on.engine_s, "threads": on.base.cfg.gen_threads}
+
+
+def medians(dicts: list[dict]) -> dict:
+    return {k: statistics.median(d[k] for d in dicts) for k in dicts[0]}
 
 
 def summarize(runs: dict) -> dict:
@@ -329,10 +288,7 @@ def summarize(runs: dict) -> dict:
         if rates[0].get("mismatch"):
             out[f"{phase}_mismatch"] = merge([r["mismatch"] for r in rates])
         if rates[0].get("sync_parts_median"):
-            parts = [r["sync_parts_median"] for r in rates]
-            out[f"{phase}_sync_parts_median"] = {
-                k: statistics.median(p[k] for p in parts) for k in parts[0]
-            }
+            out[f"{phase}_sync_parts_median"] = medians([r["sync_parts_median"] for r in rates])
     pipe = runs.get("pipeline", [])
     sync = [r for r in pipe if r.get("sync_ms_median") is not None]
     if sync:
@@ -361,9 +317,8 @@ def generator(argv=None) -> int:
     plan[0].update(warmup=args.warmup, phases=list(PHASES), score=False)
     if args.long_tokens:
         plan.append({"name": "long", "max_new_tokens": args.long_tokens, "steps": args.long_steps})
-        plan[1].update(
-            warmup=2, phases=[*PHASES, "pipeline_keep"], score=True, kv_delta=args.kv_delta
-        )
+        plan[1].update(warmup=2, phases=[*PHASES, "pipeline_keep"], score=True)
+        plan[1]["kv_delta"] = args.kv_delta
     with common.Bench("generator", args) as bench:
         model = common.build_model(bench.work / "init_model", seed=args.seed)
         job = (model, plan, args.rounds, args.seed, args.kv_delta)
@@ -384,11 +339,8 @@ def generator(argv=None) -> int:
             key = "ratio" + phase[len("pipeline") :]
             row = {"workload": name, "phase": phase, "tokens/s": s[f"{phase}_tokens_per_s"]}
             row.update(ratio=1.0 if phase == "bare" else s[key], sync_ms=s.get("sync_ms_median"))
-            if s.get(f"{phase}_mismatch"):
-                m = s[f"{phase}_mismatch"]
-                row["after_swap_diff"], row["unswapped_diff"] = (
-                    m[k]["mean"] for k in ("after_swap", "unswapped")
-                )
+            m = s.get(f"{phase}_mismatch")
+            row.update({f"{k}_diff": m[k]["mean"] for k in ("after_swap", "unswapped") if m})
             rows.append(row)
     keys = "workload phase tokens/s ratio sync_ms after_swap_diff unswapped_diff"
     print(common.table_of(rows, keys, "tokens/s, medians; ratio to bare (goal >= 0.90)"))
@@ -422,9 +374,6 @@ class SleepEnv:
 
 def env_pipeline(gen, loop, warmup_s: float, window_s: float) -> float:
     """Tokens/s of the generator's own loop, a stand-in thread taking every group at once."""
-    import queue as queue_lib
-    import threading
-
     done = threading.Event()
 
     def consume():
@@ -456,19 +405,9 @@ def env_pipeline(gen, loop, warmup_s: float, window_s: float) -> float:
 
 def env_sync(gen, loop, batch_size: int, warmup_s: float, window_s: float) -> float:
     """Tokens/s of a turn-by-turn loop over `batch_size` episodes (a barrier every turn)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from transformers import AutoTokenizer
-
-    from tasks.episodes import model_turn
-
-    threads, tokenizer = (
-        ThreadPoolExecutor(batch_size),
-        AutoTokenizer.from_pretrained(gen.settings.model),
-    )
-    start_ids, obs_ids = (
-        tokenizer(s, add_special_tokens=False)["input_ids"] for s in ("<bos>=", "=")
-    )
+    threads = ThreadPoolExecutor(batch_size)
+    tokenizer = AutoTokenizer.from_pretrained(gen.settings.model)
+    start_ids, obs_ids = tokenizer(["<bos>=", "="], add_special_tokens=False)["input_ids"]
     counter = [0]
 
     async def one_batch() -> int:
@@ -506,28 +445,13 @@ def env_sync(gen, loop, batch_size: int, warmup_s: float, window_s: float) -> fl
 
 def env_measure(model_path: str, warmup_s: float, window_s: float, groups: int) -> dict:
     """In the child: one engine, then each (mode, D) in turn; tokens/s per mode and D."""
-    import queue as queue_lib
-
-    import torch.multiprocessing as mp
-    from transformers import AutoTokenizer
-
-    import rollout
-    from infra import processes
-    from run import prepare
-    from tasks import envs
-
-    cfg = common.default_config(
-        model=model_path,
-        **{"max_new_tokens": TOKENS, "group_size": GROUP, "prompts_per_step": groups},
-        **{"max_inflight_groups": groups, "max_turns": TURNS, "eval_every": 0},
-        **{"gen_threads": 1, "kv_cache_mb": 128, "env_workers": 256},
-    )
+    shape = dict(max_new_tokens=TOKENS, group_size=GROUP, prompts_per_step=groups, max_turns=TURNS)
+    small = dict(max_inflight_groups=groups, eval_every=0, gen_threads=1, kv_cache_mb=128)
+    cfg = common.default_config(model=model_path, env_workers=256, **shape, **small)
     settings = common.run_ahead_settings(cfg, model_path)
     rows = ([{"seed": i} for i in range(1000)], [{"seed": 10_000}])
     make_task = rollout.make_task  # (put back at the end: a session runs other benchmarks after)
-    rollout.make_task = lambda c, tokenizer, max_len=None: envs.EnvTask(
-        c, tokenizer, SleepEnv, rows
-    )
+    rollout.make_task = lambda c, tok, max_len=None: envs.EnvTask(c, tok, SleepEnv, rows)
     ctx, shared = mp.get_context("spawn"), prepare.allocate_shared_weights(model_path)
 
     def generator(sync=True):
@@ -538,8 +462,8 @@ def env_measure(model_path: str, warmup_s: float, window_s: float, groups: int) 
             gen.task = envs.EnvTask(cfg, AutoTokenizer.from_pretrained(model_path), SleepEnv, rows)
         return gen
 
-    loop, control = engines.event_loop(), processes.make_control(ctx)
-    engine = engines.engine_for(rollout.Generator(settings, shared, ctx.Queue(), control))
+    loop, control = machine.event_loop(), processes.make_control(ctx)
+    engine = machine.engine_for(rollout.Generator(settings, shared, ctx.Queue(), control))
     modes = {
         "pipeline": lambda: env_pipeline(generator(sync=False), loop, warmup_s, window_s),
         "sync": lambda: env_sync(generator(), loop, GROUP * groups, warmup_s, window_s),
@@ -554,7 +478,7 @@ def env_measure(model_path: str, warmup_s: float, window_s: float, groups: int) 
                 print(f"[env_latency] {mode} D={delay_ms} ms: {results[mode][str(delay_ms)]:.0f}")
     finally:
         rollout.make_task = make_task
-        engines.release(engine, loop)
+        machine.release(engine, loop)
     return results
 
 

@@ -1,16 +1,33 @@
-"""bench/machine.py — the machine a benchmark ran on and who used its cores: facts (`machine_info`,
-`machine_line`), the load of processes outside the benchmark (`LoadMonitor`), and the cores each
-process of a run used (`tree_cpu`, `cores_by_role`, `CpuByRole`). bench/common.py re-exports them to
-the scripts. Imports no project module (psutil and the standard library only).
+"""bench/machine.py — the machine a benchmark runs on and what it runs there: the machine's facts
+(`machine_info`, `machine_line`, its `memcpy_ms`), a one-rank process group (`one_rank`), the load
+of processes outside the benchmark (`LoadMonitor`), the cores each process of a run used
+(`tree_cpu`, `cores_by_role`, `CpuByRole`), and the vLLM engine a benchmark builds (`engine_for`,
+`event_loop`, `release`, `helper`).
+
+Run alone, a benchmark's engine is its own (`Generator.build_engine`), on a new loop, shut down at
+the end, and each stand-in trainer is a process: what it measures. Inside `Session`
+(tests/test_bench.py runs several smokes in one process) one engine serves every benchmark that
+asks for the same model and adapter rank, on one loop, shut down when the session closes;
+`common.in_child(..., in_session=True)` then runs in this process, and `common.build_model` builds
+one folder per (seed, sizes). Figures measured in a session are meaningless (an engine keeps the
+first asker's options, a stand-in is a thread, a peak RSS is the whole process's). A session sets
+VLLM_ALLOW_INSECURE_SERIALIZATION (weight_sync.py sends its profiling function to the worker) and,
+while an engine starts, VLLM_ENABLE_V1_MULTIPROCESSING=0 (no worker process beside the EngineCore).
+bench/common.py re-exports the machine's part to the scripts. Imports no project module, and vLLM
+only where an engine is built.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import datetime
 import importlib.metadata
 import os
 import platform
+import socket
 import statistics
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -117,6 +134,44 @@ class LoadMonitor:
         }
 
 
+def memcpy_ms(buffer, repeats: int = 7) -> list[float]:
+    """Milliseconds of copying `buffer` into a tensor of its size, `repeats` times after a first
+    (the floor a transfer of those bytes is compared with)."""
+    import torch
+
+    dst = torch.empty_like(buffer)
+    dst.copy_(buffer)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        dst.copy_(buffer)
+        times.append((time.perf_counter() - t) * 1e3)
+    return times
+
+
+@contextlib.contextmanager
+def one_rank(backend: str = "gloo"):
+    """A torch.distributed group of this process alone (FSDP2 at one rank) for the block; then
+    destroyed, its rendezvous file removed."""
+    import torch.distributed as dist
+
+    init = tempfile.mktemp(prefix="asyncgrpo-bench-dist-")
+    dist.init_process_group(backend, init_method=f"file://{init}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        if os.path.exists(init):
+            os.unlink(init)
+
+
+def free_port() -> int:
+    """A TCP port free on this machine's loopback (for a rendezvous)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def machine_line(info: dict) -> str:
     return (
         f"{info['cores']} cores ({info['cpu']}), {info['mem_gib']} GiB, no GPU; torch "
@@ -213,3 +268,105 @@ def cores_by_role(snaps, root: int, root_role: str, child_role: str = "helpers")
         cores[role] = cores.get(role, 0.0) + (cpu - a.get(pid, (0, 0, 0.0))[2]) / (t1 - t0)
     cores["total"] = sum(cores.values())
     return {k: round(v, 3) for k, v in cores.items()}
+
+
+# --------------------------------------------------------------------------------------------------
+# The engine: the benchmark's own, or a smoke session's
+# --------------------------------------------------------------------------------------------------
+SESSION = None  # the Session in force, if any
+
+
+class Session:
+    """Engines, models (built under `work`, which outlives every benchmark's scratch folder) and one
+    loop shared by the smokes run inside `with Session(work): ...`."""
+
+    def __init__(self, work):
+        self.work, self.engines, self.models, self.loop = work, {}, {}, None
+
+    def __enter__(self):
+        global SESSION
+        if SESSION is not None:
+            raise RuntimeError("a benchmark session is already open")
+        self._env = {k: os.environ.get(k) for k in ("VLLM_ALLOW_INSECURE_SERIALIZATION",)}
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+        self.loop = asyncio.new_event_loop()
+        SESSION = self
+        return self
+
+    def __exit__(self, *exc):
+        global SESSION
+        SESSION = None
+        try:
+            for engine in self.engines.values():
+                engine.shutdown()
+        finally:
+            close_loop(self.loop)
+            for k, v in self._env.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+            self.engines.clear()
+
+
+def engine_for(builder):
+    """`builder.build_engine()` (sets `builder.engine`), or in a session the engine already serving
+    its model."""
+    if SESSION is None:
+        return builder.build_engine()
+    key = (builder.settings.model, builder.cfg.lora_rank)
+    if key not in SESSION.engines:
+        before = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+        # read by the EngineCore process as it starts
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        try:
+            SESSION.engines[key] = builder.build_engine()
+        finally:
+            if before is None:
+                os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
+            else:
+                os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = before
+    builder.engine = SESSION.engines[key]
+    return builder.engine
+
+
+def event_loop():
+    """A new event loop for the benchmark, or the session's."""
+    return asyncio.new_event_loop() if SESSION is None else SESSION.loop
+
+
+def release(engine, loop) -> None:
+    """The benchmark is done with `engine` and `loop`: shut down and closed, unless the
+    session's."""
+    if SESSION is not None:
+        return
+    try:
+        engine.shutdown()
+    finally:
+        close_loop(loop)
+
+
+class _Thread(threading.Thread):
+    """A helper run as a thread, with the process methods the benchmarks call (kill: nothing to
+    kill)."""
+
+    def kill(self):
+        pass
+
+
+def helper(ctx, target, args):
+    """`ctx.Process(target=target, args=args)`, or in a session a daemon thread (not started)."""
+    if SESSION is None:
+        return ctx.Process(target=target, args=args)
+    return _Thread(target=target, args=args, daemon=True)
+
+
+def close_loop(loop) -> None:
+    """Let the engine's output handler (cancelled by its shutdown) finish on `loop`, then close it:
+    left pending, its ZMQ socket stays open and the interpreter hangs at exit."""
+    pending = asyncio.all_tasks(loop)
+    for task in pending:
+        task.cancel()
+    if pending:  # (gather() of nothing would belong to another loop)
+        loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+    loop.close()

@@ -1,8 +1,7 @@
 """Every benchmark script (bench/*.py with a main) at its smoke size (`--smoke`, given in each one's
 docstring): it finishes (main returns 0), writes its result file with the fields it promises, and
-its figures are finite; a file of several questions runs each entry (`--what NAME`). The helpers
-(common.py, machine.py, engines.py, weight_sync_measure.py, weight_sync_cross.py) run inside the
-scripts that use them.
+its figures are finite; a file of several questions runs each entry (`--what NAME`). The harness
+(common.py, machine.py) runs inside the scripts that use it.
 
 The benchmarks run in this process; what they start (vLLM engines, trainer processes, ranks, probes)
 is real, but shared where it is expensive:
@@ -12,11 +11,11 @@ is real, but shared where it is expensive:
   (`prepare.parse_args`), and its OUT gets the recorded run's files (model/ linked);
 - one real generation-alone recording (`overlap.generate_alone`) serves overlap.py and
   training.py;
-- a smoke session (bench/engines.py) for the whole module: generation.py (both entries) and
+- a smoke session (bench/machine.py) for the whole module: generation.py (both entries) and
   weight_sync.py run their measurements in this process on one vLLM engine for the tiny model (and
   one with LoRA), and models of the same seed and sizes are built once.
 The vLLM engines started here run without a worker process beside their EngineCore (conftest.py sets
-VLLM_ENABLE_V1_MULTIPROCESSING=0 for the suite, as bench/engines.py does). memory.py runs through
+VLLM_ENABLE_V1_MULTIPROCESSING=0 for the suite, as bench/machine.py does). memory.py runs through
 `ab.py --what all` (as `python bench/memory.py --smoke`); `ab.py --what report` reads what the
 others wrote; gpu_trainer.py (a GPU's measurement, at its smoke size on the CPU) runs in a process
 of its own, as it runs on a GPU machine.
@@ -39,7 +38,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
 import common  # noqa: E402
 import costs  # noqa: E402
-import engines  # noqa: E402
+import machine  # noqa: E402
 import overlap  # noqa: E402
 
 # the scripts this module runs (memory.py through `ab.py
@@ -56,13 +55,7 @@ SCRIPTS = {
     "memory",
     "gpu_trainer",
 }
-HELPERS = {
-    "common",
-    "engines",
-    "machine",
-    "weight_sync_cross",
-    "weight_sync_measure",
-}
+HELPERS = {"common", "machine"}
 
 
 def finite(*values):
@@ -88,14 +81,14 @@ def session(tmp_path_factory):
     import torch
 
     threads = torch.get_num_threads()
-    with engines.Session(tmp_path_factory.mktemp("session")) as s:
+    with machine.Session(tmp_path_factory.mktemp("session")) as s:
         yield s
     torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
 def recorded(recorded_run):
-    """The one real train.py run (tests/conftest.py: bench/peak_rss.py --smoke): (its folder,
+    """The one real train.py run (tests/conftest.py: bench/memory.py --what peak_rss): (its folder,
     peak_rss's figures)."""
     return recorded_run
 
@@ -154,7 +147,7 @@ def test_every_script_has_a_smoke_size_and_runs_here():
     assert {name for name, text in files.items() if "__main__" in text} == SCRIPTS and set(
         files
     ) == SCRIPTS | HELPERS
-    # report.py reads, at no size
+    # (each script has a smoke size)
     assert all("--smoke" in files[name] for name in SCRIPTS - {"report"})
 
 
