@@ -46,7 +46,7 @@ DEDICATED_GEN_FRACTION = 0.9  # vLLM's default, on a GPU of its own
 RESERVED_FRACTION = 0.05
 MIN_GEN_FRACTION = 0.1  # the least share vLLM is given where the weight buffer shares its GPU
 # --dtype auto: bf16 where the hardware runs it fast (GPUs); on CPU what measured faster here
-# (bench/README.md: bench/dtype.py on the 2-core AMD EPYC with avx512_bf16)
+# (bench/README.md: bench/training.py --what dtype on the 2-core AMD EPYC with avx512_bf16)
 GPU_DEFAULT_DTYPE = "bf16"
 CPU_DEFAULT_DTYPE = "fp32"
 DTYPES = ("bf16", "fp32")
